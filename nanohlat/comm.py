@@ -1,0 +1,121 @@
+"""Every byte that moves between ranks goes through this file.
+
+Four operations are enough for 3D parallelism + ZeRO-1, and all of them exist
+on gloo (CPU), nccl (CUDA) and xla (Trainium) (DESIGN 3):
+
+    all_reduce      x_i -> sum_i x_i on every rank        (tp row-parallel, dp grads)
+    all_gather      x_i -> [x_0; x_1; ...] on every rank   (sequence parallel, ZeRO-1 params)
+    reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
+    exchange        2 ranks swap one tensor each           (pipeline send/recv)
+
+`exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
+on the xla backend, while an all-gather between two neighbours is a
+collective every backend runs well. Both sides must call it at the same time
+with tensors of the same shape and dtype: the pipeline schedule guarantees it.
+
+A group of size 1 makes every operation a no-op, so single-process code runs
+the exact same lines. The `CommLedger` adds up the bytes of each kind of
+operation so a run can print measured communication beside the formula.
+
+Bytes are counted as the size of the *full* buffer of the operation on one
+rank: the input of an all-reduce, the gathered output of an all-gather, the
+unreduced input of a reduce-scatter, both tensors of an exchange. (A ring
+algorithm puts 2(n-1)/n of an all-reduce's bytes on each link; that is a
+property of the library, not of the model, so we count the payload.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and warns about the
+# old names; torch 2.9 (torch-neuronx) only has the old ones. Pick once, here.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommLedger:
+    """Bytes moved per (operation, group kind), summed since the last `reset`."""
+
+    def __init__(self):
+        self.bytes = defaultdict(int)
+        self.calls = defaultdict(int)
+
+    def record(self, op: str, group_name: str, nbytes: int) -> None:
+        self.bytes[f"{group_name}.{op}"] += nbytes
+        self.calls[f"{group_name}.{op}"] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict:
+        return dict(sorted(self.bytes.items()))
+
+
+def _record(group, op: str, nbytes: int) -> None:
+    if group.ledger is not None:
+        group.ledger.record(op, group.name, nbytes)
+
+
+def _check_device(x: torch.Tensor, group) -> None:
+    # gloo silently does nothing with an XLA tensor; refuse loudly instead.
+    backend = dist.get_backend(group.pg)
+    if backend == "gloo" and x.device.type != "cpu":
+        raise RuntimeError(f"gloo collective got a tensor on {x.device}; collectives must see tensors on "
+                           f"their backend's device")
+
+
+def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    """Sum of x over the group, on every rank (a new tensor unless `inplace`)."""
+    if group.size == 1:
+        return x
+    _check_device(x, group)
+    _record(group, "all_reduce", x.numel() * x.element_size())
+    out = x if inplace else x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.pg)
+    return out
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's x along `dim`, in group order."""
+    if group.size == 1:
+        return x
+    _check_device(x, group)
+    # The collective concatenates along dim 0; other dims go through a transpose.
+    xt = x.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    _record(group, "all_gather", out.numel() * out.element_size())
+    _all_gather_tensor(out, xt, group=group.pg)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum x over the group and keep this rank's 1/size chunk along `dim`."""
+    if group.size == 1:
+        return x
+    _check_device(x, group)
+    xt = x.movedim(dim, 0).contiguous()
+    out = torch.empty((xt.shape[0] // group.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    _record(group, "reduce_scatter", xt.numel() * xt.element_size())
+    _reduce_scatter_tensor(out, xt, op=dist.ReduceOp.SUM, group=group.pg)
+    return out.movedim(0, dim)
+
+
+def exchange(x: torch.Tensor, pair) -> torch.Tensor:
+    """Swap tensors with the other rank of a 2-rank group; returns the other's tensor.
+
+    Implemented as an all-gather of [mine; theirs] in which each side keeps the
+    half it did not write. Used by the pipeline for both directions at once:
+    the left stage contributes an activation, the right stage a gradient.
+    """
+    assert pair.size == 2, "exchange needs a 2-rank group"
+    _check_device(x, pair)
+    x = x.contiguous()
+    out = torch.empty((2,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    _record(pair, "exchange", out.numel() * out.element_size())
+    _all_gather_tensor(out, x.unsqueeze(0), group=pair.pg)
+    return out[1 - pair.rank]

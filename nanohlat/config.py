@@ -1,0 +1,247 @@
+"""Configuration: the model shape, the training recipe, presets and flags.
+
+Every command-line flag of train.py is a field of `TrainConfig` or
+`ModelConfig` (the flag `--seq-len` is the field `seq_len`), and `--preset`
+picks the starting values. There are no hidden switches: what a run did is
+fully described by the config it writes next to its metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+
+class UserError(Exception):
+    """Bad input from the user. CLIs print it as one line and exit with code 2."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a LLaMA-2 / HLAT decoder (DESIGN section 2)."""
+
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 4          # < n_heads means grouped-query attention
+    ffn_dim: int = 688           # SwiGLU hidden size (LLaMA: ~8/3 * d_model)
+    vocab_size: int = 4096       # tokenizer vocabulary (the model pads it, below)
+    max_seq_len: int = 256       # longest sequence the rotary tables cover
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # The embedding and head are padded to a multiple of this, fixed by the
+    # config and never by the tensor-parallel degree, so every layout has the
+    # same padded vocabulary (DESIGN 5.3). 128 divides by every tp we allow.
+    vocab_multiple: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model, padded vocabulary included."""
+        d, f, v, L = self.d_model, self.ffn_dim, self.padded_vocab, self.n_layers
+        kv = self.n_kv_heads * self.head_dim
+        attn = d * d * 2 + d * kv * 2            # wq, wo, wk, wv
+        mlp = 3 * d * f                           # gate, up, down
+        return 2 * v * d + L * (attn + mlp + 2 * d) + d
+
+    def validate(self) -> None:
+        if self.d_model % self.n_heads:
+            raise UserError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"--n-heads {self.n_heads} is not a multiple of --n-kv-heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a run except the model shape."""
+
+    preset: str = "default"
+    # data
+    data: str = ""               # "" = the built-in corpus (Python's standard library sources)
+    tokenizer: str = ""          # path to an existing SentencePiece tokenizer.model
+    cache_dir: str = ""          # tokenizer + token shards cache ("" = ~/.cache/nanohlat)
+    out_dir: str = "out"
+    # the batch: batch_size sequences of seq_len tokens per optimizer step (global,
+    # over all data-parallel ranks), split on each dp rank into `microbatches`
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 256
+    microbatches: int = 1
+    # optimizer and schedule (HLAT-7B's recipe, DESIGN section 2)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1337
+    # devices and layout
+    device: str = "auto"         # auto | cpu | cuda | xla
+    nproc: int = 1               # worker processes train.py starts itself
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0                  # 0 = world / (tp * pp)
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"       # afab | 1f1b
+    zero1: bool = False
+    bucket_mb: float = 25.0
+    precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
+    activation_checkpointing: str = "none"  # none | selective | full
+    threads: int = 0             # CPU threads per worker (0 = cores / workers)
+    # logging, evaluation, checkpoints
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    save_every: int = 0          # 0 = only at the end
+    keep_last: int = 3
+    resume: str = "auto"         # auto | never | PATH
+    overwrite: bool = False      # with --resume never: replace an existing run
+    max_restarts: int = 0
+    max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops
+    stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
+    timeline: bool = False
+    plan: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        choices = {
+            "device": ("auto", "cpu", "cuda", "xla"),
+            "schedule": ("afab", "1f1b"),
+            "precision": ("fp32", "bf16-mixed", "bf16-sr", "bf16"),
+            "activation_checkpointing": ("none", "selective", "full"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise UserError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+
+
+# ---------------------------------------------------------------------------
+# Presets. `tiny` is for tests (layers, heads and kv heads divisible by 4 so
+# tp=4 and pp=4 work); `default` learns Python in a few CPU minutes; the HLAT
+# rows are the paper's exact shapes and recipe.
+# ---------------------------------------------------------------------------
+
+PRESETS: dict[str, tuple[ModelConfig, dict]] = {
+    "tiny": (
+        ModelConfig(n_layers=4, d_model=64, n_heads=8, n_kv_heads=4, ffn_dim=176,
+                    vocab_size=512, max_seq_len=64),
+        dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
+    ),
+    "default": (
+        ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_dim=688,
+                    vocab_size=4096, max_seq_len=256),
+        dict(steps=300, batch_size=16, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=30, eval_every=50),
+    ),
+    "125m": (
+        ModelConfig(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+                    vocab_size=32000, max_seq_len=2048),
+        dict(batch_size=256, seq_len=2048, lr=6e-4, min_lr=6e-5, warmup_steps=2000, steps=60000),
+    ),
+    "1b": (
+        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
+                    vocab_size=32000, max_seq_len=2048),
+        dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
+    ),
+    "hlat-7b": (
+        ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                    vocab_size=32000, max_seq_len=4096),
+        # 1024 x 4096 tokens (~4.2M) per step; 1.8T tokens ~ 430k steps
+        dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
+             tp=8, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-sr"),
+    ),
+    "hlat-70b": (
+        ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                    vocab_size=32000, max_seq_len=4096),
+        dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
+             tp=32, pp=8, zero1=True, sequence_parallel=True, activation_checkpointing="selective",
+             precision="bf16-mixed"),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------
+# Flags: one per dataclass field, generated so that the two never drift.
+# ---------------------------------------------------------------------------
+
+HELP = {
+    "preset": "starting values: " + ", ".join(PRESETS),
+    "data": "text file, folder of .txt/.py/.md files, or JSONL with a 'text' field ('' = built-in corpus)",
+    "tokenizer": "existing SentencePiece tokenizer.model ('' = train one on the corpus and cache it)",
+    "batch_size": "global batch in sequences per optimizer step (over all dp ranks)",
+    "microbatches": "micro-batches per dp rank per step (gradient accumulation / pipeline depth)",
+    "dp": "data-parallel degree (0 = world / (tp * pp))",
+    "nproc": "local worker processes train.py starts itself",
+    "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
+    "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
+    "plan": "print the layout, memory, FLOPs and communication plan, then exit",
+    "threads": "CPU threads per worker (0 = cores / local workers)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+    for group, cls in (("training", TrainConfig), ("model", ModelConfig)):
+        g = p.add_argument_group(group)
+        for f in fields(cls):
+            kind = type(f.default)
+            if kind is bool:
+                g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
+            else:
+                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(),
+                               help=HELP.get(f.name, f"(default {f.default!r})"))
+    return p
+
+
+def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
+    """Preset values overlaid with the flags the user actually gave."""
+    preset = flags.get("preset", TrainConfig.preset)
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base_model, base_train = PRESETS[preset]
+    model_names = {f.name for f in fields(ModelConfig)}
+    model = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
+    train = dataclasses.replace(TrainConfig(), **base_train)
+    train = dataclasses.replace(train, **{k: v for k, v in flags.items() if k not in model_names})
+    model.validate()
+    train.validate()
+    if train.seq_len > model.max_seq_len:
+        raise UserError(f"--seq-len {train.seq_len} is above the model maximum {model.max_seq_len}; "
+                        f"lower --seq-len or raise --max-seq-len")
+    return model, train
+
+
+def parse_args(argv=None) -> tuple[ModelConfig, TrainConfig]:
+    return resolve(vars(build_parser().parse_args(argv)))
+
+
+def to_dict(model: ModelConfig, train: TrainConfig) -> dict:
+    return {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train)}
+
+
+def model_from_dict(d: dict) -> ModelConfig:
+    names = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,66 @@
+"""Starting workers: `train.py --nproc N`, torchrun, or one plain process.
+
+Three ways in, one worker function:
+  * `python train.py` (nproc 1): the worker runs in this process, no
+    torch.distributed at all (every process group has size 1).
+  * `python train.py --nproc N`: we start N local workers with PyTorch's
+    elastic launcher (the machinery behind `torchrun`), on a free loopback
+    port, restarting them up to --max-restarts times after a failure.
+  * `torchrun --nproc_per_node N [--nnodes ...] train.py ...`: torchrun
+    started us; RANK / WORLD_SIZE / LOCAL_RANK come from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) when a launcher started this process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
+    """Run entry(*args) in nproc local workers; returns an exit code.
+
+    A worker that dies (exception, exit code, SIGKILL) makes the launcher stop
+    all the others promptly, then restart the group (up to max_restarts) or
+    report which rank failed and why.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, entry)(*args)
+        return 0
+    except ChildFailedError as e:
+        codes = []
+        for rank, failure in sorted(e.failures.items()):
+            code = failure.exitcode
+            codes.append(code)
+            msg = failure.message if isinstance(failure.message, str) else ""
+            reason = (msg.strip().splitlines() or [""])[-1] if msg else ""
+            signal = f" (signal {failure.signal_name()})" if code < 0 else ""
+            print(f"error: rank {rank} failed with exit code {code}{signal}{': ' + reason if reason else ''}",
+                  file=sys.stderr)
+        return 2 if codes and all(c == 2 for c in codes) else 1

@@ -1,0 +1,268 @@
+"""The HLAT / LLaMA-2 decoder, written once for every layout.
+
+    tokens (B, T)
+      -> embedding                                  (first pipeline stage only)
+      -> n_layers x Block:  x = x + Attention(RMSNorm(x))
+                            x = x + SwiGLU-MLP(RMSNorm(x))
+      -> RMSNorm -> head -> cross-entropy           (last pipeline stage only)
+
+Pre-norm, RMSNorm (eps 1e-5), rotary position embeddings in Hugging Face's
+rotate-half convention (theta 1e4), SwiGLU, no biases, untied input/output
+embeddings, optional grouped-query attention (n_kv_heads < n_heads).
+
+One `Transformer` object is one pipeline *stage*: it owns a contiguous range
+of layers (all of them when pp=1) and, inside each layer, its tensor-parallel
+slice of every matrix (all of it when tp=1, where every parallel layer is
+exactly the plain layer and every communication call is a no-op). Parameter
+names are global (`layers.7.attn.wq.weight` is layer 7 on whichever stage has
+it), which is what makes initialisation and checkpoints layout-independent.
+
+Shape names: B batch, T sequence, C d_model, H local query heads, K local kv
+heads, D head dim, F local ffn size, V local (padded) vocabulary, tp tensor
+degree. With sequence parallel the residual stream is (B, T/tp, C).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import tensor_parallel as tpl
+from .config import ModelConfig
+from .mesh import Group
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in fp32 (a bf16 mean of squares loses too much)."""
+
+    def __init__(self, dim: int, eps: float, sequence_parallel: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = tpl._param((dim,), None, 1, sequence_parallel=sequence_parallel)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, D): position t rotates pair i by t * theta^(-2i/D).
+
+    Rotate-half convention (Hugging Face Llama): the pairs are (x_i, x_{i+D/2}),
+    so the frequencies are repeated [f_0..f_{D/2-1}, f_0..f_{D/2-1}].
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)   # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)                                      # (T, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, heads, T, D); cos/sin: (T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)           # "rotate half"
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def attention_core(q, k, v, causal: bool, mask=None):
+    """softmax(q k^T / sqrt(D) + causal mask) v. The part selective activation
+    checkpointing recomputes: its (B, H, T, T) intermediates are the largest
+    activations of the block, yet cheap to recompute (Korthikanti et al.)."""
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+        super().__init__()
+        tp = group.size
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim
+        self.wq = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_heads * cfg.head_dim, group)
+        self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group)
+        self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group)
+        self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
+        self.checkpoint_core = None   # set to a checkpoint function for selective recompute
+
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
+        x = tpl.enter(x, self.group, self.sequence_parallel)               # (B, T, C) full sequence
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:  # generation: append to the cache, attend to all of it
+            cache_k, cache_v = cache
+            cache_k[:, :, start_pos:start_pos + T] = k
+            cache_v[:, :, start_pos:start_pos + T] = v
+            k, v = cache_k[:, :, :start_pos + T], cache_v[:, :, :start_pos + T]
+            if start_pos > 0:  # new token t may see cache positions <= start_pos + t
+                causal = False
+                if T > 1:
+                    mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
+        if self.checkpoint_core is not None and cache is None:
+            y = self.checkpoint_core(attention_core, q, k, v, causal)
+        else:
+            y = attention_core(q, k, v, causal, mask)                   # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.wo(y)                                  # (B, T or T/tp, C) after the reduce
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.gate = tpl.ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
+        self.up = tpl.ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
+        self.down = tpl.RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
+
+    def forward(self, x):
+        x = tpl.enter(x, self.group, self.sequence_parallel)              # (B, T, C)
+        return self.down(F.silu(self.gate(x)) * self.up(x))              # (B, T(/tp), C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
+        self.attn = Attention(cfg, group, sequence_parallel)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
+        self.mlp = MLP(cfg, group, sequence_parallel)
+
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """One pipeline stage of the decoder (the whole model when pp=1)."""
+
+    def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
+                 layers: range | None = None, first: bool = True, last: bool = True):
+        super().__init__()
+        group = group or Group("tp", [0], 0)
+        self.cfg, self.group = cfg, group
+        self.sequence_parallel = sequence_parallel and group.size > 1
+        self.first, self.last = first, last
+        self.layer_ids = list(layers if layers is not None else range(cfg.n_layers))
+        sp = self.sequence_parallel
+        if first:
+            self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp) for i in self.layer_ids})
+        if last:
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
+            self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.block_checkpoint = None  # full activation checkpointing: recompute whole blocks
+
+    def set_activation_checkpointing(self, mode: str, checkpoint_fn) -> None:
+        """none | selective (recompute the attention core, as HLAT did) | full (recompute blocks)."""
+        for block in self.layers.values():
+            block.attn.checkpoint_core = checkpoint_fn if mode == "selective" else None
+        self.block_checkpoint = checkpoint_fn if mode == "full" else None
+
+    def forward(self, x, targets=None, cache=None, start_pos: int = 0):
+        """x: tokens (B, T) on the first stage, else the residual stream from the
+        previous stage. Returns, on the last stage, per-token losses (B, T) when
+        targets are given, else this rank's logits (B, T, V/tp); on other stages
+        the residual stream (B, T or T/tp, C) for the next stage."""
+        T = x.shape[1] * (self.group.size if (self.sequence_parallel and not self.first) else 1)
+        cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
+        if self.first:
+            x = self.embed(x)                                  # (B, T or T/tp, C)
+        for i, block in self.layers.items():
+            layer_cache = cache[int(i)] if cache is not None else None
+            if self.block_checkpoint is not None and cache is None:
+                x = self.block_checkpoint(block, x, cos, sin)
+            else:
+                x = block(x, cos, sin, layer_cache, start_pos)
+        if not self.last:
+            return x
+        x = tpl.enter(self.norm(x), self.group, self.sequence_parallel)   # (B, T, C)
+        logits = self.head(x)                                            # (B, T, V/tp)
+        if targets is None:
+            return logits
+        return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
+
+    # -- generation (single process, tp=1 and pp=1: sample.py and eval.py) --
+
+    def new_cache(self, batch: int, max_len: int, device, dtype):
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
+        return {i: (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+                for i in self.layer_ids}
+
+    @torch.no_grad()
+    def generate(self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 generator=None):
+        """Yield new token ids one at a time (B=1 or more), reusing the KV cache:
+        the prompt is processed once, then each step feeds a single token."""
+        assert self.first and self.last and self.group.size == 1, "generate needs the whole model"
+        B, T0 = tokens.shape
+        total = min(T0 + max_new_tokens, self.cfg.max_seq_len)
+        cache = self.new_cache(B, total, tokens.device, next(self.parameters()).dtype)
+        logits = self(tokens, cache=cache, start_pos=0)[:, -1]
+        pos = T0
+        while pos < total:
+            logits = logits.float()
+            logits[:, self.cfg.vocab_size:] = float("-inf")            # padded ids never win
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+            yield nxt
+            logits = self(nxt, cache=cache, start_pos=pos)[:, -1]
+            pos += 1
+
+
+# ---------------------------------------------------------------------------
+# Layout-independent initialisation (DESIGN 5.1)
+# ---------------------------------------------------------------------------
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (seed, global parameter name): the same on every rank
+    and every layout, independent of the order parameters are created in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def full_init(name: str, full_shape, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full-size initial value of one parameter, on the CPU, in fp32.
+
+    Matrices ~ N(0, 0.02), norm weights 1. Output projections of each block
+    (wo, down) are scaled by 1/sqrt(2 n_layers) (GPT-2), since 2 n_layers
+    residual branches add up. Padded vocabulary rows start (and, having no
+    gradient, stay) at zero.
+    """
+    if len(full_shape) == 1:
+        return torch.ones(full_shape)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "down.weight")) else 0.02
+    w = torch.randn(full_shape, generator=g) * std
+    if name in ("embed.weight", "head.weight"):
+        w[cfg.vocab_size:] = 0
+    return w
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Fill every parameter with its slice of the full-size initial tensor,
+    one parameter at a time (a 7B model never exists in full on one rank)."""
+    tp, rank = model.group.size, model.group.rank
+    for name, p in model.named_parameters():
+        full = full_init(name, p.full_shape, model.cfg, seed)
+        p.copy_(tpl.shard(full, p.tp_dim, rank, tp))

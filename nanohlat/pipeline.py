@@ -1,0 +1,254 @@
+"""Pipeline parallelism: stages of layers, micro-batches, AFAB and 1F1B.
+
+Papers: Huang et al. 2019, "GPipe" (arXiv 1811.06965) for all-forward-all-
+backward (AFAB); Narayanan et al. 2019/2021, "PipeDream" / "Efficient
+Large-Scale Language Model Training on GPU Clusters" (arXiv 2104.04473) for
+one-forward-one-backward (1F1B, "PipeDream-flush").
+
+What is split: the layers. Stage s of pp holds layers [s*L/pp, (s+1)*L/pp);
+the first also holds the embedding, the last the final norm, head and loss.
+What moves: the residual stream (mb, T, C) forward across each stage boundary
+and its gradient, of the same shape, backward: 2 * mb*T*C*s bytes per
+micro-batch per boundary (T/tp with sequence parallel).
+
+How it moves. Each stage boundary is a 2-rank group and every transfer is a
+comm.exchange: both neighbours contribute one tensor and keep the other's.
+The schedule is laid out in *ticks*; in a tick every stage runs at most one
+forward (F) or backward (B) of one micro-batch, then the boundaries
+exchange what was produced: the left stage's new activation and the right
+stage's new gradient travel in the same exchange (zeros stand in for a side
+with nothing to send). Every rank computes the same timetable, so both sides
+of a boundary always agree on which ticks have an exchange.
+
+Why it cannot deadlock: after each tick, stage s exchanges first with stage
+s-1 (its left boundary), then with stage s+1 (its right one). Stage 0 has no
+left boundary, so it goes straight to boundary 0|1, which is stage 1's
+*first* exchange: both arrive, it completes. Stage 1 then moves on to 1|2,
+again the first exchange of stage 2, and so on: by induction the exchanges
+of a tick complete in the order 0|1, 1|2, ..., (p-2)|(p-1), and no stage
+ever waits for a neighbour that is itself waiting on something else.
+(Both sides skip a boundary in a tick where the shared timetable says
+nothing crosses it.)
+
+Schedules (p stages, m micro-batches; per stage, in order):
+  AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
+  1F1B: warm-up: min(p-s-1, m) forwards, then alternate  holds <= p activations
+        F and B (steady state), then the remaining Bs (cool-down)
+Both have the same bubble, (p-1)/(m+p-1) of the time, if F and B take one
+tick each; 1F1B's gain is memory. With pp=1 the same code is plain gradient
+accumulation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import comm
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    per = n_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, int]]:
+    """The ops of one stage, in order: [('F', 0), ('F', 1), ('B', 0), ...]."""
+    if schedule == "afab":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(pp - stage - 1, m)
+    ops = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while b < m:
+        if f < m:
+            ops.append(("F", f))
+            f += 1
+        ops.append(("B", b))
+        b += 1
+    return ops
+
+
+def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | None]]:
+    """ticks[t][s] = the op stage s runs in tick t (None = idle, the bubble).
+
+    An op runs as soon as its input arrived in an earlier tick: F(s, i) needs
+    F(s-1, i); B(s, i) needs B(s+1, i) (the last stage needs its own F).
+    """
+    orders = [stage_order(schedule, pp, m, s) for s in range(pp)]
+    nxt = [0] * pp
+    done: dict = {}              # (kind, stage, mb) -> tick it finished in
+    ticks = []
+    while any(nxt[s] < len(orders[s]) for s in range(pp)):
+        t = len(ticks)
+        row = []
+        for s in range(pp):
+            op = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
+            if op is not None:
+                kind, i = op
+                dep = (("F", s - 1, i) if s > 0 else None) if kind == "F" else \
+                      (("B", s + 1, i) if s < pp - 1 else ("F", s, i))
+                if dep is not None and done.get(dep, t) >= t:
+                    op = None
+            row.append(op)
+        for s, op in enumerate(row):
+            if op is not None:
+                done[(op[0], s, op[1])] = t
+                nxt[s] += 1
+        ticks.append(row)
+    return ticks
+
+
+def render_ticks(ticks, pp: int) -> str:
+    """The timetable as text, one row per stage: 'F3' forward of micro-batch 3, '..' idle."""
+    rows = []
+    for s in range(pp):
+        cells = [(f"{row[s][0]}{row[s][1]}" if row[s] else "..").rjust(3) for row in ticks]
+        rows.append(f"stage {s} |" + "".join(cells))
+    return "\n".join(rows)
+
+
+class PipelineRunner:
+    """Runs one optimizer step's forward/backward over micro-batches on this stage."""
+
+    def __init__(self, model, mesh, train, act_shape, act_dtype, device):
+        self.model, self.mesh, self.device = model, mesh, device
+        self.pp, self.stage = mesh.pp, mesh.pp_rank
+        self.m = train.microbatches
+        self.ticks = timetable(train.schedule, self.pp, self.m)
+        self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
+        self.peak_in_flight = 0
+        self.records: list[tuple[str, int, float, float]] = []  # (kind, mb, start, end) of the last step
+
+    def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
+        """(micro-batch whose activation crosses boundary b->b+1 after tick t,
+        micro-batch whose gradient crosses b+1->b), None where nothing moves."""
+        left, right = self.ticks[t][boundary], self.ticks[t][boundary + 1]
+        act = left[1] if left is not None and left[0] == "F" else None
+        grad = right[1] if right is not None and right[0] == "B" else None
+        return act, grad
+
+    def run(self, tokens, targets, loss_scale: float) -> torch.Tensor:
+        """tokens/targets: (m, mb, T) this dp rank's micro-batches (used on the
+        first / last stage). Accumulates gradients in the parameters; returns the
+        sum of this stage's scaled micro-batch losses (zero off the last stage)."""
+        mesh, s = self.mesh, self.stage
+        inputs, grads_in = {}, {}          # received activations / gradients, by micro-batch
+        in_flight = {}                     # mb -> (stage input, stage output) kept for backward
+        to_send = {}                       # what this stage produced in the current tick
+        total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        self.records, self.peak_in_flight = [], 0
+        self.t0 = time.perf_counter()
+        for t, row in enumerate(self.ticks):
+            op = row[s]
+            to_send.clear()
+            if op is not None:
+                kind, i = op
+                start = time.perf_counter()
+                if kind == "F":
+                    x = tokens[i] if mesh.is_first_stage else inputs.pop(i).clone().requires_grad_()
+                    if mesh.is_last_stage:
+                        out = self.model(x, targets[i]).sum() * loss_scale
+                        total = total + out.detach()
+                    else:
+                        out = self.model(x)
+                        to_send["act"] = out.detach()
+                    in_flight[i] = (x, out)
+                    self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
+                else:
+                    x, out = in_flight.pop(i)   # freed after this backward
+                    if mesh.is_last_stage:
+                        out.backward()
+                    else:
+                        out.backward(grads_in.pop(i))
+                    if not mesh.is_first_stage:
+                        to_send["grad"] = x.grad
+                self.records.append((kind, i, start, time.perf_counter()))
+            # communication phase of tick t: left boundary first, then right (see docstring)
+            if s > 0:
+                act, grad = self._exchange_plan(t, s - 1)
+                if act is not None or grad is not None:
+                    mine = to_send.get("grad") if grad is not None else None
+                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("prev"))
+                    if act is not None:
+                        inputs[act] = theirs
+            if s < self.pp - 1:
+                act, grad = self._exchange_plan(t, s)
+                if act is not None or grad is not None:
+                    mine = to_send.get("act") if act is not None else None
+                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("next"))
+                    if grad is not None:
+                        grads_in[grad] = theirs
+            if self.pp > 1:
+                self.device.sync()   # on XLA: one graph per tick, exchanges isolated
+        assert not in_flight and not inputs and not grads_in
+        self.t1 = time.perf_counter()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, tokens, targets, loss_scale: float) -> torch.Tensor:
+        """Evaluation: forwards only, micro-batch by micro-batch down the chain.
+        Stage s receives from s-1, computes, sends to s+1; each exchange pairs
+        a stage that just computed with one waiting for its input, so the
+        chain cannot deadlock. Returns the scaled loss sum (zero off the last stage)."""
+        mesh = self.mesh
+        total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        for i in range(tokens.shape[0]):
+            x = tokens[i] if mesh.is_first_stage else comm.exchange(self._or_zeros(None), mesh.group("prev"))
+            if mesh.is_last_stage:
+                total = total + self.model(x, targets[i]).sum() * loss_scale
+            else:
+                comm.exchange(self._or_zeros(self.model(x)), mesh.group("next"))
+            if self.pp > 1:
+                self.device.sync()
+        return total
+
+    def _or_zeros(self, x):
+        if x is None:
+            return torch.zeros(self.act_shape, dtype=self.act_dtype, device=self.device.torch_device)
+        return x.to(self.act_dtype)
+
+    def busy_fraction(self) -> float:
+        """Share of this stage's last step spent computing (the rest is bubble and
+        communication). Off XLA the ops run eagerly, so wall time is compute time."""
+        busy = sum(e - b for _, _, b, e in self.records)
+        return busy / max(self.t1 - self.t0, 1e-9)
+
+
+def theoretical_bubble(pp: int, m: int) -> float:
+    return (pp - 1) / (m + pp - 1)
+
+
+def timeline_report(runner: PipelineRunner, mesh, tcfg) -> str:
+    """The last step's schedule as text: the tick timetable every rank follows,
+    then each stage's measured ops drawn to scale, and the bubble beside the
+    formula. Collective over the pp group (every stage calls it); the text is
+    for rank 0."""
+    n_ops = 2 * runner.m
+    rec = torch.zeros(n_ops, 4, dtype=torch.float64)
+    for j, (kind, i, b, e) in enumerate(runner.records):
+        rec[j] = torch.tensor([1.0 if kind == "F" else 2.0, i, b - runner.t0, e - runner.t0], dtype=torch.float64)
+    span = torch.tensor([[runner.t1 - runner.t0, runner.busy_fraction()]], dtype=torch.float64)
+    dev = runner.device.torch_device
+    recs = comm.all_gather(rec.to(dev), mesh.pp_group).cpu().view(mesh.pp, n_ops, 4)
+    spans = comm.all_gather(span.to(dev), mesh.pp_group).cpu()
+    width = 72
+    total = float(spans[:, 0].max())
+    lines = [f"pipeline schedule {tcfg.schedule}: pp={mesh.pp} stages, m={runner.m} micro-batches",
+             "timetable (ticks; Fi/Bi = forward/backward of micro-batch i, .. = idle):",
+             render_ticks(runner.ticks, mesh.pp), "",
+             f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle):"]
+    for s in range(mesh.pp):
+        row = ["."] * width
+        for kind, i, b, e in recs[s].tolist():
+            if kind == 0:
+                continue
+            lo, hi = int(b / total * width), max(int(b / total * width) + 1, int(e / total * width))
+            for c in range(lo, min(hi, width)):
+                row[c] = "F" if kind == 1 else "B"
+        lines.append(f"stage {s} |" + "".join(row) + "|")
+    measured = 1.0 - float(spans[:, 1].mean())
+    lines.append(f"bubble: measured {measured:.2f} of the step (idle + communication), "
+                 f"formula (p-1)/(m+p-1) = {theoretical_bubble(mesh.pp, runner.m):.2f}; "
+                 f"peak micro-batches in flight on this stage: {runner.peak_in_flight}")
+    return "\n".join(lines)

@@ -1,0 +1,217 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism (Megatron SP).
+
+Papers: Shoeybi et al. 2019, "Megatron-LM" (arXiv 1909.08053); Korthikanti
+et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv 2205.05198), the sequence-parallel variant HLAT trained with.
+
+What is split. A linear layer y = x W^T with W of shape (out, in):
+
+    column-parallel: W split by rows (outputs)     row-parallel: W split by columns (inputs)
+        W = [W_0; W_1]   y_r = x W_r^T                  W = [W_0 | W_1]   y = sum_r x_r W_r^T
+        each rank: all of x, 1/tp of y                  each rank: 1/tp of x, a partial sum of y
+
+An attention block is column (wq, wk, wv: each rank owns n_heads/tp heads)
+followed by row (wo); an MLP is column (gate, up) followed by row (down).
+Nothing moves between them: the heads / the ffn slice stay local.
+
+What moves, per block, for activations of shape (B, T, C) in dtype of s bytes:
+
+    without sequence parallel              with sequence parallel
+    enter: identity  | bwd all-reduce      enter: all-gather T    | bwd reduce-scatter
+    leave: all-reduce| bwd identity        leave: reduce-scatter T| bwd all-gather
+
+Both move the same bytes (an all-reduce is a reduce-scatter + all-gather), but
+with sequence parallel the norms, residual adds and dropout regions hold only
+T/tp of the sequence, cutting their activation memory by tp. Those four
+functions are the "conjugate" pairs below; each one's backward is the other's
+forward.
+
+Parameters carry their sharding: `p.tp_dim` is the dimension split over tp
+ranks (None = replicated) and `p.full_shape` the unsharded shape. Init,
+checkpoints and the grad norm read these. Replicated norm weights inside a
+sequence-parallel region see only their rank's tokens, so their gradients are
+partial sums: `p.sequence_parallel` marks them for an all-reduce over tp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+
+SEQ_DIM = 1  # activations are (B, T, C) everywhere
+
+
+class _Copy(torch.autograd.Function):
+    """Enter a tp region: forward identity, backward all-reduce (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    """Leave a tp region: forward all-reduce, backward identity (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Enter with sequence parallel: forward all-gather along T, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.reduce_scatter(g, ctx.group, dim=SEQ_DIM), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Leave with sequence parallel: forward reduce-scatter along T, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.reduce_scatter(x, group, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.group, dim=SEQ_DIM), None
+
+
+def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank."""
+    if group.size == 1:
+        return x
+    return _GatherSeq.apply(x, group) if sequence_parallel else _Copy.apply(x, group)
+
+
+def leave(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)."""
+    if group.size == 1:
+        return x
+    return _ScatterSeq.apply(x, group) if sequence_parallel else _Reduce.apply(x, group)
+
+
+def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """A differentiable sum over tp ranks whose backward is identity (used by the loss)."""
+    return x if group.size == 1 else _Reduce.apply(x, group)
+
+
+def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's slice of a full tensor (contiguous chunks, rank order)."""
+    if tp_dim is None or tp == 1:
+        return full
+    return full.chunk(tp, dim=tp_dim)[tp_rank]
+
+
+def _param(full_shape, tp_dim, tp: int, **attrs) -> nn.Parameter:
+    shape = list(full_shape)
+    if tp_dim is not None:
+        shape[tp_dim] //= tp
+    p = nn.Parameter(torch.empty(shape))
+    p.tp_dim, p.full_shape = tp_dim, tuple(full_shape)
+    p.sequence_parallel = False
+    for k, v in attrs.items():
+        setattr(p, k, v)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T with W split by output rows. Input: the full x, already
+    inside the tp region (call `enter` once before a group of these, e.g. once
+    for wq, wk and wv). Output: this rank's 1/tp of the features."""
+
+    def __init__(self, in_features: int, out_features: int, group):
+        super().__init__()
+        self.weight = _param((out_features, in_features), 0, group.size)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)  # (B, T, out/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T with W split by input columns, then `leave`: the
+    all-reduce (or, with sequence parallel, reduce-scatter along T) that adds
+    the ranks' partial sums."""
+
+    def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _param((out_features, in_features), 1, group.size)
+
+    def forward(self, x):  # x: (B, T, in/tp)
+        return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over tp: rank r holds tokens [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the tokens it owns and writes zeros for the rest; the
+    leave all-reduce (or reduce-scatter along T with sequence parallel) adds the
+    ranks' rows so every token gets exactly its one embedding.
+    """
+
+    def __init__(self, padded_vocab: int, dim: int, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _param((padded_vocab, dim), 0, group.size)
+        self.per_rank = padded_vocab // group.size
+        self.start = group.rank * self.per_rank
+
+    def forward(self, tokens):  # (B, T) int64
+        local = tokens - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)        # (B, T, C), zeros where not mine
+        return leave(out, self.group, self.sequence_parallel)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token cross-entropy from vocab-sharded logits, never gathering them.
+
+    logits: (B, T, V/tp) this rank's slice of the vocabulary; targets: (B, T).
+    Returns (B, T) losses, identical on every tp rank. Moves three (B, T)
+    tensors instead of the (B, T, V) logits:
+
+        m   = max over all ranks of the local maxima     (all-gather of (B, T))
+        S   = sum_r sum_v exp(logit - m)                  (all-reduce of (B, T))
+        z_t = the target's logit, from the rank owning it (all-reduce of (B, T))
+        loss = log S + m - z_t
+
+    Padded vocabulary entries (ids >= vocab_size, DESIGN 5.3) are set to -inf
+    so they never take probability mass. Backward needs no custom code: the
+    all-reduces' backward is identity, so each rank differentiates its own
+    slice: softmax - onehot.
+    """
+    logits = logits.float()
+    per_rank = logits.shape[-1]
+    start = group.rank * per_rank
+    ids = torch.arange(start, start + per_rank, device=logits.device)
+    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
+    # the max only keeps exp() in range; any constant works, so no gradient
+    local_max = logits.detach().amax(dim=-1)                              # (B, T)
+    m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0) if group.size > 1 else local_max
+    sum_exp = reduce_sum(torch.exp(logits - m.unsqueeze(-1)).sum(dim=-1), group)   # (B, T)
+    local_t = targets - start
+    mine = (local_t >= 0) & (local_t < per_rank)
+    picked = logits.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
+    z_t = reduce_sum(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    return torch.log(sum_exp) + m - z_t

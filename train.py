@@ -1,0 +1,254 @@
+"""Pre-train a HLAT-style LLaMA model: one process, N local workers, or torchrun.
+
+    python train.py                                   # default preset on the built-in corpus
+    python train.py --preset tiny --nproc 8 --tp 2 --pp 2 --dp 2 --zero1 --sequence-parallel
+    torchrun --nproc_per_node 2 train.py --tp 2
+
+The whole flow is `train()` below, in order: config -> mesh -> data -> model
+-> schedule -> optimizer -> checkpoint -> the loop. Each step is one call into
+a module of nanohlat/ whose name says what it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
+from nanohlat import device as devicelib
+from nanohlat import mesh as meshlib
+from nanohlat.config import UserError
+from nanohlat.model import Transformer, init_weights
+from nanohlat.precision import param_dtype
+
+
+def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0, world: int = 1,
+          local_rank: int = 0, local_world: int = 1) -> dict:
+    """Run (or resume) training on this rank. Returns a summary (rank 0's view)."""
+    # -- device and mesh ---------------------------------------------------
+    dev = devicelib.get_device(tcfg.device, local_rank)
+    if dev.kind == "cpu":
+        devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1:
+        dev.init_process_group(rank, world)
+    dp = meshlib.validate_layout(model_cfg, tcfg, world)
+    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())
+    mesh.build_groups(dev if world > 1 else None)
+    main = rank == 0
+    log = print if main else (lambda *a, **k: None)
+
+    # -- data: the global batch of step k depends only on (seed, k) ----------
+    ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=log)
+
+    # -- model: this rank's stage and tensor slice, initialised layout-independently
+    layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
+    model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
+                        first=mesh.is_first_stage, last=mesh.is_last_stage)
+    init_weights(model, tcfg.seed)
+    dtype = param_dtype(tcfg.precision)
+    model.to(device=dev.torch_device, dtype=dtype)
+    model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
+
+    # -- schedule and optimizer ---------------------------------------------
+    mb = tcfg.batch_size // (dp * tcfg.microbatches)
+    seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
+    runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
+    opt = optim.FlatAdamW(model, mesh, tcfg, dev)
+
+    # -- checkpoint: resume where the last complete checkpoint left off --------
+    start_step, tokens_seen = 0, 0
+    resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite)
+    if resume_from:
+        manifest = checkpoint.load(resume_from, model, opt, mesh, dev)
+        start_step, tokens_seen = manifest["step"], manifest["tokens"]
+        log(f"resumed from {resume_from} at step {start_step}")
+    if main:
+        os.makedirs(tcfg.out_dir, exist_ok=True)
+        run_cfg = config.to_dict(model_cfg, tcfg) | {"world": world, "dp": dp, "tokenizer_path": ds.tokenizer.path}
+        with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
+            json.dump(run_cfg, f, indent=2)
+        checkpoint.truncate_metrics(os.path.join(tcfg.out_dir, "metrics.jsonl"), start_step)
+        log(meshlib.layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16))
+        log(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
+            f"{opt.state_bytes() / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")
+    writer = metrics.MetricsWriter(os.path.join(tcfg.out_dir, "metrics.jsonl")) if main else None
+
+    # -- the loop ------------------------------------------------------------
+    tokens_per_step = tcfg.batch_size * tcfg.seq_len
+    flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
+    peak = metrics.peak_flops(dev.name, tcfg.precision, torch.get_num_threads() if dev.kind == "cpu" else None)
+    peak_total = peak * world if peak else None
+    meter = metrics.Throughput()
+    bad_streak = torch.zeros((), device=dev.torch_device)
+    bar = None
+    if main and tcfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=tcfg.steps, initial=start_step, desc="train", dynamic_ncols=True)
+    summary = {"losses": [], "val_losses": []}
+    last_step = start_step
+
+    def log_step(step, loss, norm, streak, lr, tokens):
+        """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
+        loss, norm = float(loss), float(norm)
+        if not devicelib.extract_graphs_only():
+            if int(streak) >= tcfg.max_bad_steps:
+                raise RuntimeError(f"{int(streak)} steps in a row had a non-finite loss or gradient "
+                                   f"(last at step {step}); stopping. Lower --lr or check the data.")
+            if int(streak) > 0 and main:
+                print(f"warning: step {step} had a non-finite loss/gradient; the update was skipped",
+                      file=sys.stderr)
+        tps = meter.update(tokens_per_step)
+        mfu = metrics.mfu(tps, flops_tok, peak_total)
+        summary["losses"].append(loss)
+        if writer:
+            writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                          "tokens_per_s": tps, "mfu": mfu})
+        if bar:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", mfu=f"{(mfu or 0) * 100:.1f}%")
+
+    for step in range(start_step, tcfg.steps):
+        lr = optim.cosine_lr(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
+        tokens, targets = split_batch(ds.batch(step, tcfg.batch_size, tcfg.seq_len, tcfg.seed), mesh, tcfg, dev)
+        mesh.ledger.reset()
+        opt.zero_grad()
+        loss = runner.run(tokens, targets, 1.0 / tokens_per_step)
+        loss = comm.all_reduce(comm.all_reduce(loss, mesh.pp_group), mesh.dp_group)   # global mean
+        norm, finite = opt.step(lr)
+        bad_streak = torch.where(finite & torch.isfinite(loss), torch.zeros_like(bad_streak), bad_streak + 1)
+        dev.sync()
+        tokens_seen += tokens_per_step
+        if step == start_step:
+            summary["comm_bytes"] = mesh.ledger.snapshot()
+            if main:
+                log(comm_report(mesh, model_cfg, tcfg))
+        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
+            dev.add_step_closure(log_step, step + 1, loss, norm, bad_streak, lr, tokens_seen)
+        if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
+            val = evaluate_loss(runner, ds, mesh, tcfg, dev)
+            dev.add_step_closure(lambda s, v: (summary["val_losses"].append(float(v)),
+                                               writer and writer.write({"step": s, "val_loss": float(v)})),
+                                 step + 1, val)
+        if bar:
+            bar.update(1)
+        last_step = step + 1
+        if tcfg.save_every and last_step % tcfg.save_every == 0 and last_step < tcfg.steps:
+            checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
+                            config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last)
+        if tcfg.stop_after and last_step >= tcfg.stop_after:
+            break
+    dev.sync()
+    if bar:
+        bar.close()
+    if last_step > start_step or not resume_from:
+        checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
+                        config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last)
+    if tcfg.timeline:
+        write_timeline(runner, mesh, tcfg)
+    summary.update(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
+                   step=last_step)
+    if writer:
+        writer.close()
+        log(f"done: {last_step} steps, final loss {summary['losses'][-1] if summary['losses'] else float('nan'):.4f}"
+            + (f", val loss {summary['val_losses'][-1]:.4f}" if summary["val_losses"] else "")
+            + f"; metrics in {os.path.join(tcfg.out_dir, 'metrics.jsonl')}")
+    return summary
+
+
+def split_batch(batch: torch.Tensor, mesh, tcfg, dev):
+    """Global batch (B, T+1) -> this dp rank's micro-batches: tokens and targets (M, mb, T)."""
+    per_rank = tcfg.batch_size // mesh.dp
+    mine = batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
+    mine = mine.view(tcfg.microbatches, per_rank // tcfg.microbatches, tcfg.seq_len + 1)
+    mine = mine.to(dev.torch_device)
+    return mine[..., :-1], mine[..., 1:]
+
+
+@torch.no_grad()
+def evaluate_loss(runner, ds, mesh, tcfg, dev) -> torch.Tensor:
+    """Mean held-out loss over --eval-batches fixed validation batches (same in every layout)."""
+    total = torch.zeros((), device=dev.torch_device)
+    for i in range(tcfg.eval_batches):
+        tokens, targets = split_batch(ds.batch(i, tcfg.batch_size, tcfg.seq_len, tcfg.seed, split="val"),
+                                      mesh, tcfg, dev)
+        total = total + runner.forward_only(tokens, targets, 1.0 / (tcfg.batch_size * tcfg.seq_len))
+    total = comm.all_reduce(comm.all_reduce(total, mesh.pp_group), mesh.dp_group)
+    return total / tcfg.eval_batches
+
+
+def comm_report(mesh, model_cfg, tcfg) -> str:
+    """The comm ledger of the first step on this rank, beside the model-shape formula."""
+    from nanohlat import plan
+    measured = mesh.ledger.snapshot()
+    predicted = plan.comm_bytes_per_step(model_cfg, tcfg, mesh)
+    keys = sorted(set(measured) | set(predicted))
+    if not keys:
+        return "communication: none (one process)"
+    lines = ["communication per step on rank 0 (bytes): collective  measured  predicted"]
+    for k in keys:
+        lines.append(f"  {k:<24} {measured.get(k, 0):>14,} {predicted.get(k, 0):>14,}")
+    return "\n".join(lines)
+
+
+def write_timeline(runner, mesh, tcfg) -> None:
+    text = pipeline.timeline_report(runner, mesh, tcfg)
+    if mesh.rank == 0 and text:
+        path = os.path.join(tcfg.out_dir, "timeline.txt")
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        print(text)
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+def worker(argv: list[str]) -> dict:
+    """What each launched process runs (train.py --nproc N or torchrun)."""
+    rank, world, local_rank = launch.torchrun_env()
+    model_cfg, tcfg = config.parse_args(argv)
+    try:
+        return train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        model_cfg, tcfg = config.parse_args(argv)
+        env = launch.torchrun_env()
+        world = env[1] if env else tcfg.nproc
+        if tcfg.plan:
+            from nanohlat import plan
+            print(plan.report(model_cfg, tcfg, world))
+            return 0
+        # tokenizer and token shards are built once, here, before any worker starts
+        ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
+        if ds.tokenizer.vocab_size != model_cfg.vocab_size:
+            argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
+            model_cfg, tcfg = config.parse_args(argv)
+        meshlib.validate_layout(model_cfg, tcfg, world)
+        checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite)  # refuse early, not in N workers
+        if env:
+            worker(argv)
+            return 0
+        if tcfg.nproc == 1:
+            train(model_cfg, tcfg)
+            return 0
+        return launch.spawn(worker, (argv,), tcfg.nproc, tcfg.max_restarts)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
