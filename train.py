@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+import torch.distributed
 
 from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
 from nanohlat import device as devicelib
@@ -33,7 +34,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     dev = devicelib.get_device(tcfg.device, local_rank)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
-    if world > 1:
+    if world > 1 and not torch.distributed.is_initialized():
         dev.init_process_group(rank, world)
     dp = meshlib.validate_layout(model_cfg, tcfg, world)
     mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())

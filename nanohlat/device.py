@@ -100,7 +100,7 @@ class Device:
             import torch_xla
             if hasattr(torch_xla, "sync"):
                 torch_xla.sync()
-            else:  # torch_xla before 2.6 named it mark_step
+            else:  # torch_xla older than 2.4 only had mark_step
                 import torch_xla.core.xla_model as xm
                 xm.mark_step()
 
@@ -227,8 +227,6 @@ def _to_cpu(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_cpu(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj

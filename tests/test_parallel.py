@@ -1,0 +1,106 @@
+"""Every layout trains exactly like one process (DESIGN section 5).
+
+Same per-step losses, same grad norms, same consolidated weights after the
+last step, for tensor, sequence, pipeline (AFAB and 1F1B, several micro-batch
+counts) and data parallelism with and without ZeRO-1, alone and combined.
+
+Tolerance: the layouts add the same numbers in a different order (a dot
+product split over tp ranks, gradients summed over dp ranks, micro-batches
+accumulated one by one), so results differ by fp32 round-off: ~1e-7 relative
+per operation, grown through 4 layers and 4 optimizer steps. Measured: losses
+(~6) differ by <= 5e-7, grad norms by <= 3e-7; we allow 2e-5.
+
+Weights need two numbers. Almost every element agrees to ~1e-7. But Adam's
+update is g / (sqrt(v) + eps): for the rare element whose gradient is itself
+round-off-sized (near 1e-8), a relative change of that gradient moves the
+update by a visible fraction of lr (3e-3). Even one process with 4
+micro-batches instead of 1 differs from itself that way in 2 of 250k
+elements, by 1.1e-5. So we require: at most 0.1% of a tensor's elements
+differ by more than 1e-6, and none by more than 1e-4 (3% of one step). A real
+bug (a missing all-reduce, a wrong shard, a mis-scaled loss) moves most
+elements by ~lr and the first loss by >1e-2.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import read_metrics
+from dist_utils import run_layouts
+
+LOSS_TOL, WEIGHT_TOL, WEIGHT_MAX, OUTLIER_SHARE = 2e-5, 1e-6, 1e-4, 1e-3
+BASE = ["--preset", "tiny", "--steps", "4", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
+        "--warmup-steps", "2"]
+
+
+def _flags(cache_dir, out_dir, extra):
+    return BASE + ["--cache-dir", cache_dir, "--out-dir", str(out_dir)] + extra
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """One process, no parallelism: the ground truth."""
+    import train
+    from nanohlat import checkpoint, config, device
+    out = tmp_path_factory.mktemp("ref")
+    model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, ["--no-progress"]))
+    train.train(model_cfg, tcfg)
+    model, _ = checkpoint.load_for_inference(str(out), device.get_device("cpu"))
+    return read_metrics(str(out)), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_as_reference(reference, out_dir):
+    from nanohlat import checkpoint, device
+    ref_metrics, ref_weights = reference
+    got = read_metrics(str(out_dir))
+    assert [m["step"] for m in got] == [m["step"] for m in ref_metrics]
+    for a, b in zip(got, ref_metrics):
+        assert abs(a["loss"] - b["loss"]) < LOSS_TOL, (a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) < LOSS_TOL * max(1.0, b["grad_norm"]), (a, b)
+    model, _ = checkpoint.load_for_inference(str(out_dir), device.get_device("cpu"))
+    for name, p in model.named_parameters():
+        diff = (p - ref_weights[name]).abs()
+        assert diff.max().item() < WEIGHT_MAX, f"{name} differs by {diff.max().item()}"
+        outliers = (diff > WEIGHT_TOL).float().mean().item()
+        assert outliers <= OUTLIER_SHARE, f"{name}: {outliers:.2%} of elements differ by more than {WEIGHT_TOL}"
+
+
+WORLD2 = {
+    "tp2": ["--tp", "2"],
+    "tp2_sp": ["--tp", "2", "--sequence-parallel"],
+    "dp2": ["--dp", "2"],
+    "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
+    **{f"pp2_{s}_m{m}": ["--pp", "2", "--schedule", s, "--microbatches", str(m)]
+       for s in ("afab", "1f1b") for m in (1, 2, 4)},
+}
+WORLD4 = {
+    "tp4": ["--tp", "4"],
+    "tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"],
+    "tp2_dp2_zero1": ["--tp", "2", "--dp", "2", "--zero1"],
+    **{f"pp4_{s}_m{m}": ["--pp", "4", "--schedule", s, "--microbatches", str(m)]
+       for s in ("afab", "1f1b") for m in (1, 4, 8)},
+}
+WORLD8 = {"tp2_pp2_dp2_zero1_sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel",
+                                   "--microbatches", "2"]}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(cache_dir, tmp_path_factory):
+    """Train every layout once (one worker group per world size); name -> out dir."""
+    root = tmp_path_factory.mktemp("layouts")
+    outs = {}
+    for world, layouts in ((2, WORLD2), (4, WORLD4), (8, WORLD8)):
+        runs = []
+        for name, extra in layouts.items():
+            outs[name] = root / name
+            runs.append(_flags(cache_dir, outs[name], extra))
+        run_layouts(world, runs, str(root / f"errors{world}"))
+    return outs
+
+
+@pytest.mark.parametrize("name", list(WORLD2) + list(WORLD4) + list(WORLD8))
+def test_layout_matches_one_process(name, layout_runs, reference):
+    assert_same_as_reference(reference, layout_runs[name])
