@@ -126,20 +126,27 @@ def score_continuations(model, pairs: list[tuple[list[int], list[int]]], batch_s
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
         T = min(max_len, -(-(len(seqs[idx[0]][0]) - 1) // bucket) * bucket)
+        C = max(1, max(seqs[i][1] for i in idx))        # the longest continuation in the batch
         inputs = torch.zeros(len(idx), T, dtype=torch.long)             # (B, T); pad id 0, never scored
-        targets = torch.zeros(len(idx), T, dtype=torch.long)
-        scored = torch.zeros(len(idx), T, dtype=torch.bool)             # the continuation's positions
+        positions = torch.zeros(len(idx), C, dtype=torch.long)          # (B, C) the last C real positions
+        targets = torch.zeros(len(idx), C, dtype=torch.long)            # (B, C) the tokens they predict
+        scored = torch.zeros(len(idx), C, dtype=torch.bool)             # (B, C) those in the continuation
         for r, i in enumerate(idx):
             full, n_cont = seqs[i]
             L = len(full) - 1
             inputs[r, :L] = torch.tensor(full[:-1])
-            targets[r, :L] = torch.tensor(full[1:])
-            scored[r, L - n_cont:L] = True       # position p predicts token p + 1
-        logits = model(inputs.to(device)).float()                       # (B, T, V)
+            # Position p predicts token p + 1: positions L - C .. L - 1 predict the last C tokens.
+            positions[r] = torch.arange(L - C, L).clamp(min=0)
+            targets[r] = torch.tensor(full)[positions[r] + 1]
+            scored[r, C - n_cont:] = True
+        logits = model(inputs.to(device))                                # (B, T, V)
+        # Only the (B, C) continuation positions need a softmax: far less memory
+        # traffic than normalising all (B, T, V) logits when T >> C.
+        positions, targets, scored = positions.to(device), targets.to(device), scored.to(device)
+        logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1])).float()   # (B, C, V)
         logits[..., vocab:] = float("-inf")                              # padded vocabulary never wins
-        targets, scored = targets.to(device), scored.to(device)
-        token_logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)   # (B, T)
-        hit = logits.argmax(-1) == targets                                                        # (B, T)
+        token_logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)   # (B, C)
+        hit = logits.argmax(-1) == targets                                                        # (B, C)
         sums = torch.where(scored, token_logp, 0.0).double().sum(-1)                            # (B,)
         greedy = (hit | ~scored).all(-1)                                                          # (B,)
         for r, (s, g) in enumerate(zip(sums.tolist(), greedy.tolist())):

@@ -14,9 +14,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xla: needs torch_xla (run by .ci/xla-lane)")
-
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
