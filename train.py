@@ -51,7 +51,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
                         first=mesh.is_first_stage, last=mesh.is_last_stage)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
-    model.to(device=dev.torch_device, dtype=dtype)
+    dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes
     model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
 
     # -- schedule and optimizer ---------------------------------------------

@@ -91,6 +91,20 @@ class Device:
         where = self._torch_device if self._torch_device is not None else "xla (not started)"
         return f"Device({where}, backend={self.backend}, name={self.name})"
 
+    def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """module.to(this device, dtype), keeping what parameters carry besides
+        their values (`tp_dim`, `full_shape`, `sequence_parallel`: see
+        tensor_parallel.py). Moving to CPU or CUDA swaps the data inside the
+        same Parameter objects; moving to XLA makes *new* Parameters (an XLA
+        tensor cannot share a CPU tensor's internals), which would silently
+        drop those attributes. So copy them over, by parameter name."""
+        extras = {name: dict(vars(p)) for name, p in module.named_parameters()}
+        module.to(device=self.torch_device, dtype=dtype)
+        for name, p in module.named_parameters():
+            for key, value in extras[name].items():
+                setattr(p, key, value)
+        return module
+
     # -- the step ------------------------------------------------------------
 
     def sync(self) -> None:

@@ -1,0 +1,286 @@
+"""Hugging Face Llama <-> nanohlat checkpoints.
+
+    python -m nanohlat.hf export RUN_OR_CKPT HF_DIR    # -> LlamaForCausalLM.from_pretrained(HF_DIR)
+    python -m nanohlat.hf import HF_DIR OUT_DIR        # -> train.py --resume OUT_DIR/..., sample.py, eval.py
+
+nanohlat's decoder *is* the Llama architecture, and its rotary embedding uses
+Hugging Face's rotate-half convention, so every weight maps 1:1 without the
+q/k row permutation that converting Meta's original checkpoints needs:
+
+    nanohlat                         Hugging Face LlamaForCausalLM
+    embed.weight                     model.embed_tokens.weight
+    layers.{i}.attn_norm.weight      model.layers.{i}.input_layernorm.weight
+    layers.{i}.attn.w{q,k,v,o}       model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    layers.{i}.mlp_norm.weight       model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.mlp.{gate,up,down}    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    norm.weight                      model.norm.weight
+    head.weight                      lm_head.weight
+
+The one difference is the vocabulary padding (DESIGN 5.3): nanohlat's embed
+and head have cfg.padded_vocab rows, Hugging Face's have exactly vocab_size.
+Export slices the padding rows off; import adds zero rows.
+
+`transformers` is not needed here (config.json is plain JSON); `safetensors`
+is needed to write or read model.safetensors (`pip install safetensors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from .config import ModelConfig, UserError
+
+# nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate_proj.weight",
+    "mlp.up.weight": "mlp.up_proj.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "head.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a nanohlat parameter."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, i, rest = name.split(".", 2)                     # "layers", "7", "attn.wq.weight"
+    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every nanohlat parameter name -> its full (unsharded) shape."""
+    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    shapes = {"embed.weight": (cfg.padded_vocab, d), "norm.weight": (d,), "head.weight": (cfg.padded_vocab, d)}
+    for i in range(cfg.n_layers):
+        shapes.update({f"layers.{i}.attn_norm.weight": (d,), f"layers.{i}.mlp_norm.weight": (d,),
+                       f"layers.{i}.attn.wq.weight": (cfg.n_heads * cfg.head_dim, d),
+                       f"layers.{i}.attn.wk.weight": (kv, d), f"layers.{i}.attn.wv.weight": (kv, d),
+                       f"layers.{i}.attn.wo.weight": (d, cfg.n_heads * cfg.head_dim),
+                       f"layers.{i}.mlp.gate.weight": (cfg.ffn_dim, d), f"layers.{i}.mlp.up.weight": (cfg.ffn_dim, d),
+                       f"layers.{i}.mlp.down.weight": (d, cfg.ffn_dim)})
+    return shapes
+
+
+# ---------------------------------------------------------------------------
+# Pure conversions (no files)
+# ---------------------------------------------------------------------------
+
+def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
+    """config.json of the equivalent LlamaForCausalLM."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size,                   # unpadded: the padding rows are not exported
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        # transformers < 5 reads rope_theta, >= 5 rope_parameters (and still accepts the former)
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": "float32",
+    }
+
+
+def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nanohlat full state -> Hugging Face Llama state (vocabulary padding removed)."""
+    missing = set(expected_shapes(cfg)) - set(state)
+    if missing:
+        raise UserError(f"the nanohlat state lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}; "
+                        f"export needs a complete single-model state")
+    out = {}
+    for name, t in state.items():
+        if name in ("embed.weight", "head.weight"):
+            t = t[:cfg.vocab_size]
+        # safetensors refuses views of a larger buffer and tensors sharing memory: own copies.
+        out[hf_name(name)] = t.detach().contiguous().clone()
+    return out
+
+
+def _rope_theta(hf_config: dict) -> float:
+    params = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    kinds = {params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")} - {None, "default"}
+    if kinds:
+        raise UserError(f"rope type {kinds.pop()!r} (rope scaling, as in Llama 3.1+) is not supported: "
+                        f"nanohlat implements plain rotary embeddings only")
+    return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+
+
+def _vocab_multiple(vocab_size: int) -> int:
+    """128 (the default, divisible by every tp we allow) when it divides the vocabulary, else the
+    largest power of two that does: no padding rows, at the price of fewer valid tp degrees."""
+    m = 128
+    while vocab_size % m:
+        m //= 2
+    return m
+
+
+def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
+                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+    arch = hf_config.get("model_type") or "?"
+    if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []):
+        raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM checkpoints convert 1:1")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf_config.get(key, want) != want:
+            raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's Llama has {key} = {want!r})")
+    d, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    if hf_config.get("head_dim") not in (None, d // heads):
+        raise UserError(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads = {d // heads}; "
+                        f"nanohlat derives the head size from d_model")
+    vocab = hf_config["vocab_size"]
+    cfg = ModelConfig(n_layers=hf_config["num_hidden_layers"], d_model=d, n_heads=heads,
+                      n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+                      ffn_dim=hf_config["intermediate_size"], vocab_size=vocab,
+                      max_seq_len=hf_config.get("max_position_embeddings", 2048),
+                      rope_theta=_rope_theta(hf_config), norm_eps=hf_config.get("rms_norm_eps", 1e-5),
+                      vocab_multiple=vocab_multiple or _vocab_multiple(vocab))
+    cfg.validate()
+    hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, derived
+    if "lm_head.weight" not in hf_state and hf_config.get("tie_word_embeddings"):
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]   # untied from here on
+    shapes = expected_shapes(cfg)
+    wanted = {hf_name(n): n for n in shapes}
+    missing, unexpected = set(wanted) - set(hf_state), set(hf_state) - set(wanted)
+    if missing or unexpected:
+        raise UserError(f"not a Llama state of this config: missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(unexpected)[:3]}")
+    state = {}
+    for hname, name in wanted.items():
+        t = hf_state[hname].detach().float()          # nanohlat keeps fp32 weights; bf16 widens exactly
+        if name in ("embed.weight", "head.weight"):
+            t = torch.cat([t, t.new_zeros(cfg.padded_vocab - t.shape[0], d)])   # padding rows are zero
+        if tuple(t.shape) != shapes[name]:
+            raise UserError(f"{hname} has shape {tuple(hf_state[hname].shape)}, expected {shapes[name]} "
+                            f"from config.json")
+        state[name] = t.contiguous()
+    return cfg, state
+
+
+# ---------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("reading or writing .safetensors needs the safetensors package: "
+                        "pip install safetensors") from None
+    return safetensors.torch
+
+
+def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_path: str, hf_dir: str) -> None:
+    """config.json, model.safetensors, tokenizer.model and tokenizer_config.json in hf_dir."""
+    from .data import load_tokenizer
+    tok = load_tokenizer(tokenizer_path)
+    if tok.vocab_size != cfg.vocab_size:
+        raise UserError(f"tokenizer {tokenizer_path!r} has {tok.vocab_size} pieces but the model {cfg.vocab_size}")
+    st = _safetensors()
+    os.makedirs(hf_dir, exist_ok=True)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(to_hf_config(cfg, tok.bos_id, tok.eos_id), f, indent=2)
+    st.save_file(to_hf_state(cfg, state), os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
+    piece = tok.sp.id_to_piece
+    tok_config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id),
+        "unk_token": piece(tok.sp.unk_id()) if tok.sp.unk_id() >= 0 else None,
+        "add_bos_token": True, "add_eos_token": False,   # as nanohlat packs documents: BOS text EOS
+        # nanohlat's tokenizer has no dummy prefix: "def" is not "▁def"
+        "add_prefix_space": False, "legacy": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len,
+    }
+    with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_config, f, indent=2)
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, merged state of all *.safetensors or pytorch_model*.bin shards)."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise UserError(f"{hf_dir!r} has no config.json; give a Hugging Face model directory")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    state = {}
+    shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if shards:
+        st = _safetensors()
+        for path in shards:
+            state.update(st.load_file(path))
+    else:
+        shards = sorted(glob.glob(os.path.join(hf_dir, "pytorch_model*.bin")))
+        for path in shards:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))  # never unpickle code
+    if not shards:
+        raise UserError(f"{hf_dir!r} has no *.safetensors or pytorch_model*.bin weights")
+    return hf_config, state
+
+
+def export(run_or_ckpt: str, hf_dir: str) -> None:
+    from .checkpoint import load_for_inference
+    model, manifest = load_for_inference(run_or_ckpt, torch.device("cpu"))
+    state = {k: v for k, v in model.state_dict().items()}
+    write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
+    print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
+          f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")
+
+
+def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None) -> str:
+    from .checkpoint import save_full
+    tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")
+    if not os.path.isfile(tokenizer):
+        raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
+                        f"SentencePiece; a tokenizer.json-only model such as Llama 3 is not supported); "
+                        f"pass --tokenizer PATH")
+    hf_config, hf_state = read_hf_dir(hf_dir)
+    cfg, state = from_hf_state(hf_config, hf_state, vocab_multiple)
+    from .data import load_tokenizer
+    if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
+        raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
+    path = save_full(out_dir, cfg, state, tokenizer, step=0, tokens=0)
+    print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
+          f"padded to {cfg.padded_vocab}) -> {path}")
+    return path
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
+    e.add_argument("checkpoint", metavar="RUN_OR_CKPT")
+    e.add_argument("hf_dir", metavar="HF_DIR")
+    i = sub.add_parser("import", help="Hugging Face Llama directory -> nanohlat checkpoint")
+    i.add_argument("hf_dir", metavar="HF_DIR")
+    i.add_argument("out_dir", metavar="OUT_DIR")
+    i.add_argument("--tokenizer", default="", help="SentencePiece model (default HF_DIR/tokenizer.model)")
+    i.add_argument("--vocab-multiple", type=int, default=None,
+                   help="pad the vocabulary to a multiple of this (default: 128 if it divides, else no padding)")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "export":
+            export(args.checkpoint, args.hf_dir)
+        else:
+            import_(args.hf_dir, args.out_dir, args.tokenizer, args.vocab_multiple)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The rank layout of DESIGN section 4, its table, and the layouts we refuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from nanohlat.config import PRESETS, TrainConfig, UserError
+from nanohlat.mesh import Mesh, coords, layout_table, rank_of, validate_layout
+
+CFG = PRESETS["tiny"][0]
+
+
+def test_rank_and_coordinates_are_inverse_and_tp_is_fastest():
+    for tp, pp, dp in [(1, 1, 1), (2, 2, 2), (4, 2, 3), (8, 1, 4), (2, 4, 1)]:
+        seen = set()
+        for r in range(tp * pp * dp):
+            d, p, t = coords(r, tp, pp, dp)
+            assert rank_of(d, p, t, tp, dp) == r
+            assert r == (p * dp + d) * tp + t
+            seen.add((d, p, t))
+        assert len(seen) == tp * pp * dp
+    assert [coords(r, 2, 2, 2)[2] for r in range(4)] == [0, 1, 0, 1]      # neighbours share tp groups
+
+
+def test_layout_table_for_tp2_pp2_dp2():
+    table = layout_table(2, 2, 2, n_layers=4)
+    rows = [line.split()[:4] for line in table.splitlines()[2:]]
+    assert rows == [[str(r), *map(str, coords(r, 2, 2, 2))] for r in range(8)]
+    assert "0-1  +embedding" in table and "2-3  +norm,head,loss" in table
+
+
+def test_groups_of_each_kind_partition_the_world():
+    m = Mesh(2, 2, 2, rank=5)
+    assert m._all("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m._all("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert m._all("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert m._all("pair_even") == [[0, 4], [1, 5], [2, 6], [3, 7]] and m._all("pair_odd") == []
+    m.build_groups(None)                  # no backend: bookkeeping only
+    assert m.tp_group.ranks == [4, 5] and m.tp_group.rank == 1
+    assert m.group("prev").ranks == [1, 5] and m.group("prev").rank == 1
+
+
+def _train(**kw):
+    return dataclasses.replace(TrainConfig(), **({"batch_size": 8, "seq_len": 32} | kw))
+
+
+@pytest.mark.parametrize("kw, world, message", [
+    (dict(tp=3), 3, "--tp 3 does not divide n_heads 8; choose 1, 2 or 4"),
+    (dict(tp=2, pp=2), 6, "--tp 2 x --pp 2 = 4 does not divide the world size 6"),
+    (dict(tp=2, dp=3), 4, "--dp 3"),
+    (dict(pp=3), 3, "--pp 3 cannot split 4 layers into equal contiguous stages; choose 1, 2 or 4"),
+    (dict(pp=8), 8, "--pp 8 cannot split 4 layers"),
+    (dict(dp=2, microbatches=8), 2, "--batch-size 8 must split into dp 2 x microbatches 8"),
+    (dict(tp=2, sequence_parallel=True, seq_len=31), 2, "--sequence-parallel needs --seq-len 31 divisible"),
+])
+def test_invalid_layouts_are_refused_with_the_valid_choices(kw, world, message):
+    with pytest.raises(UserError) as e:
+        validate_layout(CFG, _train(**kw), world)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_kv_heads_and_ffn_limit_tp():
+    cfg = dataclasses.replace(CFG, n_heads=8, n_kv_heads=2)
+    with pytest.raises(UserError, match="--tp 4 does not divide n_kv_heads 2; choose 1 or 2"):
+        validate_layout(cfg, _train(tp=4), 4)
+    cfg = dataclasses.replace(CFG, ffn_dim=170)
+    with pytest.raises(UserError, match="does not divide ffn_dim 170"):
+        validate_layout(cfg, _train(tp=4), 4)
+
+
+def test_valid_layouts_return_dp():
+    assert validate_layout(CFG, _train(tp=2, pp=2), 8) == 2
+    assert validate_layout(CFG, _train(tp=4), 4) == 1
