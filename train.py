@@ -30,6 +30,10 @@ from nanohlat.precision import param_dtype
 def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0, world: int = 1,
           local_rank: int = 0, local_world: int = 1) -> dict:
     """Run (or resume) training on this rank. Returns a summary (rank 0's view)."""
+    # What to resume from is decided before the process group exists: until
+    # every rank has joined it no rank writes into out-dir, so all see the same files.
+    resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, launch.restart_count() > 0)
+
     # -- device and mesh ---------------------------------------------------
     dev = devicelib.get_device(tcfg.device, local_rank)
     if dev.kind == "cpu":
@@ -61,11 +65,11 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     opt = optim.FlatAdamW(model, mesh, tcfg, dev)
 
     # -- checkpoint: resume where the last complete checkpoint left off --------
-    start_step, tokens_seen = 0, 0
-    resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite)
-    if resume_from:
+    start_step, tokens_seen, bad_steps = 0, 0, 0
+    if resume_from:   # model, optimizer (+ its step count), RNGs; the lr and data follow from the step
         manifest = checkpoint.load(resume_from, model, opt, mesh, dev)
         start_step, tokens_seen = manifest["step"], manifest["tokens"]
+        bad_steps = manifest.get("schedule", {}).get("bad_steps", 0)
         log(f"resumed from {resume_from} at step {start_step}")
     if main:
         os.makedirs(tcfg.out_dir, exist_ok=True)
@@ -85,7 +89,12 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     peak = metrics.peak_flops(dev.name, tcfg.precision, torch.get_num_threads() if dev.kind == "cpu" else None)
     peak_total = peak * world if peak else None
     meter = metrics.Throughput()
-    bad_streak = torch.zeros((), device=dev.torch_device)
+    # Non-finite steps, counted on the device (no host sync per step): the
+    # current run of them, and since the last log the longest run and how many.
+    # The host looks at them when a step is logged (log_step, below).
+    bad_streak = torch.full((), float(bad_steps), device=dev.torch_device)
+    worst_streak, skipped = bad_streak.clone(), torch.zeros((), device=dev.torch_device)
+    saved_step = start_step if resume_from else -1     # the newest checkpoint of this run holds this step
     bar = None
     if main and tcfg.progress:
         from tqdm import tqdm
@@ -93,16 +102,21 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     summary = {"losses": [], "val_losses": []}
     last_step = start_step
 
-    def log_step(step, loss, norm, streak, lr, tokens):
+    def log_step(step, loss, norm, worst, skipped, lr, tokens):
         """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
         loss, norm = float(loss), float(norm)
+        # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
         if not devicelib.extract_graphs_only():
-            if int(streak) >= tcfg.max_bad_steps:
-                raise RuntimeError(f"{int(streak)} steps in a row had a non-finite loss or gradient "
-                                   f"(last at step {step}); stopping. Lower --lr or check the data.")
-            if int(streak) > 0 and main:
-                print(f"warning: step {step} had a non-finite loss/gradient; the update was skipped",
+            worst, skipped = int(worst), int(skipped)
+            if skipped and main:   # the optimizer already skipped them (torch.where in optim.step)
+                what = (f"step {step} had" if tcfg.log_every == 1 else
+                        f"{skipped} step(s) since the last log (up to step {step}) had")
+                print(f"warning: {what} a non-finite loss or gradient; the update was skipped",
                       file=sys.stderr)
+            if worst >= tcfg.max_bad_steps:   # every rank sees the same counts: all stop together
+                raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
+                                f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr, or check "
+                                f"the data; the last checkpoint holds the last good weights")
         tps = meter.update(tokens_per_step)
         mfu = metrics.mfu(tps, flops_tok, peak_total)
         summary["losses"].append(loss)
@@ -121,14 +135,17 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         loss = comm.all_reduce(comm.all_reduce(loss, mesh.pp_group), mesh.dp_group)   # global mean
         norm, finite = opt.step(lr)
         bad_streak = torch.where(finite & torch.isfinite(loss), torch.zeros_like(bad_streak), bad_streak + 1)
+        worst_streak = torch.maximum(worst_streak, bad_streak)
+        skipped = skipped + (bad_streak > 0).float()
         dev.sync()
         tokens_seen += tokens_per_step
         if step == start_step:
             summary["comm_bytes"] = mesh.ledger.snapshot()
             if main:
                 log(comm_report(mesh, model_cfg, tcfg))
-        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
-            dev.add_step_closure(log_step, step + 1, loss, norm, bad_streak, lr, tokens_seen)
+        if (step + 1) % tcfg.log_every == 0 or step + 1 in (tcfg.steps, tcfg.stop_after):
+            dev.add_step_closure(log_step, step + 1, loss, norm, worst_streak, skipped, lr, tokens_seen)
+            worst_streak, skipped = torch.zeros_like(worst_streak), torch.zeros_like(skipped)
         if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
             val = evaluate_loss(runner, ds, mesh, tcfg, dev)
             dev.add_step_closure(lambda s, v: (summary["val_losses"].append(float(v)),

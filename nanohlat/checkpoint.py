@@ -4,28 +4,55 @@ On disk (one directory per saved step):
 
     <out_dir>/checkpoints/step_00000200/
         shard_00000.pt ... shard_<world-1>.pt   one per rank: its tensors + where they belong
-        manifest.json                            written last: config, layout, step, file sizes
+        manifest.json                            written last: config, layout, step, tokens,
+                                                 schedule, data position, file sizes + sha256
     <out_dir>/checkpoints/latest                 name of the newest complete checkpoint
 
-Atomicity: every rank writes into `.tmp_step_...`, each file under a
-temporary name, fsync'd, then renamed; after a barrier rank 0 writes the
-manifest the same way, renames the directory into place and only then
-updates `latest`. A crash at any moment leaves at most a `.tmp_` directory
-that nothing reads, and the previous checkpoint intact.
+What a checkpoint holds, and why that is enough to resume bit-for-bit:
+  * model weights and the optimizer's master weights and Adam moments (per
+    parameter, so they can be reassembled in another layout);
+  * the optimizer step count (Adam's bias corrections) and the step itself:
+    the learning rate is a pure function of (step, --lr, --min-lr,
+    --warmup-steps, --steps), and the global batch of step k a pure function
+    of (--seed, k) (DESIGN 5.2), so "the data position" is just the step;
+  * each rank's random generators (torch's CPU generator and the software
+    stochastic-rounding generator), restored when the layout is unchanged;
+  * the count of non-finite steps in a row (--max-bad-steps carries over).
+
+Atomicity: every rank writes its shard into `.tmp_step_...` under a
+temporary name, fsync'd, then renamed; an all-gather tells rank 0 that every
+shard is complete (and each file's checksum); rank 0 then writes the manifest
+the same way, renames the directory into place and only then updates
+`latest`. A crash at any moment leaves at most a `.tmp_` directory that
+nothing reads (the next save removes it) and the previous checkpoint intact.
+Old checkpoints are removed by renaming them away first, so a crash during a
+removal never leaves a half-deleted directory that looks complete.
+
+The newest complete `step_*` directory is the run's head: saving step s
+removes checkpoints of steps after s (left by a run that went back to an
+earlier checkpoint with --resume PATH), so "newest" always means "latest".
+`latest` mirrors it for people and tools; the loader relies on the listing,
+which is right even after a crash between the rename and the pointer update.
 
 Resharding: a shard stores, for every tensor, the full shape, which dimension
 was split over tp and which chunk it is; ZeRO-1 optimizer pieces also store
 which [start, stop) of the flattened tp-local parameter they cover. Loading
 rebuilds each full tensor one parameter at a time from whichever shards hold
-it, then cuts the slice the *new* layout needs. Model weights are written
-once per (pp, tp) coordinate (dp rank 0); optimizer state by every rank that
-owns some (all dp ranks with ZeRO-1). Files load with weights_only=True, so
-no pickled code ever runs.
+it (checking that every element was found), then cuts the slice the *new*
+layout needs. Model weights are written once per (pp, tp) coordinate (dp rank
+0); optimizer state by every rank that owns some (all dp ranks with ZeRO-1).
+
+Trust: files load with weights_only=True, so no pickled code ever runs. Before
+anything is loaded, every file named by the manifest must exist with the
+recorded size and sha256 (each rank hashes 1/world of the files), so a
+missing, truncated or corrupt shard is a one-line UserError naming the file,
+never a silently wrong model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -38,11 +65,13 @@ from .config import ModelConfig, UserError, model_from_dict
 from .tensor_parallel import shard
 
 FORMAT = 1
+REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
 
 
 # -- small file helpers ------------------------------------------------------
 
 def _fsync_dir(path: str) -> None:
+    """Make a rename inside `path` durable (the directory entry itself)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -51,12 +80,31 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_write(path: str, write) -> None:
+    """write(f) into a temporary name, flush + fsync, then rename over `path`."""
     tmp = path + ".partial"
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _sha256(path: str) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint directory crash-safely: rename it out of sight
+    (atomic), then delete. A crash in between leaves only `.trash_` debris."""
+    trash = os.path.join(os.path.dirname(path), ".trash_" + os.path.basename(path))
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _barrier(mesh, device) -> None:
@@ -67,8 +115,14 @@ def _barrier(mesh, device) -> None:
         device.sync()
 
 
+# -- finding checkpoints -------------------------------------------------------
+
 def ckpt_root(out_dir: str) -> str:
     return os.path.join(out_dir, "checkpoints")
+
+
+def step_of(path: str) -> int:
+    return int(os.path.basename(os.path.normpath(path))[len("step_"):])
 
 
 def list_checkpoints(out_dir: str) -> list[str]:
@@ -76,19 +130,14 @@ def list_checkpoints(out_dir: str) -> list[str]:
     root = ckpt_root(out_dir)
     if not os.path.isdir(root):
         return []
-    names = sorted(n for n in os.listdir(root) if n.startswith("step_")
+    names = sorted(n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()
                    and os.path.isfile(os.path.join(root, n, "manifest.json")))
     return [os.path.join(root, n) for n in names]
 
 
 def latest(out_dir: str) -> str | None:
-    pointer = os.path.join(ckpt_root(out_dir), "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            path = os.path.join(ckpt_root(out_dir), f.read().strip())
-        if os.path.isfile(os.path.join(path, "manifest.json")):
-            return path
-    found = list_checkpoints(out_dir)   # pointer missing (crash between rename and update)
+    """The run's newest complete checkpoint, or None (see the module docstring)."""
+    found = list_checkpoints(out_dir)
     return found[-1] if found else None
 
 
@@ -103,8 +152,15 @@ def resolve(path: str) -> str:
     return found
 
 
-def find_resume(out_dir: str, resume: str, overwrite: bool = False) -> str | None:
-    """What --resume means for this out-dir: a checkpoint to load, or None to start fresh."""
+def find_resume(out_dir: str, resume: str, overwrite: bool = False, restarted: bool = False) -> str | None:
+    """What --resume means for this out-dir: a checkpoint to load, or None to start fresh.
+
+    `restarted`: this process was started again by the launcher after a
+    failure (--max-restarts). The job then continues from the newest
+    checkpoint it saved in out-dir, whatever --resume said for its first start.
+    """
+    if restarted:
+        return latest(out_dir) or (None if resume in ("auto", "never") else resolve(resume))
     if resume == "auto":
         return latest(out_dir)
     if resume == "never":
@@ -117,9 +173,17 @@ def find_resume(out_dir: str, resume: str, overwrite: bool = False) -> str | Non
 
 
 def clear_run(out_dir: str) -> None:
-    """--resume never --overwrite: remove the old run's checkpoints and metrics."""
-    shutil.rmtree(ckpt_root(out_dir), ignore_errors=True)
-    for name in ("metrics.jsonl", "timeline.txt"):
+    """--resume never --overwrite: remove the old run's checkpoints and records
+    (only the files a run writes; anything else in out-dir is left alone)."""
+    root = ckpt_root(out_dir)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif name == "latest" or name.endswith(".partial"):
+                os.remove(path)
+    for name in ("metrics.jsonl", "timeline.txt", "summary.json", "config.json"):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
 
@@ -147,45 +211,76 @@ def _meta(p) -> dict:
 
 
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
-         tokenizer_path: str, keep_last: int = 0) -> str:
-    """Every rank calls this. Returns the checkpoint directory."""
+         tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0) -> str:
+    """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
+
+    keep_last > 0 keeps only that many newest checkpoints; bad_steps is the
+    current run of non-finite steps (restored on resume).
+    """
     root = ckpt_root(out_dir)
     name = f"step_{step:08d}"
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
     if mesh.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+        for debris in os.listdir(root):   # left by a save or removal that crashed
+            if debris.startswith((".tmp_", ".trash_")):
+                shutil.rmtree(os.path.join(root, debris), ignore_errors=True)
         os.makedirs(tmp)
     _barrier(mesh, device)
+
+    # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt
     shard_state = {
         "format": FORMAT, "rank": mesh.rank, "tp": mesh.tp, "tp_rank": mesh.tp_rank,
+        "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank,
         "meta": {n: _meta(p) for n, p in model.named_parameters()},
         "model": {n: p.detach() for n, p in model.named_parameters()} if mesh.dp_rank == 0 else {},
         "optim": opt.export_state() if (opt.zero or mesh.dp_rank == 0) else {},
         "optim_step": opt.step_count,
-        "sr_rng": opt.sr_generator.get_state() if opt.sr_generator is not None else None,
+        "rng": {"torch_cpu": torch.get_rng_state(),
+                "sr": opt.sr_generator.get_state() if opt.sr_generator is not None else None},
     }
     shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
-    _atomic_write(os.path.join(tmp, f"shard_{mesh.rank:05d}.pt"), lambda f: torch.save(shard_state, f))
-    _barrier(mesh, device)
+    shard_path = os.path.join(tmp, f"shard_{mesh.rank:05d}.pt")
+    _atomic_write(shard_path, lambda f: torch.save(shard_state, f))
+
+    # 2. rank 0 learns that every shard is on disk, and its checksum: one all-gather
+    #    of each rank's sha256 (32 bytes as 4 int64) doubles as the barrier
+    digest = torch.frombuffer(bytearray(_sha256(shard_path)), dtype=torch.int64)
+    digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu()
+    digests = digests.view(mesh.world, 4)
+
+    # 3. rank 0: manifest, rename into place, update `latest`, prune
     if mesh.rank == 0:
-        files = sorted(n for n in os.listdir(tmp) if n.endswith(".pt"))
+        files = {}
+        for r in range(mesh.world):
+            fname = f"shard_{r:05d}.pt"
+            files[fname] = {"bytes": os.path.getsize(os.path.join(tmp, fname)),
+                            "sha256": digests[r].numpy().tobytes().hex()}
+        train_cfg = config.get("train", {})
         manifest = {
             "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero)},
+            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
+            # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
+            "schedule": {"optimizer_step": opt.step_count, "bad_steps": int(bad_steps)},
+            # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
+            "data": {"next_step": step, "seed": train_cfg.get("seed")},
+            "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
+            "optimizer": True,
             "config": config, "tokenizer": tokenizer_path,
-            "files": {n: os.path.getsize(os.path.join(tmp, n)) for n in files},
+            "files": files,
         }
-        _atomic_write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-        _fsync_dir(tmp)
-        if os.path.exists(final):           # re-saving a step (e.g. after a resume): replace it
-            shutil.rmtree(final)
+        _atomic_write(os.path.join(tmp, "manifest.json"),
+                      lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        for path in list_checkpoints(out_dir):
+            if step_of(path) >= step:     # an abandoned future (or this step, saved before): replaced
+                _remove(path)
         os.replace(tmp, final)
         _fsync_dir(root)
         _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
         if keep_last > 0:
             for old in list_checkpoints(out_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier(mesh, device)
+                _remove(old)
+    _barrier(mesh, device)    # no rank goes on (or reports success) before the checkpoint is visible
     return final
 
 
@@ -197,22 +292,25 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
     tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    meta = {}
-    for n, t in full_state.items():
-        meta[n] = {"full_shape": list(t.shape), "tp_dim": -1}
-    state = {"format": FORMAT, "rank": 0, "tp": 1, "tp_rank": 0, "meta": meta,
+    meta = {n: {"full_shape": list(t.shape), "tp_dim": -1} for n, t in full_state.items()}
+    state = {"format": FORMAT, "rank": 0, "tp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "meta": meta,
              "model": {n: t.detach().float().cpu().contiguous() for n, t in full_state.items()},
-             "optim": {}, "optim_step": 0, "sr_rng": None}
-    _atomic_write(os.path.join(tmp, "shard_00000.pt"), lambda f: torch.save(state, f))
+             "optim": {}, "optim_step": 0, "rng": {"torch_cpu": None, "sr": None}}
+    shard_path = os.path.join(tmp, "shard_00000.pt")
+    _atomic_write(shard_path, lambda f: torch.save(state, f))
     manifest = {"format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False},
+                "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
+                "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
+                "optimizer": False,     # training from here starts Adam's moments fresh
                 "config": {"model": dataclasses.asdict(model_cfg), "train": {}},
                 "tokenizer": tokenizer_path,
-                "files": {"shard_00000.pt": os.path.getsize(os.path.join(tmp, "shard_00000.pt"))}}
+                "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path),
+                                             "sha256": _sha256(shard_path).hex()}}}
     _atomic_write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
     if os.path.exists(final):
-        shutil.rmtree(final)
+        _remove(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
     _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
     return final
 
@@ -227,94 +325,180 @@ def read_manifest(path: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint manifest {mpath} is missing or unreadable ({e.__class__.__name__}); "
                         f"pick another checkpoint") from None
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{mpath} has format {manifest.get('format')}, this nanohlat reads {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise UserError(f"{mpath} has format {found}, this nanohlat reads {FORMAT}")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise UserError(f"checkpoint manifest {mpath} lacks {', '.join(missing)}: it is corrupt; "
+                        f"pick another checkpoint")
+    return manifest
+
+
+def check_files(path: str, manifest: dict) -> None:
+    """Every file the manifest names exists with the recorded size (cheap: no reading)."""
+    for name, info in sorted(manifest["files"].items()):
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
+                            f"pick another one (--resume PATH)")
+        if os.path.getsize(fpath) != info["bytes"]:
+            raise UserError(f"checkpoint shard {fpath} has {os.path.getsize(fpath)} bytes, the manifest "
+                            f"says {info['bytes']}: the file is truncated or corrupt")
+
+
+def check_model(path: str, manifest: dict, cfg: ModelConfig) -> None:
+    """The checkpoint was saved for a model of this shape."""
+    saved = manifest["config"]["model"]
+    mine = dataclasses.asdict(cfg)
+    diff = [k for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                        "vocab_multiple") if saved.get(k) != mine[k]]
+    if diff:
+        desc = ", ".join(f"{k} {saved.get(k)} vs {mine[k]}" for k in diff)
+        raise UserError(f"checkpoint {os.path.join(path, 'manifest.json')} is for a different model shape "
+                        f"({desc}: saved vs this run); pick a matching checkpoint or --out-dir")
+
+
+def check(path: str, cfg: ModelConfig) -> dict:
+    """Cheap checks before workers start (train.py main): manifest, files, model shape."""
+    manifest = read_manifest(path)
+    check_files(path, manifest)
+    check_model(path, manifest, cfg)
     return manifest
 
 
 class ShardSet:
-    """All shard files of one checkpoint, opened lazily (mmap) and checked."""
+    """All shard files of one checkpoint, verified, then opened lazily (mmap).
 
-    def __init__(self, path: str):
+    With a mesh, each rank hashes 1/world of the files and one all-reduce
+    shares the verdict, so every rank raises the same error (no hang) while
+    each byte is read for verification once per job, not once per rank.
+    """
+
+    def __init__(self, path: str, mesh=None, device=None):
         self.path = path
         self.manifest = read_manifest(path)
-        self.shards = []
-        for name, size in self.manifest["files"].items():
+        check_files(path, self.manifest)
+        names = sorted(self.manifest["files"])
+        rank, world = (mesh.rank, mesh.world) if mesh is not None else (0, 1)
+        bad = torch.zeros(len(names))
+        for i, name in enumerate(names):
+            if i % world == rank and _sha256(os.path.join(path, name)).hex() != self.manifest["files"][name]["sha256"]:
+                bad[i] = 1
+        if world > 1:
+            bad = comm.all_reduce(bad.to(device.torch_device), mesh.group("world")).cpu()
+        for name, b in zip(names, bad.tolist()):
+            if b:
+                raise UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its "
+                                f"manifest: the file is corrupt; pick another checkpoint (--resume PATH)")
+        self.shards = {}
+        for name in names:
             fpath = os.path.join(path, name)
-            if not os.path.isfile(fpath):
-                raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
-                                f"pick another one")
-            if os.path.getsize(fpath) != size:
-                raise UserError(f"checkpoint shard {fpath} has {os.path.getsize(fpath)} bytes, the manifest "
-                                f"says {size}: the file is truncated or corrupt")
             try:
-                self.shards.append(torch.load(fpath, map_location="cpu", weights_only=True, mmap=True))
+                sh = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt file
                 raise UserError(f"checkpoint shard {fpath} cannot be read ({e.__class__.__name__}); "
                                 f"the file is corrupt") from None
+            if not isinstance(sh, dict) or not {"tp", "tp_rank", "meta", "model", "optim"} <= set(sh):
+                raise UserError(f"checkpoint shard {fpath} is not a nanohlat shard")
+            self.shards[fpath] = sh
 
-    def check_model(self, cfg: ModelConfig) -> None:
-        saved = self.manifest["config"]["model"]
-        mine = dataclasses.asdict(cfg)
-        diff = [k for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                            "vocab_multiple") if saved.get(k) != mine[k]]
-        if diff:
-            desc = ", ".join(f"{k} {saved.get(k)} vs {mine[k]}" for k in diff)
-            raise UserError(f"checkpoint {self.path} is for a different model shape ({desc}: saved vs this run)")
+    def shard_of_rank(self, rank: int) -> dict | None:
+        for sh in self.shards.values():
+            if sh.get("rank") == rank:
+                return sh
+        return None
 
     def full(self, name: str, section: str = "model", key: str | None = None) -> torch.Tensor | None:
-        """Rebuild the full tensor `name` from the shards (None if not saved)."""
-        out, found = None, False
-        for sh in self.shards:
-            if name not in sh[section]:
+        """Rebuild the full fp32 tensor `name` from the shards (None if no shard holds it).
+
+        section "model": each holder has its tp chunk; "optim": each holder has
+        [start, stop) of its tp chunk flattened (key: master | exp_avg | exp_avg_sq).
+        Raises if some element was in no shard: a silent zero would be a wrong model.
+        """
+        out = covered = None
+        for fpath, sh in self.shards.items():
+            entry = sh[section].get(name)
+            if entry is None:
                 continue
-            meta = sh["meta"][name]
-            full_shape, tp_dim, tp, tp_rank = meta["full_shape"], meta["tp_dim"], sh["tp"], sh["tp_rank"]
-            local_shape = list(full_shape)
-            if tp_dim >= 0:
-                local_shape[tp_dim] //= tp
-            if out is None:
-                out = torch.zeros(full_shape, dtype=torch.float32)
-            dst = out if tp_dim < 0 else out.narrow(tp_dim, tp_rank * local_shape[tp_dim], local_shape[tp_dim])
-            entry = sh[section][name]
-            if section == "model":
-                dst.copy_(entry.float().view(local_shape))
-            else:  # an optimizer piece: [start, stop) of the flattened tp-local tensor
-                flat = dst.contiguous().view(-1)
-                flat[entry["start"]:entry["stop"]] = entry[key].float()
-                dst.copy_(flat.view(local_shape))
-            found = True
-        return out if found else None
+            try:
+                meta = sh["meta"][name]
+                full_shape, tp_dim, tp, tp_rank = meta["full_shape"], meta["tp_dim"], sh["tp"], sh["tp_rank"]
+                if out is None:
+                    out = torch.zeros(full_shape, dtype=torch.float32)
+                    covered = torch.zeros(full_shape, dtype=torch.bool)
+                if list(out.shape) != list(full_shape):
+                    raise ValueError("shards disagree on the full shape")
+                dst, cov = out, covered                        # this tp rank's chunk, as views
+                if tp_dim >= 0:
+                    size = full_shape[tp_dim] // tp
+                    dst, cov = out.narrow(tp_dim, tp_rank * size, size), covered.narrow(tp_dim, tp_rank * size, size)
+                if section == "model":
+                    if list(entry.shape) != list(dst.shape):
+                        raise ValueError(f"shape {list(entry.shape)}, expected {list(dst.shape)}")
+                    dst.copy_(entry)
+                    cov.fill_(True)
+                else:
+                    start, stop, piece = entry["start"], entry["stop"], entry[key]
+                    if piece.numel() != stop - start or not 0 <= start < stop <= dst.numel():
+                        raise ValueError(f"piece [{start}, {stop}) does not fit {list(dst.shape)}")
+                    # the chunk may be strided (narrowed along dim > 0): edit a contiguous copy
+                    flat, flat_cov = dst.contiguous().view(-1), cov.contiguous().view(-1)
+                    flat[start:stop] = piece.float()
+                    flat_cov[start:stop] = True
+                    dst.copy_(flat.view(dst.shape))
+                    cov.copy_(flat_cov.view(cov.shape))
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise UserError(f"checkpoint shard {fpath}: {section} tensor {name!r} is malformed ({e}); "
+                                f"the file is corrupt") from None
+        if out is not None and not bool(covered.all()):
+            raise UserError(f"checkpoint {self.path}: {section} tensor {name!r} is incomplete "
+                            f"({int((~covered).sum())} elements in no shard); a shard is missing")
+        return out
 
 
 @torch.no_grad()
 def load(path: str, model, opt, mesh, device) -> dict:
-    """Load a checkpoint saved with any layout into this rank's model and optimizer."""
-    shards = ShardSet(path)
-    shards.check_model(model.cfg)
+    """Load a checkpoint saved with any layout into this rank's model and
+    optimizer (every rank calls this). Returns the manifest."""
+    shards = ShardSet(path, mesh, device)
+    check_model(path, shards.manifest, model.cfg)
     tp, tp_rank = mesh.tp, mesh.tp_rank
-    for name, p in model.named_parameters():
-        full = shards.full(name)
-        if full is None:
-            raise UserError(f"checkpoint {path} has no tensor {name!r}: a shard is missing or the model differs")
-        p.copy_(shard(full, p.tp_dim, tp_rank, tp))
     params = dict(model.named_parameters())
 
-    def local_flat(name, key):
-        full = shards.full(name, "optim", key)
-        if full is None:   # no optimizer state saved (e.g. imported weights): fresh moments
-            return params[name].detach().float().reshape(-1).cpu() if key == "master" else \
-                torch.zeros(params[name].numel())
-        return shard(full, params[name].tp_dim, tp_rank, tp).reshape(-1)
+    def full(name, section="model", key=None):
+        t = shards.full(name, section, key)
+        if t is None:
+            raise UserError(f"checkpoint {path} has no {section} tensor {name!r}: a shard is missing "
+                            f"or the model differs")
+        if list(t.shape) != list(params[name].full_shape):
+            raise UserError(f"checkpoint {path}: {name!r} has shape {list(t.shape)}, this model's is "
+                            f"{list(params[name].full_shape)}")
+        return t
 
-    step_count = max((sh.get("optim_step", 0) for sh in shards.shards), default=0)
+    for name, p in params.items():
+        p.copy_(shard(full(name), p.tp_dim, tp_rank, tp))
+
+    if shards.manifest.get("optimizer", True):
+        def local_flat(name, key):
+            return shard(full(name, "optim", key), params[name].tp_dim, tp_rank, tp).reshape(-1)
+    else:   # weights only (e.g. imported from Hugging Face): master = weights, fresh moments
+        def local_flat(name, key):
+            p = params[name]
+            return p.detach().float().reshape(-1).cpu() if key == "master" else torch.zeros(p.numel())
+    step_count = shards.manifest.get("schedule", {}).get("optimizer_step", 0)
     opt.import_state(lambda n, k: local_flat(n, k).to(device.torch_device), step_count)
+
+    # Random generators are per rank: restore them only where ranks mean the
+    # same thing as when saved. In another layout the stochastic-rounding noise
+    # differs anyway (each rank rounds its own shard), so fresh seeds are right.
     layout = shards.manifest["layout"]
-    same = (layout["tp"], layout["pp"], layout["dp"], layout["zero1"]) == (mesh.tp, mesh.pp, mesh.dp, opt.zero)
-    if same and opt.sr_generator is not None:
-        state = shards.shards[mesh.rank].get("sr_rng")
-        if state is not None:
-            opt.sr_generator.set_state(state)
+    if (layout["tp"], layout["pp"], layout["dp"], layout["zero1"]) == (mesh.tp, mesh.pp, mesh.dp, opt.zero):
+        rng = (shards.shard_of_rank(mesh.rank) or {}).get("rng") or {}
+        if rng.get("torch_cpu") is not None:
+            torch.set_rng_state(rng["torch_cpu"])
+        if rng.get("sr") is not None and opt.sr_generator is not None:
+            opt.sr_generator.set_state(rng["sr"])
     return shards.manifest
 
 
@@ -330,6 +514,9 @@ def load_for_inference(path: str, device) -> tuple:
             full = shards.full(name)
             if full is None:
                 raise UserError(f"checkpoint {path} has no tensor {name!r}: a shard is missing")
+            if list(full.shape) != list(p.shape):
+                raise UserError(f"checkpoint {path}: {name!r} has shape {list(full.shape)}, its manifest's "
+                                f"model config says {list(p.shape)}: the checkpoint is corrupt")
             p.copy_(full)
     model.to(device.torch_device).eval()
     return model, shards.manifest

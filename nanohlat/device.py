@@ -133,10 +133,18 @@ class Device:
     def to_host(self, obj):
         """CPU copies of every tensor in a nested dict/list/tuple (for checkpoints).
         Always copies, even on the CPU, so the snapshot does not change when
-        training goes on updating the original tensors in place."""
-        if self.kind == "xla":
-            self.sync()  # materialise pending updates before reading them
-        return _to_cpu(obj)
+        training goes on updating the original tensors in place.
+
+        On xla: sync first, so pending updates are in the snapshot; then fetch
+        every XLA tensor in *one* batched transfer (what `xm.save` does). One
+        `.cpu()` per tensor would compile a small graph for each slice of a
+        buffer that was updated in place (the optimizer-state pieces of a
+        checkpoint): one per parameter shape, minutes of compiling on Neuron."""
+        if self.kind != "xla":
+            return _to_cpu(obj)
+        import torch_xla.core.xla_model as xm
+        self.sync()
+        return xm._maybe_convert_to_cpu(_to_cpu(obj, keep_xla=True))
 
     def checkpoint(self, fn, *args):
         """Activation checkpointing: keep only fn's inputs, recompute its
@@ -206,14 +214,18 @@ class Device:
     def compile_count(self) -> int | None:
         """Graphs compiled so far in this process (xla only). It must stop
         growing after the first steps; if it keeps growing, a step's graph
-        changes from step to step (a shape, a Python branch on a value)."""
+        changes from step to step (a shape, a Python branch on a value).
+
+        Read from the runtime's CompileTime metric, which has one sample per
+        compilation of any graph. The counter UncachedCompile counts only the
+        graphs of sync() and misses e.g. those compiled to fetch a tensor to
+        the host."""
         if self.kind != "xla":
             return None
         import torch_xla.debug.metrics as met
-        count = met.counter_value("UncachedCompile")  # None until the first compile
-        if count is None and "CompileTime" in met.metric_names():
-            count = met.metric_data("CompileTime")[0]  # (total samples, sum, samples)
-        return int(count or 0)
+        if "CompileTime" in met.metric_names():
+            return int(met.metric_data("CompileTime")[0])  # (total samples, accumulator, samples)
+        return int(met.counter_value("UncachedCompile") or 0)  # None until the first compile
 
     def peak_memory(self) -> int | None:
         """Peak bytes: CUDA tensor allocations; on the CPU the process's peak
@@ -235,14 +247,17 @@ class Device:
             return None
 
 
-def _to_cpu(obj):
+def _to_cpu(obj, keep_xla: bool = False):
+    """Copy tensors to the CPU (XLA tensors only detached if keep_xla: the caller
+    fetches those in one batch)."""
     if isinstance(obj, torch.Tensor):
-        # One transfer per tensor; fine for checkpoints, which are rare.
+        if keep_xla and obj.device.type == "xla":
+            return obj.detach()  # a plain Tensor (not a Parameter), as xm's batch fetch expects
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        return type(obj)((k, _to_cpu(v, keep_xla)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(_to_cpu(v, keep_xla) for v in obj)
     return obj
 
 

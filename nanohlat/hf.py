@@ -234,7 +234,8 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def export(run_or_ckpt: str, hf_dir: str) -> None:
     from .checkpoint import load_for_inference
-    model, manifest = load_for_inference(run_or_ckpt, torch.device("cpu"))
+    from .device import get_device
+    model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
     state = {k: v for k, v in model.state_dict().items()}
     write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
@@ -253,7 +254,13 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     from .data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
-    path = save_full(out_dir, cfg, state, tokenizer, step=0, tokens=0)
+    # The checkpoint records the tokenizer's path: keep a copy in the run, so it
+    # outlives (and does not depend on) the Hugging Face directory.
+    os.makedirs(out_dir, exist_ok=True)
+    kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
+    if os.path.abspath(tokenizer) != kept:
+        shutil.copyfile(tokenizer, kept)
+    path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
     print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
           f"padded to {cfg.padded_vocab}) -> {path}")
     return path

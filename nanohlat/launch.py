@@ -29,6 +29,13 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
+def restart_count() -> int:
+    """How often the launcher (torchrun, or train.py --max-restarts) has
+    restarted this worker group after a failure; 0 on the first start. A
+    restarted job resumes from its newest checkpoint, whatever --resume said."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,26 +2,87 @@
 
 Everything here is arithmetic on the config: no devices, no tensors, so it
 answers for hlat-70b on 2048 ranks in a moment. The same formulas are checked
-against what small real runs measure (the comm ledger, the optimizer's bytes),
-so the plan is a prediction you can trust, not a guess.
+against what small real runs measure (tests/test_plan.py: the comm ledger,
+the optimizer's bytes, the bytes autograd keeps after a forward), so the plan
+is a prediction you can trust, not a guess.
+
+Memory per rank, at its peak (the bigger of the two phases of a step):
+
+    weights + gradients + optimizer state + max(activations   during forward/backward,
+                                                flat fp32 grads during the optimizer step)
+
+    weights       parameters x 2 B (bf16) or 4 B (fp32)
+    gradients     the same again: p.grad has the parameter's dtype
+    flat grads    optim.FlatAdamW.step copies all gradients into fp32 buffers
+                  (4 B/param; with ZeRO-1 one full buffer at a time, then 1/dp shards)
+    optimizer     Adam moments (2 x 4 B) + fp32 master copy (4 B) unless the
+                  master *is* the bf16 parameter (bf16, bf16-sr); 1/dp of it with ZeRO-1
+    activations   what autograd keeps per micro-batch, times the micro-batches in flight
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
+RMSNorm, SwiGLU, rotary, grouped-query attention, no dropout, no biases).
+Per layer and micro-batch of mb sequences of T tokens, e bytes per activation
+(the parameter dtype), with N = mb*T*C, n = N/tp with sequence parallel else N:
+
+    each RMSNorm (x2)  fp32 copy of its input 4n, normalised input e*n, and its output
+                       as the next matmul's input: e*n, or with sequence parallel the
+                       all-gathered full sequence e*N (Megatron re-gathers it in
+                       backward to keep only N/tp; we keep it, see tensor_parallel.enter)
+    attention          q after rotary, k and v after repeating kv heads, the kernel's
+                       output: 4 * e*N/tp, plus
+                         fused kernel (SDPA flash/efficient on cpu/cuda): fp32 log-sum-exp
+                         T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax):
+                         the softmax probabilities e*mb*(heads/tp)*T*T
+    SwiGLU             gate, silu(gate), up, their product: 4 * e*mb*T*ffn/tp
+    selective          the attention core is recomputed: keep its inputs q, k, v (kv
+                       heads not repeated) and output, and no T*T term at all
+    full               each block is recomputed: keep only its input, e*n
+
+The first stage adds the token ids and embedding mask, the last the final
+norm and the vocab-parallel loss, which keeps two (mb, T, V/tp) fp32 tensors
+(the masked logits and their exp): at a 32k vocabulary, the biggest single
+item of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
+at once under 1F1B, all M under AFAB (pipeline.stage_order).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from .config import ModelConfig, TrainConfig
-from .mesh import coords, layout_table, validate_layout
-from .pipeline import timetable
+from .mesh import Mesh, coords, layout_table, validate_layout
+from .metrics import PEAK_FLOPS, flops_per_token, peak_flops
+from .pipeline import stage_layers, stage_order, timetable
 from .zero1 import padded_size
+
+GiB = 2**30
+
+# Memory of ONE process's device (one NeuronCore / GPU), for "does it fit".
+# trn1: 32 GiB HBM per Trainium chip, 2 NeuronCore-v2 each (trn1.32xlarge:
+# 512 GiB for 32 cores). GPUs: the datasheet sizes of the SXM parts.
+DEVICE_MEMORY = {"NeuronCore-v2": 16 * GiB, "A100": 80e9, "H100": 80e9, "H200": 141e9}
+
+# --device -> the rows of the time estimate; the first also picks the attention path.
+PLAN_DEVICES = {"xla": ["NeuronCore-v2"], "cuda": ["A100", "H100", "H200"], "cpu": ["cpu"],
+                "auto": ["NeuronCore-v2", "H100", "cpu"]}
+DEFAULT_MFU = 0.40
 
 
 def dtype_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """kv heads on one tp rank. With more tp ranks than kv heads (HLAT-70B: 8 kv
+    heads, tp 32) each rank must hold a replica of one kv head."""
+    return max(cfg.n_kv_heads // tp, 1)
+
+
 def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
     """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms."""
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
-    per_layer = (d * d * 2 + d * kv * 2 + 3 * d * cfg.ffn_dim) // tp
+    d, kv = cfg.d_model, local_kv_heads(cfg, tp) * cfg.head_dim
+    per_layer = (d * d * 2 + 3 * d * cfg.ffn_dim) // tp + d * kv * 2
     layers = cfg.n_layers // pp
     sharded = layers * per_layer
     norms = layers * 2 * d
@@ -32,6 +93,111 @@ def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
         norms += d
     return {"sharded": sharded, "replicated": norms, "total": sharded + norms}
 
+
+# ---------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------
+
+def micro_batch_size(t: TrainConfig, dp: int) -> int:
+    return t.batch_size // (dp * t.microbatches)
+
+
+def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, mode: str, sp: bool,
+                           fused: bool) -> int:
+    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
+    C, D = cfg.d_model, cfg.head_dim
+    sp = sp and tp > 1
+    N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
+    n = N // tp if sp else N                 # the residual stream this rank holds
+    if mode == "full":
+        return e * n
+    q = N // tp                              # (mb, T, C/tp): local query heads
+    kv = mb * T * local_kv_heads(cfg, tp) * D   # local kv heads, not repeated
+    heads = cfg.n_heads // tp
+    norm = 4 * n + e * n + (e * N if sp else e * n) + 4 * (n // C)   # ... + fp32 rsqrt per token
+    rotary = 4 * T * D * e if e != 4 else 0  # cos/sin cast to bf16, for q and k
+    if mode == "selective":
+        core = e * (q + 2 * kv) + e * q
+    elif fused:
+        core = 4 * e * q + 4 * mb * heads * T
+    else:
+        core = 4 * e * q + e * mb * heads * T * T
+    mlp = 4 * e * mb * T * cfg.ffn_dim // tp
+    return 2 * norm + rotary + core + mlp
+
+
+def activation_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                     mode: str | None = None, sp: bool | None = None, fused: bool = True) -> int:
+    """Bytes autograd (and the pipeline runner) keep for ONE micro-batch on a rank
+    of `stage`, at the end of its forward. mode/sp default to the config's."""
+    mode = t.activation_checkpointing if mode is None else mode
+    sp = (t.sequence_parallel if sp is None else sp) and tp > 1
+    e, mb, T, C = dtype_bytes(t.precision), micro_batch_size(t, dp), t.seq_len, cfg.d_model
+    n = mb * (T // tp if sp else T) * C
+    total = cfg.n_layers // pp * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused)
+    first, last = stage == 0, stage == pp - 1
+    if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
+        total += 8 * mb * T + e * mb * T
+    elif mode != "full" and e != 4:
+        total += e * n  # the received input, kept for its gradient (fp32: it is the norm's input)
+    if not last:
+        total += e * n  # the stage's output, kept by the runner until its backward
+    else:           # final norm, then the loss: masked fp32 logits and their exp, and per-token scalars
+        V = cfg.padded_vocab // tp
+        total += 4 * n + e * n + (e * mb * T * C if sp else e * n) + 4 * (n // C)
+        total += 8 * mb * T * V + V + 13 * mb * T
+    return total
+
+
+def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int) -> int:
+    """Most micro-batches whose activations a stage holds at once (1F1B: min(pp - stage, m))."""
+    held = peak = 0
+    for kind, _ in stage_order(schedule, pp, m, stage):
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
+                    dp_rank: int = 0) -> int:
+    """Adam moments (fp32) + master weights, on one rank (1/dp of them with ZeRO-1)."""
+    counts = stage_param_counts(cfg, tp, pp, stage)
+    master = 4 if t.precision in ("fp32", "bf16-mixed") else 2
+    shards = dp if t.zero1 else 1
+    return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
+
+
+def flat_grad_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int) -> int:
+    """fp32 gradient buffers of the optimizer step: all of them (plain dp), or
+    one full buffer at a time plus the 1/dp shards kept (ZeRO-1)."""
+    counts = stage_param_counts(cfg, tp, pp, stage)
+    groups = [counts["sharded"], counts["replicated"]]
+    if not t.zero1:
+        return 4 * sum(groups)
+    return 4 * (max(padded_size(n, dp) for n in groups) + sum(padded_size(n, dp) // dp for n in groups))
+
+
+def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                    fused: bool = True) -> dict:
+    """The per-rank breakdown of one stage, in bytes (module docstring)."""
+    params = stage_param_counts(cfg, tp, pp, stage)["total"]
+    s = dtype_bytes(t.precision)
+    flight = microbatches_in_flight(t.schedule, pp, t.microbatches, stage)
+    out = {"params": params, "weights": s * params, "grads": s * params,
+           "flat_grads": flat_grad_bytes(cfg, t, tp, pp, dp, stage),
+           "optimizer": optimizer_bytes(cfg, t, tp, pp, dp, stage),
+           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(t, zero1=True), tp, pp, dp, stage),
+           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(t, zero1=False), tp, pp, dp, stage),
+           "in_flight": flight,
+           "activations": flight * activation_bytes(cfg, t, tp, pp, dp, stage, fused=fused)}
+    out["peak"] = (out["weights"] + out["grads"] + out["optimizer"]
+                   + max(out["activations"], out["flat_grads"]))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------
 
 def _add(out: dict, key: str, nbytes: int) -> None:
     if nbytes:
@@ -102,20 +268,154 @@ def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh) -> dict:
     return out
 
 
-def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
-                    dp_rank: int = 0) -> int:
-    """Adam moments (fp32) + master weights, on one rank (1/dp of them with ZeRO-1)."""
-    counts = stage_param_counts(cfg, tp, pp, stage)
-    master = 4 if t.precision in ("fp32", "bf16-mixed") else 2
-    shards = dp if t.zero1 else 1
-    return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
+# ---------------------------------------------------------------------------
+# The printed plan
+# ---------------------------------------------------------------------------
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def fmt_flops(f: float) -> str:
+    for unit, size in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if f >= size:
+            return f"{f / size:.4g} {unit}"
+    return f"{f:.3g} FLOP/s"
+
+
+def fmt_seconds(s: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60), ("s", 1), ("ms", 1e-3)):
+        if s >= size:
+            return f"{s / size:.2f} {unit}"
+    return f"{s * 1e6:.1f} us"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  " + "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths)))
+    return [line(header).rstrip()] + [line(r).rstrip() for r in rows]
+
+
+def shown_stages(pp: int) -> list[int]:
+    return list(range(pp)) if pp <= 16 else [0, 1, pp - 2, pp - 1]
+
+
+def validate_plan_layout(cfg: ModelConfig, t: TrainConfig, world: int) -> tuple[int, list[str]]:
+    """mesh.validate_layout, except that tp may be a multiple of n_kv_heads larger
+    than it (HLAT-70B's tp 32 with 8 kv heads). Returns dp and notes to print."""
+    if t.tp <= cfg.n_kv_heads or t.tp % cfg.n_kv_heads:
+        return validate_layout(cfg, t, world), []
+    dp = validate_layout(dataclasses.replace(cfg, n_kv_heads=t.tp), t, world)
+    return dp, [f"note: tp {t.tp} > {cfg.n_kv_heads} kv heads, so each tp rank must hold a replica of one kv "
+                f"head (shared by {t.tp // cfg.n_kv_heads} ranks; HLAT-70B ran so). model.py does not replicate "
+                f"kv heads yet and train.py refuses this layout; the plan counts the replicas' weights and "
+                f"activations, not the all-reduce their gradients would need."]
 
 
 def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:
-    dp = validate_layout(cfg, t, world)
-    lines = [f"plan for preset {t.preset}: {cfg.num_params() / 1e9:.3f}B parameters",
-             layout_table(t.tp, t.pp, dp, cfg.n_layers, max_rows=16)]
-    counts = stage_param_counts(cfg, t.tp, t.pp, 0)
-    lines.append(f"parameters on rank 0: {counts['total'] / 1e6:.1f}M; optimizer state: "
-                 f"{optimizer_bytes(cfg, t, t.tp, t.pp, dp) / 2**30:.2f} GiB")
-    return "\n".join(lines)
+    """Everything above as text: the answer to `train.py --plan`."""
+    dp, notes = validate_plan_layout(cfg, t, world)
+    tp, pp, m = t.tp, t.pp, t.microbatches
+    mb, sp = micro_batch_size(t, dp), t.sequence_parallel and tp > 1
+    devices = PLAN_DEVICES[t.device]
+    fused = t.device in ("cpu", "cuda")    # which attention path the memory table assumes
+    tokens = t.batch_size * t.seq_len
+    L = []
+    L.append(f"plan for preset {t.preset}: {cfg.num_params() / 1e9:.3f}B parameters "
+             f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks")
+    L.append(f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
+             f"activation checkpointing {t.activation_checkpointing}; "
+             f"{'ZeRO-1' if t.zero1 else 'replicated optimizer'}; precision {t.precision}; schedule {t.schedule}")
+    L.append(f"  batch: {t.batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
+             f"{t.batch_size // dp} = {m} micro-batch(es) of {mb}")
+    L += ["  " + n for n in notes]
+
+    L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
+          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
+
+    stages = shown_stages(pp)
+    mems = {s: memory_per_rank(cfg, t, tp, pp, dp, s, fused) for s in range(pp)}
+    largest = max(range(pp), key=lambda s: mems[s]["peak"])
+    L += ["", "parameters and memory per rank (every rank of a stage holds the same; "
+              f"activations assume {'a fused attention kernel' if fused else 'T*T attention scores kept'})"]
+    rows = []
+    for s in stages:
+        r = mems[s]
+        lay = stage_layers(cfg.n_layers, pp, s)
+        rows.append([s, f"{lay.start}-{lay.stop - 1}", fmt_count(r["params"]), fmt_bytes(r["weights"]),
+                     fmt_bytes(r["grads"]), fmt_bytes(r["flat_grads"]), fmt_bytes(r["optimizer_replicated"]),
+                     fmt_bytes(r["optimizer_zero1"]), f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
+                     fmt_bytes(r["peak"])])
+    L += _table(["stage", "layers", "params", "weights", "grads", "fp32 grads", "Adam", "Adam ZeRO-1",
+                 "activations", "peak"], rows)
+    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'replicated'}, as configured) "
+             f"+ max(activations in flight, fp32 grads of the optimizer step)")
+    biggest = mems[largest]["peak"]
+    for dev in devices:
+        if dev in DEVICE_MEMORY:
+            cap = DEVICE_MEMORY[dev]
+            L.append(f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(cap)} on one {dev}: "
+                     + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
+
+    L += ["", f"activations per rank of stage {largest}, by checkpointing mode "
+              f"({mems[largest]['in_flight']} of {m} micro-batch(es) of {mb} x {t.seq_len} tokens in flight):"]
+    rows = []
+    flight = mems[largest]["in_flight"]
+    for mode in ("none", "selective", "full"):
+        for sp_row in ((False, True) if tp > 1 else (False,)):
+            kept = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp_row, fused=False)
+            fast = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp_row, fused=True)
+            mark = "<- this run" if (mode, sp_row) == (t.activation_checkpointing, sp) else ""
+            rows.append([mode, "on" if sp_row else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
+                         fmt_bytes(fast), fmt_bytes(flight * fast), mark])
+    L += _table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
+                 "fused attn: 1 mb", "in flight", ""], rows)
+    L.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
+             "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+
+    f_tok = flops_per_token(cfg, t.seq_len)
+    f_step = f_tok * tokens
+    L += ["", f"compute: {f_tok / 1e9:.2f} GFLOP per token (6 x matmul params + 12 x layers x d_model x seq_len) "
+              f"x {tokens:,} tokens = {f_step:.3g} FLOP per step ({f_step / world:.3g} per rank)"]
+    rows = []
+    for dev in devices:
+        threads = max(1, t.threads) if dev == "cpu" else None
+        peak = peak_flops(dev, t.precision, threads)
+        step_s = f_step / (world * peak * DEFAULT_MFU)
+        rows.append([dev, fmt_flops(peak) + (f" ({threads} core)" if dev == "cpu" else ""),
+                     fmt_seconds(step_s), f"{tokens / step_s:,.0f}", fmt_seconds(step_s * t.steps)])
+    L += _table(["device", "peak per rank", f"step at {DEFAULT_MFU:.0%} MFU", "tokens/s",
+                 f"{t.steps:,} steps"], rows)
+
+    L += ["", "communication per step (bytes in each collective's full buffer on one rank, as the comm ledger counts)"]
+    firsts = sorted({coords_rank(s, tp, dp) for s in (0, pp - 1)})
+    per_rank = {r: comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, r)) for r in firsts}
+    keys = sorted(set().union(*per_rank.values()))
+    if not keys:
+        L.append("  none: one process")
+    else:
+        head = [f"rank {r} (stage {r // (tp * dp)})" for r in firsts]
+        rows = [[k] + [f"{per_rank[r].get(k, 0):,}" for r in firsts] for k in keys]
+        rows.append(["total"] + [f"{sum(per_rank[r].values()):,} ({fmt_bytes(sum(per_rank[r].values()))})"
+                                 for r in firsts])
+        L += _table(["collective"] + head, rows)
+        everyone = sum(sum(comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, coords_rank(s, tp, dp))).values())
+                       for s in range(pp)) * tp * dp
+        L.append(f"  all {world} ranks together: {fmt_bytes(everyone)} per step")
+    return "\n".join(L)
+
+
+def coords_rank(stage: int, tp: int, dp: int) -> int:
+    """The first rank (dp 0, tp 0) of a pipeline stage."""
+    return stage * dp * tp

@@ -7,9 +7,8 @@ eager softmax), which moves fp32 results by ~1e-6, while any mapping mistake
 norm epsilon) changes them by ~1e-1 or more.
 """
 
+import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from nanohlat.model import Transformer, init_weights
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
 
 # GQA (2 kv heads for 4 query heads) and a vocabulary of 300 (not a multiple of
@@ -48,6 +46,18 @@ def hf_model(hf_config: dict):
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if name.endswith("norm.weight") else 0.2) + ("norm" in name))
     return model.eval()
+
+
+def train_tokenizer(tmp_path) -> str:
+    """A 300-piece SentencePiece model with nanohlat's options (data._train_tokenizer)."""
+    import sentencepiece as spm
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(400)))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "tok"), vocab_size=300, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True, minloglevel=2)
+    return str(tmp_path / "tok.model")
 
 
 def tokens(cfg, B=2, T=24):
@@ -93,18 +103,23 @@ def test_import_with_padding_keeps_logits_and_pads_with_zeros():
 
 def test_files_round_trip_through_from_pretrained(tmp_path):
     """write_hf_dir -> LlamaForCausalLM.from_pretrained, and save_pretrained -> read_hf_dir."""
-    spm = pytest.importorskip("sentencepiece")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(400)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tok"), vocab_size=300,
-                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    tokenizer = train_tokenizer(tmp_path)
     model = nanohlat_model()
     hf_dir = tmp_path / "hf"
-    hf.write_hf_dir(CFG, model.state_dict(), str(tmp_path / "tok.model"), str(hf_dir))
+    hf.write_hf_dir(CFG, model.state_dict(), tokenizer, str(hf_dir))
     assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(hf_dir))
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager").eval()
     x = tokens(CFG)
     assert (theirs(x).logits - model(x)[..., :300]).abs().max().item() < TOL
+
+    # The exported tokenizer tokenises like nanohlat's (BOS first, no dummy prefix, bytes
+    # for unseen characters). Converting a SentencePiece file needs protobuf on the HF side.
+    if importlib.util.find_spec("google.protobuf") is not None:
+        from nanohlat.data import load_tokenizer
+        ours, theirs_tok = load_tokenizer(tokenizer), transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+        for text in ("def f(x):\n    return x\n", "  two spaces", "h\u00e9llo \u2713 12345", "class A:\n\tpass"):
+            assert theirs_tok(text)["input_ids"] == [ours.bos_id] + ours.encode(text)
+            assert theirs_tok.decode(theirs_tok(text)["input_ids"], skip_special_tokens=True) == text
 
     saved = tmp_path / "saved"
     theirs.save_pretrained(str(saved))
@@ -127,21 +142,21 @@ def test_unsupported_configs_are_user_errors():
 
 
 def test_cli_round_trip_through_checkpoints(tmp_path):
-    """export + import via `python -m nanohlat.hf` (needs nanohlat.checkpoint)."""
+    """export + import through the CLI entry point (needs nanohlat.checkpoint)."""
     ckpt = pytest.importorskip("nanohlat.checkpoint")
     if not hasattr(ckpt, "save_full"):
         pytest.skip("nanohlat.checkpoint.save_full not written yet")
-    spm = pytest.importorskip("sentencepiece")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(400)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tok"), vocab_size=300,
-                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    tokenizer = train_tokenizer(tmp_path)
     model = nanohlat_model()
     run = str(tmp_path / "run")
-    ckpt.save_full(run, CFG, model.state_dict(), str(tmp_path / "tok.model"), step=7, tokens=700)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    for args in (["export", run, str(tmp_path / "hf")], ["import", str(tmp_path / "hf"), str(tmp_path / "back")]):
-        subprocess.run([sys.executable, "-m", "nanohlat.hf", *args], check=True, env=env, cwd=ROOT)
-    back, _ = ckpt.load_for_inference(str(tmp_path / "back"), torch.device("cpu"))
+    ckpt.save_full(run, CFG, model.state_dict(), tokenizer, step=7, tokens=700)
+    hf.main(["export", run, str(tmp_path / "hf")])          # what `python -m nanohlat.hf ...` runs
+    hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "back")])
+    with pytest.raises(SystemExit) as e:                      # bad input: one line, exit code 2
+        hf.main(["import", str(tmp_path / "nothing"), str(tmp_path / "back2")])
+    assert e.value.code == 2
+    from nanohlat.device import get_device
+    back, manifest = ckpt.load_for_inference(str(tmp_path / "back"), get_device("cpu"))
+    assert os.path.isfile(manifest["tokenizer"]) and back.cfg.vocab_size == 300
     x = tokens(CFG)
     assert (back(x)[..., :300] - model(x)[..., :300]).abs().max().item() < TOL

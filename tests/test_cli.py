@@ -1,0 +1,121 @@
+"""The command lines a user types: train.py (one process, --nproc, torchrun), sample.py, and their errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_metrics
+
+TINY = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--no-progress"]
+
+
+def run(args, cwd=ROOT, check=True, timeout=240):
+    p = subprocess.run([sys.executable] + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def losses(out_dir):
+    return [m["loss"] for m in read_metrics(str(out_dir))]
+
+
+@pytest.fixture(scope="module")
+def one_process(cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out)])
+    return out
+
+
+# -- bad input: one line, exit code 2, nothing written ---------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of tiny, default"),
+    (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["--seq-len", "4096"], "--seq-len 4096 is above the model maximum 64"),
+    (["--steps", "0"], "--steps must be positive, got 0"),
+    (["--batch-size", "-1"], "--batch-size must be positive, got -1"),
+    (["--precision", "fp8"], "--precision 'fp8' is not one of"),
+    (["--nproc", "2", "--tp", "3"], "--tp 3"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys, cache_dir):
+    import train
+    out = tmp_path / "run"
+    code = train.main(["--preset", "tiny", "--cache-dir", cache_dir, "--out-dir", str(out)] + args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not out.exists()
+
+
+def test_empty_data_folder_is_refused(tmp_path, capsys):
+    import train
+    (tmp_path / "empty").mkdir()
+    code = train.main(["--preset", "tiny", "--data", str(tmp_path / "empty"), "--out-dir", str(tmp_path / "o")])
+    assert code == 2 and "error: " in capsys.readouterr().err
+
+
+def test_errors_exit_2_without_traceback_as_a_process(tmp_path):
+    p = run(["train.py", "--preset", "nope", "--out-dir", str(tmp_path / "o")], check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
+    p = run(["sample.py", "--out-dir", str(tmp_path / "missing")], check=False)
+    assert p.returncode == 2 and "no complete checkpoint" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- a run: loss falls, metrics.jsonl, sample.py ----------------------------
+
+def test_short_run_lowers_loss_and_writes_metrics(one_process):
+    records = read_metrics(str(one_process))
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"} <= set(r)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.1
+    assert records[-1]["tokens"] == 5 * 8 * 32
+    cfg = json.load(open(one_process / "config.json"))
+    assert cfg["model"]["n_layers"] == 4 and cfg["train"]["steps"] == 5
+
+
+def test_sample_streams_text_from_the_run(one_process):
+    p = run(["sample.py", "--out-dir", str(one_process), "--prompt", "import os\n", "--max-new-tokens", "20"])
+    assert p.stdout.startswith("import os\n") and len(p.stdout) > len("import os\n")
+
+
+# -- the launchers: same losses as one process ------------------------------
+
+def test_nproc_2_tensor_parallel_equals_one_process(one_process, cache_dir, tmp_path):
+    out = tmp_path / "tp2"
+    p = run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "2", "--tp", "2"])
+    assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
+    # the comm ledger of the first step is printed once, beside the prediction from the model shape
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  tp.")]
+    assert rows and all(r[1] == r[2] for r in rows), p.stdout
+
+
+def test_torchrun_equals_one_process(one_process, cache_dir, tmp_path):
+    out = tmp_path / "torchrun"
+    run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", *TINY,
+         "--cache-dir", cache_dir, "--out-dir", str(out), "--tp", "2"])
+    assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
+
+
+def test_pipeline_1f1b_with_timeline_equals_one_process(one_process, cache_dir, tmp_path):
+    out = tmp_path / "pp2"
+    p = run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "2", "--pp", "2",
+             "--schedule", "1f1b", "--microbatches", "4", "--timeline"])
+    assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
+    text = (out / "timeline.txt").read_text()
+    assert "stage 0 | F0 F1 F2 B0" in text and "stage 1 | .. F0 B0 F1 B1" in text
+    assert "formula (p-1)/(m+p-1) = 0.20" in text and "timeline" not in p.stderr
+    assert json.load(open(out / "summary.json"))["peak_in_flight"] == 2      # 1F1B: at most pp
+
+
+def test_full_3d_layout_with_zero1_and_sequence_parallel_equals_one_process(one_process, cache_dir, tmp_path):
+    out = tmp_path / "3d"
+    run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "8", "--tp", "2",
+         "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel"])
+    assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
