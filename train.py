@@ -156,15 +156,18 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         last_step = step + 1
         if tcfg.save_every and last_step % tcfg.save_every == 0 and last_step < tcfg.steps:
             checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
-                            config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last)
+                            config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last,
+                            bad_steps=int(bad_streak))
+            saved_step = last_step
         if tcfg.stop_after and last_step >= tcfg.stop_after:
             break
     dev.sync()
     if bar:
         bar.close()
-    if last_step > start_step or not resume_from:
+    if last_step != saved_step:   # the final (or --stop-after) state, unless just saved
         checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
-                        config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last)
+                        config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last,
+                        bad_steps=int(bad_streak))
     if tcfg.timeline:
         write_timeline(runner, mesh, tcfg)
     summary.update(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
@@ -256,11 +259,17 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
             model_cfg, tcfg = config.parse_args(argv)
         meshlib.validate_layout(model_cfg, tcfg, world)
-        checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite)  # refuse early, not in N workers
+        # --resume / --out-dir problems are refused here, once, as one line, not in N workers
+        restarted = launch.restart_count() > 0
+        resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+        if resume_from:
+            checkpoint.check(resume_from, model_cfg)   # manifest, files, model shape (reads no tensors)
+        elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
+            checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         if env:
             worker(argv)
             return 0
-        if tcfg.nproc == 1:
+        if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
             train(model_cfg, tcfg)
             return 0
         return launch.spawn(worker, (argv,), tcfg.nproc, tcfg.max_restarts)

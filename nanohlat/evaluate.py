@@ -57,7 +57,8 @@ def heldout_windows(num_tokens: int, seq_len: int, count: int) -> np.ndarray:
 def heldout_metrics(model, dataset, seq_len: int, batch_size: int = 8, max_batches: int = 16,
                     device=None) -> dict:
     """val_loss (mean nats per target token), perplexity and bits_per_byte over
-    batch_size * max_batches held-out windows (max_batches 0: all of them)."""
+    batch_size * max_batches held-out windows (max_batches 0: all of them), and
+    tokens_scored, how many target tokens that was."""
     device = device or next(model.parameters()).device
     val = dataset.val
     starts = heldout_windows(len(val), seq_len, batch_size * max_batches if max_batches > 0 else 0)
@@ -72,7 +73,7 @@ def heldout_metrics(model, dataset, seq_len: int, batch_size: int = 8, max_batch
     # nats/token -> bits/token (/ ln 2) -> bits/byte (/ bytes per token of this split)
     return {"val_loss": val_loss, "perplexity": math.exp(min(val_loss, 700.0)),
             "bits_per_byte": val_loss / math.log(2) / dataset.bytes_per_token("val"),
-            "tokens": total_tokens}
+            "tokens_scored": total_tokens}
 
 
 # ---------------------------------------------------------------------------

@@ -115,7 +115,6 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     kv = mb * T * local_kv_heads(cfg, tp) * D   # local kv heads, not repeated
     heads = cfg.n_heads // tp
     norm = 4 * n + e * n + (e * N if sp else e * n) + 4 * (n // C)   # ... + fp32 rsqrt per token
-    rotary = 4 * T * D * e if e != 4 else 0  # cos/sin cast to bf16, for q and k
     if mode == "selective":
         core = e * (q + 2 * kv) + e * q
     elif fused:
@@ -123,7 +122,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     else:
         core = 4 * e * q + e * mb * heads * T * T
     mlp = 4 * e * mb * T * cfg.ffn_dim // tp
-    return 2 * norm + rotary + core + mlp
+    return 2 * norm + core + mlp
 
 
 def activation_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
