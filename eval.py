@@ -75,8 +75,7 @@ def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
                         f"the model's vocab_size {cfg.vocab_size}")
     seq_len = min(train.get("seq_len", cfg.max_seq_len), cfg.max_seq_len)
     t0 = time.time()
-    row = {"checkpoint": os.path.abspath(path if os.path.isfile(os.path.join(path, "manifest.json"))
-                                         else checkpoint.resolve(path)),
+    row = {"checkpoint": os.path.abspath(checkpoint.resolve(path)),
            "step": manifest.get("step", 0), "tokens": manifest.get("tokens", 0), "seq_len": seq_len}
     row.update(evaluate.heldout_metrics(model, ds, seq_len, args.batch_size, args.max_batches, dev.torch_device))
     row["tasks"] = {t.name: evaluate.evaluate_task(model, ds.tokenizer, t, args.shots, args.seed,
@@ -121,9 +120,13 @@ def plot_curves(rows: list[dict], path: str) -> bool:
     except ImportError:
         return False
     cols = metric_columns(rows)
-    fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 3), squeeze=False)
+    ncols = min(3, len(cols))
+    nrows = -(-len(cols) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4 * ncols, 3 * nrows), squeeze=False)
+    for ax in axes.flat[len(cols):]:
+        ax.axis("off")
     tokens = [r["tokens"] for r in rows]
-    for ax, (name, f) in zip(axes[0], cols):
+    for ax, (name, f) in zip(axes.flat, cols):
         ax.plot(tokens, [f(r) for r in rows], marker="o")
         ax.set_title(name)
         ax.set_xlabel("tokens seen")

@@ -219,12 +219,10 @@ def fewshot_context(task: Task, i: int, shots: int, seed: int) -> str:
 def evaluate_task(model, tokenizer, task: Task, shots: int = 0, seed: int = 0, batch_size: int = 16,
                   device=None) -> dict:
     """acc and acc_norm (with standard errors) of `model` on `task`, plus the chance level."""
-    pairs, owner = [], []
+    pairs = []
     for i, ex in enumerate(task.examples):
         context = fewshot_context(task, i, shots, seed)
-        for choice in ex.choices:
-            pairs.append(encode_pair(tokenizer, context, choice))
-            owner.append(i)
+        pairs += [encode_pair(tokenizer, context, choice) for choice in ex.choices]
     scores = score_continuations(model, pairs, batch_size, device)
     correct, correct_norm, k = [], [], 0
     for ex in task.examples:
@@ -256,10 +254,11 @@ def next_line_task(documents: list[str], num_examples: int = 200, seed: int = 0,
     non-blank characters (not blank, not "else:" or ")") and at most max_chars.
     Answers are lines at uniformly drawn positions; distractors are lines at
     uniformly drawn positions too, away from the answer's own neighbourhood
-    and different in text. Both come from one pool, so the correct choice is
-    indistinguishable from the others without the context: chance is exactly
-    1 / num_choices. A line keeps its indentation: that is part of what a code
-    model learns to predict.
+    and different in text. Both come from one pool, so without the context
+    the correct choice cannot be told from the others: chance is 1 / num_choices
+    (requiring four different texts tilts this only for lines that repeat
+    very often, a negligible effect in real code). A line keeps its
+    indentation: that is part of what a code model learns to predict.
     """
     rng = np.random.default_rng([seed, 0x6E6C])     # "nl": a stream of its own
     docs = [d.split("\n") for d in documents]
@@ -275,13 +274,19 @@ def next_line_task(documents: list[str], num_examples: int = 200, seed: int = 0,
         d, i = answers[a]
         true = docs[d][i]
         choices = [true]
-        while len(choices) < num_choices:
+        for _ in range(100 * num_choices):      # bounded: a corpus of one repeated line has no distractors
+            if len(choices) == num_choices:
+                break
             dd, ii = pool[rng.integers(len(pool))]
             line = docs[dd][ii]
-            if (dd == d and abs(ii - i) <= context_lines) or line in choices:
-                continue
-            choices.append(line)
+            if not ((dd == d and abs(ii - i) <= context_lines) or line in choices):
+                choices.append(line)
+        if len(choices) < num_choices:
+            continue
         perm = rng.permutation(num_choices)
         context = "\n".join(docs[d][i - context_lines:i]) + "\n"
         examples.append(Example(context, [choices[p] for p in perm], int(np.argmax(perm == 0))))
+    if not examples:
+        raise UserError("the held-out documents have too few distinct lines for the built-in next-line task; "
+                        "use more --data (or a JSONL --task)")
     return Task("next_line", examples)

@@ -2,7 +2,7 @@
 
     pip install lm_eval          # optional: ~40 packages, ~0.5 GB (datasets, pandas, pyarrow, sklearn, ...)
     python -m nanohlat.harness --model nanohlat --model_args path=out --tasks my_task.yaml ...
-    python -m nanohlat.harness --model nanohlat --model_args path=out,device=cuda --tasks hellaswag
+    python -m nanohlat.harness --model nanohlat --model_args path=out --device cuda --tasks hellaswag
 
 `python -m nanohlat.harness` is the harness's own command line (`lm-eval`) with
 this model registered first. Named harness tasks (hellaswag, arc_easy, ...)
@@ -23,9 +23,13 @@ from __future__ import annotations
 import sys
 
 import torch
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:   # optional dependency: say what to install, not just what failed
+    raise ImportError(f"nanohlat.harness needs the lm-evaluation-harness: pip install lm_eval ({e})") from None
 
 from .evaluate import encode_pair, score_continuations
 
@@ -40,7 +44,8 @@ class NanoHLATLM(LM):
             from .checkpoint import load_for_inference
             from .data import load_tokenizer
             from .device import get_device
-            model, manifest = load_for_inference(path or "out", get_device(device or "auto"))
+            # the harness's --device: None, "cpu", "cuda", "cuda:0", ... (nanohlat picks the index)
+            model, manifest = load_for_inference(path or "out", get_device((device or "auto").split(":")[0]))
             tokenizer = load_tokenizer(manifest["tokenizer"])
         self.model, self.tokenizer = model.eval(), tokenizer
         # The harness passes "auto" (find the largest batch that fits) or a number.

@@ -79,7 +79,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 # Pure conversions (no files)
 # ---------------------------------------------------------------------------
 
-def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
+def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2, dtype: str = "float32") -> dict:
     """config.json of the equivalent LlamaForCausalLM."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -91,7 +91,7 @@ def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2) -> dict:
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": "float32",
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": dtype,
     }
 
 
@@ -188,12 +188,14 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
     """config.json, model.safetensors, tokenizer.model and tokenizer_config.json in hf_dir."""
     from .data import load_tokenizer
     tok = load_tokenizer(tokenizer_path)
-    if tok.vocab_size != cfg.vocab_size:
-        raise UserError(f"tokenizer {tokenizer_path!r} has {tok.vocab_size} pieces but the model {cfg.vocab_size}")
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"tokenizer {tokenizer_path!r} has {tok.vocab_size} pieces, more than the model's "
+                        f"vocab_size {cfg.vocab_size}")
     st = _safetensors()
     os.makedirs(hf_dir, exist_ok=True)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(to_hf_config(cfg, tok.bos_id, tok.eos_id), f, indent=2)
+        dtype = str(state["embed.weight"].dtype).removeprefix("torch.")     # float32, or bfloat16 (pure bf16)
+        json.dump(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), f, indent=2)
     st.save_file(to_hf_state(cfg, state), os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
     piece = tok.sp.id_to_piece
@@ -236,7 +238,7 @@ def export(run_or_ckpt: str, hf_dir: str) -> None:
     from .checkpoint import load_for_inference
     from .device import get_device
     model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
-    state = {k: v for k, v in model.state_dict().items()}
+    state = model.state_dict()
     write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
           f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")

@@ -41,7 +41,7 @@ def nanohlat_model(cfg=CFG, seed=0):
 def hf_model(hf_config: dict):
     config = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k != "architectures"})
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager").float()
     with torch.no_grad():   # HF initialises norms to 1 too; and its default std would leave logits tiny
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape) * (0.1 if name.endswith("norm.weight") else 0.2) + ("norm" in name))

@@ -71,6 +71,8 @@ def assert_same_as_reference(reference, out_dir):
 WORLD2 = {
     "tp2": ["--tp", "2"],
     "tp2_sp": ["--tp", "2", "--sequence-parallel"],
+    "tp2_sp_selective_ckpt": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "selective"],
+    "pp2_1f1b_full_ckpt": ["--pp", "2", "--microbatches", "2", "--activation-checkpointing", "full"],
     "dp2": ["--dp", "2"],
     "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
     **{f"pp2_{s}_m{m}": ["--pp", "2", "--schedule", s, "--microbatches", str(m)]
