@@ -90,7 +90,9 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     out = torch.empty((group.size * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     _record(group, "all_gather", out.numel() * out.element_size())
     _all_gather_tensor(out, xt, group=group.pg)
-    return out.movedim(0, dim)
+    # contiguous: otherwise every matmul that reads the gathered sequence
+    # (wq, wk, wv; gate, up) saves its own contiguous copy for backward
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

@@ -6,18 +6,21 @@ against what small real runs measure (tests/test_plan.py: the comm ledger,
 the optimizer's bytes, the bytes autograd keeps after a forward), so the plan
 is a prediction you can trust, not a guess.
 
-Memory per rank, at its peak (the bigger of the two phases of a step):
+Memory per rank, at its peak, the larger of the step's two phases:
 
-    weights + gradients + optimizer state + max(activations   during forward/backward,
-                                                flat fp32 grads during the optimizer step)
+    weights + gradients + optimizer state + max(activations + loss backward,   forward/backward
+                                                fp32 grads (+ temporaries))    optimizer step
 
     weights       parameters x 2 B (bf16) or 4 B (fp32)
     gradients     the same again: p.grad has the parameter's dtype
-    flat grads    optim.FlatAdamW.step copies all gradients into fp32 buffers
-                  (4 B/param; with ZeRO-1 one full buffer at a time, then 1/dp shards)
-    optimizer     Adam moments (2 x 4 B) + fp32 master copy (4 B) unless the
-                  master *is* the bf16 parameter (bf16, bf16-sr); 1/dp of it with ZeRO-1
-    activations   what autograd keeps per micro-batch, times the micro-batches in flight
+    optimizer     Adam moments (2 x 4 B) + master weights, a separate copy in fp32
+                  (4 B; fp32, bf16-mixed) or bf16 (2 B); 1/dp of all that with ZeRO-1
+    activations   what autograd keeps per micro-batch (below) x micro-batches in flight
+    loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
+    fp32 grads    FlatAdamW.step flattens the gradients into fp32 buffers (4 B/param;
+                  ZeRO-1: one full buffer at a time, then 1/dp shards)
+    temporaries   eager backends only (cpu, cuda): the AdamW update's unfused
+                  elementwise ops (EAGER_STEP_COPIES); XLA fuses them away
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
@@ -26,9 +29,9 @@ Per layer and micro-batch of mb sequences of T tokens, e bytes per activation
 (the parameter dtype), with N = mb*T*C, n = N/tp with sequence parallel else N:
 
     each RMSNorm (x2)  fp32 copy of its input 4n, normalised input e*n, and its output
-                       as the next matmul's input: e*n, or with sequence parallel the
-                       all-gathered full sequence e*N (Megatron re-gathers it in
-                       backward to keep only N/tp; we keep it, see tensor_parallel.enter)
+                       as the input of the next matmuls: e*n; with sequence parallel
+                       the all-gathered full sequence instead, once per matmul
+                       (SP_SAVED_GATHERS e*N, shared by the matmuls). Megatron keeps N/tp, gathers again.
     attention          q after rotary, k and v after repeating kv heads, the kernel's
                        output: 4 * e*N/tp, plus
                          fused kernel (SDPA flash/efficient on cpu/cuda): fp32 log-sum-exp
@@ -41,18 +44,19 @@ Per layer and micro-batch of mb sequences of T tokens, e bytes per activation
 
 The first stage adds the token ids and embedding mask, the last the final
 norm and the vocab-parallel loss, which keeps two (mb, T, V/tp) fp32 tensors
-(the masked logits and their exp): at a 32k vocabulary, the biggest single
-item of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
+(the masked logits and their exp): at a 32k vocabulary, the largest single
+tensors of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
 at once under 1F1B, all M under AFAB (pipeline.stage_order).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from .config import ModelConfig, TrainConfig
-from .mesh import Mesh, coords, layout_table, validate_layout
-from .metrics import PEAK_FLOPS, flops_per_token, peak_flops
+from .mesh import Mesh, coords, layout_table, rank_of, validate_layout
+from .metrics import flops_per_token, peak_flops
 from .pipeline import stage_layers, stage_order, timetable
 from .zero1 import padded_size
 
@@ -63,7 +67,7 @@ GiB = 2**30
 # 512 GiB for 32 cores). GPUs: the datasheet sizes of the SXM parts.
 DEVICE_MEMORY = {"NeuronCore-v2": 16 * GiB, "A100": 80e9, "H100": 80e9, "H200": 141e9}
 
-# --device -> the rows of the time estimate; the first also picks the attention path.
+# --device -> the devices of the time estimate and the "does it fit" lines.
 PLAN_DEVICES = {"xla": ["NeuronCore-v2"], "cuda": ["A100", "H100", "H200"], "cpu": ["cpu"],
                 "auto": ["NeuronCore-v2", "H100", "cpu"]}
 DEFAULT_MFU = 0.40
@@ -102,6 +106,13 @@ def micro_batch_size(t: TrainConfig, dp: int) -> int:
     return t.batch_size // (dp * t.microbatches)
 
 
+# With sequence parallel, comm.all_gather returns the gathered (mb, T, C)
+# sequence as one contiguous tensor that the matmuls after each norm (wq, wk,
+# wv; gate, up) all save for backward: 2 full-sequence tensors per layer.
+# Megatron-LM keeps only the 1/tp shard and gathers again in backward.
+SP_SAVED_GATHERS = 2
+
+
 def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, mode: str, sp: bool,
                            fused: bool) -> int:
     """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
@@ -114,7 +125,10 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     q = N // tp                              # (mb, T, C/tp): local query heads
     kv = mb * T * local_kv_heads(cfg, tp) * D   # local kv heads, not repeated
     heads = cfg.n_heads // tp
-    norm = 4 * n + e * n + (e * N if sp else e * n) + 4 * (n // C)   # ... + fp32 rsqrt per token
+    norms = 2 * (4 * n + e * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
+    # the column-parallel matmuls after each norm keep their input: the norm's
+    # output (one tensor for wq, wk, wv, another for gate, up), or the gathered sequence
+    inputs = SP_SAVED_GATHERS * e * N if sp else 2 * e * n
     if mode == "selective":
         core = e * (q + 2 * kv) + e * q
     elif fused:
@@ -122,7 +136,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     else:
         core = 4 * e * q + e * mb * heads * T * T
     mlp = 4 * e * mb * T * cfg.ffn_dim // tp
-    return 2 * norm + core + mlp
+    return norms + inputs + core + mlp
 
 
 def activation_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -166,31 +180,59 @@ def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
     return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
 
 
-def flat_grad_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int) -> int:
-    """fp32 gradient buffers of the optimizer step: all of them (plain dp), or
-    one full buffer at a time plus the 1/dp shards kept (ZeRO-1)."""
+# Eager backends (cpu, cuda) run FlatAdamW.step's elementwise AdamW one op at a
+# time, so while it updates a flat group they hold this many extra fp32 copies
+# of the group's (shard of) gradients: grad * clip, the finite-masked grad, m,
+# v, the update and its temporaries; software stochastic rounding adds three
+# int32 buffers, bf16 master weights a fp32 copy. Measured with
+# torch.cuda.max_memory_allocated (torch 2.11, H200): 24 B per parameter
+# (fp32, bf16-mixed) and 36 B (bf16-sr), beyond the fp32 gradients. XLA fuses
+# the update into one kernel and needs none of them.
+EAGER_STEP_COPIES = {"fp32": 6, "bf16-mixed": 6, "bf16": 7, "bf16-sr": 9}
+
+
+def optimizer_step_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                         eager: bool) -> tuple[int, int]:
+    """(fp32 gradient buffers, eager temporaries) at the peak of FlatAdamW.step.
+
+    The gradients are flattened to fp32, one buffer per group (tp-sharded
+    matrices, replicated norms). Plain dp keeps all of them for the update;
+    ZeRO-1 keeps 1/dp shards, but holds one full buffer at a time before its
+    reduce-scatter."""
     counts = stage_param_counts(cfg, tp, pp, stage)
     groups = [counts["sharded"], counts["replicated"]]
-    if not t.zero1:
-        return 4 * sum(groups)
-    return 4 * (max(padded_size(n, dp) for n in groups) + sum(padded_size(n, dp) // dp for n in groups))
+    shards = dp if t.zero1 else 1
+    kept = 4 * sum(padded_size(n, shards) // shards for n in groups)
+    largest_shard = max(padded_size(n, shards) // shards for n in groups)
+    full_buffer = 4 * max(padded_size(n, shards) for n in groups) if shards > 1 else 0
+    temporaries = 4 * EAGER_STEP_COPIES[t.precision] * largest_shard if eager else 0
+    return kept + full_buffer, temporaries
 
 
 def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
-                    fused: bool = True) -> dict:
-    """The per-rank breakdown of one stage, in bytes (module docstring)."""
+                    fused: bool = True, eager: bool = False) -> dict:
+    """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
+    the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
     params = stage_param_counts(cfg, tp, pp, stage)["total"]
     s = dtype_bytes(t.precision)
     flight = microbatches_in_flight(t.schedule, pp, t.microbatches, stage)
+    flat, temporaries = optimizer_step_bytes(cfg, t, tp, pp, dp, stage, eager)
     out = {"params": params, "weights": s * params, "grads": s * params,
-           "flat_grads": flat_grad_bytes(cfg, t, tp, pp, dp, stage),
            "optimizer": optimizer_bytes(cfg, t, tp, pp, dp, stage),
            "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(t, zero1=True), tp, pp, dp, stage),
            "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(t, zero1=False), tp, pp, dp, stage),
            "in_flight": flight,
-           "activations": flight * activation_bytes(cfg, t, tp, pp, dp, stage, fused=fused)}
+           "activations": flight * activation_bytes(cfg, t, tp, pp, dp, stage, fused=fused),
+           # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
+           # gradient of the fp32 logits and of the head's output (parameter
+           # dtype), while most activations are still alive (measured on CUDA)
+           "loss_backward": (4 + s) * micro_batch_size(t, dp) * t.seq_len * cfg.padded_vocab // tp
+                            if stage == pp - 1 else 0,
+           "flat_grads": flat, "step_temporaries": temporaries}
+    out["forward_backward"] = out["activations"] + out["loss_backward"]
+    out["optimizer_step"] = flat + temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"]
-                   + max(out["activations"], out["flat_grads"]))
+                   + max(out["forward_backward"], out["optimizer_step"]))
     return out
 
 
@@ -203,9 +245,23 @@ def _add(out: dict, key: str, nbytes: int) -> None:
         out[key] = out.get(key, 0) + nbytes
 
 
-def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh) -> dict:
+@functools.lru_cache(maxsize=16)
+def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
+    """Ticks in which something crosses boundary b|b+1: b runs a forward or b+1 a backward."""
+    ticks = timetable(schedule, pp, m)
+    return tuple(sum(1 for row in ticks if (row[b] and row[b][0] == "F") or (row[b + 1] and row[b + 1][0] == "B"))
+                 for b in range(pp - 1))
+
+
+def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
     """Bytes per optimizer step on `mesh.rank`, keyed like the CommLedger
-    ('tp.all_reduce', 'pp.exchange', ...). See comm.py for how bytes count."""
+    ('tp.all_reduce', 'pp.exchange', ...). See comm.py for how bytes count.
+
+    whole_block_replay: whether full activation checkpointing replays a whole
+    block's forward in backward (torch_xla's reentrant checkpoint; default: on
+    --device xla) or stops early (torch's non-reentrant one, cpu and cuda)."""
+    if whole_block_replay is None:
+        whole_block_replay = t.device == "xla"
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     dp_rank, stage, _ = coords(mesh.rank, tp, pp, dp)
     s = dtype_bytes(t.precision)
@@ -217,14 +273,22 @@ def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh) -> dict:
     layers = cfg.n_layers // pp
     out: dict = {}
     if tp > 1:
-        # per block: attention and MLP each enter (bwd) and leave (fwd) the tp region;
-        # full activation checkpointing replays the forward ones during backward
-        fwd_replay = 2 if t.activation_checkpointing == "full" else 1
+        # Per block, attention and MLP each enter the tp region (fwd: sp all-gather
+        # or nothing; bwd: reduce-scatter or all-reduce) and leave it (fwd:
+        # reduce-scatter or all-reduce; bwd: all-gather or nothing). Full activation
+        # checkpointing replays the forward ones in backward: torch's checkpoint
+        # stops replaying once it has recomputed all that backward needs, i.e.
+        # before the MLP's leave (nothing after it keeps a tensor); torch_xla's
+        # replays the whole block.
+        full = t.activation_checkpointing == "full"
+        enters_fwd = 2 * (1 + full)
+        leaves_fwd = 2 + full + (full and whole_block_replay)
+        per_mb = m * layers * act
         if sp:
-            _add(out, "tp.all_gather", m * layers * 2 * act * (fwd_replay + 1))      # enter fwd (+replay), leave bwd
-            _add(out, "tp.reduce_scatter", m * layers * 2 * act * (fwd_replay + 1))  # leave fwd (+replay), enter bwd
+            _add(out, "tp.all_gather", per_mb * (enters_fwd + 2))        # + the leaves' backward
+            _add(out, "tp.reduce_scatter", per_mb * (leaves_fwd + 2))    # + the enters' backward
         else:
-            _add(out, "tp.all_reduce", m * layers * 2 * act * (fwd_replay + 1))
+            _add(out, "tp.all_reduce", per_mb * (leaves_fwd + 2))
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
             _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", m * act)
             _add(out, "tp.all_gather", m * act if sp else 0)
@@ -239,13 +303,11 @@ def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh) -> dict:
             _add(out, "tp.all_reduce", m * 2 * mb * T * 4)       # sum of exps, target logit
     if pp > 1:
         # an exchange moves 2 tensors of the residual stream per tick with traffic
-        ticks = timetable(t.schedule, pp, m)
         t_local = T // tp if sp else T
         ex = 2 * mb * t_local * C * s
         for b in (stage - 1, stage):
             if 0 <= b < pp - 1:
-                n = sum(1 for row in ticks if (row[b] and row[b][0] == "F") or (row[b + 1] and row[b + 1][0] == "B"))
-                _add(out, "pp.exchange", n * ex)
+                _add(out, "pp.exchange", exchanges_per_boundary(t.schedule, pp, m)[b] * ex)
         _add(out, "pp.all_reduce", 4 * 2)                         # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
     groups = [counts["sharded"], counts["replicated"]]
@@ -285,11 +347,11 @@ def fmt_count(n: float) -> str:
     return str(int(n))
 
 
-def fmt_flops(f: float) -> str:
-    for unit, size in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+def fmt_flop(f: float, unit: str = "FLOP") -> str:
+    for prefix, size in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if f >= size:
-            return f"{f / size:.4g} {unit}"
-    return f"{f:.3g} FLOP/s"
+            return f"{f / size:.4g} {prefix}{unit}"
+    return f"{f:.3g} {unit}"
 
 
 def fmt_seconds(s: float) -> str:
@@ -326,95 +388,105 @@ def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:
     """Everything above as text: the answer to `train.py --plan`."""
     dp, notes = validate_plan_layout(cfg, t, world)
     tp, pp, m = t.tp, t.pp, t.microbatches
-    mb, sp = micro_batch_size(t, dp), t.sequence_parallel and tp > 1
-    devices = PLAN_DEVICES[t.device]
-    fused = t.device in ("cpu", "cuda")    # which attention path the memory table assumes
+    sp = t.sequence_parallel and tp > 1
     tokens = t.batch_size * t.seq_len
-    L = []
-    L.append(f"plan for preset {t.preset}: {cfg.num_params() / 1e9:.3f}B parameters "
-             f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks")
-    L.append(f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
-             f"activation checkpointing {t.activation_checkpointing}; "
-             f"{'ZeRO-1' if t.zero1 else 'replicated optimizer'}; precision {t.precision}; schedule {t.schedule}")
-    L.append(f"  batch: {t.batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
-             f"{t.batch_size // dp} = {m} micro-batch(es) of {mb}")
+    L = [f"plan for preset {t.preset}: {cfg.num_params() / 1e9:.3f}B parameters "
+         f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
+         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
+         f"activation checkpointing {t.activation_checkpointing}; "
+         f"{'ZeRO-1' if t.zero1 else 'replicated optimizer'}; precision {t.precision}; schedule {t.schedule}",
+         f"  batch: {t.batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
+         f"{t.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(t, dp)}"]
     L += ["  " + n for n in notes]
-
     L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
           layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
+    L += _memory_section(cfg, t, dp)
+    L += _compute_section(cfg, t, world)
+    L += _comm_section(cfg, t, dp)
+    return "\n".join(L)
 
-    stages = shown_stages(pp)
-    mems = {s: memory_per_rank(cfg, t, tp, pp, dp, s, fused) for s in range(pp)}
+
+def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
+    tp, pp, m = t.tp, t.pp, t.microbatches
+    eager = t.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
+    mems = {s: memory_per_rank(cfg, t, tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
     largest = max(range(pp), key=lambda s: mems[s]["peak"])
-    L += ["", "parameters and memory per rank (every rank of a stage holds the same; "
-              f"activations assume {'a fused attention kernel' if fused else 'T*T attention scores kept'})"]
+    L = ["", "parameters and memory per rank (every rank of a stage holds the same), assuming "
+             + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
+                "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
+                "--device cpu or cuda for eager")]
     rows = []
-    for s in stages:
+    for s in shown_stages(pp):
         r = mems[s]
         lay = stage_layers(cfg.n_layers, pp, s)
+        step = fmt_bytes(r["flat_grads"]) + (f" + {fmt_bytes(r['step_temporaries'])}" if eager else "")
         rows.append([s, f"{lay.start}-{lay.stop - 1}", fmt_count(r["params"]), fmt_bytes(r["weights"]),
-                     fmt_bytes(r["grads"]), fmt_bytes(r["flat_grads"]), fmt_bytes(r["optimizer_replicated"]),
-                     fmt_bytes(r["optimizer_zero1"]), f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
-                     fmt_bytes(r["peak"])])
-    L += _table(["stage", "layers", "params", "weights", "grads", "fp32 grads", "Adam", "Adam ZeRO-1",
-                 "activations", "peak"], rows)
-    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'replicated'}, as configured) "
-             f"+ max(activations in flight, fp32 grads of the optimizer step)")
+                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
+                     f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
+                     fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
+    L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
+                 "loss bwd", "optimizer step", "peak"], rows)
+    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'no ZeRO'}, as configured) + the larger of "
+             f"(activations in flight + loss backward) and (optimizer step: fp32 gradients"
+             + (" + AdamW temporaries)" if eager else ")"))
     biggest = mems[largest]["peak"]
-    for dev in devices:
+    for dev in PLAN_DEVICES[t.device]:
         if dev in DEVICE_MEMORY:
             cap = DEVICE_MEMORY[dev]
             L.append(f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(cap)} on one {dev}: "
                      + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
 
-    L += ["", f"activations per rank of stage {largest}, by checkpointing mode "
-              f"({mems[largest]['in_flight']} of {m} micro-batch(es) of {mb} x {t.seq_len} tokens in flight):"]
-    rows = []
     flight = mems[largest]["in_flight"]
+    L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({flight} of {m} micro-batch(es) "
+              f"of {micro_batch_size(t, dp)} x {t.seq_len} tokens in flight):"]
+    rows = []
     for mode in ("none", "selective", "full"):
-        for sp_row in ((False, True) if tp > 1 else (False,)):
-            kept = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp_row, fused=False)
-            fast = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp_row, fused=True)
-            mark = "<- this run" if (mode, sp_row) == (t.activation_checkpointing, sp) else ""
-            rows.append([mode, "on" if sp_row else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
-                         fmt_bytes(fast), fmt_bytes(flight * fast), mark])
+        for sp in ((False, True) if tp > 1 else (False,)):
+            kept = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp, fused=False)
+            fused = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp, fused=True)
+            this = (mode, sp) == (t.activation_checkpointing, t.sequence_parallel and tp > 1)
+            rows.append([mode, "on" if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
+                         fmt_bytes(fused), fmt_bytes(flight * fused), "<- this run" if this else ""])
     L += _table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
                  "fused attn: 1 mb", "in flight", ""], rows)
     L.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
              "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+    return L
 
+
+def _compute_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
+    tokens = t.batch_size * t.seq_len
     f_tok = flops_per_token(cfg, t.seq_len)
     f_step = f_tok * tokens
-    L += ["", f"compute: {f_tok / 1e9:.2f} GFLOP per token (6 x matmul params + 12 x layers x d_model x seq_len) "
-              f"x {tokens:,} tokens = {f_step:.3g} FLOP per step ({f_step / world:.3g} per rank)"]
+    L = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params + 12 x layers x d_model x seq_len, "
+             f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_step)} per step, {fmt_flop(f_step / world)} "
+             f"per rank; time at {DEFAULT_MFU:.0%} MFU:"]
     rows = []
-    for dev in devices:
+    for dev in PLAN_DEVICES[t.device]:
         threads = max(1, t.threads) if dev == "cpu" else None
         peak = peak_flops(dev, t.precision, threads)
         step_s = f_step / (world * peak * DEFAULT_MFU)
-        rows.append([dev, fmt_flops(peak) + (f" ({threads} core)" if dev == "cpu" else ""),
+        rows.append([dev, fmt_flop(peak, "FLOP/s") + (f" ({threads} core)" if dev == "cpu" else ""),
                      fmt_seconds(step_s), f"{tokens / step_s:,.0f}", fmt_seconds(step_s * t.steps)])
-    L += _table(["device", "peak per rank", f"step at {DEFAULT_MFU:.0%} MFU", "tokens/s",
-                 f"{t.steps:,} steps"], rows)
+    return L + _table(["device", "peak per rank", f"step at {DEFAULT_MFU:.0%} MFU", "tokens/s",
+                       f"{t.steps:,} steps"], rows)
 
-    L += ["", "communication per step (bytes in each collective's full buffer on one rank, as the comm ledger counts)"]
-    firsts = sorted({coords_rank(s, tp, dp) for s in (0, pp - 1)})
-    per_rank = {r: comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, r)) for r in firsts}
-    keys = sorted(set().union(*per_rank.values()))
+
+def _comm_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
+    tp, pp = t.tp, t.pp
+    L = ["", "communication per step (bytes in each collective's full buffer on one rank, as the comm ledger counts)"]
+    by_stage = {s: comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    shown = sorted({0, pp - 1})
+    keys = sorted(set().union(*(by_stage[s] for s in shown)))
     if not keys:
-        L.append("  none: one process")
-    else:
-        head = [f"rank {r} (stage {r // (tp * dp)})" for r in firsts]
-        rows = [[k] + [f"{per_rank[r].get(k, 0):,}" for r in firsts] for k in keys]
-        rows.append(["total"] + [f"{sum(per_rank[r].values()):,} ({fmt_bytes(sum(per_rank[r].values()))})"
-                                 for r in firsts])
-        L += _table(["collective"] + head, rows)
-        everyone = sum(sum(comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, coords_rank(s, tp, dp))).values())
-                       for s in range(pp)) * tp * dp
-        L.append(f"  all {world} ranks together: {fmt_bytes(everyone)} per step")
-    return "\n".join(L)
-
-
-def coords_rank(stage: int, tp: int, dp: int) -> int:
-    """The first rank (dp 0, tp 0) of a pipeline stage."""
-    return stage * dp * tp
+        return L + ["  none: one process"]
+    rows = [[k] + [f"{by_stage[s].get(k, 0):,}" for s in shown] for k in keys]
+    rows.append(["total"] + [f"{sum(by_stage[s].values()):,} ({fmt_bytes(sum(by_stage[s].values()))})"
+                             for s in shown])
+    L += _table(["collective"] + [f"rank {rank_of(0, s, 0, tp, dp)} (stage {s})" for s in shown], rows)
+    everyone = sum(sum(c.values()) for c in by_stage.values()) * tp * dp
+    L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} per step")
+    if t.activation_checkpointing == "full" and tp > 1:
+        L.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
+                 "all 4 with torch_xla's (--device xla)")
+    return L
