@@ -34,6 +34,12 @@ earlier checkpoint with --resume PATH), so "newest" always means "latest".
 `latest` mirrors it for people and tools; the loader relies on the listing,
 which is right even after a crash between the rename and the pointer update.
 
+Which checkpoint a run starts from (find_resume): --resume auto, the newest
+complete one in out-dir; never, none (an existing run is refused unless
+--overwrite, and then cleared by clear_run); PATH, that one. A job restarted
+by its launcher after a failure (--max-restarts) continues from the newest
+checkpoint it saved, whatever --resume said.
+
 Resharding: a shard stores, for every tensor, the full shape, which dimension
 was split over tp and which chunk it is; ZeRO-1 optimizer pieces also store
 which [start, stop) of the flattened tp-local parameter they cover. Loading
@@ -62,9 +68,10 @@ import torch
 
 from . import comm
 from .config import ModelConfig, UserError, model_from_dict
+from .device import extract_graphs_only
 from .tensor_parallel import shard
 
-FORMAT = 1
+FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
 
 
@@ -210,6 +217,31 @@ def _meta(p) -> dict:
     return {"full_shape": list(p.full_shape), "tp_dim": -1 if p.tp_dim is None else p.tp_dim}
 
 
+def _begin(out_dir: str, step: int) -> str:
+    """(One process) a fresh `.tmp_step_N` directory; removes debris of crashed saves."""
+    root = ckpt_root(out_dir)
+    os.makedirs(root, exist_ok=True)
+    for debris in os.listdir(root):
+        if debris.startswith((".tmp_", ".trash_")):
+            shutil.rmtree(os.path.join(root, debris), ignore_errors=True)
+    tmp = os.path.join(root, f".tmp_step_{step:08d}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def _publish(out_dir: str, tmp: str, manifest: dict) -> str:
+    """(One process, every shard in `tmp` complete) manifest, rename, `latest`."""
+    root, name = ckpt_root(out_dir), f"step_{manifest['step']:08d}"
+    _atomic_write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+    for path in list_checkpoints(out_dir):
+        if step_of(path) >= manifest["step"]:   # an abandoned future (or this very step, saved before)
+            _remove(path)
+    os.replace(tmp, os.path.join(root, name))    # the checkpoint appears whole, or not at all
+    _fsync_dir(root)
+    _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
+    return os.path.join(root, name)
+
+
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
          tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0) -> str:
     """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
@@ -217,15 +249,10 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
     keep_last > 0 keeps only that many newest checkpoints; bad_steps is the
     current run of non-finite steps (restored on resume).
     """
-    root = ckpt_root(out_dir)
-    name = f"step_{step:08d}"
-    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
+    tmp = os.path.join(ckpt_root(out_dir), f".tmp_step_{step:08d}")
+    final = os.path.join(ckpt_root(out_dir), f"step_{step:08d}")
     if mesh.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for debris in os.listdir(root):   # left by a save or removal that crashed
-            if debris.startswith((".tmp_", ".trash_")):
-                shutil.rmtree(os.path.join(root, debris), ignore_errors=True)
-        os.makedirs(tmp)
+        _begin(out_dir, step)
     _barrier(mesh, device)
 
     # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt
@@ -235,48 +262,39 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "meta": {n: _meta(p) for n, p in model.named_parameters()},
         "model": {n: p.detach() for n, p in model.named_parameters()} if mesh.dp_rank == 0 else {},
         "optim": opt.export_state() if (opt.zero or mesh.dp_rank == 0) else {},
-        "optim_step": opt.step_count,
         "rng": {"torch_cpu": torch.get_rng_state(),
                 "sr": opt.sr_generator.get_state() if opt.sr_generator is not None else None},
     }
     shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
+    if extract_graphs_only():
+        # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
+        # transfer above has been traced (so its graph is pre-compiled too); writing
+        # it would leave a `latest` that a later --resume auto starts from, at zero.
+        if mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
     shard_path = os.path.join(tmp, f"shard_{mesh.rank:05d}.pt")
     _atomic_write(shard_path, lambda f: torch.save(shard_state, f))
 
     # 2. rank 0 learns that every shard is on disk, and its checksum: one all-gather
     #    of each rank's sha256 (32 bytes as 4 int64) doubles as the barrier
     digest = torch.frombuffer(bytearray(_sha256(shard_path)), dtype=torch.int64)
-    digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu()
-    digests = digests.view(mesh.world, 4)
+    digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 4)
 
     # 3. rank 0: manifest, rename into place, update `latest`, prune
     if mesh.rank == 0:
-        files = {}
-        for r in range(mesh.world):
-            fname = f"shard_{r:05d}.pt"
-            files[fname] = {"bytes": os.path.getsize(os.path.join(tmp, fname)),
-                            "sha256": digests[r].numpy().tobytes().hex()}
-        train_cfg = config.get("train", {})
-        manifest = {
+        files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
+                                       "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
+        _publish(out_dir, tmp, {
             "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
             "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
             # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
             "schedule": {"optimizer_step": opt.step_count, "bad_steps": int(bad_steps)},
             # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
-            "data": {"next_step": step, "seed": train_cfg.get("seed")},
+            "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
             "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
-            "optimizer": True,
-            "config": config, "tokenizer": tokenizer_path,
-            "files": files,
-        }
-        _atomic_write(os.path.join(tmp, "manifest.json"),
-                      lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-        for path in list_checkpoints(out_dir):
-            if step_of(path) >= step:     # an abandoned future (or this step, saved before): replaced
-                _remove(path)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
+            "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
+        })
         if keep_last > 0:
             for old in list_checkpoints(out_dir)[:-keep_last]:
                 _remove(old)
@@ -287,32 +305,21 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
 def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_path: str,
               step: int = 0, tokens: int = 0) -> str:
     """A one-process checkpoint of full weights, without optimizer state (HF import)."""
-    root = ckpt_root(out_dir)
-    name = f"step_{step:08d}"
-    tmp, final = os.path.join(root, ".tmp_" + name), os.path.join(root, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    meta = {n: {"full_shape": list(t.shape), "tp_dim": -1} for n, t in full_state.items()}
-    state = {"format": FORMAT, "rank": 0, "tp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "meta": meta,
+    tmp = _begin(out_dir, step)
+    state = {"format": FORMAT, "rank": 0, "tp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0,
+             "meta": {n: {"full_shape": list(t.shape), "tp_dim": -1} for n, t in full_state.items()},
              "model": {n: t.detach().float().cpu().contiguous() for n, t in full_state.items()},
-             "optim": {}, "optim_step": 0, "rng": {"torch_cpu": None, "sr": None}}
+             "optim": {}, "rng": {"torch_cpu": None, "sr": None}}
     shard_path = os.path.join(tmp, "shard_00000.pt")
     _atomic_write(shard_path, lambda f: torch.save(state, f))
-    manifest = {"format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
-                "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
-                "optimizer": False,     # training from here starts Adam's moments fresh
-                "config": {"model": dataclasses.asdict(model_cfg), "train": {}},
-                "tokenizer": tokenizer_path,
-                "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path),
-                                             "sha256": _sha256(shard_path).hex()}}}
-    _atomic_write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-    if os.path.exists(final):
-        _remove(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
-    return final
+    return _publish(out_dir, tmp, {
+        "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
+        "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
+        "optimizer": False,     # training from here starts with fresh Adam moments
+        "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
+        "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path), "sha256": _sha256(shard_path).hex()}},
+    })
 
 
 # -- load ------------------------------------------------------------------
@@ -339,6 +346,9 @@ def check_files(path: str, manifest: dict) -> None:
     """Every file the manifest names exists with the recorded size (cheap: no reading)."""
     for name, info in sorted(manifest["files"].items()):
         fpath = os.path.join(path, name)
+        if not isinstance(info, dict) or not {"bytes", "sha256"} <= set(info):
+            raise UserError(f"checkpoint manifest {os.path.join(path, 'manifest.json')} has no size and "
+                            f"checksum for {name}: it is corrupt; pick another checkpoint")
         if not os.path.isfile(fpath):
             raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
                             f"pick another one (--resume PATH)")
@@ -359,11 +369,28 @@ def check_model(path: str, manifest: dict, cfg: ModelConfig) -> None:
                         f"({desc}: saved vs this run); pick a matching checkpoint or --out-dir")
 
 
-def check(path: str, cfg: ModelConfig) -> dict:
-    """Cheap checks before workers start (train.py main): manifest, files, model shape."""
+def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> list[str]:
+    """Files whose sha256 differs from the manifest's, among this rank's 1/world of them."""
+    names = sorted(manifest["files"])
+    return [n for i, n in enumerate(names)
+            if i % world == rank and _sha256(os.path.join(path, n)).hex() != manifest["files"][n]["sha256"]]
+
+
+def _corrupt_error(path: str, name: str) -> UserError:
+    return UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its manifest: "
+                     f"the file is corrupt; pick another checkpoint (--resume PATH)")
+
+
+def check(path: str, cfg: ModelConfig, checksums: bool = False) -> dict:
+    """Checks before workers start (train.py main), so that a bad checkpoint is one
+    line from one process: manifest, files, model shape, and (reading every byte
+    once) the checksums."""
     manifest = read_manifest(path)
     check_files(path, manifest)
     check_model(path, manifest, cfg)
+    bad = corrupt_files(path, manifest) if checksums else []
+    if bad:
+        raise _corrupt_error(path, bad[0])
     return manifest
 
 
@@ -381,16 +408,13 @@ class ShardSet:
         check_files(path, self.manifest)
         names = sorted(self.manifest["files"])
         rank, world = (mesh.rank, mesh.world) if mesh is not None else (0, 1)
-        bad = torch.zeros(len(names))
-        for i, name in enumerate(names):
-            if i % world == rank and _sha256(os.path.join(path, name)).hex() != self.manifest["files"][name]["sha256"]:
-                bad[i] = 1
-        if world > 1:
+        mine = corrupt_files(path, self.manifest, rank, world)
+        bad = torch.tensor([float(n in mine) for n in names])
+        if world > 1:   # everyone learns every verdict
             bad = comm.all_reduce(bad.to(device.torch_device), mesh.group("world")).cpu()
         for name, b in zip(names, bad.tolist()):
             if b:
-                raise UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its "
-                                f"manifest: the file is corrupt; pick another checkpoint (--resume PATH)")
+                raise _corrupt_error(path, name)
         self.shards = {}
         for name in names:
             fpath = os.path.join(path, name)
@@ -449,12 +473,24 @@ class ShardSet:
                     dst.copy_(flat.view(dst.shape))
                     cov.copy_(flat_cov.view(cov.shape))
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
-                raise UserError(f"checkpoint shard {fpath}: {section} tensor {name!r} is malformed ({e}); "
-                                f"the file is corrupt") from None
+                first_line = (str(e).splitlines() or [e.__class__.__name__])[0]
+                raise UserError(f"checkpoint shard {fpath}: {section} tensor {name!r} is malformed "
+                                f"({first_line}); the file is corrupt") from None
         if out is not None and not bool(covered.all()):
             raise UserError(f"checkpoint {self.path}: {section} tensor {name!r} is incomplete "
                             f"({int((~covered).sum())} elements in no shard); a shard is missing")
         return out
+
+    def tensor(self, name: str, full_shape, section: str = "model", key: str | None = None) -> torch.Tensor:
+        """full(), required to exist and to have `full_shape` (the model being loaded)."""
+        t = self.full(name, section, key)
+        if t is None:
+            raise UserError(f"checkpoint {self.path} has no {section} tensor {name!r}: a shard is missing "
+                            f"or the model differs")
+        if list(t.shape) != list(full_shape):
+            raise UserError(f"checkpoint {self.path}: {name!r} has shape {list(t.shape)}, the model being "
+                            f"loaded has {list(full_shape)}")
+        return t
 
 
 @torch.no_grad()
@@ -465,23 +501,13 @@ def load(path: str, model, opt, mesh, device) -> dict:
     check_model(path, shards.manifest, model.cfg)
     tp, tp_rank = mesh.tp, mesh.tp_rank
     params = dict(model.named_parameters())
-
-    def full(name, section="model", key=None):
-        t = shards.full(name, section, key)
-        if t is None:
-            raise UserError(f"checkpoint {path} has no {section} tensor {name!r}: a shard is missing "
-                            f"or the model differs")
-        if list(t.shape) != list(params[name].full_shape):
-            raise UserError(f"checkpoint {path}: {name!r} has shape {list(t.shape)}, this model's is "
-                            f"{list(params[name].full_shape)}")
-        return t
-
-    for name, p in params.items():
-        p.copy_(shard(full(name), p.tp_dim, tp_rank, tp))
+    for name, p in params.items():   # one full tensor at a time, cut to this rank's slice
+        p.copy_(shard(shards.tensor(name, p.full_shape), p.tp_dim, tp_rank, tp))
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):
-            return shard(full(name, "optim", key), params[name].tp_dim, tp_rank, tp).reshape(-1)
+            p = params[name]
+            return shard(shards.tensor(name, p.full_shape, "optim", key), p.tp_dim, tp_rank, tp).reshape(-1)
     else:   # weights only (e.g. imported from Hugging Face): master = weights, fresh moments
         def local_flat(name, key):
             p = params[name]
@@ -511,12 +537,6 @@ def load_for_inference(path: str, device) -> tuple:
     model = Transformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            full = shards.full(name)
-            if full is None:
-                raise UserError(f"checkpoint {path} has no tensor {name!r}: a shard is missing")
-            if list(full.shape) != list(p.shape):
-                raise UserError(f"checkpoint {path}: {name!r} has shape {list(full.shape)}, its manifest's "
-                                f"model config says {list(p.shape)}: the checkpoint is corrupt")
-            p.copy_(full)
+            p.copy_(shards.tensor(name, p.shape))
     model.to(device.torch_device).eval()
     return model, shards.manifest

@@ -8,6 +8,14 @@ Three ways in, one worker function:
     port, restarting them up to --max-restarts times after a failure.
   * `torchrun --nproc_per_node N [--nnodes ...] train.py ...`: torchrun
     started us; RANK / WORLD_SIZE / LOCAL_RANK come from the environment.
+
+After a restart the new workers resume from the newest complete checkpoint
+(train.py asks `restart_count()`). One PyTorch wrinkle: since torch 2.5 the
+workers share the launcher's rendezvous store by default, and a restarted
+group can read the dead group's addresses from it and fail to connect
+(pytorch/pytorch#135712). `spawn` therefore gives every attempt its own store
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a documented PyTorch runtime variable);
+under `torchrun --max-restarts` set it yourself (`torchrun_restart_warning`).
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
     )
+    saved = os.environ.get(_OWN_STORE)
+    os.environ[_OWN_STORE] = "1"    # a fresh store per attempt (see the module docstring)
     try:
         elastic_launch(config, entry)(*args)
         return 0
@@ -71,3 +81,22 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
             print(f"error: rank {rank} failed with exit code {code}{signal}{': ' + reason if reason else ''}",
                   file=sys.stderr)
         return 2 if codes and all(c == 2 for c in codes) else 1
+    finally:
+        if saved is None:
+            os.environ.pop(_OWN_STORE, None)
+        else:
+            os.environ[_OWN_STORE] = saved
+
+
+_OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def torchrun_restart_warning() -> str | None:
+    """A warning for `torchrun --max-restarts R` runs that share the agent's
+    store (TORCHELASTIC_* variables are set by torchrun for its workers)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"warning: torchrun --max-restarts {restarts} with a shared rendezvous store: restarted workers "
+                f"may fail to connect (pytorch/pytorch#135712); start torchrun with "
+                f"{_OWN_STORE}=1 in its environment")
+    return None

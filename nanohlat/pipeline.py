@@ -219,11 +219,11 @@ def theoretical_bubble(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
-def timeline_report(runner: PipelineRunner, mesh, tcfg) -> str:
+def timeline_report(runner: PipelineRunner, mesh, tcfg, png_path: str = "") -> str:
     """The last step's schedule as text: the tick timetable every rank follows,
     then each stage's measured ops drawn to scale, and the bubble beside the
     formula. Collective over the pp group (every stage calls it); the text is
-    for rank 0."""
+    for rank 0, which also draws `png_path` when matplotlib is installed."""
     n_ops = 2 * runner.m
     rec = torch.zeros(n_ops, 4, dtype=torch.float64)
     for j, (kind, i, b, e) in enumerate(runner.records):
@@ -248,7 +248,38 @@ def timeline_report(runner: PipelineRunner, mesh, tcfg) -> str:
                 row[c] = "F" if kind == 1 else "B"
         lines.append(f"stage {s} |" + "".join(row) + "|")
     measured = 1.0 - float(spans[:, 1].mean())
+    if png_path and mesh.rank == 0:
+        _timeline_png(recs, total, png_path, f"{tcfg.schedule}: pp={mesh.pp}, m={runner.m}, bubble {measured:.2f}")
     lines.append(f"bubble: measured {measured:.2f} of the step (idle + communication), "
                  f"formula (p-1)/(m+p-1) = {theoretical_bubble(mesh.pp, runner.m):.2f}; "
                  f"peak micro-batches in flight on this stage: {runner.peak_in_flight}")
     return "\n".join(lines)
+
+
+def _timeline_png(recs, total: float, path: str, title: str) -> None:
+    """The measured timeline as a picture: one row per stage, forward boxes
+    light, backward boxes dark, each labelled with its micro-batch."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    pp = recs.shape[0]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * pp + 1.2))
+    for s in range(pp):
+        for kind, i, b, e in recs[s].tolist():
+            if kind == 0:
+                continue
+            ax.barh(s, (e - b) * 1e3, left=b * 1e3, color="#9ecae1" if kind == 1 else "#3182bd",
+                    edgecolor="black", linewidth=0.5)
+            ax.text((b + e) / 2 * 1e3, s, ("F" if kind == 1 else "B") + str(int(i)), ha="center",
+                    va="center", fontsize=7)
+    ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, total * 1e3)
+    ax.set_xlabel("time in the step (ms)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

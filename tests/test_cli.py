@@ -109,9 +109,13 @@ def test_pipeline_1f1b_with_timeline_equals_one_process(one_process, cache_dir, 
              "--schedule", "1f1b", "--microbatches", "4", "--timeline"])
     assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
     text = (out / "timeline.txt").read_text()
-    assert "stage 0 | F0 F1 F2 B0" in text and "stage 1 | .. F0 B0 F1 B1" in text
+    # 1F1B on 2 stages: stage 0 warms up with pp-1 = 1 forward, then alternates
+    assert "stage 0 | F0 F1 .. B0 F2 B1 F3 B2 .. B3" in text
+    assert "stage 1 | .. F0 B0 F1 B1 F2 B2 F3 B3 .." in text
     assert "formula (p-1)/(m+p-1) = 0.20" in text and "timeline" not in p.stderr
     assert json.load(open(out / "summary.json"))["peak_in_flight"] == 2      # 1F1B: at most pp
+    pytest.importorskip("matplotlib")
+    assert (out / "timeline.png").stat().st_size > 1000
 
 
 def test_full_3d_layout_with_zero1_and_sequence_parallel_equals_one_process(one_process, cache_dir, tmp_path):

@@ -1,0 +1,466 @@
+"""Checkpoints: a resumed run is the same run, any checkpoint loads into any
+layout, and no crash or bad file ever loads silently (issue 9).
+
+What "the same run" means here. One process in fp32 on the CPU is
+deterministic, and so is a fixed layout over gloo (same ranks, same order of
+additions), so an interrupted-and-resumed run must log *bit-identical*
+losses: any drift means some state (optimizer step count, Adam moments, the
+lr schedule, the data position, an RNG) was not restored. A checkpoint loaded
+into a *different* layout adds the same numbers in another order, so it
+agrees to fp32 round-off only (the tolerance of test_parallel.py).
+
+How crashes are made deterministic, without a test-only user flag:
+  * in-process: `checkpoint._atomic_write` (every file a save writes goes
+    through it) is replaced by one that raises at a chosen write of a chosen
+    save, after writing half a shard or before writing the manifest or the
+    `latest` pointer. Nothing in save() or train() catches or cleans up, so
+    the files on disk are exactly those a crash at that instant leaves;
+  * across processes: the test runs `train.main` with its launcher's workers
+    running `_fault_worker`, which plants a real `os.kill(SIGKILL)` in one
+    rank at one point (half-way through writing its shard of step 4, or at
+    the optimizer step of step 2), on the first start only.
+
+Expensive runs are shared: one process runs in-process (~1 s each), the
+tp=2 x pp=2 x dp=2 + ZeRO-1 runs and their resharded continuations run in one
+set of 8 gloo workers, and only the two launcher tests start workers of their own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import read_metrics
+from dist_utils import run_layouts
+
+LOSS_TOL = 2e-5    # another layout: fp32 round-off, as in test_parallel.py
+STEPS, N = 6, 3    # runs of 2N steps, interrupted after step N
+BASE = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
+        "--warmup-steps", "2", "--no-progress", "--threads", "1"]
+LAYOUT8 = ["--tp", "2", "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel", "--microbatches", "2"]
+RESHARD8 = {"pp4_dp2_zero1": ["--pp", "4", "--dp", "2", "--zero1"],    # tp 2 -> 1, pp 2 -> 4
+            "tp4_dp2": ["--tp", "4", "--dp", "2"]}                       # tp 2 -> 4, pp 2 -> 1, no ZeRO
+
+
+def flags(cache_dir, out_dir, *extra):
+    return BASE + ["--cache-dir", cache_dir, "--out-dir", str(out_dir)] + [str(e) for e in extra]
+
+
+def ckpt(out_dir, step: int) -> str:
+    return os.path.join(str(out_dir), "checkpoints", f"step_{step:08d}")
+
+
+def train_here(argv):
+    """One process, in this process (no torch.distributed)."""
+    import train
+    from nanohlat import config
+    model_cfg, tcfg = config.parse_args(argv)
+    return train.train(model_cfg, tcfg)
+
+
+def losses(out_dir) -> dict:
+    return {m["step"]: m["loss"] for m in read_metrics(str(out_dir))}
+
+
+def assert_bit_identical(got_dir, ref_dir):
+    got, ref = losses(got_dir), losses(ref_dir)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    assert got == ref     # exact float equality: the resumed run *is* the run
+
+
+def assert_close_after(got_dir, ref_dir, start: int):
+    got, ref = losses(got_dir), losses(ref_dir)
+    assert sorted(got) == list(range(start + 1, STEPS + 1)), sorted(got)
+    for s in got:
+        assert abs(got[s] - ref[s]) < LOSS_TOL, (s, got[s], ref[s])
+
+
+# ---------------------------------------------------------------------------
+# Shared runs
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one(cache_dir, tmp_path_factory):
+    """One process: 2N steps straight, and the same run stopped after N, then started again."""
+    root = tmp_path_factory.mktemp("one")
+    train_here(flags(cache_dir, root / "full", "--save-every", 2, "--keep-last", 2))
+    train_here(flags(cache_dir, root / "resumed", "--stop-after", N))
+    train_here(flags(cache_dir, root / "resumed"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def eight(cache_dir, tmp_path_factory):
+    """tp=2 x pp=2 x dp=2 + ZeRO-1 (8 gloo workers): 2N steps straight; stopped
+    after N; the stopped run's checkpoint continued in two other 8-rank layouts;
+    then the stopped run started again."""
+    root = tmp_path_factory.mktemp("eight")
+    at_n = ckpt(root / "resumed", N)
+    runs = [flags(cache_dir, root / "full", *LAYOUT8),
+            flags(cache_dir, root / "resumed", *LAYOUT8, "--stop-after", N)]
+    runs += [flags(cache_dir, root / name, *extra, "--resume", at_n) for name, extra in RESHARD8.items()]
+    runs += [flags(cache_dir, root / "resumed", *LAYOUT8)]
+    run_layouts(8, runs, str(root / "errors"))
+    return root
+
+
+# ---------------------------------------------------------------------------
+# Resume is exact
+# ---------------------------------------------------------------------------
+
+def test_one_process_resume_is_bit_identical(one):
+    assert_bit_identical(one / "resumed", one / "full")
+    manifest = json.load(open(os.path.join(ckpt(one / "resumed", N), "manifest.json")))
+    assert manifest["step"] == N and manifest["tokens"] == N * 8 * 32
+    assert manifest["schedule"]["optimizer_step"] == N and manifest["data"]["next_step"] == N
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1}
+
+
+def test_keep_last_and_latest_pointer(one):
+    """--save-every 2 --keep-last 2 over 6 steps: steps 4 and 6 remain, `latest` names 6."""
+    root = one / "full" / "checkpoints"
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == \
+        ["latest", "step_00000004", "step_00000006"]
+    assert (root / "latest").read_text() == "step_00000006"
+
+
+def test_bf16_stochastic_rounding_resume_is_bit_identical(cache_dir, tmp_path):
+    """Pure bf16 with software stochastic rounding: the SR generator's state is restored too."""
+    sr = ["--precision", "bf16-sr"]
+    train_here(flags(cache_dir, tmp_path / "full", *sr))
+    train_here(flags(cache_dir, tmp_path / "resumed", *sr, "--stop-after", N))
+    train_here(flags(cache_dir, tmp_path / "resumed", *sr))
+    assert_bit_identical(tmp_path / "resumed", tmp_path / "full")
+
+
+def test_tp2_pp2_dp2_zero1_resume_is_bit_identical(eight):
+    assert_bit_identical(eight / "resumed", eight / "full")
+    shards = sorted(n for n in os.listdir(ckpt(eight / "resumed", N)) if n.endswith(".pt"))
+    assert shards == [f"shard_{r:05d}.pt" for r in range(8)]     # one per rank
+
+
+# ---------------------------------------------------------------------------
+# Resharding: any checkpoint into any layout
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(RESHARD8))
+def test_8_rank_checkpoint_continues_in_another_layout(eight, name):
+    assert_close_after(eight / name, eight / "full", N)
+
+
+def test_8_rank_checkpoint_continues_in_one_process(eight, cache_dir, tmp_path):
+    train_here(flags(cache_dir, tmp_path, "--resume", ckpt(eight / "resumed", N)))
+    assert_close_after(tmp_path, eight / "full", N)
+
+
+def test_sample_py_loads_an_8_rank_run(eight, capsys):
+    """`python sample.py --out-dir DIR` on the tp=2 x pp=2 x dp=2 + ZeRO-1 run (its main(), here)."""
+    sample = pytest.importorskip("sample", reason="sample.py not written yet (load_for_inference is tested below)")
+    assert sample.main(["--out-dir", str(eight / "full"), "--max-new-tokens", "8", "--prompt", "def "]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_load_for_inference_equals_the_training_weights(eight, one):
+    """The 8-rank run's final weights, stitched into one model, are the one-process run's (round-off)."""
+    from nanohlat import checkpoint, device
+    cpu = device.get_device("cpu")
+    got, manifest = checkpoint.load_for_inference(str(eight / "full"), cpu)
+    ref, _ = checkpoint.load_for_inference(str(one / "full"), cpu)
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero1": True, "world": 8}
+    ref_params = dict(ref.named_parameters())
+    for name, p in got.named_parameters():
+        assert (p - ref_params[name]).abs().max().item() < 1e-4, name
+
+
+# ---------------------------------------------------------------------------
+# Crashes while saving leave the previous checkpoint usable
+# ---------------------------------------------------------------------------
+
+class Crash(Exception):
+    """Stands for the process dying: nothing in save() or train() catches it."""
+
+
+def crash_on_write(real, step: int, nth: int, half: bool):
+    """An _atomic_write that dies at the nth file (0: shard, 1: manifest, 2: `latest`)
+    of the save of `step`, after writing half of it (half=True) or before writing."""
+    seen = []
+
+    def write(path, fn):
+        if f".tmp_step_{step:08d}" in path or seen:
+            seen.append(path)
+            if len(seen) - 1 == nth:
+                if half:
+                    buf = io.BytesIO()
+                    fn(buf)
+                    with open(path + ".partial", "wb") as f:
+                        f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+                raise Crash(path)
+        return real(path, fn)
+    return write
+
+
+@pytest.mark.parametrize("point", ["half_a_shard", "before_manifest", "before_latest"])
+def test_crash_while_saving_leaves_a_resumable_run(point, one, cache_dir, tmp_path, monkeypatch):
+    """Crash while saving step 4 (--save-every 2), then start again: the run resumes
+    from step 2 (or from step 4 if only the `latest` pointer was missing), and its
+    losses are the uninterrupted run's, bit for bit."""
+    from nanohlat import checkpoint
+    nth, half = {"half_a_shard": (0, True), "before_manifest": (1, False), "before_latest": (2, False)}[point]
+    argv = flags(cache_dir, tmp_path, "--save-every", 2, "--keep-last", 2)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_atomic_write", crash_on_write(checkpoint._atomic_write, 4, nth, half))
+        with pytest.raises(Crash):
+            train_here(argv)
+    expect = 4 if point == "before_latest" else 2
+    assert checkpoint.latest(str(tmp_path)) == ckpt(tmp_path, expect)
+    if point == "half_a_shard":
+        assert os.path.isfile(os.path.join(tmp_path, "checkpoints", ".tmp_step_00000004", "shard_00000.pt.partial"))
+    summary = train_here(argv)
+    assert len(summary["losses"]) == STEPS - expect
+    assert_bit_identical(tmp_path, one / "full")
+    assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".")]   # debris cleared
+
+
+def test_going_back_to_an_older_checkpoint_abandons_the_newer_ones(one, cache_dir, tmp_path):
+    """--resume PATH to step 3 of a finished run, in the same out-dir: the next save
+    (step 4) becomes the run's head; step 6, from the abandoned future, is removed."""
+    shutil.copytree(one / "resumed", tmp_path / "run")
+    train_here(flags(cache_dir, tmp_path / "run", "--resume", ckpt(tmp_path / "run", N), "--stop-after", 4))
+    from nanohlat import checkpoint
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "run"))] == \
+        ["step_00000003", "step_00000004"]
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------
+# Launcher: a dead worker stops the job (or restarts it) promptly
+# ---------------------------------------------------------------------------
+
+def _fault_worker(argv: list[str]):
+    """train.worker with one SIGKILL planted, in rank fault["rank"], first start only.
+    Runs in each worker process that `launch.spawn` starts; the fault comes from
+    the test through the environment (the only way into a spawned worker that
+    does not touch train.py's flags)."""
+    import train
+    from nanohlat import checkpoint, launch, optim
+    fault = json.loads(os.environ["TEST_CHECKPOINT_FAULT"])
+
+    def die():
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if int(os.environ["RANK"]) == fault["rank"] and launch.restart_count() == 0:
+        if fault["at"] == "save":        # half-way through writing this rank's shard of a save
+            real = checkpoint._atomic_write
+
+            def write(path, fn):
+                if f".tmp_step_{fault['step']:08d}" in path:
+                    buf = io.BytesIO()
+                    fn(buf)
+                    with open(path + ".partial", "wb") as f:
+                        f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+                        f.flush()
+                    die()
+                return real(path, fn)
+            checkpoint._atomic_write = write
+        else:                            # at the optimizer step of step fault["step"] (1-based)
+            real_step, calls = optim.FlatAdamW.step, []
+
+            def step(self, lr):
+                calls.append(lr)
+                if len(calls) == fault["step"]:
+                    die()
+                return real_step(self, lr)
+            optim.FlatAdamW.step = step
+    return train.worker(argv)
+
+
+def run_main_with_fault(fault: dict, argv: list[str], monkeypatch) -> tuple[int, float]:
+    """train.main(argv) in this process, its launcher's workers running
+    _fault_worker (main() hands the module-level `worker` to launch.spawn)."""
+    import train
+    monkeypatch.setenv("TEST_CHECKPOINT_FAULT", json.dumps(fault))
+    monkeypatch.setattr(train, "worker", _fault_worker)
+    t0 = time.time()
+    return train.main(argv), time.time() - t0
+
+
+def test_worker_killed_while_saving_is_restarted_and_finishes(one, cache_dir, tmp_path, monkeypatch, capfd):
+    """--nproc 2 --tp 2 --max-restarts 1: rank 1 is SIGKILLed half-way through writing
+    its shard of step 4. The launcher restarts both workers, they resume from step 2
+    (the half-written step 4 is ignored), and the run finishes with the losses of the
+    uninterrupted run (one process; tp=2 adds in another order: round-off)."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--tp", 2, "--save-every", 2, "--max-restarts", 1)
+    code, _ = run_main_with_fault({"rank": 1, "at": "save", "step": 4}, argv, monkeypatch)
+    out, err = capfd.readouterr()
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert f"resumed from {ckpt(tmp_path, 2)} at step 2" in out
+    assert_close_after(tmp_path, one / "full", 0)
+    from nanohlat import checkpoint
+    assert checkpoint.latest(str(tmp_path)) == ckpt(tmp_path, STEPS)
+
+
+def test_dead_worker_stops_the_job_and_is_named(cache_dir, tmp_path, monkeypatch, capfd):
+    """Without restarts, rank 1 SIGKILLed at step 2 ends the whole job promptly
+    (rank 0 is left waiting in a collective: no hang) with an error naming rank 1."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2)
+    code, seconds = run_main_with_fault({"rank": 1, "at": "step", "step": 2}, argv, monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 1
+    assert "error: rank 1 failed with exit code -9 (signal SIGKILL)" in err, err[-3000:]
+    assert seconds < 60
+
+
+# ---------------------------------------------------------------------------
+# NaN / inf steps
+# ---------------------------------------------------------------------------
+
+def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys):
+    """NaN gradients injected into step 3 only: warning, the update is skipped (the
+    weights and Adam moments saved after step 3 equal those after step 2), and the
+    run goes on."""
+    from nanohlat import pipeline
+    real_run, calls = pipeline.PipelineRunner.run, []
+
+    def run(self, *args, **kwargs):
+        loss = real_run(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            for p in self.model.parameters():
+                p.grad.fill_(float("nan"))
+            loss = loss * float("nan")
+        return loss
+    monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
+    train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2))
+    assert "warning: step 3 had a non-finite loss or gradient; the update was skipped" in capsys.readouterr().err
+    shard = {s: torch.load(os.path.join(ckpt(tmp_path, s), "shard_00000.pt"), weights_only=True) for s in (2, 3, 4)}
+    for name, w in shard[2]["model"].items():
+        assert torch.equal(w, shard[3]["model"][name]), name
+        assert torch.equal(shard[2]["optim"][name]["exp_avg"], shard[3]["optim"][name]["exp_avg"]), name
+    assert not torch.equal(shard[3]["model"]["embed.weight"], shard[4]["model"]["embed.weight"])
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+
+
+def test_non_finite_steps_in_a_row_stop_the_run(cache_dir, tmp_path, capsys):
+    """An absurd --lr blows the weights up after step 1; every later gradient is
+    NaN. --max-bad-steps 2 stops the run at step 3 with one clear line, exit 2."""
+    import train
+    argv = flags(cache_dir, tmp_path, "--lr", "1e30", "--min-lr", 0, "--warmup-steps", 1, "--max-bad-steps", 2)
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "warning: step 2 had a non-finite loss or gradient" in err
+    assert "error: 2 steps in a row had a non-finite loss or gradient (by step 3)" in err
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+def test_nan_checks_are_off_while_neuron_extracts_graphs(cache_dir, tmp_path, monkeypatch):
+    """neuron_parallel_compile runs the script on zero-valued tensors: no stopping then."""
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    summary = train_here(flags(cache_dir, tmp_path, "--lr", "1e30", "--min-lr", 0, "--warmup-steps", 1,
+                               "--max-bad-steps", 2))
+    assert summary["step"] == STEPS
+
+
+# ---------------------------------------------------------------------------
+# --resume never / --overwrite
+# ---------------------------------------------------------------------------
+
+def test_resume_never_refuses_an_existing_run_and_overwrite_replaces_it(one, cache_dir, tmp_path, capsys):
+    import train
+    from nanohlat import checkpoint
+    run = tmp_path / "run"
+    shutil.copytree(one / "full", run)
+    assert train.main(flags(cache_dir, run, "--resume", "never", "--steps", 2)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out-dir") and "--overwrite" in err and err.count("\n") == 1
+    assert checkpoint.latest(str(run)) == ckpt(run, STEPS)          # untouched
+    assert train.main(flags(cache_dir, run, "--resume", "never", "--overwrite", "--steps", 2)) == 0
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(run))] == ["step_00000002"]
+    assert sorted(losses(run)) == [1, 2]
+
+
+# ---------------------------------------------------------------------------
+# Corrupt, partial or mismatched checkpoints: one clear line, never a load
+# ---------------------------------------------------------------------------
+
+def _break(path: str, how: str) -> str:
+    """Damage the checkpoint at `path`; returns the file the error must name."""
+    shard3, manifest = os.path.join(path, "shard_00003.pt"), os.path.join(path, "manifest.json")
+    if how == "missing shard":
+        os.remove(shard3)
+    elif how == "truncated shard":
+        with open(shard3, "r+b") as f:
+            f.truncate(os.path.getsize(shard3) // 2)
+    elif how == "corrupt shard":                       # same size, flipped bytes
+        with open(shard3, "r+b") as f:
+            f.seek(os.path.getsize(shard3) // 2)
+            b = f.read(16)
+            f.seek(-16, 1)
+            f.write(bytes(x ^ 0xFF for x in b))
+    elif how == "truncated manifest":
+        with open(manifest, "r+b") as f:
+            f.truncate(os.path.getsize(manifest) // 2)
+        return manifest
+    elif how == "shard dropped from the manifest":     # consistent files, but a tensor chunk is nowhere
+        m = json.load(open(manifest))
+        del m["files"]["shard_00001.pt"]
+        os.remove(os.path.join(path, "shard_00001.pt"))
+        json.dump(m, open(manifest, "w"))
+        return path
+    return shard3
+
+
+@pytest.mark.parametrize("how", ["missing shard", "truncated shard", "corrupt shard", "truncated manifest",
+                                 "shard dropped from the manifest"])
+def test_damaged_checkpoint_is_a_clear_error(eight, tmp_path, how):
+    from nanohlat import checkpoint, device
+    from nanohlat.config import UserError
+    path = str(tmp_path / "step")
+    shutil.copytree(ckpt(eight / "full", STEPS), path)
+    named = _break(path, how)
+    with pytest.raises(UserError) as e:
+        checkpoint.load_for_inference(path, device.get_device("cpu"))
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("how, extra", [("corrupt shard", []),                  # found by the loader (one process)
+                                        ("corrupt shard", ["--nproc", "2"]),     # by main, before workers start
+                                        ("truncated shard", ["--nproc", "2"])])
+def test_damaged_checkpoint_stops_train_py_with_one_line(how, extra, eight, cache_dir, tmp_path, capsys):
+    """--resume auto on a run whose newest checkpoint is damaged: one line, exit 2, nothing loaded."""
+    import train
+    run = tmp_path / "run"
+    shutil.copytree(ckpt(eight / "full", STEPS), ckpt(run, STEPS))
+    named = _break(ckpt(run, STEPS), how)
+    assert train.main(flags(cache_dir, run, "--steps", 8, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and err.count("\n") == 1, err
+
+
+def test_checkpoint_of_another_model_shape_is_refused(one, cache_dir, tmp_path, capsys):
+    import train
+    from nanohlat import checkpoint
+    from nanohlat.config import UserError
+    run = tmp_path / "run"
+    shutil.copytree(one / "full", run)
+    assert train.main(flags(cache_dir, run, "--steps", 8, "--d-model", 32, "--n-heads", 4, "--n-kv-heads", 4)) == 2
+    err = capsys.readouterr().err
+    assert "different model shape (d_model 64 vs 32" in err and "manifest.json" in err and err.count("\n") == 1
+    # the library call refuses too (train() under a launcher does not go through main's check)
+    from nanohlat import config, device
+    from nanohlat.model import Transformer
+    from nanohlat.mesh import Mesh
+    from nanohlat.optim import FlatAdamW
+    model_cfg, tcfg = config.parse_args(flags(cache_dir, run, "--n-layers", 2))
+    model = Transformer(model_cfg)
+    with pytest.raises(UserError, match="different model shape"):
+        checkpoint.load(ckpt(run, STEPS), model, FlatAdamW(model, Mesh(1, 1, 1), tcfg, device.get_device("cpu")),
+                        Mesh(1, 1, 1), device.get_device("cpu"))
