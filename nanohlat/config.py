@@ -108,11 +108,11 @@ class TrainConfig:
     eval_batches: int = 4
     log_every: int = 1
     save_every: int = 0          # 0 = only at the end
-    keep_last: int = 3
+    keep_last: int = 3           # 0 = keep every checkpoint
     resume: str = "auto"         # auto | never | PATH
     overwrite: bool = False      # with --resume never: replace an existing run
     max_restarts: int = 0
-    max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops
+    max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops (0 = never stop)
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
     timeline: bool = False
     plan: bool = False
@@ -122,6 +122,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("save_every", "keep_last", "max_bad_steps", "eval_every", "eval_batches", "max_restarts",
+                     "stop_after", "threads"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.log_every <= 0:
+            raise UserError(f"--log-every must be positive, got {self.log_every}")
         choices = {
             "device": ("auto", "cpu", "cuda", "xla"),
             "schedule": ("afab", "1f1b"),
@@ -150,7 +156,8 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
     "default": (
         ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_dim=688,
                     vocab_size=4096, max_seq_len=256),
-        dict(steps=300, batch_size=16, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=30, eval_every=50),
+        dict(steps=300, batch_size=16, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=30, eval_every=50,
+             save_every=100),
     ),
     "125m": (
         ModelConfig(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, ffn_dim=2048,
@@ -195,6 +202,13 @@ HELP = {
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
     "plan": "print the layout, memory, FLOPs and communication plan, then exit",
     "threads": "CPU threads per worker (0 = cores / local workers)",
+    "save_every": "save a checkpoint every N steps (0 = only at the end)",
+    "keep_last": "checkpoints to keep (0 = keep all)",
+    "max_bad_steps": "stop after this many non-finite steps in a row (0 = never stop)",
+    "overwrite": "with --resume never: replace an existing run in --out-dir",
+    "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
+    "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
+    "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }
 
 
