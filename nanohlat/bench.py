@@ -58,6 +58,16 @@ def wait(dev) -> None:
         xm.wait_device_ops()
 
 
+def mark(dev) -> float | None:
+    """The time at the end of forward + backward, for the split of a step into
+    its two phases; None on XLA, where waiting mid-step would cut the step's
+    graph in two and change what is being measured."""
+    if dev.kind == "xla":
+        return None
+    wait(dev)
+    return time.perf_counter()
+
+
 def random_batch(model_cfg, tcfg, dev):
     """(tokens, targets), each (B, T): random ids below the real vocabulary."""
     g = torch.Generator().manual_seed(tcfg.seed)
@@ -80,11 +90,13 @@ def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
     tokens, targets = tokens.view(1, B, T), targets.view(1, B, T)   # one micro-batch
 
     def step():
+        t0 = time.perf_counter()
         opt.zero_grad()
-        loss = runner.run(tokens, targets, 1.0 / (B * T))
+        runner.run(tokens, targets, 1.0 / (B * T))
+        t1 = mark(dev)
         opt.step(tcfg.lr)
         dev.sync()
-        return loss
+        return t1 - t0 if t1 else None
 
     return step, model
 
@@ -114,35 +126,41 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets):
     V = model_cfg.padded_vocab
 
     def step():
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = model(input_ids=tokens).logits                              # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1))
         loss.backward()
+        t1 = mark(dev)
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         opt.step()
         dev.sync()
-        return loss
+        return t1 - t0 if t1 else None
 
     return step, model
 
 
-def time_interleaved(steps: dict, n: int, warmup: int, dev) -> dict[str, list[float]]:
+def time_interleaved(steps: dict, n: int, warmup: int, dev) -> tuple[dict, dict]:
     """Seconds per step of each named step function, alternating them step by
-    step (and who goes first, every round) so machine load falls on all alike."""
+    step (and who goes first, every round) so machine load falls on all alike.
+    Returns ({name: [step seconds]}, {name: [forward + backward seconds]})."""
     names = list(steps)
     for _ in range(warmup):
         for name in names:
             steps[name]()
     wait(dev)
     times = {name: [] for name in names}
+    fwd_bwd = {name: [] for name in names}
     for i in range(n):
         for name in (names if i % 2 == 0 else names[::-1]):
             wait(dev)
             t0 = time.perf_counter()
-            steps[name]()
+            fb = steps[name]()
             wait(dev)
             times[name].append(time.perf_counter() - t0)
-    return times
+            if fb is not None:
+                fwd_bwd[name].append(fb)
+    return times, fwd_bwd
 
 
 def profile(steps: dict, dev, n: int = 3, rows: int = 25) -> str:
@@ -213,16 +231,23 @@ def main(argv=None) -> int:
           f"on {where}; {peak_text}")
     print(f"timing {tcfg.steps} steps per model after {args.warmup} warm-up, interleaved ...", flush=True)
 
-    times = time_interleaved(steps, tcfg.steps, args.warmup, dev)
+    times, fwd_bwd = time_interleaved(steps, tcfg.steps, args.warmup, dev)
     rate = {}
-    print(f"\n{'':<10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>10} {'MFU':>7}")
+    # fwd+bwd and optimizer: medians of each phase (they need not add up to the step's median)
+    print(f"\n{'':<10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>10} {'MFU':>7} "
+          f"{'fwd+bwd':>10} {'optimizer':>10}")
     for name, ts in times.items():
         med = statistics.median(ts)
         rate[name] = tok_per_step / med
         m = metrics.mfu(rate[name], flops_tok, peak)
         mfu_text = f"{m * 100:6.1f}%" if m is not None else "    n/a"
+        phases = ""
+        if fwd_bwd[name]:
+            fb = statistics.median(fwd_bwd[name])
+            op = statistics.median([t - f for t, f in zip(ts, fwd_bwd[name])])
+            phases = f" {fb * 1e3:>7.1f} ms {op * 1e3:>7.1f} ms"
         print(f"{name:<10} {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms {max(ts) * 1e3:>6.1f} ms "
-              f"{rate[name]:>10,.0f} {mfu_text}")
+              f"{rate[name]:>10,.0f} {mfu_text}{phases}")
     if "hf-llama" in rate:
         print(f"\nnanohlat / hf-llama tokens/s: {rate['nanohlat'] / rate['hf-llama']:.3f}x")
     if args.profile:

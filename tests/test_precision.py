@@ -1,0 +1,177 @@
+"""Number formats (nanohlat/precision.py): stochastic rounding to bf16 is
+unbiased, round-to-nearest is not, and that is what lets pure-bf16 training
+keep small updates.
+
+Statistical tolerances. A stochastic rounding of x, which lies between the
+bf16 neighbours lo < x < hi = lo + ulp, is lo or hi: a Bernoulli draw with
+p = (x - lo) / ulp, so E[SR(x)] = x exactly and one draw has standard
+deviation ulp * sqrt(p (1 - p)). The mean of N independent draws therefore
+has standard error SE = ulp * sqrt(p (1 - p) / N), and we accept |mean - x|
+< 5 SE (a false alarm has probability ~6e-7 per value; the generators are
+seeded anyway, so a run is repeatable). Round-to-nearest is deterministic:
+its error for such an x is min(p, 1 - p) * ulp, which we choose to be
+dozens of SEs so the two cannot be confused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanohlat import comm, config, optim
+from nanohlat import device as devicelib
+from nanohlat import mesh as meshlib
+from nanohlat.model import Transformer, init_weights
+from nanohlat.precision import master_dtype, param_dtype, round_update, stochastic_round_to_bf16
+
+N_DRAWS = 20_000
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 values around |x| (normal numbers): 2^(exponent - 7)."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs()).exponent - 8)
+
+
+def between_neighbours(p: float, lo: float) -> float:
+    """The fp32 value a fraction p of the way from bf16 `lo` to the next bf16 up (in magnitude)."""
+    lo_t = torch.tensor(lo, dtype=torch.float32)
+    assert lo_t.to(torch.bfloat16).float() == lo_t, "lo must be a bf16 value"
+    x = (lo_t + math.copysign(p, lo) * bf16_ulp(lo_t)).item()
+    return x
+
+
+# (fraction of the way to the next bf16, the lower neighbour): magnitudes from
+# an Adam-sized 3e-3 to 1e4, both signs, p near 0, 1/2 and 1
+CASES = [(0.25, 1.0), (0.5, 1.0), (0.9, 1.0), (0.1, 0.5), (0.3, -1.0), (0.7, -2.0),
+         (0.02, 0.0029296875), (0.6, -0.0029296875), (0.45, 9984.0), (0.97, -9984.0)]
+
+
+def test_stochastic_rounding_is_unbiased_and_round_to_nearest_is_not():
+    g = torch.Generator().manual_seed(0)
+    x = torch.tensor([between_neighbours(p, lo) for p, lo in CASES], dtype=torch.float32)
+    draws = stochastic_round_to_bf16(x.expand(N_DRAWS, -1), generator=g)     # (N, cases)
+    assert draws.dtype == torch.bfloat16
+    lo = torch.tensor([lo for _, lo in CASES], dtype=torch.float64)
+    ulp = bf16_ulp(lo.float()).double()
+    hi = lo + torch.sign(lo) * ulp
+    # every draw is one of the two neighbours, never anything else
+    d = draws.double()
+    assert ((d == lo) | (d == hi)).all()
+    p = (x.double() - lo).abs() / ulp           # the exact fraction of the fp32 value we rounded
+    assert torch.allclose(p, torch.tensor([p for p, _ in CASES], dtype=torch.float64), atol=1e-3)
+    se = ulp * torch.sqrt(p * (1 - p) / N_DRAWS)
+    sr_err = (d.mean(0) - x.double()).abs()
+    rne_err = (x.to(torch.bfloat16).double() - x.double()).abs()
+    assert (sr_err < 5 * se).all(), f"SR mean off by {(sr_err / se).tolist()} standard errors"
+    assert torch.allclose(rne_err, torch.minimum(p, 1 - p) * ulp)
+    assert (rne_err > 20 * se).all(), "round-to-nearest should be visibly biased for these values"
+
+
+def test_stochastic_rounding_of_bf16_values_is_exact():
+    g = torch.Generator().manual_seed(1)
+    values = (torch.randn(10_000, generator=g) * torch.logspace(-8, 8, 10_000)).to(torch.bfloat16).float()
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0 ** -126, -(2.0 ** 100), float("inf"), float("-inf")])
+    values = torch.cat([values, special])
+    for _ in range(5):
+        out = stochastic_round_to_bf16(values, generator=g)
+        assert torch.equal(out.float(), values)
+        assert torch.equal(torch.signbit(out.float()), torch.signbit(values))   # -0.0 stays -0.0
+
+
+def test_stochastic_rounding_keeps_nan():
+    # torch's own NaNs (quiet, payload 0) stay NaN; see the xfail below for the rest
+    x = torch.tensor([float("nan"), -float("nan")])
+    assert torch.isnan(stochastic_round_to_bf16(x)).all()
+
+
+@pytest.mark.xfail(strict=True, reason="precision.stochastic_round_to_bf16: adding noise to the low 16 bits "
+                   "of a NaN whose top mantissa bits are all ones carries out of the exponent and wraps "
+                   "the int32, giving +-0.0. Fix there (e.g. leave non-finite values to a plain cast), "
+                   "then drop this mark.")
+def test_stochastic_rounding_keeps_every_nan_payload():
+    x = torch.tensor([0x7FFF8000, 0x7FFFFFFF, -0x8000], dtype=torch.int32).view(torch.float32)
+    assert torch.isnan(x).all()
+    out = stochastic_round_to_bf16(x.expand(1000, -1), generator=torch.Generator().manual_seed(0))
+    assert torch.isnan(out).all()
+
+
+def test_same_generator_state_gives_the_same_rounding():
+    x = torch.rand(1000) * 10 - 5
+    a = stochastic_round_to_bf16(x, generator=torch.Generator().manual_seed(7))
+    b = stochastic_round_to_bf16(x, generator=torch.Generator().manual_seed(7))
+    c = stochastic_round_to_bf16(x, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_small_updates_vanish_with_round_to_nearest_and_survive_with_stochastic_rounding():
+    """w = 1.0 in bf16, += 1e-4 a thousand times (each sum formed in fp32, then
+    stored in bf16). bf16's spacing just above 1.0 is 2^-7 ~ 0.0078, so each
+    1e-4 is far below half a spacing: round-to-nearest returns 1.0 every time.
+    SR moves up one spacing with probability 1e-4 / 2^-7 ~ 1.3% per step, so
+    E[w] follows the fp32 sum. One chain ends at 1.1 +- sd, with sd ~
+    sqrt(1000 * 2^-7 * 1e-4) ~ 0.028; the mean of CHAINS chains has standard
+    error sd / sqrt(CHAINS) and must be within 5 of those of the fp32 sum."""
+    chains, steps, delta = 1000, 1000, 1e-4
+    g = torch.Generator().manual_seed(2)
+    rne = torch.ones(chains, dtype=torch.bfloat16)
+    sr = torch.ones(chains, dtype=torch.bfloat16)
+    exact = torch.ones((), dtype=torch.float32)
+    for _ in range(steps):
+        rne = (rne.float() + delta).to(torch.bfloat16)
+        sr = stochastic_round_to_bf16(sr.float() + delta, generator=g)
+        exact = exact + delta
+    assert (rne == 1.0).all()
+    sd = math.sqrt(steps * 2.0 ** -7 * delta)
+    mean = sr.double().mean().item()
+    assert abs(mean - exact.item()) < 5 * sd / math.sqrt(chains), (mean, exact.item())
+    assert abs(exact.item() - 1.1) < 1e-4
+    assert sr.double().std().item() < 2 * sd       # spread as predicted, not a runaway
+
+
+def test_round_update_dispatch():
+    x = torch.full((4096,), 1.0 + 2.0 ** -9)     # a quarter of the way from 1.0 to the next bf16
+    assert round_update(x, torch.float32, "fp32", True) is x
+    assert (round_update(x, torch.bfloat16, "bf16", True) == 1.0).all()             # nearest
+    sr = round_update(x, torch.bfloat16, "bf16-sr", True, torch.Generator().manual_seed(0))
+    assert 0.15 < (sr > 1.0).float().mean().item() < 0.35                            # ~1/4 round up
+    # on trn1 (software_sr=False) the cast is left to the hardware's stochastic rounding
+    assert (round_update(x, torch.bfloat16, "bf16-sr", False) == 1.0).all()
+    assert [param_dtype(p) for p in ("fp32", "bf16-mixed", "bf16-sr", "bf16")] == [torch.float32] + [torch.bfloat16] * 3
+    assert [master_dtype(p) for p in ("fp32", "bf16-mixed", "bf16-sr", "bf16")] == \
+        [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-sr", "bf16-mixed"])
+def test_optimizer_keeps_small_updates_only_with_sr_or_fp32_master(precision):
+    """The wiring in FlatAdamW: RMSNorm gains start at 1.0 and Adam moves them by
+    about lr per step. At lr 5e-4 that is under half a bf16 spacing (2^-9 below
+    1.0, 2^-8 above), so pure bf16 with round-to-nearest never moves them; SR
+    moves some each step; bf16-mixed moves its fp32 master every step."""
+    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", precision, "--lr", "5e-4",
+                                         "--n-layers", "2"])
+    model = Transformer(model_cfg)
+    init_weights(model, tcfg.seed)
+    model.to(dtype=param_dtype(precision))
+    opt = optim.FlatAdamW(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg,
+                          devicelib.get_device("cpu"))
+    batch = torch.randint(0, model_cfg.vocab_size, (2, tcfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # tiny tensors: one thread is faster, and steady on a busy machine
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            model(batch[:, :-1], batch[:, 1:]).mean().backward()
+            opt.step(tcfg.lr)
+    finally:
+        torch.set_num_threads(threads)
+    gains = torch.cat([p.detach().float().view(-1) for n, p in model.named_parameters() if p.ndim == 1])
+    master = torch.cat([g.master.float() for g in opt.groups if not g.decay])   # the 1-D (norm) group(s)
+    moved = (gains != 1.0).float().mean().item()
+    if precision == "bf16":
+        assert moved == 0.0 and (master == 1.0).all()
+    elif precision == "bf16-sr":
+        assert 0.05 < moved < 1.0
+    else:
+        assert (master != 1.0).float().mean().item() > 0.95      # fp32 master: every gain moved
