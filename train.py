@@ -35,7 +35,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, launch.restart_count() > 0)
 
     # -- device and mesh ---------------------------------------------------
-    dev = devicelib.get_device(tcfg.device, local_rank)
+    dev = devicelib.get_device(tcfg.device, local_rank, tcfg.precision)   # precision: trn1's rounding mode
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not torch.distributed.is_initialized():
@@ -90,10 +90,14 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     peak_total = peak * world if peak else None
     meter = metrics.Throughput()
     # Non-finite steps, counted on the device (no host sync per step): the
-    # current run of them, and since the last log the longest run and how many.
-    # The host looks at them when a step is logged (log_step, below).
+    # current run of them, the longest run and how many in all. The host looks
+    # at them when a step is logged (log_step, below). They are never reset in
+    # the loop: a reset after a logged step would feed that step's successor
+    # constants where the others get device data, i.e. a second step graph to
+    # compile on XLA (with --log-every > 1, and after every checkpoint).
     bad_streak = torch.full((), float(bad_steps), device=dev.torch_device)
     worst_streak, skipped = bad_streak.clone(), torch.zeros((), device=dev.torch_device)
+    skipped_logged = [0]   # `skipped` at the previous log (host side)
     saved_step = start_step if resume_from else -1     # the newest checkpoint of this run holds this step
     bar = None
     if main and tcfg.progress:
@@ -106,17 +110,13 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
         loss, norm = float(loss), float(norm)
         # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
-        if not devicelib.extract_graphs_only():
-            worst, skipped = int(worst), int(skipped)
-            if skipped and main:   # the optimizer already skipped them (torch.where in optim.step)
-                what = (f"step {step} had" if tcfg.log_every == 1 else
-                        f"{skipped} step(s) since the last log (up to step {step}) had")
-                print(f"warning: {what} a non-finite loss or gradient; the update was skipped",
-                      file=sys.stderr)
-            if worst >= tcfg.max_bad_steps:   # every rank sees the same counts: all stop together
-                raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
-                                f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr, or check "
-                                f"the data; the last checkpoint holds the last good weights")
+        judge = not devicelib.extract_graphs_only()
+        worst, skipped_total = (int(worst), int(skipped)) if judge else (0, 0)
+        skipped, skipped_logged[0] = skipped_total - skipped_logged[0], skipped_total   # since the last log
+        if skipped and main:   # the optimizer already skipped their updates (torch.where in optim.step)
+            what = (f"step {step} had" if tcfg.log_every == 1 else
+                    f"{skipped} step(s) since the last log (up to step {step}) had")
+            print(f"warning: {what} a non-finite loss or gradient; the update was skipped", file=sys.stderr)
         tps = meter.update(tokens_per_step)
         mfu = metrics.mfu(tps, flops_tok, peak_total)
         summary["losses"].append(loss)
@@ -125,6 +125,10 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
                           "tokens_per_s": tps, "mfu": mfu})
         if bar:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", mfu=f"{(mfu or 0) * 100:.1f}%")
+        if 0 < tcfg.max_bad_steps <= worst:   # (0: never stop) every rank sees the same counts: all stop together
+            raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
+                            f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr or check the "
+                            f"data, then resume from a checkpoint saved before the trouble (--resume PATH)")
 
     for step in range(start_step, tcfg.steps):
         lr = optim.cosine_lr(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
@@ -133,8 +137,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         opt.zero_grad()
         loss = runner.run(tokens, targets, 1.0 / tokens_per_step)
         loss = comm.all_reduce(comm.all_reduce(loss, mesh.pp_group), mesh.dp_group)   # global mean
-        norm, finite = opt.step(lr)
-        bad_streak = torch.where(finite & torch.isfinite(loss), torch.zeros_like(bad_streak), bad_streak + 1)
+        norm, finite = opt.step(lr, loss_finite=torch.isfinite(loss))   # a non-finite step updates nothing
+        bad_streak = torch.where(finite, torch.zeros_like(bad_streak), bad_streak + 1)
         worst_streak = torch.maximum(worst_streak, bad_streak)
         skipped = skipped + (bad_streak > 0).float()
         dev.sync()
@@ -145,12 +149,12 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
                 log(comm_report(mesh, model_cfg, tcfg))
         if (step + 1) % tcfg.log_every == 0 or step + 1 in (tcfg.steps, tcfg.stop_after):
             dev.add_step_closure(log_step, step + 1, loss, norm, worst_streak, skipped, lr, tokens_seen)
-            worst_streak, skipped = torch.zeros_like(worst_streak), torch.zeros_like(skipped)
         if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
             val = evaluate_loss(runner, ds, mesh, tcfg, dev)
             dev.add_step_closure(lambda s, v: (summary["val_losses"].append(float(v)),
                                                writer and writer.write({"step": s, "val_loss": float(v)})),
                                  step + 1, val)
+            dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
         if bar:
             bar.update(1)
         last_step = step + 1
@@ -220,7 +224,7 @@ def comm_report(mesh, model_cfg, tcfg) -> str:
 
 
 def write_timeline(runner, mesh, tcfg) -> None:
-    text = pipeline.timeline_report(runner, mesh, tcfg)
+    text = pipeline.timeline_report(runner, mesh, tcfg, os.path.join(tcfg.out_dir, "timeline.png"))
     if mesh.rank == 0 and text:
         path = os.path.join(tcfg.out_dir, "timeline.txt")
         with open(path, "w") as f:
@@ -263,10 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         restarted = launch.restart_count() > 0
         resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
         if resume_from:
-            checkpoint.check(resume_from, model_cfg)   # manifest, files, model shape (reads no tensors)
+            # manifest, files, model shape; before local workers start, the checksums too
+            checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
         elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
             checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         if env:
+            warning = launch.torchrun_restart_warning()
+            if warning and env[0] == 0 and not restarted:
+                print(warning, file=sys.stderr)
             worker(argv)
             return 0
         if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises

@@ -21,7 +21,7 @@ Get any of these wrong and clipping silently differs between layouts.
 
 Every step-dependent scalar (lr, bias corrections) enters as a tensor so an
 XLA graph does not change (and recompile) from one step to the next, and a
-non-finite gradient skips the update with torch.where instead of an `if`.
+non-finite gradient or loss turns the update into a no-op (multiplied by 0.0), not an `if`.
 """
 
 from __future__ import annotations
@@ -62,12 +62,25 @@ class FlatGroup:
         self.master = flat[self.start:self.stop].to(mdtype).clone()
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self._grad = None
 
     def flatten(self, tensors, dtype) -> torch.Tensor:
         """Concatenate tensors (as dtype) and zero-pad to the sharded length."""
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         pad = self.padded - self.numel
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+    def grad_buffer(self) -> torch.Tensor:
+        """The parameters' gradients copied into one flat, padded fp32 buffer,
+        kept between steps (it is also the optimizer step's scratch space)."""
+        if self._grad is None:
+            self._grad = torch.zeros(self.padded, dtype=torch.float32, device=self.master.device)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is None:
+                self._grad[off:off + p.numel()].zero_()
+            else:
+                self._grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        return self._grad
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
@@ -78,7 +91,7 @@ class FlatAdamW:
         self.mesh, self.train = mesh, train
         self.zero = train.zero1
         self.precision = train.precision
-        self.software_sr = device.kind != "xla"      # trn1 rounds stochastically in hardware
+        self.software_sr = not device.hardware_stochastic_rounding   # trn1 rounds stochastically in hardware
         self.bucket_elems = int(train.bucket_mb * 2**20 / 4)
         mdtype = master_dtype(train.precision)
         by_kind: dict = {}
@@ -93,8 +106,9 @@ class FlatAdamW:
         self.step_count = 0
         self.device = device
         self.sr_generator = None
-        if self.software_sr and train.precision == "bf16-sr":
-            # SR noise need not match across layouts (each rank rounds its own shard)
+        if self.software_sr and train.precision == "bf16-sr" and device.kind != "xla":
+            # SR noise need not match across layouts (each rank rounds its own shard).
+            # torch_xla has no torch.Generator: on xla the noise comes from XLA's own RNG.
             self.sr_generator = torch.Generator(device=device.torch_device).manual_seed(train.seed + 1000 + mesh.rank)
 
     def state_bytes(self) -> int:
@@ -107,8 +121,14 @@ class FlatAdamW:
                 p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step. Returns (grad norm, finite flag) as device tensors (no host sync)."""
+    def step(self, lr: float, loss_finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step. Returns (grad norm, finite flag) as device tensors (no host sync).
+
+        A step whose gradient norm (or, given `loss_finite`, loss) is not finite
+        changes nothing: every update below is multiplied by `keep` = 0.0.
+        Buffers are updated in place: on a 7B model each full-size temporary
+        would be gigabytes, and on CPU every fresh one costs page faults.
+        """
         mesh, t = self.mesh, self.train
         dev = self.device.torch_device
         self.step_count += 1
@@ -118,15 +138,13 @@ class FlatAdamW:
                                dtype=torch.float32, device=dev)
         lr_t, bc1, bc2 = scalars[0], scalars[1], scalars[2]
 
-        # 1. gradients -> flat fp32, summed over dp (all of it, or this rank's shard)
+        # 1. gradients -> this group's flat fp32 buffer, summed over dp (all of it, or this rank's shard)
         grads = []
         for g in self.groups:
-            gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
+            flat = g.grad_buffer()
             if g.tp_replicated and mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
-                flat = comm.all_reduce(g.flatten(gs, torch.float32), mesh.tp_group)
-            else:
-                flat = g.flatten(gs, torch.float32)
+                flat = comm.all_reduce(flat, mesh.tp_group, inplace=True)
             if self.zero:
                 grads.append(data_parallel.reduce_scatter_buckets(flat, mesh.dp_group, self.bucket_elems))
             else:
@@ -135,35 +153,38 @@ class FlatAdamW:
         # 2. global grad norm, each parameter counted once (see module docstring)
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for g, grad in zip(self.groups, grads):
-            s = grad.pow(2).sum()
+            s = torch.linalg.vector_norm(grad).square()
             sq = sq + (s / mesh.tp if g.tp_replicated else s)
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         if self.zero:
             sq = comm.all_reduce(sq, mesh.dp_group)
         norm = sq.sqrt()
-        finite = torch.isfinite(norm)
+        finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
+        keep = finite.float()                            # 0.0 turns the whole update into a no-op
         clip = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0) if t.grad_clip > 0 else torch.ones_like(norm)
-        clip = torch.where(finite, clip, torch.zeros_like(clip))
+        clip = clip * keep
+        w1, w2 = (1 - b1) * keep, (1 - b2) * keep        # moment weights: m <- m + w1 (g - m)
+        step_size = lr_t * keep / bc1
+        decay = 1 - lr_t * keep * t.weight_decay         # decoupled weight decay: w <- w (1 - lr wd)
 
-        # 3. AdamW on the master shard, in fp32 (decoupled weight decay)
+        # 3. AdamW on the master shard, in fp32, reusing the gradient buffer as scratch
         for g, grad in zip(self.groups, grads):
-            grad = grad * clip
-            grad = torch.where(torch.isfinite(grad), grad, torch.zeros_like(grad))
-            m = torch.where(finite, b1 * g.exp_avg + (1 - b1) * grad, g.exp_avg)
-            v = torch.where(finite, b2 * g.exp_avg_sq + (1 - b2) * grad * grad, g.exp_avg_sq)
-            w = g.master.float()
-            update = (m / bc1) / ((v / bc2).sqrt() + t.adam_eps)
+            grad.mul_(clip).nan_to_num_(0.0, 0.0, 0.0)   # a skipped step's inf/nan become 0 x ... = 0
+            g.exp_avg.lerp_(grad, w1)
+            g.exp_avg_sq.lerp_(grad.mul_(grad), w2)
+            denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(bc2.sqrt()).add_(t.adam_eps)
+            update = torch.div(g.exp_avg, denom, out=denom).mul_(step_size)   # (m / bc1) / (sqrt(v / bc2) + eps)
+            w = g.master if g.master.dtype == torch.float32 else g.master.float()
             if g.decay and t.weight_decay:
-                update = update + t.weight_decay * w
-            new = torch.where(finite, w - lr_t * update, w)
-            g.exp_avg.copy_(m)
-            g.exp_avg_sq.copy_(v)
-            g.master.copy_(round_update(new, g.master.dtype, self.precision, self.software_sr, self.sr_generator))
+                w.mul_(decay)
+            w.sub_(update)
+            if w is not g.master:                        # pure bf16: round the fp32 result back
+                g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr,
+                                            self.sr_generator))
 
             # 4. back into the model: all-gather the shards (ZeRO-1) and unflatten
-            pdtype = g.params[0].dtype
-            full = g.master.to(pdtype)
+            full = g.master.to(g.params[0].dtype)
             if self.zero:
                 full = data_parallel.all_gather_buckets(full, mesh.dp_group, self.bucket_elems)
             for p, off in zip(g.params, g.offsets):

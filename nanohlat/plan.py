@@ -8,8 +8,9 @@ is a prediction you can trust, not a guess.
 
 Memory per rank, at its peak, the larger of the step's two phases:
 
-    weights + gradients + optimizer state + max(activations + loss backward,   forward/backward
-                                                fp32 grads (+ temporaries))    optimizer step
+    weights + gradients + optimizer state + fp32 gradient buffers
+        + max(activations + loss backward,              forward/backward
+              ZeRO-1 shards and gathers (+ temporaries)) optimizer step
 
     weights       parameters x 2 B (bf16) or 4 B (fp32)
     gradients     the same again: p.grad has the parameter's dtype
@@ -17,10 +18,11 @@ Memory per rank, at its peak, the larger of the step's two phases:
                   (4 B; fp32, bf16-mixed) or bf16 (2 B); 1/dp of all that with ZeRO-1
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
-    fp32 grads    FlatAdamW.step flattens the gradients into fp32 buffers (4 B/param;
-                  ZeRO-1: one full buffer at a time, then 1/dp shards)
-    temporaries   eager backends only (cpu, cuda): the AdamW update's unfused
-                  elementwise ops (EAGER_STEP_COPIES); XLA fuses them away
+    fp32 grads    FlatAdamW keeps one flat fp32 gradient buffer per group between
+                  steps (4 B/param), also the update's scratch space; ZeRO-1 adds the
+                  reduce-scattered 1/dp shards and the all-gathered new weights
+    temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
+                  still allocates (EAGER_STEP_COPIES); XLA fuses them away
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
@@ -180,33 +182,36 @@ def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
     return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
 
 
-# Eager backends (cpu, cuda) run FlatAdamW.step's elementwise AdamW one op at a
-# time, so while it updates a flat group they hold this many extra fp32 copies
-# of the group's (shard of) gradients: grad * clip, the finite-masked grad, m,
-# v, the update and its temporaries; software stochastic rounding adds three
-# int32 buffers, bf16 master weights a fp32 copy. Measured with
-# torch.cuda.max_memory_allocated (torch 2.11, H200): 24 B per parameter
-# (fp32, bf16-mixed) and 36 B (bf16-sr), beyond the fp32 gradients. XLA fuses
-# the update into one kernel and needs none of them.
-EAGER_STEP_COPIES = {"fp32": 6, "bf16-mixed": 6, "bf16": 7, "bf16-sr": 9}
+# Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
+# update works in place in the flat gradient buffer, so fp32 and bf16-mixed
+# allocate almost nothing more (bf16-mixed: the bf16 copy of the new weights,
+# half an fp32 copy); pure bf16 works on an fp32 copy of its bf16 master (1.5
+# copies with the rounding); software stochastic rounding adds its int32 noise
+# and bit buffers (4.5 copies). Counted in fp32-sized copies of the largest
+# group's shard. XLA fuses the update into one kernel and needs none of them.
+EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 
 
 def optimizer_step_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
                          eager: bool) -> tuple[int, int]:
-    """(fp32 gradient buffers, eager temporaries) at the peak of FlatAdamW.step.
+    """(flat fp32 gradient buffers kept between steps, extra bytes during FlatAdamW.step).
 
-    The gradients are flattened to fp32, one buffer per group (tp-sharded
-    matrices, replicated norms). Plain dp keeps all of them for the update;
-    ZeRO-1 keeps 1/dp shards, but holds one full buffer at a time before its
-    reduce-scatter."""
+    One buffer per group (tp-sharded matrices, replicated norms), padded to a
+    multiple of dp under ZeRO-1. During the step ZeRO-1 also holds the
+    reduce-scattered 1/dp gradient shards and, one group at a time, the
+    all-gathered new weights in the parameter dtype."""
     counts = stage_param_counts(cfg, tp, pp, stage)
     groups = [counts["sharded"], counts["replicated"]]
     shards = dp if t.zero1 else 1
-    kept = 4 * sum(padded_size(n, shards) // shards for n in groups)
+    buffers = 4 * sum(padded_size(n, shards) for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
-    full_buffer = 4 * max(padded_size(n, shards) for n in groups) if shards > 1 else 0
-    temporaries = 4 * EAGER_STEP_COPIES[t.precision] * largest_shard if eager else 0
-    return kept + full_buffer, temporaries
+    during = 0
+    if shards > 1:
+        during += 4 * sum(padded_size(n, shards) // shards for n in groups)
+        during += dtype_bytes(t.precision) * max(padded_size(n, shards) for n in groups)
+    if eager:
+        during += int(4 * EAGER_STEP_COPIES[t.precision] * largest_shard)
+    return buffers, during
 
 
 def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -230,8 +235,8 @@ def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries}
     out["forward_backward"] = out["activations"] + out["loss_backward"]
-    out["optimizer_step"] = flat + temporaries
-    out["peak"] = (out["weights"] + out["grads"] + out["optimizer"]
+    out["optimizer_step"] = temporaries
+    out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
                    + max(out["forward_backward"], out["optimizer_step"]))
     return out
 
@@ -419,16 +424,18 @@ def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
     for s in shown_stages(pp):
         r = mems[s]
         lay = stage_layers(cfg.n_layers, pp, s)
-        step = fmt_bytes(r["flat_grads"]) + (f" + {fmt_bytes(r['step_temporaries'])}" if eager else "")
+        step = fmt_bytes(r["step_temporaries"])
         rows.append([s, f"{lay.start}-{lay.stop - 1}", fmt_count(r["params"]), fmt_bytes(r["weights"]),
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
                      f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
-                     fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
+                     fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "loss bwd", "optimizer step", "peak"], rows)
-    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'no ZeRO'}, as configured) + the larger of "
-             f"(activations in flight + loss backward) and (optimizer step: fp32 gradients"
-             + (" + AdamW temporaries)" if eager else ")"))
+                 "fp32 grads", "loss bwd", "optimizer step", "peak"], rows)
+    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'no ZeRO'}, as configured) + fp32 gradient "
+             f"buffers + the larger of (activations in flight + loss backward) and (optimizer step: "
+             + ("ZeRO-1 shards and gathers" if t.zero1 else "") + (" + " if t.zero1 and eager else "")
+             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (t.zero1 or eager) else "")
+             + ")")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[t.device]:
         if dev in DEVICE_MEMORY:

@@ -274,11 +274,11 @@ def _fault_worker(argv: list[str]):
         else:                            # at the optimizer step of step fault["step"] (1-based)
             real_step, calls = optim.FlatAdamW.step, []
 
-            def step(self, lr):
+            def step(self, lr, **kw):
                 calls.append(lr)
                 if len(calls) == fault["step"]:
                     die()
-                return real_step(self, lr)
+                return real_step(self, lr, **kw)
             optim.FlatAdamW.step = step
     return train.worker(argv)
 
