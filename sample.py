@@ -68,6 +68,7 @@ def main(argv=None) -> int:
             shown = ""
             for nxt in model.generate(tokens, args.max_new_tokens, args.temperature, args.top_k,
                                       generator=gen if dev.kind == "cpu" else None):
+                dev.sync()   # XLA: run this token's graph and keep the KV cache, or every token recomputes all before it
                 t = int(nxt[0, 0])
                 if t == tok.eos_id:
                     break

@@ -47,7 +47,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     log = print if main else (lambda *a, **k: None)
 
     # -- data: the global batch of step k depends only on (seed, k) ----------
-    ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=log)
+    # (main() built the cache and said so; here the workers only open it)
+    ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=lambda *a: None)
 
     # -- model: this rank's stage and tensor slice, initialised layout-independently
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
@@ -241,10 +242,15 @@ def worker(argv: list[str]) -> dict:
     rank, world, local_rank = launch.torchrun_env()
     model_cfg, tcfg = config.parse_args(argv)
     try:
-        return train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
+        summary = train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    # Leave the job cleanly: a process group still alive at interpreter exit can abort
+    # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,7 +153,15 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
                     vocab_size=512, max_seq_len=64),
         dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
     ),
+    # what `python train.py` trains: sized to learn Python's look in ~5 minutes on 2 CPU cores
     "default": (
+        ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_dim=688,
+                    vocab_size=2048, max_seq_len=256),
+        dict(steps=400, batch_size=8, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_every=50,
+             save_every=100),
+    ),
+    # twice the tokens per step and a larger vocabulary (the precision experiment's model)
+    "small": (
         ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_dim=688,
                     vocab_size=4096, max_seq_len=256),
         dict(steps=300, batch_size=16, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=30, eval_every=50,
@@ -174,14 +182,17 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
                     vocab_size=32000, max_seq_len=4096),
         # 1024 x 4096 tokens (~4.2M) per step; 1.8T tokens ~ 430k steps
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
-             tp=8, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-sr"),
+             # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
+             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
+             precision="bf16-sr"),
     ),
     "hlat-70b": (
         ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                     vocab_size=32000, max_seq_len=4096),
         dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
-             tp=32, pp=8, zero1=True, sequence_parallel=True, activation_checkpointing="selective",
-             precision="bf16-mixed"),
+             # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
+             tp=32, pp=8, microbatches=128, zero1=True, sequence_parallel=True,
+             activation_checkpointing="selective", precision="bf16-mixed"),
     ),
 }
 

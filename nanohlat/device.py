@@ -19,7 +19,9 @@ step's graph identical so nothing compiles after the first steps.
 Order of calls on xla: get_device() -> init_process_group() -> anything that
 touches tensors. Under torchrun the xla rendezvous configures which cores this
 process owns, which must happen before the XLA runtime starts; so the xla
-device itself is created lazily, on first use of `torch_device`.
+device itself is created lazily, on first use of `torch_device`. The Neuron
+runtime's rounding mode (--precision bf16-sr) is also fixed at start-up, so
+`get_device` sets it. How to run all this on a trn1: docs/trn1.md.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ class Device:
         where = self._torch_device if self._torch_device is not None else "xla (not started)"
         return f"Device({where}, backend={self.backend}, name={self.name})"
 
+    @property
+    def hardware_stochastic_rounding(self) -> bool:
+        """True on Trainium, whose runtime rounds fp32 -> bf16 stochastically
+        for --precision bf16-sr (see `_neuron_rounding`). Elsewhere, including
+        torch_xla on the CPU, bf16-sr is done in software (precision.py)."""
+        return self.kind == "xla" and self.name == "NeuronCore-v2"
+
     def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """module.to(this device, dtype), keeping what parameters carry besides
         their values (`tp_dim`, `full_shape`, `sequence_parallel`: see
@@ -144,7 +153,9 @@ class Device:
             return _to_cpu(obj)
         import torch_xla.core.xla_model as xm
         self.sync()
-        return xm._maybe_convert_to_cpu(_to_cpu(obj, keep_xla=True))
+        on_xla = [t for t in _tensors(obj) if t.device.type == "xla"]
+        fetched = xm._maybe_convert_to_cpu([t.detach() for t in on_xla])   # a list in, a list out
+        return _to_cpu(obj, {id(t): c for t, c in zip(on_xla, fetched)})
 
     def checkpoint(self, fn, *args):
         """Activation checkpointing: keep only fn's inputs, recompute its
@@ -247,17 +258,28 @@ class Device:
             return None
 
 
-def _to_cpu(obj, keep_xla: bool = False):
-    """Copy tensors to the CPU (XLA tensors only detached if keep_xla: the caller
-    fetches those in one batch)."""
+def _tensors(obj) -> list:
+    """Every tensor in a nested dict/list/tuple."""
     if isinstance(obj, torch.Tensor):
-        if keep_xla and obj.device.type == "xla":
-            return obj.detach()  # a plain Tensor (not a Parameter), as xm's batch fetch expects
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _to_cpu(obj, fetched: dict | None = None):
+    """The same nesting with CPU copies of the tensors; `fetched` maps id(tensor)
+    -> its copy already fetched from the device (to_host on xla)."""
+    if isinstance(obj, torch.Tensor):
+        if fetched is not None and id(obj) in fetched:
+            return fetched[id(obj)]
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return type(obj)((k, _to_cpu(v, keep_xla)) for k, v in obj.items())
+        return type(obj)((k, _to_cpu(v, fetched)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v, keep_xla) for v in obj)
+        return type(obj)(_to_cpu(v, fetched) for v in obj)
     return obj
 
 
@@ -271,9 +293,13 @@ def _cuda_name(index: int) -> str:
     return "unknown"
 
 
-def get_device(kind: str = "auto", local_rank: int = 0) -> Device:
+def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = None) -> Device:
     """The device for this process. 'auto' prefers Trainium (torch-neuronx
-    installed, or PJRT_DEVICE set with torch_xla installed), then CUDA, then CPU."""
+    installed, or PJRT_DEVICE set with torch_xla installed), then CUDA, then CPU.
+
+    `precision` (the --precision of a training run) matters on Trainium only:
+    it decides the Neuron runtime's rounding mode, which must be set before
+    the runtime starts (see `_neuron_rounding`)."""
     if kind not in ("auto", "cpu", "cuda", "xla"):
         raise UserError(f"--device {kind!r} is not one of auto, cpu, cuda, xla")
     if kind == "auto":
@@ -303,4 +329,28 @@ def get_device(kind: str = "auto", local_rank: int = 0) -> Device:
     # device_type() only reads PJRT_DEVICE, so this does not start the runtime.
     # NEURON means trn1 here (NeuronCore-v2): torch-neuronx 2.9 is our trn1 target.
     name = {"NEURON": "NeuronCore-v2", "CPU": "cpu"}.get(xr.device_type() or "", "unknown")
+    if name == "NeuronCore-v2" and precision is not None:
+        _neuron_rounding(precision)
     return Device("xla", None, "xla", name, local_rank)
+
+
+SR_VARIABLE = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
+
+
+def _neuron_rounding(precision: str) -> None:
+    """Make the Neuron runtime round the way --precision says.
+
+    NeuronCore-v2 can round every fp32 -> bf16 conversion stochastically
+    (the runtime variable NEURON_RT_STOCHASTIC_ROUNDING_EN=1). That is what
+    `bf16-sr` means on trn1, as in HLAT-7B's pure-bf16 run: the optimizer's
+    plain `.to(bfloat16)` becomes unbiased in hardware. Every other precision
+    wants round-to-nearest (0, the runtime's default). The runtime reads the
+    variable when it starts, so it is set here, before the first XLA tensor.
+    A value the user set that contradicts --precision is an error, not
+    silently overridden."""
+    want = "1" if precision == "bf16-sr" else "0"
+    have = os.environ.get(SR_VARIABLE)
+    if have is not None and have != want:
+        raise UserError(f"{SR_VARIABLE}={have} contradicts --precision {precision}, which needs {want}; "
+                        f"unset the variable (nanohlat sets it from --precision) or change --precision")
+    os.environ[SR_VARIABLE] = want

@@ -1,7 +1,7 @@
 """The precision experiment: does pure bf16 with round-to-nearest stall while
 stochastic rounding keeps up with fp32? (docs/precision.md has the results.)
 
-Trains the `default` preset on the built-in corpus once per --precision, same
+Trains the `small` preset on the built-in corpus once per --precision, same
 seed and steps, then prints a table of the losses and draws the curves:
 
     python scripts/precision_experiment.py --steps 40                 # ~15-20 min on 2 busy CPU cores
@@ -13,7 +13,7 @@ seed and steps, then prints a table of the losses and draws the curves:
 
 Each run is exactly
 
-    python train.py --preset default --precision P --out-dir ROOT/P --steps S --no-progress \\
+    python train.py --preset small --precision P --out-dir ROOT/P --steps S --no-progress \\
         --resume never --overwrite [anything after --]
 
 (--resume never --overwrite so that a rerun starts over instead of resuming).
@@ -40,7 +40,7 @@ PRECISIONS = ("fp32", "bf16", "bf16-sr", "bf16-mixed")
 
 def run(precision: str, steps: int, out_dir: str, extra: list[str]) -> float:
     """One training run; returns its wall time in seconds."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "default", "--precision", precision,
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "small", "--precision", precision,
            "--out-dir", out_dir, "--steps", str(steps), "--no-progress", "--resume", "never", "--overwrite",
            *extra]
     print("$ python " + " ".join([os.path.relpath(cmd[1], ROOT)] + cmd[2:]), flush=True)
