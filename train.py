@@ -87,7 +87,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     # -- the loop ------------------------------------------------------------
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
-    peak = metrics.peak_flops(dev.name, tcfg.precision, torch.get_num_threads() if dev.kind == "cpu" else None)
+    # CPUs: the matmul rate measured right now on this process's threads (metrics.measure_cpu_peak)
+    peak = metrics.measure_cpu_peak() if dev.kind == "cpu" else metrics.peak_flops(dev.name, tcfg.precision)
     peak_total = peak * world if peak else None
     meter = metrics.Throughput()
     # Non-finite steps, counted on the device (no host sync per step): the

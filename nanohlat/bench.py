@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 
     tok_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
-    peak = metrics.peak_flops(dev.name, tcfg.precision, threads)
+    peak = metrics.measure_cpu_peak() if dev.kind == "cpu" else metrics.peak_flops(dev.name, tcfg.precision)
     where = f"{dev.name} ({threads} threads)" if threads else dev.name
     print(f"model: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, {model_cfg.n_heads} heads "
           f"({model_cfg.n_kv_heads} kv), ffn {model_cfg.ffn_dim}, vocab {model_cfg.padded_vocab}: "

@@ -157,8 +157,8 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
     "default": (
         ModelConfig(n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, ffn_dim=688,
                     vocab_size=2048, max_seq_len=256),
-        dict(steps=400, batch_size=8, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=40, eval_every=50,
-             save_every=100),
+        dict(steps=600, batch_size=8, seq_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=60, eval_every=50,
+             save_every=200),
     ),
     # twice the tokens per step and a larger vocabulary (the precision experiment's model)
     "small": (

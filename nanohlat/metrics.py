@@ -38,7 +38,8 @@ from nanohlat.config import UserError
 #   development machine ran fp32 matmuls at ~106 GFLOP/s with torch on both
 #   cores, i.e. ~53 GFLOP/s per core. bf16 on CPUs without AMX/AVX512-BF16 is
 #   not faster, so we use the same figure. It is per core and scaled by the
-#   threads in use (`peak_flops`), so treat CPU MFU as a rough guide only.
+#   threads in use (`peak_flops`). It serves `--plan`'s estimates only: a CPU
+#   *run* measures its own matmul rate instead (`measure_cpu_peak`).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "NeuronCore-v2": {"bf16": 190e12 / 2, "fp32": 47.5e12 / 2},
     "A100": {"bf16": 312e12, "fp32": 19.5e12},
@@ -96,6 +97,24 @@ def peak_flops(device_name: str, precision: str, threads: int | None = None) -> 
     if device_name == "cpu":
         peak *= threads if threads is not None else torch.get_num_threads()
     return peak
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """This process's fp32 matmul rate in FLOP/s, measured now with its threads.
+
+    CPUs have no datasheet figure that a training step could approach, and a
+    stated one is wrong on the next machine (MFU above 100% on a faster CPU,
+    the nanoGPT-on-H100 mistake). So a CPU run measures its own ceiling: the
+    best of a few n x n matmuls, the operation that dominates a training step.
+    """
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b                                              # warm-up: thread pool, caches
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_total: float | None) -> float | None:
