@@ -42,10 +42,13 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None) -> torch.Tensor:
     kept bits with probability (low bits) / 2^16: exactly the distance to the
     next bf16 value. Works for negative numbers too (sign-magnitude format).
     """
-    bits = x.float().contiguous().view(torch.int32)
+    x = x.float().contiguous()
+    bits = x.view(torch.int32)
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     rounded = (bits + noise) & -65536          # -65536 == 0xFFFF0000: clear the low 16 bits
-    return rounded.view(torch.float32).to(torch.bfloat16)   # exact: low bits are zero
+    out = rounded.view(torch.float32).to(torch.bfloat16)    # exact: low bits are zero
+    # a NaN with a full mantissa would carry into the sign bit: keep NaN a NaN
+    return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)
 
 
 def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str, software_sr: bool,

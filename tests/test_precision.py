@@ -81,15 +81,11 @@ def test_stochastic_rounding_of_bf16_values_is_exact():
 
 
 def test_stochastic_rounding_keeps_nan():
-    # torch's own NaNs (quiet, payload 0) stay NaN; see the xfail below for the rest
+    # torch's own NaNs (quiet, payload 0) stay NaN; other payloads: the next test
     x = torch.tensor([float("nan"), -float("nan")])
     assert torch.isnan(stochastic_round_to_bf16(x)).all()
 
 
-@pytest.mark.xfail(strict=True, reason="precision.stochastic_round_to_bf16: adding noise to the low 16 bits "
-                   "of a NaN whose top mantissa bits are all ones carries out of the exponent and wraps "
-                   "the int32, giving +-0.0. Fix there (e.g. leave non-finite values to a plain cast), "
-                   "then drop this mark.")
 def test_stochastic_rounding_keeps_every_nan_payload():
     x = torch.tensor([0x7FFF8000, 0x7FFFFFFF, -0x8000], dtype=torch.int32).view(torch.float32)
     assert torch.isnan(x).all()
