@@ -24,6 +24,7 @@ elements by ~lr and the first loss by >1e-2.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -111,3 +112,20 @@ def layout_runs(cache_dir, tmp_path_factory):
 @pytest.mark.parametrize("name", list(WORLD2) + list(WORLD4) + list(WORLD8))
 def test_layout_matches_one_process(name, layout_runs, reference):
     assert_same_as_reference(reference, layout_runs[name])
+
+
+@pytest.mark.parametrize("pp, schedule, m", [(2, "afab", 4), (2, "1f1b", 4), (4, "afab", 8), (4, "1f1b", 8),
+                                             (4, "1f1b", 1)])
+def test_in_flight_micro_batches_afab_holds_all_1f1b_at_most_pp(pp, schedule, m, layout_runs):
+    """Stage 0 (rank 0) keeps every micro-batch's activations under AFAB and at most pp under 1F1B."""
+    summary = json.load(open(layout_runs[f"pp{pp}_{schedule}_m{m}"] / "summary.json"))
+    assert summary["peak_in_flight"] == (m if schedule == "afab" else min(pp, m))
+
+
+def test_zero1_optimizer_state_is_one_dp_th_plus_padding(layout_runs):
+    """tiny: 249,856 matrix + 576 norm parameters; fp32 master + 2 moments = 12 bytes each."""
+    full = json.load(open(layout_runs["dp2"] / "summary.json"))["optimizer_bytes"]
+    sharded = json.load(open(layout_runs["dp2_zero1"] / "summary.json"))["optimizer_bytes"]
+    assert full == 12 * (249_856 + 576)
+    assert sharded == 12 * (249_856 // 2 + 576 // 2)        # both even: no padding at dp=2
+    assert sharded * 2 == full
