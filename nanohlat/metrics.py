@@ -99,7 +99,7 @@ def peak_flops(device_name: str, precision: str, threads: int | None = None) -> 
     return peak
 
 
-def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+def measure_cpu_peak(n: int = 1024, repeats: int = 20) -> float:
     """This process's fp32 matmul rate in FLOP/s, measured now with its threads.
 
     CPUs have no datasheet figure that a training step could approach, and a
