@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 class UserError(Exception):

@@ -31,7 +31,7 @@ import math
 import torch
 
 from . import comm, data_parallel, zero1
-from .precision import master_dtype, param_dtype, round_update
+from .precision import master_dtype, round_update
 
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

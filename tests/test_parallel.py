@@ -25,10 +25,8 @@ elements by ~lr and the first loss by >1e-2.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
 from conftest import read_metrics
 from dist_utils import run_layouts
