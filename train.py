@@ -263,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
             from nanohlat import plan
             print(plan.report(model_cfg, tcfg, world))
             return 0
+        meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         # tokenizer and token shards are built once, here, before any worker starts
         ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
         if ds.tokenizer.vocab_size != model_cfg.vocab_size:
             argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
             model_cfg, tcfg = config.parse_args(argv)
-        meshlib.validate_layout(model_cfg, tcfg, world)
+            meshlib.validate_layout(model_cfg, tcfg, world)   # the tokenizer's vocabulary must split too
         # --resume / --out-dir problems are refused here, once, as one line, not in N workers
         restarted = launch.restart_count() > 0
         resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
