@@ -58,7 +58,6 @@ never a silently wrong model.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -69,41 +68,15 @@ import torch
 from . import comm
 from .config import ModelConfig, UserError, model_from_dict
 from .device import extract_graphs_only
+from .files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
+from .files import fsync_dir, sha256_file
 from .tensor_parallel import shard
 
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
 
 
-# -- small file helpers ------------------------------------------------------
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename inside `path` durable (the directory entry itself)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write) -> None:
-    """write(f) into a temporary name, flush + fsync, then rename over `path`."""
-    tmp = path + ".partial"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _sha256(path: str) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.digest()
-
+# -- small file helpers (atomic writes and hashes: files.py) -----------------
 
 def _remove(path: str) -> None:
     """Delete a checkpoint directory crash-safely: rename it out of sight
@@ -237,7 +210,7 @@ def _publish(out_dir: str, tmp: str, manifest: dict) -> str:
         if step_of(path) >= manifest["step"]:   # an abandoned future (or this very step, saved before)
             _remove(path)
     os.replace(tmp, os.path.join(root, name))    # the checkpoint appears whole, or not at all
-    _fsync_dir(root)
+    fsync_dir(root)
     _atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
     return os.path.join(root, name)
 
@@ -278,7 +251,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
 
     # 2. rank 0 learns that every shard is on disk, and its checksum: one all-gather
     #    of each rank's sha256 (32 bytes as 4 int64) doubles as the barrier
-    digest = torch.frombuffer(bytearray(_sha256(shard_path)), dtype=torch.int64)
+    digest = torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64)
     digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 4)
 
     # 3. rank 0: manifest, rename into place, update `latest`, prune
@@ -318,7 +291,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
-        "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path), "sha256": _sha256(shard_path).hex()}},
+        "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path), "sha256": sha256_file(shard_path)}},
     })
 
 
@@ -373,7 +346,7 @@ def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> l
     """Files whose sha256 differs from the manifest's, among this rank's 1/world of them."""
     names = sorted(manifest["files"])
     return [n for i, n in enumerate(names)
-            if i % world == rank and _sha256(os.path.join(path, n)).hex() != manifest["files"][n]["sha256"]]
+            if i % world == rank and sha256_file(os.path.join(path, n)) != manifest["files"][n]["sha256"]]
 
 
 def _corrupt_error(path: str, name: str) -> UserError:

@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 from .config import UserError
+from .files import atomic_write, sha256_file
 
 FORMAT_VERSION = 1                    # bump when the cache layout or packing changes
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json")
@@ -150,7 +151,7 @@ def _train_tokenizer(docs: list[str], vocab_size: int, path: str, log) -> None:
                             f"byte pieces need at least {least.group(1)}; use a larger --vocab-size") from None
         raise UserError(f"SentencePiece could not train a tokenizer with --vocab-size {vocab_size} ({e}); "
                         f"try a different --vocab-size (at least ~300: 256 byte pieces are reserved)") from None
-    _atomic_write(path, model.getvalue())
+    atomic_write(path, lambda f: f.write(model.getvalue()))
     log(f"data: tokenizer trained in {time.time() - t0:.1f}s -> {path}")
 
 
@@ -227,7 +228,7 @@ def _corpus_identity(data: str) -> list:
     """What the cache key of a corpus is made of: cheap to compute, changes when the corpus does."""
     files = _data_files(data)
     if len(files) == 1 and data:   # one file: hash its content, so a copy elsewhere still hits the cache
-        return ["file", files[0].endswith(JSONL_SUFFIXES), _sha256_file(files[0])]
+        return ["file", files[0].endswith(JSONL_SUFFIXES), sha256_file(files[0])]
     # A folder (or the stdlib): paths, sizes and mtimes, so a warm start reads no text at all.
     stats = [(os.path.abspath(p), os.stat(p)) for p in files]
     return ["files"] + [[p, st.st_size, st.st_mtime_ns] for p, st in stats]
@@ -268,24 +269,6 @@ def _split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
 
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps([FORMAT_VERSION, *parts]).encode()).hexdigest()[:16]
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    # Readers see the old file or the whole new one, never a prefix.
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -334,8 +317,8 @@ def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, log) -> None:
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         meta["splits"][split] = {"documents": len(split_docs), "tokens": n_tokens, "bytes": n_bytes}
     bar.close()
-    _atomic_write(os.path.join(tmp, "val_documents.json"), json.dumps(val_docs).encode())
-    _atomic_write(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())   # last: marks "complete"
+    atomic_write(os.path.join(tmp, "val_documents.json"), lambda f: f.write(json.dumps(val_docs).encode()))
+    atomic_write(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))   # last: marks "complete"
     shutil.rmtree(out_dir, ignore_errors=True)   # an entry without meta.json is debris (we hold the lock)
     os.rename(tmp, out_dir)   # the entry appears whole, or not at all
     s = meta["splits"]
@@ -369,7 +352,7 @@ def prepare_data(data: str, tokenizer: str, vocab_size: int, cache_dir: str = ""
                 os.makedirs(tok_dir, exist_ok=True)
                 _train_tokenizer(docs, vocab_size, tok_path, log)
         tok = load_tokenizer(tok_path)
-        shard_dir = os.path.join(cache_dir, f"tokens-{_key(corpus, _sha256_file(tok_path))}")
+        shard_dir = os.path.join(cache_dir, f"tokens-{_key(corpus, sha256_file(tok_path))}")
         if os.path.exists(os.path.join(shard_dir, "meta.json")):
             log(f"data: using cached tokens in {shard_dir}")
         else:

@@ -55,11 +55,17 @@ def llama_params(L, d, heads, kv_heads, ffn, vocab):
     return L * (2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d) + 2 * vocab * d + d
 
 
-def test_hlat_7b_on_2048_neuroncores_plans_in_seconds():
-    model, train = config.parse_args(["--preset", "hlat-7b"])
+def plan_in_seconds(preset: str, world: int = 2048):
+    """(model, train config, the --plan text), asserting the plan took < 5 s."""
+    model, train = config.parse_args(["--preset", preset])
     t0 = time.perf_counter()
-    text = plan.report(model, train, 2048)
+    text = plan.report(model, train, world)
     assert time.perf_counter() - t0 < 5
+    return model, train, text
+
+
+def test_hlat_7b_on_2048_neuroncores_plans_in_seconds():
+    model, train, text = plan_in_seconds("hlat-7b")
     assert model.num_params() == llama_params(32, 4096, 32, 32, 11008, 32000) == 6_738_415_616
     assert "world 2048 = dp 256 x pp 1 x tp 8" in text
 
@@ -86,10 +92,7 @@ def test_hlat_7b_on_2048_neuroncores_plans_in_seconds():
 
 
 def test_hlat_70b_tp32_pp8_zero1_on_2048_ranks_plans_in_seconds():
-    model, train = config.parse_args(["--preset", "hlat-70b"])
-    t0 = time.perf_counter()
-    text = plan.report(model, train, 2048)
-    assert time.perf_counter() - t0 < 5
+    model, train, text = plan_in_seconds("hlat-70b")
     assert model.num_params() == llama_params(80, 8192, 64, 8, 28672, 32000) == 68_976_648_192
     assert "world 2048 = dp 8 x pp 8 x tp 32" in text
     assert "replica of one kv head" in text   # tp 32 > 8 kv heads: HLAT replicated them
