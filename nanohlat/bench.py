@@ -6,8 +6,9 @@
     python -m nanohlat.bench --preset 125m --seq-len 1024 --device cuda --precision bf16
     python -m nanohlat.bench --profile                # + where the time goes, per op
 
-What is timed is the whole single-process training step of train.py: forward,
-loss, backward (through `pipeline.PipelineRunner`, as train.py runs it) and
+What is timed is the whole single-process training step of train.py, built by
+the same `build.build` (model, runner, optimizer): forward, loss, backward
+(through `pipeline.PipelineRunner`, as train.py runs it) and
 `optim.FlatAdamW.step` (flatten grads, global grad norm, clip, AdamW, copy
 back). Beside it, when `transformers` is installed, the same step of Hugging
 Face's `LlamaForCausalLM` of identical shape (same parameter count, checked)
@@ -37,11 +38,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanohlat import comm, config, metrics, optim, pipeline
+from nanohlat import comm, config, metrics
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
+from nanohlat.build import build
 from nanohlat.config import UserError
-from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
 BENCH_DEFAULTS = {"batch_size": 8, "steps": 10}
@@ -79,14 +80,8 @@ def random_batch(model_cfg, tcfg, dev):
 def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
     """nanohlat's single-process training step, as train.py runs it. Returns (step, model)."""
     mesh = meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger())
-    model = Transformer(model_cfg)
-    init_weights(model, tcfg.seed)
-    dtype = param_dtype(tcfg.precision)
-    model.to(device=dev.torch_device, dtype=dtype)
-    model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
+    model, runner, opt = build(model_cfg, tcfg, mesh, dev)   # what train.py builds
     B, T = tokens.shape
-    runner = pipeline.PipelineRunner(model, mesh, tcfg, (B, T, model_cfg.d_model), dtype, dev)
-    opt = optim.FlatAdamW(model, mesh, tcfg, dev)
     tokens, targets = tokens.view(1, B, T), targets.view(1, B, T)   # one micro-batch
 
     def step():

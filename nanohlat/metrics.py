@@ -1,5 +1,5 @@
-"""Metrics: FLOPs per token, model FLOPs utilisation (MFU), tokens/s and the
-JSONL log every run writes.
+"""Metrics: FLOPs per token, model FLOPs utilisation (MFU), tokens/s, the
+JSONL log every run writes, and `TrainLog`, everything train.py reports.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) is the fraction of the hardware's
 peak that the *model's* arithmetic would need at the measured token rate:
@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import time
 
 import torch
@@ -198,3 +199,142 @@ class Throughput:
         # outside the measured interval, so they are not counted.
         counted = sum(t for _, t in list(self._events)[1:])
         return counted / elapsed if elapsed > 0 else 0.0
+
+
+class TrainLog:
+    """What a training run reports, kept beside train()'s loop instead of inside it.
+
+    Every rank counts non-finite steps (so that all ranks stop together on the
+    same step) and keeps a summary; rank 0 also prints, draws the progress bar
+    and writes the run's record in out-dir: config.json (at the start),
+    metrics.jsonl (one row per logged step and per evaluation) and
+    summary.json (at the end: what `--plan` predicts, as measured).
+
+    The device rules hold here too: nothing reads a device tensor during a
+    step. `count` adds to counters on the device, inside the step's graph;
+    `step` and `val` queue their host reads as step closures
+    (Device.add_step_closure), which run once the values exist.
+    """
+
+    def __init__(self, model_cfg, tcfg, mesh, dev, model, opt, tokenizer_path: str,
+                 start_step: int = 0, bad_steps: int = 0, resumed_from: str | None = None):
+        from nanohlat import checkpoint, config
+        from nanohlat import device as devicelib
+        from nanohlat.mesh import layout_table
+        self.tcfg, self.dev = tcfg, dev
+        self.main = mesh.rank == 0
+        self.print = print if self.main else (lambda *a, **k: None)
+        self.path = os.path.join(tcfg.out_dir, "metrics.jsonl")
+        self.summary = {"losses": [], "val_losses": []}
+        self.last_step = start_step
+        if resumed_from:
+            self.print(f"resumed from {resumed_from} at step {start_step}")
+        if self.main:
+            os.makedirs(tcfg.out_dir, exist_ok=True)
+            run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
+                                                          "tokenizer_path": tokenizer_path}
+            with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
+                json.dump(run_cfg, f, indent=2)
+            checkpoint.truncate_metrics(self.path, start_step)
+            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16))
+            self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
+                       f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
+                       f"{opt.state_bytes() / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")
+        self.writer = MetricsWriter(self.path) if self.main else None
+
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        self.flops_tok = flops_per_token(model_cfg, tcfg.seq_len)
+        # CPUs: the matmul rate measured right now on this process's threads (measure_cpu_peak)
+        peak = measure_cpu_peak() if dev.kind == "cpu" else peak_flops(dev.name, tcfg.precision)
+        self.peak_total = peak * mesh.world if peak else None
+        self.meter = Throughput()
+        # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
+        self.judge = not devicelib.extract_graphs_only()
+        # Non-finite steps, counted on the device (no host sync per step): the
+        # current run of them, the longest run and how many in all. The host looks
+        # at them when a step is logged (`_log_step`). They are never reset in
+        # the loop: a reset after a logged step would feed that step's successor
+        # constants where the others get device data, i.e. a second step graph to
+        # compile on XLA (with --log-every > 1, and after every checkpoint).
+        self.bad_streak = torch.full((), float(bad_steps), device=dev.torch_device)
+        self.worst_streak, self.skipped = self.bad_streak.clone(), torch.zeros((), device=dev.torch_device)
+        self.skipped_logged = 0   # `skipped` at the previous log (host side)
+        self.bar = None
+        if self.main and tcfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=tcfg.steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def count(self, finite: torch.Tensor) -> None:
+        """Inside the step, before its sync: one more step, finite or not."""
+        self.bad_streak = torch.where(finite, torch.zeros_like(self.bad_streak), self.bad_streak + 1)
+        self.worst_streak = torch.maximum(self.worst_streak, self.bad_streak)
+        self.skipped = self.skipped + (self.bad_streak > 0).float()
+
+    def bad_steps(self) -> int:
+        """The current run of non-finite steps (a checkpoint keeps it; a host read)."""
+        return int(self.bad_streak)
+
+    def comm(self, measured: dict, report: str) -> None:
+        """The first step's bytes per collective (summary.json) and their report (printed)."""
+        self.summary["comm_bytes"] = measured
+        self.print(report)
+
+    def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False) -> None:
+        """After the step's sync: on a step to log (every --log-every, and the
+        run's last), queue the host's look at its values; move the bar on."""
+        self.last_step = step
+        if self.bar:
+            self.bar.update(1)
+        if step % self.tcfg.log_every == 0 or last:
+            self.dev.add_step_closure(self._log_step, step, loss, norm, self.worst_streak, self.skipped, lr,
+                                      tokens, last)
+
+    def _log_step(self, step, loss, norm, worst, skipped, lr, tokens, last):
+        """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
+        tcfg = self.tcfg
+        loss, norm = float(loss), float(norm)
+        worst, skipped_total = (int(worst), int(skipped)) if self.judge else (0, 0)
+        skipped, self.skipped_logged = skipped_total - self.skipped_logged, skipped_total   # since the last log
+        if skipped and self.main:   # the optimizer already skipped their updates (optim.step)
+            what = (f"step {step} had" if tcfg.log_every == 1 else
+                    f"{skipped} step(s) since the last log (up to step {step}) had")
+            print(f"warning: {what} a non-finite loss or gradient; the update was skipped", file=sys.stderr)
+        tps = self.meter.update(self.tokens_per_step)
+        mfu_ = mfu(tps, self.flops_tok, self.peak_total)
+        self.summary["losses"].append(loss)
+        if self.writer:
+            self.writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                               "tokens_per_s": tps, "mfu": mfu_})
+        if self.bar:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", mfu=f"{(mfu_ or 0) * 100:.1f}%")
+            if last:   # before anything else is printed (the timeline, the last line)
+                self.bar.close()
+        if 0 < tcfg.max_bad_steps <= worst:   # (0: never stop) every rank sees the same counts: all stop together
+            raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
+                            f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr or check the "
+                            f"data, then resume from a checkpoint saved before the trouble (--resume PATH)")
+
+    def val(self, step: int, val_loss: torch.Tensor) -> None:
+        """A validation loss, read on the host once it exists."""
+        self.dev.add_step_closure(self._log_val, step, val_loss)
+
+    def _log_val(self, step, val_loss):
+        self.summary["val_losses"].append(float(val_loss))
+        if self.writer:
+            self.writer.write({"step": step, "val_loss": float(val_loss)})
+
+    def close(self, **measured) -> dict:
+        """The end of the run: summary.json and the last line (rank 0). Returns the summary."""
+        if self.bar:
+            self.bar.close()
+        self.summary.update(measured, step=self.last_step)
+        if self.main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
+            keys = ("comm_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
+            with open(os.path.join(self.tcfg.out_dir, "summary.json"), "w") as f:
+                json.dump({k: self.summary.get(k) for k in keys}, f, indent=2)
+        if self.writer:
+            self.writer.close()
+            losses, vals = self.summary["losses"], self.summary["val_losses"]
+            self.print(f"done: {self.last_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}"
+                       + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
+        return self.summary

@@ -1,0 +1,34 @@
+"""Build what a training step runs on this rank: the model, its pipeline runner, its optimizer.
+
+train.py and bench.py both call `build`, so the benchmark times exactly the
+step that training runs (same placement, dtype, checkpointing and schedule).
+"""
+
+from __future__ import annotations
+
+from . import optim, pipeline
+from .model import Transformer, init_weights
+from .precision import param_dtype
+
+
+def build(model_cfg, tcfg, mesh, dev):
+    """(model, runner, opt) for this rank of `mesh`, on `dev`.
+
+    model:  this rank's pipeline stage and tensor slice, initialised
+            layout-independently (every layout starts from the same weights),
+            in the parameter dtype of --precision;
+    runner: the micro-batch schedule (--schedule) that runs forward/backward;
+    opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1).
+    """
+    layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
+    model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
+                        first=mesh.is_first_stage, last=mesh.is_last_stage)
+    init_weights(model, tcfg.seed)
+    dtype = param_dtype(tcfg.precision)
+    dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes
+    model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
+    mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
+    seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
+    runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
+    opt = optim.FlatAdamW(model, mesh, tcfg, dev)
+    return model, runner, opt
