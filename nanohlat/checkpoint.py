@@ -14,7 +14,7 @@ What a checkpoint holds, and why that is enough to resume bit-for-bit:
   * the optimizer step count (Adam's bias corrections) and the step itself:
     the learning rate is a pure function of (step, --lr, --min-lr,
     --warmup-steps, --steps), and the global batch of step k a pure function
-    of (--seed, k) (DESIGN 5.2), so "the data position" is just the step;
+    of (--seed, k) (docs/design.md 5.2), so "the data position" is just the step;
   * each rank's random generators (torch's CPU generator and the software
     stochastic-rounding generator), restored when the layout is unchanged;
   * the count of non-finite steps in a row (--max-bad-steps carries over).

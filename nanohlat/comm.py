@@ -1,7 +1,7 @@
 """Every byte that moves between ranks goes through this file.
 
 Four operations are enough for 3D parallelism + ZeRO-1, and all of them exist
-on gloo (CPU), nccl (CUDA) and xla (Trainium) (DESIGN 3):
+on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
 
     all_reduce      x_i -> sum_i x_i on every rank        (tp row-parallel, dp grads)
     all_gather      x_i -> [x_0; x_1; ...] on every rank   (sequence parallel, ZeRO-1 params)

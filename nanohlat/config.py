@@ -19,7 +19,7 @@ class UserError(Exception):
 
 @dataclass
 class ModelConfig:
-    """Shape of a LLaMA-2 / HLAT decoder (DESIGN section 2)."""
+    """Shape of a LLaMA-2 / HLAT decoder (docs/design.md section 2)."""
 
     n_layers: int = 4
     d_model: int = 256
@@ -32,7 +32,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # The embedding and head are padded to a multiple of this, fixed by the
     # config and never by the tensor-parallel degree, so every layout has the
-    # same padded vocabulary (DESIGN 5.3). 128 divides by every tp we allow.
+    # same padded vocabulary (docs/design.md 5.3). 128 divides by every tp we allow.
     vocab_multiple: int = 128
 
     @property
@@ -80,7 +80,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     microbatches: int = 1
-    # optimizer and schedule (HLAT-7B's recipe, DESIGN section 2)
+    # optimizer and schedule (HLAT-7B's recipe, docs/design.md section 2)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30

@@ -9,7 +9,7 @@
                                       share one token, so every token is a target once
 
 The default corpus is the Python standard library of the interpreter running
-us: real text, on every machine, no download (DESIGN 7). It is code, so the
+us: real text, on every machine, no download (docs/design.md section 6). It is code, so the
 tokenizer must keep indentation and newlines exactly: decode(encode(s)) == s.
 
 Everything expensive happens once and is cached under --cache-dir, keyed by
@@ -21,7 +21,7 @@ leaves something that later loads.
 
 Batches are drawn by window index from an RNG seeded by (seed, step, split)
 only, so the global batch of a step is the same under every parallel layout;
-each data-parallel rank then takes its slice of it (DESIGN 5.2).
+each data-parallel rank then takes its slice of it (docs/design.md 5.2).
 """
 
 from __future__ import annotations

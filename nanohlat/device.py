@@ -1,4 +1,4 @@
-"""Devices: the one module that knows which backend we run on (DESIGN section 3).
+"""Devices: the one module that knows which backend we run on (docs/design.md section 3).
 
                  CPU (laptop, CI)   CUDA                trn1 (torch-neuronx 2.9)
     device       cpu                cuda:<local_rank>   torch_xla.device()

@@ -16,7 +16,7 @@ q/k row permutation that converting Meta's original checkpoints needs:
     norm.weight                      model.norm.weight
     head.weight                      lm_head.weight
 
-The one difference is the vocabulary padding (DESIGN 5.3): nanohlat's embed
+The one difference is the vocabulary padding (docs/design.md 5.3): nanohlat's embed
 and head have cfg.padded_vocab rows, Hugging Face's have exactly vocab_size.
 Export slices the padding rows off; import adds zero rows.
 

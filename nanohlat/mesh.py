@@ -2,7 +2,7 @@
 
 World = dp x pp x tp. Tensor-parallel ranks are neighbours (they talk inside
 every layer, so they get the fastest links: the NeuronCores of one trn1 chip,
-the GPUs of one NVLink island), then data-parallel, then pipeline (DESIGN 4):
+the GPUs of one NVLink island), then data-parallel, then pipeline (docs/design.md section 4):
 
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 

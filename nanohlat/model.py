@@ -231,7 +231,7 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------
-# Layout-independent initialisation (DESIGN 5.1)
+# Layout-independent initialisation (docs/design.md 5.1)
 # ---------------------------------------------------------------------------
 
 def param_seed(seed: int, name: str) -> int:

@@ -10,7 +10,7 @@ moments, for all of it (plain data parallel) or for this dp rank's 1/dp shard
           -> global grad norm -> clip -> AdamW on the (shard of the) master
           -> (ZeRO-1 all-gather) -> copy into the model's parameters
 
-The global grad norm (DESIGN 5.4) must count every parameter exactly once:
+The global grad norm (docs/design.md 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
   * tp-replicated weights (the RMSNorm gains) are identical on all tp ranks ->
     each rank adds 1/tp of their square, so the sum over tp counts them once;

@@ -196,7 +196,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
         z_t = the target's logit, from the rank owning it (all-reduce of (B, T))
         loss = log S + m - z_t
 
-    Padded vocabulary entries (ids >= vocab_size, DESIGN 5.3) are set to -inf
+    Padded vocabulary entries (ids >= vocab_size, docs/design.md 5.3) are set to -inf
     so they never take probability mass. Backward needs no custom code: the
     all-reduces' backward is identity, so each rank differentiates its own
     slice: softmax - onehot.

@@ -1,4 +1,4 @@
-"""The rank layout of DESIGN section 4, its table, and the layouts we refuse."""
+"""The rank layout of docs/design.md section 4, its table, and the layouts we refuse."""
 
 from __future__ import annotations
 

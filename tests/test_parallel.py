@@ -1,4 +1,4 @@
-"""Every layout trains exactly like one process (DESIGN section 5).
+"""Every layout trains exactly like one process (docs/design.md section 5).
 
 Same per-step losses, same grad norms, same consolidated weights after the
 last step, for tensor, sequence, pipeline (AFAB and 1F1B, several micro-batch

@@ -2,7 +2,7 @@
 
 Run by .ci/xla-lane (torch 2.9 + torch_xla 2.9, the versions torch-neuronx 2.9
 pins on trn1); skipped where torch_xla is not installed. What this checks is
-what one process on the CPU can check of the trn1 path (DESIGN 3): device
+what one process on the CPU can check of the trn1 path (docs/design.md section 3): device
 placement, sync points, step closures, graph counts, checkpoints across
 devices, and sampling. Collectives across processes need a real xla backend
 (torch_xla on the CPU has none), so every test here is world=1.
