@@ -6,9 +6,13 @@ or replicated). Per buffer the optimizer keeps a master copy and the two Adam
 moments, for all of it (plain data parallel) or for this dp rank's 1/dp shard
 (--zero1, see zero1.py). A step:
 
-    grads -> flat fp32 -> dp all-reduce (or ZeRO-1 reduce-scatter)
-          -> global grad norm -> clip -> AdamW on the (shard of the) master
-          -> (ZeRO-1 all-gather) -> copy into the model's parameters
+    1. reduce gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
+    2. global grad norm    one number over all ranks, each parameter counted once
+    3. AdamW update        clip, then plain AdamW on the (shard of the) master
+    4. write back          (ZeRO-1 all-gather) -> copy into the model's parameters
+
+Where data parallelism enters (steps 1, 2 and 4) the optimizer calls one
+object: `data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` with --zero1.
 
 The global grad norm (DESIGN 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
@@ -45,14 +49,11 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp: int, dp_rank: int,
-                 zero: bool, mdtype, device):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp_sync, mdtype, device):
         self.names, self.params = names, params
         self.decay, self.tp_replicated = decay, tp_replicated
         self.numel = sum(p.numel() for p in params)
-        self.shards = dp if zero else 1
-        self.padded = zero1.padded_size(self.numel, self.shards)
-        self.start, self.stop = zero1.shard_range(self.numel, self.shards, dp_rank if zero else 0)
+        self.padded, self.start, self.stop = dp_sync.layout(self.numel)
         self.offsets = []
         off = 0
         for p in params:
@@ -92,7 +93,9 @@ class FlatAdamW:
         self.zero = train.zero1
         self.precision = train.precision
         self.software_sr = not device.hardware_stochastic_rounding   # trn1 rounds stochastically in hardware
-        self.bucket_elems = int(train.bucket_mb * 2**20 / 4)
+        bucket_elems = int(train.bucket_mb * 2**20 / 4)
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
+        self.dp_sync = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(mesh.dp_group, bucket_elems)
         mdtype = master_dtype(train.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
@@ -100,8 +103,7 @@ class FlatAdamW:
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, mesh.dp, mesh.dp_rank, self.zero, mdtype,
-                                 device.torch_device)
+        self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device)
                        for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
         self.step_count = 0
         self.device = device
@@ -122,74 +124,94 @@ class FlatAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, loss_finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step. Returns (grad norm, finite flag) as device tensors (no host sync).
+        """One optimizer step, in four phases. Returns (grad norm, finite flag)
+        as device tensors (no host sync).
 
-        A step whose gradient norm (or, given `loss_finite`, loss) is not finite
-        changes nothing: every update below is multiplied by `keep` = 0.0.
-        Buffers are updated in place: on a 7B model each full-size temporary
-        would be gigabytes, and on CPU every fresh one costs page faults.
+        The "keep" mask. A step whose gradient norm (or, given `loss_finite`,
+        loss) is not finite must change nothing, and on XLA that cannot be a
+        Python `if` on a device value (a host sync every step). So the step
+        always runs, and `keep` (1.0, or 0.0 for such a step) multiplies every
+        change it makes: the moments' weights, the learning rate, the weight
+        decay, the clipped gradient. With keep = 0.0 each buffer is rewritten
+        with its old value. This is the only place the mask is made.
         """
-        mesh, t = self.mesh, self.train
-        dev = self.device.torch_device
-        self.step_count += 1
-        b1, b2 = t.beta1, t.beta2
-        # step-dependent scalars as one small tensor: the graph stays the same every step
-        scalars = torch.tensor([lr, 1 - b1 ** self.step_count, 1 - b2 ** self.step_count],
-                               dtype=torch.float32, device=dev)
-        lr_t, bc1, bc2 = scalars[0], scalars[1], scalars[2]
+        grads = self._reduce_gradients()                        # 1. sum the gradients over tp (SP) and dp
+        norm = self._global_grad_norm(grads)                    # 2. one number for the whole model
+        finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
+        keep = finite.float()                                   # 0.0 turns the whole update into a no-op
+        coef = self._coefficients(lr, norm, keep)
+        for g, grad in zip(self.groups, grads):
+            self._adamw(g, grad, coef)                          # 3. AdamW on the (shard of the) master
+            self._write_back(g)                                 # 4. into the model's parameters
+        return norm, finite
 
-        # 1. gradients -> this group's flat fp32 buffer, summed over dp (all of it, or this rank's shard)
+    def _reduce_gradients(self) -> list[torch.Tensor]:
+        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard)."""
         grads = []
         for g in self.groups:
             flat = g.grad_buffer()
-            if g.tp_replicated and mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
+            if g.tp_replicated and self.mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
-                flat = comm.all_reduce(flat, mesh.tp_group, inplace=True)
-            if self.zero:
-                grads.append(data_parallel.reduce_scatter_buckets(flat, mesh.dp_group, self.bucket_elems))
-            else:
-                grads.append(data_parallel.all_reduce_buckets(flat, mesh.dp_group, self.bucket_elems))
+                flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
+            grads.append(self.dp_sync.reduce_gradients(flat))
+        return grads
 
-        # 2. global grad norm, each parameter counted once (see module docstring)
-        sq = torch.zeros((), dtype=torch.float32, device=dev)
+    def _global_grad_norm(self, grads) -> torch.Tensor:
+        """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
+        mesh = self.mesh
+        sq = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = torch.linalg.vector_norm(grad).square()
             sq = sq + (s / mesh.tp if g.tp_replicated else s)
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
-        if self.zero:
-            sq = comm.all_reduce(sq, mesh.dp_group)
-        norm = sq.sqrt()
-        finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
-        keep = finite.float()                            # 0.0 turns the whole update into a no-op
+        return self.dp_sync.sum_norm_squares(sq).sqrt()
+
+    def _coefficients(self, lr: float, norm: torch.Tensor, keep: torch.Tensor) -> dict:
+        """This step's scalars as device tensors, every one multiplied by `keep`.
+        Step-dependent values enter as tensors so the XLA graph stays the same every step."""
+        t = self.train
+        self.step_count += 1
+        b1, b2 = t.beta1, t.beta2
+        scalars = torch.tensor([lr, 1 - b1 ** self.step_count, 1 - b2 ** self.step_count],
+                               dtype=torch.float32, device=self.device.torch_device)
+        lr_t, bc1, bc2 = scalars[0], scalars[1], scalars[2]
         clip = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0) if t.grad_clip > 0 else torch.ones_like(norm)
-        clip = clip * keep
-        w1, w2 = (1 - b1) * keep, (1 - b2) * keep        # moment weights: m <- m + w1 (g - m)
-        step_size = lr_t * keep / bc1
-        decay = 1 - lr_t * keep * t.weight_decay         # decoupled weight decay: w <- w (1 - lr wd)
+        return {"clip": clip * keep,
+                "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
+                "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
+                "decay": 1 - lr_t * keep * t.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
 
-        # 3. AdamW on the master shard, in fp32, reusing the gradient buffer as scratch
-        for g, grad in zip(self.groups, grads):
-            grad.mul_(clip).nan_to_num_(0.0, 0.0, 0.0)   # a skipped step's inf/nan become 0 x ... = 0
-            g.exp_avg.lerp_(grad, w1)
-            g.exp_avg_sq.lerp_(grad.mul_(grad), w2)
-            denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(bc2.sqrt()).add_(t.adam_eps)
-            update = torch.div(g.exp_avg, denom, out=denom).mul_(step_size)   # (m / bc1) / (sqrt(v / bc2) + eps)
-            w = g.master if g.master.dtype == torch.float32 else g.master.float()
-            if g.decay and t.weight_decay:
-                w.mul_(decay)
-            w.sub_(update)
-            if w is not g.master:                        # pure bf16: round the fp32 result back
-                g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr,
-                                            self.sr_generator))
+    def _adamw(self, g: FlatGroup, grad: torch.Tensor, c: dict) -> None:
+        """Phase 3: plain AdamW (Loshchilov & Hutter 2019) on the master, in fp32:
 
-            # 4. back into the model: all-gather the shards (ZeRO-1) and unflatten
-            full = g.master.to(g.params[0].dtype)
-            if self.zero:
-                full = data_parallel.all_gather_buckets(full, mesh.dp_group, self.bucket_elems)
-            for p, off in zip(g.params, g.offsets):
-                p.copy_(full[off:off + p.numel()].view_as(p))
-        return norm, finite
+            g <- clip * g
+            m <- b1 m + (1 - b1) g            v <- b2 v + (1 - b2) g^2
+            w <- w (1 - lr wd) - lr (m / bc1) / (sqrt(v / bc2) + eps)
+
+        with bc = 1 - beta^step (bias correction), written in place (on a 7B
+        model each full-size temporary would be gigabytes, and on CPU every
+        fresh one costs page faults): the gradient buffer is the scratch space.
+        """
+        t = self.train
+        grad.mul_(c["clip"]).nan_to_num_(0.0, 0.0, 0.0)    # a skipped step's inf/nan become 0 x ... = 0
+        g.exp_avg.lerp_(grad, c["w1"])
+        g.exp_avg_sq.lerp_(grad.mul_(grad), c["w2"])
+        denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(c["sqrt_bc2"]).add_(t.adam_eps)
+        update = torch.div(g.exp_avg, denom, out=denom).mul_(c["step_size"])   # (m / bc1) / (sqrt(v / bc2) + eps)
+        w = g.master if g.master.dtype == torch.float32 else g.master.float()
+        if g.decay and t.weight_decay:
+            w.mul_(c["decay"])
+        w.sub_(update)
+        if w is not g.master:                               # pure bf16: round the fp32 result back
+            g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr,
+                                        self.sr_generator))
+
+    def _write_back(self, g: FlatGroup) -> None:
+        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first)."""
+        full = self.dp_sync.gather_parameters(g.master.to(g.params[0].dtype))
+        for p, off in zip(g.params, g.offsets):
+            p.copy_(full[off:off + p.numel()].view_as(p))
 
     # -- checkpoint support: per-parameter pieces of the (sharded) state --
 
