@@ -262,7 +262,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
             "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
             "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
             # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
-            "schedule": {"optimizer_step": opt.step_count, "bad_steps": int(bad_steps)},
+            "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
             # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
             "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
             "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",

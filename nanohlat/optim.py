@@ -46,6 +46,26 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def sum_of_squares(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """sum(x^2) of a flat fp32 buffer.
+
+    The grad norm decides the clipping, so the layouts' norms must agree as
+    well as their gradients do (per parameter, to ~1e-9 relative). An fp32
+    reduction of a million squares adds its own round-off of ~1e-5 relative,
+    larger than that. So `exact` (cpu, cuda) accumulates in fp64, in chunks
+    (a full fp64 copy of the buffer would double its memory): each square is
+    exact in fp64 and the sum's round-off is ~1e-16 per addition. XLA devices
+    (trn1 has no fp64) use fp32 dot products, which the compiler sums as a tree.
+    """
+    if not exact:
+        return torch.dot(x, x)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for chunk in x.split(1 << 20):
+        c = chunk.double()
+        total += torch.dot(c, c)
+    return total
+
+
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
@@ -63,25 +83,27 @@ class FlatGroup:
         self.master = flat[self.start:self.stop].to(mdtype).clone()
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self._grad = None
+        # the gradients, accumulated in fp32 micro-batch by micro-batch (FlatAdamW's
+        # hooks), summed over dp in place, then the AdamW update's scratch space
+        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+
+    def accumulate_hook(self, off: int, numel: int):
+        """A post-accumulate-grad hook for the parameter at `off`: add its fresh
+        gradient (one micro-batch's, in the parameter's dtype) into the fp32
+        buffer and free it, so no gradient is ever summed in bf16."""
+        view = self.grad[off:off + numel]
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                view.add_(p.grad.reshape(-1))
+                p.grad = None
+        return hook
 
     def flatten(self, tensors, dtype) -> torch.Tensor:
         """Concatenate tensors (as dtype) and zero-pad to the sharded length."""
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         pad = self.padded - self.numel
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-    def grad_buffer(self) -> torch.Tensor:
-        """The parameters' gradients copied into one flat, padded fp32 buffer,
-        kept between steps (it is also the optimizer step's scratch space)."""
-        if self._grad is None:
-            self._grad = torch.zeros(self.padded, dtype=torch.float32, device=self.master.device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is None:
-                self._grad[off:off + p.numel()].zero_()
-            else:
-                self._grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
-        return self._grad
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
@@ -105,7 +127,12 @@ class FlatAdamW:
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device)
                        for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
-        self.step_count = 0
+        for g in self.groups:
+            for p, off in zip(g.params, g.offsets):
+                p.register_post_accumulate_grad_hook(g.accumulate_hook(off, p.numel()))
+        # optimizer steps taken, as a device tensor: a skipped (non-finite) step
+        # does not count (Adam's bias correction), and XLA needs no host sync for it
+        self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
         self.device = device
         self.sr_generator = None
         if self.software_sr and train.precision == "bf16-sr" and device.kind != "xla":
@@ -118,7 +145,9 @@ class FlatAdamW:
         return sum(g.state_bytes() for g in self.groups)
 
     def zero_grad(self) -> None:
+        """Start a step's gradient accumulation: clear the fp32 buffers."""
         for g in self.groups:
+            g.grad.zero_()
             for p in g.params:
                 p.grad = None
 
@@ -143,13 +172,14 @@ class FlatAdamW:
         for g, grad in zip(self.groups, grads):
             self._adamw(g, grad, coef)                          # 3. AdamW on the (shard of the) master
             self._write_back(g)                                 # 4. into the model's parameters
+        self.step_count += finite.long()                        # a skipped step is not a step
         return norm, finite
 
     def _reduce_gradients(self) -> list[torch.Tensor]:
         """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard)."""
         grads = []
         for g in self.groups:
-            flat = g.grad_buffer()
+            flat = g.grad
             if g.tp_replicated and self.mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
                 flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
@@ -159,10 +189,12 @@ class FlatAdamW:
     def _global_grad_norm(self, grads) -> torch.Tensor:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
         mesh = self.mesh
-        sq = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        exact = self.device.kind != "xla"
+        sq = torch.zeros((), dtype=torch.float64 if exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
-            s = torch.linalg.vector_norm(grad).square()
+            s = sum_of_squares(grad, exact)
             sq = sq + (s / mesh.tp if g.tp_replicated else s)
+        sq = sq.float()                                  # 4 bytes per all-reduce below
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp_sync.sum_norm_squares(sq).sqrt()
@@ -171,11 +203,11 @@ class FlatAdamW:
         """This step's scalars as device tensors, every one multiplied by `keep`.
         Step-dependent values enter as tensors so the XLA graph stays the same every step."""
         t = self.train
-        self.step_count += 1
         b1, b2 = t.beta1, t.beta2
-        scalars = torch.tensor([lr, 1 - b1 ** self.step_count, 1 - b2 ** self.step_count],
-                               dtype=torch.float32, device=self.device.torch_device)
-        lr_t, bc1, bc2 = scalars[0], scalars[1], scalars[2]
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device.torch_device)
+        n = (self.step_count + 1).float()                # this step's number, if it is kept
+        # bias corrections 1 - beta^n, as -expm1(n log beta): accurate in fp32 even for n = 1
+        bc1, bc2 = -torch.expm1(n * math.log(b1)), -torch.expm1(n * math.log(b2))
         clip = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0) if t.grad_clip > 0 else torch.ones_like(norm)
         return {"clip": clip * keep,
                 "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
@@ -235,7 +267,7 @@ class FlatAdamW:
     def import_state(self, local_flat, step_count: int) -> None:
         """Fill this rank's shards from `local_flat(name, key)` -> the tp-local
         parameter's full flattened state (key: master | exp_avg | exp_avg_sq)."""
-        self.step_count = step_count
+        self.step_count.fill_(step_count)
         for g in self.groups:
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 dst = getattr(g, key)
