@@ -31,11 +31,13 @@ non-finite gradient or loss turns the update into a no-op (multiplied by 0.0), n
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
 from . import comm, data_parallel, zero1
-from .precision import master_dtype, round_update
+from .precision import (full_index, master_dtype, mix64, name_key, round_update, rounding_noise, step_key,
+                        stochastic_round_to_bf16)
 
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -69,7 +71,7 @@ def sum_of_squares(x: torch.Tensor, exact: bool) -> torch.Tensor:
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp_sync, mdtype, device):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp_sync, mdtype, device, tp_rank=0, tp=1):
         self.names, self.params = names, params
         self.decay, self.tp_replicated = decay, tp_replicated
         self.numel = sum(p.numel() for p in params)
@@ -79,6 +81,7 @@ class FlatGroup:
         for p in params:
             self.offsets.append(off)
             off += p.numel()
+        self.pieces = self._pieces(tp_rank, tp)
         flat = self.flatten([p.detach() for p in params], torch.float32)
         self.master = flat[self.start:self.stop].to(mdtype).clone()
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
@@ -86,6 +89,22 @@ class FlatGroup:
         # the gradients, accumulated in fp32 micro-batch by micro-batch (FlatAdamW's
         # hooks), summed over dp in place, then the AdamW update's scratch space
         self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+
+    def _pieces(self, tp_rank: int, tp: int) -> list:
+        """Each parameter's part of this rank's shard [start, stop), with what
+        the stochastic-rounding noise needs to name its elements."""
+        pieces = []
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            ov = zero1.overlap(off, off + p.numel(), self.start, self.stop)
+            if ov is None:
+                continue
+            full_shape = getattr(p, "full_shape", p.shape)
+            chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+            pieces.append(SimpleNamespace(
+                name=name, name_key=name_key(name), start=ov[0] - self.start, stop=ov[1] - self.start,
+                local_start=ov[0] - off, local_stop=ov[1] - off, shape=tuple(p.shape), tp_dim=p.tp_dim,
+                chunks=chunks, chunk=tp_rank * chunks // tp))   # tp ranks that share a chunk hold copies
+        return pieces
 
     def accumulate_hook(self, off: int, numel: int):
         """A post-accumulate-grad hook for the parameter at `off`: add its fresh
@@ -125,7 +144,8 @@ class FlatAdamW:
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device)
+        self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device,
+                                 mesh.tp_rank, mesh.tp)
                        for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
         for g in self.groups:
             for p, off in zip(g.params, g.offsets):
@@ -134,11 +154,6 @@ class FlatAdamW:
         # does not count (Adam's bias correction), and XLA needs no host sync for it
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
         self.device = device
-        self.sr_generator = None
-        if self.software_sr and train.precision == "bf16-sr" and device.kind != "xla":
-            # SR noise need not match across layouts (each rank rounds its own shard).
-            # torch_xla has no torch.Generator: on xla the noise comes from XLA's own RNG.
-            self.sr_generator = torch.Generator(device=device.torch_device).manual_seed(train.seed + 1000 + mesh.rank)
 
     def state_bytes(self) -> int:
         """Optimizer memory on this rank: master weights (if separate) + two moments."""
@@ -236,8 +251,21 @@ class FlatAdamW:
             w.mul_(c["decay"])
         w.sub_(update)
         if w is not g.master:                               # pure bf16: round the fp32 result back
-            g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr,
-                                        self.sr_generator))
+            self._round_into_master(g, w)
+
+    def _round_into_master(self, g: FlatGroup, w: torch.Tensor) -> None:
+        """Pure bf16: store the fp32 result `w` in the bf16 master. bf16-sr in
+        software rounds each element with its own noise, a function of (seed,
+        step, parameter, the element's index in the full parameter) and not of
+        the rank (precision.py), so every replica of an element rounds alike."""
+        if not (self.precision == "bf16-sr" and self.software_sr):
+            g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr))
+            return
+        key = step_key(self.train.seed, self.step_count + 1)
+        for p in g.pieces:   # one parameter's part of this rank's shard at a time: small int64 temporaries
+            local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
+            noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))
+            g.master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))
 
     def _write_back(self, g: FlatGroup) -> None:
         """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first)."""
@@ -253,14 +281,11 @@ class FlatAdamW:
         export the piece of every parameter that falls in their shard."""
         out = {}
         for g in self.groups:
-            for name, p, off in zip(g.names, g.params, g.offsets):
-                ov = zero1.overlap(off, off + p.numel(), g.start, g.stop)
-                if ov is None:
-                    continue
-                a, b = ov[0] - g.start, ov[1] - g.start
-                out[name] = {"start": ov[0] - off, "stop": ov[1] - off,
-                             "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
-                             "exp_avg_sq": g.exp_avg_sq[a:b]}
+            for p in g.pieces:
+                a, b = p.start, p.stop
+                out[p.name] = {"start": p.local_start, "stop": p.local_stop,
+                               "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
+                               "exp_avg_sq": g.exp_avg_sq[a:b]}
         return out
 
     @torch.no_grad()

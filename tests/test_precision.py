@@ -24,7 +24,9 @@ from nanohlat import comm, config, optim
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights
-from nanohlat.precision import master_dtype, param_dtype, round_update, stochastic_round_to_bf16
+from nanohlat import tensor_parallel as tpl
+from nanohlat.precision import (full_index, master_dtype, mix64, name_key, param_dtype, round_update, rounding_noise,
+                                step_key, stochastic_round_to_bf16)
 
 N_DRAWS = 20_000
 
@@ -67,6 +69,54 @@ def test_stochastic_rounding_is_unbiased_and_round_to_nearest_is_not():
     assert (sr_err < 5 * se).all(), f"SR mean off by {(sr_err / se).tolist()} standard errors"
     assert torch.allclose(rne_err, torch.minimum(p, 1 - p) * ulp)
     assert (rne_err > 20 * se).all(), "round-to-nearest should be visibly biased for these values"
+
+
+def test_stochastic_rounding_with_the_hashed_noise_is_unbiased():
+    """The optimizer's noise (a hash of seed, step, parameter and element) in
+    place of the generator: N steps of the same elements, same 5-SE bound."""
+    x = torch.tensor([between_neighbours(p, lo) for p, lo in CASES], dtype=torch.float32)
+    steps = torch.arange(1, N_DRAWS + 1, dtype=torch.int64)
+    keys = mix64(step_key(0, steps) ^ name_key("layers.0.attn.wq.weight"))          # (N,)
+    noise = rounding_noise(keys[:, None], torch.arange(len(CASES), dtype=torch.int64)[None, :])
+    assert noise.min() >= 0 and noise.max() < 1 << 16
+    d = stochastic_round_to_bf16(x.expand(N_DRAWS, -1), noise=noise).double()
+    lo = torch.tensor([lo for _, lo in CASES], dtype=torch.float64)
+    ulp = bf16_ulp(lo.float()).double()
+    p = (x.double() - lo).abs() / ulp
+    se = ulp * torch.sqrt(p * (1 - p) / N_DRAWS)
+    assert ((d.mean(0) - x.double()).abs() < 5 * se).all()
+
+
+def test_mix64_is_splitmix64_with_wrapping_int64():
+    """The int64 tensor version equals SplitMix64 written on Python's exact integers."""
+    def reference(z):
+        z &= (1 << 64) - 1
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+        z ^= z >> 31
+        return z - (1 << 64) if z >= 1 << 63 else z
+    values = [0, 1, -1, 12345, -(1 << 63), (1 << 63) - 1, 0x9E3779B97F4A7C15 - (1 << 64)]
+    got = mix64(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [reference(v) for v in values]
+
+
+@pytest.mark.parametrize("shape, tp_dim", [((12, 8), 0), ((12, 8), 1), ((6, 4, 8), 1), ((16,), 0)])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_noise_names_an_element_by_its_place_in_the_full_parameter(shape, tp_dim, tp):
+    """A tp shard's noise is the full parameter's noise, sliced like the shard:
+    the rounding of an element does not depend on the layout or the rank."""
+    key = mix64(step_key(1234, torch.tensor(7)) ^ name_key("w"))
+    n = math.prod(shape)
+    full_noise = rounding_noise(key, torch.arange(n)).view(shape)
+    for rank in range(tp):
+        local_shape = tpl.shard(full_noise, tp_dim, rank, tp).shape
+        local = torch.arange(math.prod(local_shape))
+        mine = rounding_noise(key, full_index(local, local_shape, tp_dim, rank, tp)).view(local_shape)
+        assert torch.equal(mine, tpl.shard(full_noise, tp_dim, rank, tp))
+    other_step = rounding_noise(mix64(step_key(1234, torch.tensor(8)) ^ name_key("w")), torch.arange(n))
+    other_name = rounding_noise(mix64(step_key(1234, torch.tensor(7)) ^ name_key("v")), torch.arange(n))
+    assert (other_step != full_noise.view(-1)).float().mean() > 0.99
+    assert (other_name != full_noise.view(-1)).float().mean() > 0.99
 
 
 def test_stochastic_rounding_of_bf16_values_is_exact():
@@ -130,7 +180,8 @@ def test_round_update_dispatch():
     x = torch.full((4096,), 1.0 + 2.0 ** -9)     # a quarter of the way from 1.0 to the next bf16
     assert round_update(x, torch.float32, "fp32", True) is x
     assert (round_update(x, torch.bfloat16, "bf16", True) == 1.0).all()             # nearest
-    sr = round_update(x, torch.bfloat16, "bf16-sr", True, torch.Generator().manual_seed(0))
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    sr = round_update(x, torch.bfloat16, "bf16-sr", True, noise)
     assert 0.15 < (sr > 1.0).float().mean().item() < 0.35                            # ~1/4 round up
     # on trn1 (software_sr=False) the cast is left to the hardware's stochastic rounding
     assert (round_update(x, torch.bfloat16, "bf16-sr", False) == 1.0).all()
