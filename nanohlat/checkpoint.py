@@ -11,12 +11,14 @@ On disk (one directory per saved step):
 What a checkpoint holds, and why that is enough to resume bit-for-bit:
   * model weights and the optimizer's master weights and Adam moments (per
     parameter, so they can be reassembled in another layout);
-  * the optimizer step count (Adam's bias corrections) and the step itself:
+  * the optimizer step count (Adam's bias corrections; skipped non-finite
+    steps do not count) and the step itself:
     the learning rate is a pure function of (step, --lr, --min-lr,
     --warmup-steps, --steps), and the global batch of step k a pure function
     of (--seed, k) (DESIGN 5.2), so "the data position" is just the step;
-  * each rank's random generators (torch's CPU generator and the software
-    stochastic-rounding generator), restored when the layout is unchanged;
+  * each rank's torch CPU generator, restored when the layout is unchanged
+    (the stochastic-rounding noise needs no state: it is a function of the
+    seed, the optimizer step and the element, precision.py);
   * the count of non-finite steps in a row (--max-bad-steps carries over).
 
 Atomicity: every rank writes its shard into `.tmp_step_...` under a

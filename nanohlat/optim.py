@@ -2,9 +2,10 @@
 
 One optimizer serves every layout. The parameters of this rank are packed
 into flat buffers, one per *group*: (weight-decayed or not) x (sharded over tp
-or replicated). Per buffer the optimizer keeps a master copy and the two Adam
-moments, for all of it (plain data parallel) or for this dp rank's 1/dp shard
-(--zero1, see zero1.py). A step:
+or replicated). Per buffer the optimizer keeps the gradients (fp32, added in
+by a hook as autograd makes each micro-batch's), a master copy and the two
+Adam moments, the last three for all of it (plain data parallel) or for this
+dp rank's 1/dp shard (--zero1, see zero1.py). A step:
 
     1. reduce gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
     2. global grad norm    one number over all ranks, each parameter counted once
@@ -23,9 +24,15 @@ The global grad norm (DESIGN 5.4) must count every parameter exactly once:
     except under ZeRO-1, where each dp rank holds a different shard -> sum over dp.
 Get any of these wrong and clipping silently differs between layouts.
 
-Every step-dependent scalar (lr, bias corrections) enters as a tensor so an
-XLA graph does not change (and recompile) from one step to the next, and a
-non-finite gradient or loss turns the update into a no-op (multiplied by 0.0), not an `if`.
+Every rank that holds a copy of an element (dp replicas, tp-replicated
+norms) computes the same update for it, bit for bit: the same reduced
+gradient, the same norm, and in bf16-sr the same rounding noise (a function
+of the element, not of the rank: precision.py). `--check-replicas` checks it.
+
+Every step-dependent scalar (lr, the step count for the bias corrections)
+is a tensor so an XLA graph does not change (and recompile) from one step to
+the next, and a non-finite gradient or loss turns the update into a no-op
+(multiplied by 0.0, see FlatAdamW.step), not an `if`.
 """
 
 from __future__ import annotations
