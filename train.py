@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, replicas
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.build import build
@@ -70,6 +70,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # forward + backward
         norm, finite = opt.step(lr, loss_finite=torch.isfinite(loss))   # a non-finite step updates nothing
         log.count(finite)   # runs of non-finite steps, counted on the device (part of the step)
+        replicas.check(model, mesh, step + 1, tcfg.check_replicas)     # --check-replicas N: copies still identical?
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
         tokens_seen += tokens_per_step
         if step == start_step:   # what each collective moved, beside the plan's formula
