@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, timeline
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
@@ -145,7 +145,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         dev.sync()
         tokens_seen += tokens_per_step
         if step == start_step:
-            summary["comm_bytes"] = mesh.ledger.snapshot()
+            summary.update(mesh.ledger.summary())   # comm_bytes (payload), comm_wire_bytes, ...
             if main:
                 log(comm_report(mesh, model_cfg, tcfg))
         if (step + 1) % tcfg.log_every == 0 or step + 1 in (tcfg.steps, tcfg.stop_after):
@@ -178,7 +178,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     summary.update(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
                    peak_memory=dev.peak_memory(), step=last_step)
     if main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
-        keys = ("comm_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
+        keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "optimizer_bytes",
+                "peak_in_flight", "peak_memory", "step")
         with open(os.path.join(tcfg.out_dir, "summary.json"), "w") as f:
             json.dump({k: summary.get(k) for k in keys}, f, indent=2)
     if writer:
@@ -214,18 +215,16 @@ def comm_report(mesh, model_cfg, tcfg) -> str:
     """The comm ledger of the first step on this rank, beside the model-shape formula."""
     from nanohlat import plan
     measured = mesh.ledger.snapshot()
-    predicted = plan.comm_bytes_per_step(model_cfg, tcfg, mesh)
-    keys = sorted(set(measured) | set(predicted))
-    if not keys:
+    if not measured:
         return "communication: none (one process)"
-    lines = ["communication per step on rank 0 (bytes): collective  measured  predicted"]
-    for k in keys:
-        lines.append(f"  {k:<24} {measured.get(k, 0):>14,} {predicted.get(k, 0):>14,}")
-    return "\n".join(lines)
+    predicted = plan.comm_per_step(model_cfg, tcfg, mesh)
+    lines = [f"communication per step on rank {mesh.rank}, bytes measured by the comm ledger "
+             f"(last column: the prediction of plan.py from the model shape)"]
+    return "\n".join(lines + plan.comm_table(measured, predicted) + plan.COMM_LEGEND)
 
 
 def write_timeline(runner, mesh, tcfg) -> None:
-    text = pipeline.timeline_report(runner, mesh, tcfg, os.path.join(tcfg.out_dir, "timeline.png"))
+    text = timeline.timeline_report(runner, mesh, tcfg, os.path.join(tcfg.out_dir, "timeline.png"))
     if mesh.rank == 0 and text:
         path = os.path.join(tcfg.out_dir, "timeline.txt")
         with open(path, "w") as f:

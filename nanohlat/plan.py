@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from . import comm
 from .config import ModelConfig, TrainConfig
 from .mesh import Mesh, coords, layout_table, rank_of, validate_layout
 from .metrics import flops_per_token, peak_flops
@@ -245,9 +246,22 @@ def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
 # Communication
 # ---------------------------------------------------------------------------
 
-def _add(out: dict, key: str, nbytes: int) -> None:
-    if nbytes:
-        out[key] = out.get(key, 0) + nbytes
+def _add(out: dict, key: str, payload: int, calls: int, n: int) -> None:
+    """`calls` collectives of `payload` bytes each over a group of n ranks."""
+    if calls and payload:
+        e = out.setdefault(key, dict.fromkeys(comm.FIGURES, 0))
+        e["payload"] += payload * calls
+        e["wire"] += comm.wire_bytes(key.split(".")[1], n, payload) * calls
+        e["calls"] += calls
+
+
+def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: int, n: int) -> None:
+    """data_parallel's bucketed collectives: `elems` columns cut into buckets of
+    at most `bucket` columns, each call moving rows x columns x size bytes."""
+    bucket = max(1, bucket)
+    full, rest = divmod(elems, bucket)
+    _add(out, key, rows * bucket * size, full, n)
+    _add(out, key, rows * rest * size, 1 if rest else 0, n)
 
 
 @functools.lru_cache(maxsize=16)
@@ -258,9 +272,10 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
                  for b in range(pp - 1))
 
 
-def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
-    """Bytes per optimizer step on `mesh.rank`, keyed like the CommLedger
-    ('tp.all_reduce', 'pp.exchange', ...). See comm.py for how bytes count.
+def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Per optimizer step on `mesh.rank`, keyed like the CommLedger ('tp.all_reduce',
+    'pp.exchange', ...): {payload, wire, padding, calls}. See comm.py for what
+    each figure counts.
 
     whole_block_replay: whether full activation checkpointing replays a whole
     block's forward in backward (torch_xla's reentrant checkpoint; default: on
@@ -288,50 +303,62 @@ def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_repl
         full = t.activation_checkpointing == "full"
         enters_fwd = 2 * (1 + full)
         leaves_fwd = 2 + full + (full and whole_block_replay)
-        per_mb = m * layers * act
+        per_layer = m * layers                 # calls per collective per block
         if sp:
-            _add(out, "tp.all_gather", per_mb * (enters_fwd + 2))        # + the leaves' backward
-            _add(out, "tp.reduce_scatter", per_mb * (leaves_fwd + 2))    # + the enters' backward
+            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2), tp)      # + the leaves' backward
+            _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2), tp)  # + the enters' backward
         else:
-            _add(out, "tp.all_reduce", per_mb * (leaves_fwd + 2))
+            _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2), tp)
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
-            _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", m * act)
-            _add(out, "tp.all_gather", m * act if sp else 0)
+            _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", act, m if sp else 0, tp)
         if stage == pp - 1:
             # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
             if sp:
-                _add(out, "tp.all_gather", m * act)
-                _add(out, "tp.reduce_scatter", m * act)
+                _add(out, "tp.all_gather", act, m, tp)
+                _add(out, "tp.reduce_scatter", act, m, tp)
             else:
-                _add(out, "tp.all_reduce", m * act)
-            _add(out, "tp.all_gather", m * tp * mb * T * 4)      # local maxima
-            _add(out, "tp.all_reduce", m * 2 * mb * T * 4)       # sum of exps, target logit
+                _add(out, "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", tp * mb * T * 4, m, tp)      # local maxima
+            _add(out, "tp.all_reduce", mb * T * 4, 2 * m, tp)      # sum of exps, target logit
     if pp > 1:
-        # an exchange moves 2 tensors of the residual stream per tick with traffic
-        t_local = T // tp if sp else T
-        ex = 2 * mb * t_local * C * s
+        # Each boundary of this stage: one exchange per tick with traffic; this rank
+        # sends m real tensors (activations right, or gradients left) and receives m,
+        # and sends zeros in the other ticks (padding).
+        x = mb * (T // tp if sp else T) * C * s
         for b in (stage - 1, stage):
             if 0 <= b < pp - 1:
-                _add(out, "pp.exchange", exchanges_per_boundary(t.schedule, pp, m)[b] * ex)
-        _add(out, "pp.all_reduce", 4 * 2)                         # loss sum, grad-norm square
+                ticks = exchanges_per_boundary(t.schedule, pp, m)[b]
+                e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
+                e["payload"] += 2 * m * x
+                e["wire"] += m * x
+                e["padding"] += (ticks - m) * x
+                e["calls"] += ticks
+        _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
-    groups = [counts["sharded"], counts["replicated"]]
     shards = dp if t.zero1 else 1
     if sp:
-        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4)   # norm grads
+        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
     if tp > 1:
-        _add(out, "tp.all_reduce", 4)                             # grad-norm square
+        _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
-        _add(out, "dp.all_reduce", 4)                             # loss
-        for n in groups:
-            if t.zero1:
-                _add(out, "dp.reduce_scatter", padded_size(n, dp) * 4)
-                _add(out, "dp.all_gather", padded_size(n, dp) * s)
+        _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
+        bucket = int(t.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
+        for n in (counts["sharded"], counts["replicated"]):
+            if t.zero1:   # buckets cut the (dp, shard) view by columns
+                cols = padded_size(n, dp) // dp
+                _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
+                _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
-                _add(out, "dp.all_reduce", n * 4)
+                _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
         if t.zero1:
-            _add(out, "dp.all_reduce", 4)                         # grad-norm square
-    return out
+            _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
+    return dict(sorted(out.items()))
+
+
+def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Payload bytes per collective (comm_per_step's 'payload' figure)."""
+    return {k: v["payload"] for k, v in comm_per_step(cfg, t, mesh, whole_block_replay).items()}
 
 
 # ---------------------------------------------------------------------------
@@ -479,20 +506,42 @@ def _compute_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
                        f"{t.steps:,} steps"], rows)
 
 
+COMM_LEGEND = ["  payload: what the collective delivers; wire: what a ring implementation sends from the rank",
+               "  (all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload, exchange: the",
+               "  real tensor); padding: the zeros an exchange sends for an idle direction (comm.py)"]
+
+
+def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
+    """Rows of calls, payload, wire and padding per collective, and their total.
+    With `predicted` (the plan beside a measured ledger) a last column says
+    whether all four agree, or gives the prediction."""
+    keys = sorted(set(entries) | set(predicted or {}))
+    zero = dict.fromkeys(comm.FIGURES, 0)
+    rows = []
+    for k in keys + ["total"]:
+        e = entries.get(k, zero) if k != "total" else {f: sum(v[f] for v in entries.values()) for f in comm.FIGURES}
+        row = [k, f"{e['calls']:,}" if k != "total" else "", f"{e['payload']:,}", f"{e['wire']:,}", f"{e['padding']:,}"]
+        if predicted is not None and k != "total":
+            p = predicted.get(k, zero)
+            row.append("same" if p == e else "predicted: " + " ".join(f"{f} {p[f]:,}" for f in comm.FIGURES))
+        elif predicted is not None:
+            row.append("")
+        rows.append(row)
+    header = ["collective", "calls", "payload", "wire", "padding"] + (["plan.py"] if predicted is not None else [])
+    return _table(header, rows)
+
+
 def _comm_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
     tp, pp = t.tp, t.pp
-    L = ["", "communication per step (bytes in each collective's full buffer on one rank, as the comm ledger counts)"]
-    by_stage = {s: comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
-    shown = sorted({0, pp - 1})
-    keys = sorted(set().union(*(by_stage[s] for s in shown)))
-    if not keys:
+    L = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
+    by_stage = {s: comm_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    if not by_stage[0]:
         return L + ["  none: one process"]
-    rows = [[k] + [f"{by_stage[s].get(k, 0):,}" for s in shown] for k in keys]
-    rows.append(["total"] + [f"{sum(by_stage[s].values()):,} ({fmt_bytes(sum(by_stage[s].values()))})"
-                             for s in shown])
-    L += _table(["collective"] + [f"rank {rank_of(0, s, 0, tp, dp)} (stage {s})" for s in shown], rows)
-    everyone = sum(sum(c.values()) for c in by_stage.values()) * tp * dp
-    L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} per step")
+    for s in sorted({0, pp - 1}):
+        L.append(f"  rank {rank_of(0, s, 0, tp, dp)} (stage {s}):")
+        L += comm_table(by_stage[s])
+    everyone = sum(e["wire"] + e["padding"] for c in by_stage.values() for e in c.values()) * tp * dp
+    L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
     if t.activation_checkpointing == "full" and tp > 1:
         L.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
                  "all 4 with torch_xla's (--device xla)")

@@ -220,10 +220,11 @@ def assert_run_matches_plan(out_dir, argv, world):
         measured = json.load(f)
     model, train = config.parse_args(argv)
     dp = world // (train.tp * train.pp)
-    predicted = plan.comm_bytes_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
-    assert set(measured["comm_bytes"]) == set(predicted)
-    for key, nbytes in measured["comm_bytes"].items():
-        assert close(nbytes, predicted[key]), (key, nbytes, predicted[key])
+    predicted = plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
+    # payload, wire, padding and calls of every collective, to the byte
+    for figure, name in (("payload", "comm_bytes"), ("wire", "comm_wire_bytes"),
+                         ("padding", "comm_padding_bytes"), ("calls", "comm_calls")):
+        assert measured[name] == {k: v[figure] for k, v in predicted.items()}, figure
     assert measured["optimizer_bytes"] == plan.optimizer_bytes(model, train, train.tp, train.pp, dp)
     assert measured["peak_in_flight"] == plan.microbatches_in_flight(train.schedule, train.pp,
                                                                      train.microbatches, 0)
@@ -288,6 +289,82 @@ def test_activation_bytes_match_autograd_with_tensor_and_sequence_parallel(four_
     for rank, results in four_ranks[1].items():
         measured, planned = results[i]
         assert close(measured, planned), (rank, measured, planned)
+
+
+# ---------------------------------------------------------------------------
+# 2b'. Two ranks: what the wire figures teach (tutorial chapters 3-5)
+# ---------------------------------------------------------------------------
+
+LAYOUTS2 = {"dp": ["--dp", "2"], "dp_zero1": ["--dp", "2", "--zero1"],
+            "tp": ["--tp", "2"], "tp_sp": ["--tp", "2", "--sequence-parallel"],
+            "pp_afab": ["--pp", "2", "--microbatches", "4", "--schedule", "afab"],
+            "pp_1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cache_dir, tmp_path_factory):
+    """summary.json of a 1-step run of each of LAYOUTS2, all in one group of 2 workers."""
+    from dist_utils import run_layouts
+    root = tmp_path_factory.mktemp("plan2")
+    runs = {name: BASE + ["--cache-dir", cache_dir, "--out-dir", str(root / name)] + extra
+            for name, extra in LAYOUTS2.items()}
+    run_layouts(2, list(runs.values()), str(root / "errors"))
+    out = {}
+    for name, argv in runs.items():
+        with open(root / name / "summary.json") as f:
+            out[name] = json.load(f)
+        assert_run_matches_plan(root / name, argv, 2)
+    return out
+
+
+def wire_total(summary: dict) -> int:
+    return sum(summary["comm_wire_bytes"].values())
+
+
+def test_zero1_puts_on_the_wire_what_data_parallel_does(two_ranks):
+    """Reduce-scatter + all-gather = one all-reduce on the wire; ZeRO-1 adds only
+    the 4-byte grad-norm scalar (each rank's shard norm must be summed)."""
+    dp, zero = two_ranks["dp"], two_ranks["dp_zero1"]
+    grads = 4 * 250_432                    # tiny's fp32 gradients, both flat groups
+    # dp 2: an all-reduce of S sends 2 (n-1)/n S = S per rank, here the gradients and the loss
+    assert dp["comm_wire_bytes"] == {"dp.all_reduce": grads + 4}
+    # ZeRO-1: reduce-scatter (n-1)/n of the fp32 gradients, all-gather (n-1)/n of the fp32 weights
+    assert zero["comm_wire_bytes"] == {"dp.reduce_scatter": grads // 2, "dp.all_gather": grads // 2,
+                                       "dp.all_reduce": 4 + 4}
+    assert wire_total(zero) == wire_total(dp) + 4
+    # while the payload, the old "buffer" count, doubles
+    assert sum(zero["comm_bytes"].values()) == 2 * grads + 8
+
+
+def test_sequence_parallel_puts_on_the_wire_what_tensor_parallel_does(two_ranks):
+    """Each all-reduce becomes an all-gather + a reduce-scatter of the same tensor:
+    8 collectives per layer instead of 4, each moving half as much. SP adds only
+    the all-reduce of the norm weights' gradients (each rank saw its own tokens)."""
+    tp, sp = two_ranks["tp"], two_ranks["tp_sp"]
+    act = 8 * 32 * 64 * 4                  # (mb, T, C) fp32
+    layers = 4
+    assert tp["comm_calls"]["tp.all_reduce"] - sp["comm_calls"]["tp.all_reduce"] == 4 * layers + 2 - 1
+    assert sp["comm_calls"]["tp.reduce_scatter"] == 4 * layers + 2     # 4 per layer + embedding + head
+    norms = 4 * (2 * layers * 64 + 64)     # fp32 gradients of the replicated norm weights
+    assert wire_total(sp) == wire_total(tp) + norms
+    # all-gathers and reduce-scatters of (mb, T, C), each sending half of it, and the loss's maxima
+    maxima = 2 * 8 * 32 * 4
+    assert sp["comm_wire_bytes"]["tp.all_gather"] + sp["comm_wire_bytes"]["tp.reduce_scatter"] \
+        == 2 * (4 * layers + 2) * act // 2 + maxima // 2
+
+
+def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):
+    """AFAB and 1F1B move the same real tensors; 1F1B only wastes fewer zeros."""
+    afab, f1b = two_ranks["pp_afab"], two_ranks["pp_1f1b"]
+    x = 2 * 32 * 64 * 4                    # one micro-batch of 2 sequences, fp32
+    for run in (afab, f1b):
+        assert run["comm_bytes"]["pp.exchange"] == 2 * 4 * x       # 4 activations out, 4 gradients in
+        assert run["comm_wire_bytes"]["pp.exchange"] == 4 * x
+    # AFAB: forwards and backwards never share a tick: 8 exchanges, half of each side zeros
+    assert afab["comm_calls"]["pp.exchange"] == 8 and afab["comm_padding_bytes"]["pp.exchange"] == 4 * x
+    # 1F1B on 2 stages: the steady state (stage 0: B0 F2 B1 F3, stage 1: F1 B1 F2 B2) sends an
+    # activation and a gradient in one exchange: 6 exchanges, 2 of them with a zero tensor
+    assert f1b["comm_calls"]["pp.exchange"] == 6 and f1b["comm_padding_bytes"]["pp.exchange"] == 2 * x
 
 
 # ---------------------------------------------------------------------------
