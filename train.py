@@ -86,8 +86,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     # -- the loop ------------------------------------------------------------
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
-    # CPUs: the matmul rate measured right now on this process's threads (metrics.measure_cpu_peak)
-    peak = metrics.measure_cpu_peak() if dev.kind == "cpu" else metrics.peak_flops(dev.name, tcfg.precision)
+    # CPUs: the matmul rate measured on this process's threads (metrics.device_peak)
+    peak = metrics.device_peak(dev, tcfg.precision)
     peak_total = peak * world if peak else None
     meter = metrics.Throughput()
     # Non-finite steps, counted on the device (no host sync per step): the
@@ -102,6 +102,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     saved_step = start_step if resume_from else -1     # the newest checkpoint of this run holds this step
     bar = None
     if main and tcfg.progress:
+        log(metrics.describe_peak(dev, tcfg.precision, world))   # what the bar's mfu divides by
         from tqdm import tqdm
         bar = tqdm(total=tcfg.steps, initial=start_step, desc="train", dynamic_ncols=True)
     summary = {"losses": [], "val_losses": []}
