@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         world = env[1] if env else tcfg.nproc
         if tcfg.plan:
             from nanohlat import plan
-            print(plan.report(model_cfg, tcfg, world))
+            print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         # tokenizer and token shards are built once, here, before any worker starts

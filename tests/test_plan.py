@@ -429,3 +429,96 @@ def test_peak_memory_matches_on_cuda(extra):
     predicted = plan.memory_per_rank(cfg, t, 1, 1, 1, 0, fused=True, eager=True)["peak"]
     del model, opt, runner
     assert close(measured, predicted), (measured / 2**20, predicted / 2**20)
+
+
+# ---------------------------------------------------------------------------
+# 3. Time: the estimate's arithmetic by hand, and the layout search
+# ---------------------------------------------------------------------------
+
+def test_step_time_estimate_by_hand():
+    """tiny, 4 ranks: tp 2 x pp 2, 2 micro-batches of 4 x 32 tokens, fp32, on
+    'cpu' peaks (95 GFLOP/s, 1 thread) and a made-up network of 2 devices per
+    node: tp pairs inside a node, the pipeline pair across."""
+    net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
+    model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
+    e = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
+    assert e["inside"] == {"tp": True, "pp": False, "dp": True}
+
+    # compute: 6 x matmul weights + 12 L d T per token, 256 tokens, 4 ranks, 40% of 95 GFLOP/s
+    d, L, T, kv, ffn, V = 64, 4, 32, 4 * 8, 176, 512
+    per_token = 6 * (L * (2 * d * d + 2 * d * kv + 3 * d * ffn) + d * V) + 12 * L * d * T
+    assert per_token == 1_400_832
+    compute = per_token * 256 / 4 / (95e9 * 0.4)
+    assert e["compute"] == pytest.approx(compute, rel=1e-12)
+
+    # tp, last stage (the slower): per micro-batch its 2 layers x 4 all-reduces of (4, 32, 64) fp32 =
+    # 32 KiB, each sending 2(n-1)/n = 1 x its size; the head's all-reduce; the loss's all-gather of
+    # 2 x (4, 32) fp32 maxima (sending half) and 2 all-reduces of (4, 32) fp32; then the grad-norm scalar
+    act = 4 * 32 * 64 * 4
+    wire = 2 * (2 * 4 * act + act + 2 * 4 * 32 * 4 // 2 + 2 * 4 * 32 * 4) + 4
+    calls = 2 * (2 * 4 + 1 + 1 + 2) + 1
+    assert (wire, calls) == (592_900, 25)
+    tp = wire / 1e9 + calls * 1e-5
+    # pp: 1F1B on 2 stages with 2 micro-batches has 4 ticks with traffic at the boundary
+    # (F0, F1 cross; then B0, B1): 2 activations sent, 2 zero tensors; + loss and grad-norm scalars
+    pp = (2 * act + 2 * act + 2 * 4) / 1e8 + (4 + 2) * 1e-4
+    assert e["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
+    assert e["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
+    assert e["comm"]["dp"] == 0
+
+    # a micro-batch's forward + backward with its communication; m = 2 of them, plus p - 1 = 1 of bubble
+    per_mb = (compute + tp + pp) / 2
+    assert e["bubble"] == pytest.approx(per_mb, rel=1e-12)
+    assert e["step"] == pytest.approx(3 * per_mb, rel=1e-12)
+    assert e["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
+    assert e["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
+
+
+def test_recomputation_costs_a_third_with_full_checkpointing():
+    model, train = config.parse_args(["--preset", "hlat-7b"])
+    f = metrics.flops_per_token(model, 4096)
+    assert plan.recompute_flops_per_token(model, 4096, "full") == pytest.approx(f / 3)
+    assert plan.recompute_flops_per_token(model, 4096, "selective") == 4 * 32 * 4096 * 4096   # QK^T and AV
+    assert plan.recompute_flops_per_token(model, 4096, "none") == 0
+
+
+def test_plan_prints_a_time_estimate_with_its_assumptions_and_human_counts():
+    _, _, text = plan_in_seconds("hlat-7b")
+    assert "plan for preset hlat-7b: 6.74B parameters" in text
+    assert "estimated time per step" in text and "assumptions:" in text
+    assert "800 Gbps EFA" in text and "ASSUMPTION" in text
+    _, _, text = plan_in_seconds("tiny", world=1)
+    assert "plan for preset tiny: 250k parameters" in text
+
+
+def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
+    import train
+    t0 = time.perf_counter()
+    assert train.main(["--plan", "--search", "--preset", "hlat-7b", "--nproc", "2048"]) == 0
+    assert time.perf_counter() - t0 < 60       # seconds on a quiet machine; generous for a busy one
+    out = capsys.readouterr().out
+    ranked = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert len(ranked) >= 5
+    assert [int(r[0]) for r in ranked] == list(range(1, len(ranked) + 1))
+    assert "HLAT's own layout:" in out and ("ranks" in out)
+
+    model, t = config.parse_args(["--preset", "hlat-7b"])
+    rows = plan.search(model, t, 2048, "NeuronCore-v2")
+    fits = [r for r in rows if r["fits"]]
+    steps = [r["estimate"]["step"] for r in rows]
+    assert steps == sorted(steps) and all(r["peak_memory"] <= 16 * 2**30 for r in fits)
+    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero1) == (8, 1, 4, False)
+           and r["t"].sequence_parallel and r["t"].activation_checkpointing == "selective"]
+    assert len(own) == 1
+
+
+def test_search_enumerates_every_valid_layout_of_a_small_case():
+    """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
+    (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
+    SP only with tp > 1, ZeRO-1 only with dp > 1; 3 checkpointing modes each."""
+    model, t = config.parse_args(TINY + ["--device", "cpu"])
+    layouts = list(plan.candidate_layouts(model, t, 4))
+    per = {(1, 1, 4): 2 * 1 * 2, (1, 2, 2): 3 * 1 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 2, (2, 2, 1): 4 * 2,
+           (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO-1 choices
+    assert len(layouts) == 3 * sum(per.values())
+    assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
