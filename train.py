@@ -219,9 +219,8 @@ def comm_report(mesh, model_cfg, tcfg) -> str:
     if not measured:
         return "communication: none (one process)"
     predicted = plan.comm_per_step(model_cfg, tcfg, mesh)
-    lines = [f"communication per step on rank {mesh.rank}, bytes measured by the comm ledger "
-             f"(last column: the prediction of plan.py from the model shape)"]
-    return "\n".join(lines + plan.comm_table(measured, predicted) + plan.COMM_LEGEND)
+    lines = [f"communication per step on rank {mesh.rank}: the comm ledger, and plan.py's prediction"]
+    return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])
 
 
 def write_timeline(runner, mesh, tcfg) -> None:

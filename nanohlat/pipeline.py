@@ -17,8 +17,9 @@ The schedule is laid out in *ticks*; in a tick every stage runs at most one
 forward (F) or backward (B) of one micro-batch, then the boundaries
 exchange what was produced: the left stage's new activation and the right
 stage's new gradient travel in the same exchange (zeros stand in for a side
-with nothing to send: the comm ledger counts them as padding). Every rank computes the same timetable, so both sides
-of a boundary always agree on which ticks have an exchange.
+with nothing to send: the comm ledger counts them as padding). Every rank
+computes the same timetable, so both sides of a boundary always agree on
+which ticks have an exchange.
 
 Why it cannot deadlock: after each tick, stage s exchanges first with stage
 s-1 (its left boundary), then with stage s+1 (its right one). Stage 0 has no

@@ -767,6 +767,8 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
 COMM_LEGEND = ["  payload: what the collective delivers; wire: what a ring implementation sends from the rank",
                "  (all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload, exchange: the",
                "  real tensor); padding: the zeros an exchange sends for an idle direction (comm.py)"]
+COMM_LEGEND_SHORT = ("  (bytes; wire = what a ring sends from this rank: 2(n-1)/n x payload for an all-reduce, "
+                     "(n-1)/n otherwise; comm.py)")
 
 
 def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:

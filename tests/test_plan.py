@@ -522,3 +522,38 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
            (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO-1 choices
     assert len(layouts) == 3 * sum(per.values())
     assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
+
+
+def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
+    """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
+    schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""
+    from nanohlat import pipeline, timeline
+    for schedule in ("afab", "1f1b"):
+        for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
+            rows, span = timeline.ideal_timeline(schedule, pp, m)
+            assert span == 3 * (m + pp - 1)
+            assert all(sum(e - b for _, _, b, e in ops) == 3 * m for ops in rows)
+            assert timeline.ideal_bubble(schedule, pp, m) == pytest.approx(timeline.formula_bubble(pp, m))
+    # pp 4, m 8: AFAB's ticks are all-F then all-B, 11 + 11 x 2 = 33 units; 1F1B's 22 ticks
+    # hold a B in 16 of them: 6 x 1 + 16 x 2 = 40 units for the same 24 units of work per stage
+    assert timeline.lockstep_bubble(pipeline.timetable("afab", 4, 8), 8) == pytest.approx(1 - 24 / 33)
+    assert timeline.lockstep_bubble(pipeline.timetable("1f1b", 4, 8), 8) == pytest.approx(1 - 24 / 40)
+
+
+def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch):
+    from nanohlat import timeline
+    from nanohlat.device import get_device
+    clock = timeline.StepClock(get_device("cpu"), synchronize=True)
+    clock.start()
+    t = clock.op_start()
+    sum(range(10000))
+    clock.op_end("F", 0, t)
+    clock.stop()
+    (kind, i, b, e), = clock.records
+    assert (kind, i) == ("F", 0) and 0 <= b <= e <= clock.t1 - clock.t0
+    assert 0 < clock.busy_fraction() <= 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * (os.cpu_count() or 1)))
+    assert "share" in timeline.oversubscription(get_device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert timeline.oversubscription(get_device("cpu")) == ""
