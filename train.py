@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, replicas
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, replicas, timeline
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.build import build
@@ -74,7 +74,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
         tokens_seen += tokens_per_step
         if step == start_step:   # what each collective moved, beside the plan's formula
-            log.comm(mesh.ledger.snapshot(), comm_report(mesh, model_cfg, tcfg) if log.main else "")
+            log.comm(mesh.ledger.summary(), comm_report(mesh, model_cfg, tcfg) if log.main else "")
         log.step(step + 1, loss, norm, lr, tokens_seen, last)   # the host reads values in a step closure
         if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
             log.val(step + 1, evaluate_loss(runner, ds, mesh, tcfg, dev))
@@ -127,18 +127,15 @@ def comm_report(mesh, model_cfg, tcfg) -> str:
     """The comm ledger of the first step on this rank, beside the model-shape formula."""
     from nanohlat import plan
     measured = mesh.ledger.snapshot()
-    predicted = plan.comm_bytes_per_step(model_cfg, tcfg, mesh)
-    keys = sorted(set(measured) | set(predicted))
-    if not keys:
+    if not measured:
         return "communication: none (one process)"
-    lines = ["communication per step on rank 0 (bytes): collective  measured  predicted"]
-    for k in keys:
-        lines.append(f"  {k:<24} {measured.get(k, 0):>14,} {predicted.get(k, 0):>14,}")
-    return "\n".join(lines)
+    predicted = plan.comm_per_step(model_cfg, tcfg, mesh)
+    lines = [f"communication per step on rank {mesh.rank}: the comm ledger, and plan.py's prediction"]
+    return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])
 
 
 def write_timeline(runner, mesh, tcfg) -> None:
-    text = pipeline.timeline_report(runner, mesh, tcfg, os.path.join(tcfg.out_dir, "timeline.png"))
+    text = timeline.timeline_report(runner, mesh, tcfg, os.path.join(tcfg.out_dir, "timeline.png"))
     if mesh.rank == 0 and text:
         path = os.path.join(tcfg.out_dir, "timeline.txt")
         with open(path, "w") as f:
@@ -174,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         world = env[1] if env else tcfg.nproc
         if tcfg.plan:
             from nanohlat import plan
-            print(plan.report(model_cfg, tcfg, world))
+            print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         # tokenizer and token shards are built once, here, before any worker starts

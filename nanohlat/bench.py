@@ -17,7 +17,7 @@ alternate step by step (and swap who goes first every round), so that load
 from anything else on the machine hits both alike; we report the median step.
 
 tokens/s = batch_size * seq_len / median step time, and MFU is
-metrics.flops_per_token * tokens/s / metrics.peak_flops (the same FLOP count
+metrics.flops_per_token * tokens/s / metrics.device_peak (the same FLOP count
 for both models: they have the same shape). Data are random token ids: speed
 does not depend on what the tokens say.
 
@@ -216,14 +216,14 @@ def main(argv=None) -> int:
 
     tok_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
-    peak = metrics.measure_cpu_peak() if dev.kind == "cpu" else metrics.peak_flops(dev.name, tcfg.precision)
+    peak = metrics.device_peak(dev, tcfg.precision)   # the definition train.py uses
     where = f"{dev.name} ({threads} threads)" if threads else dev.name
     print(f"model: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, {model_cfg.n_heads} heads "
           f"({model_cfg.n_kv_heads} kv), ffn {model_cfg.ffn_dim}, vocab {model_cfg.padded_vocab}: "
           f"{model_cfg.num_params() / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token")
-    peak_text = f"peak {peak / 1e9:,.0f} GFLOP/s" if peak else "peak unknown (no MFU)"
     print(f"step: batch {tcfg.batch_size} x seq {tcfg.seq_len} = {tok_per_step:,} tokens, {tcfg.precision}, "
-          f"on {where}; {peak_text}")
+          f"on {where}")
+    print(metrics.describe_peak(dev, tcfg.precision))
     print(f"timing {tcfg.steps} steps per model after {args.warmup} warm-up, interleaved ...", flush=True)
 
     times, fwd_bwd = time_interleaved(steps, tcfg.steps, args.warmup, dev)

@@ -14,14 +14,29 @@ collective every backend runs well. Both sides must call it at the same time
 with tensors of the same shape and dtype: the pipeline schedule guarantees it.
 
 A group of size 1 makes every operation a no-op, so single-process code runs
-the exact same lines. The `CommLedger` adds up the bytes of each kind of
-operation so a run can print measured communication beside the formula.
+the exact same lines.
 
-Bytes are counted as the size of the *full* buffer of the operation on one
-rank: the input of an all-reduce, the gathered output of an all-gather, the
-unreduced input of a reduce-scatter, both tensors of an exchange. (A ring
-algorithm puts 2(n-1)/n of an all-reduce's bytes on each link; that is a
-property of the library, not of the model, so we count the payload.)
+The `CommLedger` counts, per collective and group kind, three byte figures and
+the number of calls, on this rank (tutorial.md chapter 3 works them through):
+
+    payload  what the operation delivers: the input of an all-reduce, the
+             gathered output of an all-gather, the unreduced input of a
+             reduce-scatter, the real tensors of an exchange (both directions)
+    wire     what a ring implementation sends from this rank for it, with n
+             ranks in the group and S the payload:
+                 all-reduce                    2 (n-1)/n x S  (a reduce-scatter, then an all-gather)
+                 all-gather, reduce-scatter      (n-1)/n x S
+                 exchange                      the real tensor this rank sends
+    padding  zeros sent only because `exchange` is an all-gather: a rank with
+             nothing to send in a tick still contributes a tensor of zeros
+    calls    how many times the collective ran
+
+The wire figure is what comm time depends on: ZeRO-1's reduce-scatter plus
+all-gather puts on the wire what one all-reduce does, and sequence
+parallelism's all-gather plus reduce-scatter what one tensor-parallel
+all-reduce does. `plan.comm_per_step` predicts all four figures from the
+model shape; the tests hold the two to the byte. (Wire bytes are rounded down
+to whole bytes per call; every tensor in nanohlat splits evenly anyway.)
 """
 
 from __future__ import annotations
@@ -37,28 +52,53 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+FIGURES = ("payload", "wire", "padding", "calls")
+
+
+def wire_bytes(op: str, n: int, payload: int) -> int:
+    """Bytes a ring implementation sends from one rank for a collective of
+    `payload` bytes over n ranks (see the module docstring)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * payload // n
+    raise ValueError(f"no ring formula for {op!r}")
+
+
 class CommLedger:
-    """Bytes moved per (operation, group kind), summed since the last `reset`."""
+    """Per 'group.op' key (e.g. 'tp.all_reduce'): payload, wire and padding bytes
+    and calls on this rank, summed since the last `reset`."""
 
     def __init__(self):
-        self.bytes = defaultdict(int)
-        self.calls = defaultdict(int)
+        self.entries: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIGURES, 0))
 
-    def record(self, op: str, group_name: str, nbytes: int) -> None:
-        self.bytes[f"{group_name}.{op}"] += nbytes
-        self.calls[f"{group_name}.{op}"] += 1
+    def record(self, key: str, payload: int, wire: int, padding: int = 0) -> None:
+        e = self.entries[key]
+        e["payload"] += payload
+        e["wire"] += wire
+        e["padding"] += padding
+        e["calls"] += 1
 
     def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
+        self.entries.clear()
 
-    def snapshot(self) -> dict:
-        return dict(sorted(self.bytes.items()))
+    def snapshot(self, figure: str | None = None) -> dict:
+        """{key: {payload, wire, padding, calls}}, or {key: that one figure}."""
+        if figure is None:
+            return {k: dict(v) for k, v in sorted(self.entries.items())}
+        return {k: v[figure] for k, v in sorted(self.entries.items())}
+
+    def summary(self) -> dict:
+        """The four figures as summary.json holds them: comm_bytes (the payload),
+        comm_wire_bytes, comm_padding_bytes, comm_calls; each {key: bytes or calls}."""
+        names = {"payload": "comm_bytes", "wire": "comm_wire_bytes", "padding": "comm_padding_bytes",
+                 "calls": "comm_calls"}
+        return {names[f]: self.snapshot(f) for f in FIGURES}
 
 
-def _record(group, op: str, nbytes: int) -> None:
+def _record(group, op: str, payload: int) -> None:
     if group.ledger is not None:
-        group.ledger.record(op, group.name, nbytes)
+        group.ledger.record(f"{group.name}.{op}", payload, wire_bytes(op, group.size, payload))
 
 
 def _check_device(x: torch.Tensor, group) -> None:
@@ -107,17 +147,22 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def exchange(x: torch.Tensor, pair) -> torch.Tensor:
+def exchange(x: torch.Tensor, pair, sends: bool = True, receives: bool = True) -> torch.Tensor:
     """Swap tensors with the other rank of a 2-rank group; returns the other's tensor.
 
     Implemented as an all-gather of [mine; theirs] in which each side keeps the
     half it did not write. Used by the pipeline for both directions at once:
     the left stage contributes an activation, the right stage a gradient.
+    `sends` / `receives`: whether x / the other's tensor carry data or are the
+    zeros of an idle direction (the ledger counts those as padding).
     """
     assert pair.size == 2, "exchange needs a 2-rank group"
     _check_device(x, pair)
     x = x.contiguous()
     out = torch.empty((2,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    _record(pair, "exchange", out.numel() * out.element_size())
+    if pair.ledger is not None:
+        size = x.numel() * x.element_size()
+        pair.ledger.record(f"{pair.name}.exchange", payload=size * (sends + receives), wire=size * sends,
+                           padding=size * (not sends))
     _all_gather_tensor(out, x.unsqueeze(0), group=pair.pg)
     return out[1 - pair.rank]

@@ -117,6 +117,7 @@ class TrainConfig:
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
     timeline: bool = False
     plan: bool = False
+    search: bool = False         # with --plan: rank every layout that fits by estimated step time
     progress: bool = True
 
     def validate(self) -> None:
@@ -212,7 +213,8 @@ HELP = {
     "nproc": "local worker processes train.py starts itself",
     "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
-    "plan": "print the layout, memory, FLOPs and communication plan, then exit",
+    "plan": "print the layout, memory, FLOPs, communication and time plan, then exit",
+    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO-1, SP, checkpointing) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (0 = keep all)",

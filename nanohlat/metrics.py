@@ -14,6 +14,7 @@ should: the recomputed work produces nothing new.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import sys
@@ -35,18 +36,19 @@ from nanohlat.config import UserError
 #   a run that turns TF32 on would peak at 156 (NVIDIA A100 datasheet).
 # - H100 SXM: 989 BF16 dense TFLOP/s, 67 FP32 (NVIDIA H100 datasheet).
 # - H200: the same GH100 compute as the H100 SXM (more and faster memory only).
-# - cpu: there is no datasheet; this is a *measured* per-core figure. A 2-core
-#   development machine ran fp32 matmuls at ~106 GFLOP/s with torch on both
-#   cores, i.e. ~53 GFLOP/s per core. bf16 on CPUs without AMX/AVX512-BF16 is
-#   not faster, so we use the same figure. It is per core and scaled by the
+# - cpu: there is no datasheet; this is a *measured* per-core figure, by the
+#   one definition train.py and bench.py use too (`measure_cpu_peak`): on a
+#   quiet 2-core development machine it read ~190 GFLOP/s with both cores,
+#   i.e. ~95 GFLOP/s per core. bf16 on CPUs without AMX/AVX512-BF16 is not
+#   faster, so we use the same figure. It is per core and scaled by the
 #   threads in use (`peak_flops`). It serves `--plan`'s estimates only: a CPU
-#   *run* measures its own matmul rate instead (`measure_cpu_peak`).
+#   *run* measures its own machine instead (`device_peak`).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "NeuronCore-v2": {"bf16": 190e12 / 2, "fp32": 47.5e12 / 2},
     "A100": {"bf16": 312e12, "fp32": 19.5e12},
     "H100": {"bf16": 989e12, "fp32": 67e12},
     "H200": {"bf16": 989e12, "fp32": 67e12},
-    "cpu": {"bf16": 53e9, "fp32": 53e9},  # per core, see above
+    "cpu": {"bf16": 95e9, "fp32": 95e9},  # per core, see above
 }
 
 # --precision -> which datasheet column the matmuls run at. In bf16-mixed the
@@ -100,30 +102,79 @@ def peak_flops(device_name: str, precision: str, threads: int | None = None) -> 
     return peak
 
 
-def measure_cpu_peak(n: int = 1024, repeats: int = 20) -> float:
-    """This process's fp32 matmul rate in FLOP/s, measured now with its threads.
+# The matmuls measure_cpu_peak times: (n, repeats) for n x n x n fp32. The
+# large size matters: 1024^3 is over in ~10 ms, too short for every core's
+# thread to be busy the whole time (it read anywhere from 100 to 190 GFLOP/s
+# on a 2-core machine where 2048^3 reads ~190), and a training step of the
+# default preset beat it: MFU above 100%.
+CPU_PEAK_MATMULS = ((1024, 5), (2048, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_peak(threads: int) -> float:
+    best = 0.0
+    for n, repeats in CPU_PEAK_MATMULS:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b                                          # warm-up: thread pool, caches
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2.0 * n ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def measure_cpu_peak() -> float:
+    """This process's fp32 matmul rate in FLOP/s with its current threads: the
+    best over CPU_PEAK_MATMULS, measured once per process and thread count.
 
     CPUs have no datasheet figure that a training step could approach, and a
     stated one is wrong on the next machine (MFU above 100% on a faster CPU,
     the nanoGPT-on-H100 mistake). So a CPU run measures its own ceiling: the
-    best of a few n x n matmuls, the operation that dominates a training step.
+    operation that dominates a training step, at sizes large enough to keep
+    every core busy.
     """
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b                                              # warm-up: thread pool, caches
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n ** 3 / best
+    return _cpu_peak(torch.get_num_threads())
+
+
+def device_peak(device, precision: str) -> float | None:
+    """Peak FLOP/s of one process on `device`, the one definition train.py and
+    bench.py divide by: measured on the CPU (measure_cpu_peak), the datasheet
+    figure elsewhere (PEAK_FLOPS), None for an unknown device."""
+    if device.kind == "cpu":
+        return measure_cpu_peak()
+    return peak_flops(device.name, precision)
+
+
+def describe_peak(device, precision: str, processes: int = 1) -> str:
+    """One line saying what MFU divides by."""
+    peak = device_peak(device, precision)
+    if not peak:
+        return f"mfu: not reported, no peak FLOP/s known for {device.name}"
+    how = (f"measured: the best fp32 matmul of sizes {', '.join(str(n) for n, _ in CPU_PEAK_MATMULS)} "
+           f"on {torch.get_num_threads()} thread(s), metrics.measure_cpu_peak" if device.kind == "cpu"
+           else f"datasheet, {precision}, metrics.PEAK_FLOPS")
+    return f"mfu: model FLOP/s over {processes} x {peak / 1e9:,.0f} GFLOP/s peak ({how})"
+
+
+_mfu_warned = False
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_total: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over `peak_total`, the
-    summed peak of every process that produced those tokens. None if unknown."""
+    summed peak of every process that produced those tokens. None if unknown,
+    and None (with a warning, once) if above 1: then the peak, not the model,
+    is wrong, and the number would teach nothing."""
+    global _mfu_warned
     if not peak_total or peak_total <= 0:
         return None
-    return tokens_per_s * flops_per_token / peak_total
+    value = tokens_per_s * flops_per_token / peak_total
+    if value > 1.0:
+        if not _mfu_warned:
+            _mfu_warned = True
+            print(f"warning: measured MFU {value:.0%} is above 100%, so the peak ({peak_total / 1e9:,.0f} GFLOP/s "
+                  f"in all) is underestimated; MFU is not reported for such steps", file=sys.stderr)
+        return None
+    return value
 
 
 class MetricsWriter:
@@ -244,8 +295,8 @@ class TrainLog:
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.flops_tok = flops_per_token(model_cfg, tcfg.seq_len)
-        # CPUs: the matmul rate measured right now on this process's threads (measure_cpu_peak)
-        peak = measure_cpu_peak() if dev.kind == "cpu" else peak_flops(dev.name, tcfg.precision)
+        # CPUs: the matmul rate measured on this process's threads (device_peak)
+        peak = device_peak(dev, tcfg.precision)
         self.peak_total = peak * mesh.world if peak else None
         self.meter = Throughput()
         # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
@@ -261,6 +312,7 @@ class TrainLog:
         self.skipped_logged = 0   # `skipped` at the previous log (host side)
         self.bar = None
         if self.main and tcfg.progress:
+            self.print(describe_peak(dev, tcfg.precision, mesh.world))   # what the bar's mfu divides by
             from tqdm import tqdm
             self.bar = tqdm(total=tcfg.steps, initial=start_step, desc="train", dynamic_ncols=True)
 
@@ -275,8 +327,9 @@ class TrainLog:
         return int(self.bad_streak)
 
     def comm(self, measured: dict, report: str) -> None:
-        """The first step's bytes per collective (summary.json) and their report (printed)."""
-        self.summary["comm_bytes"] = measured
+        """The first step's communication (CommLedger.summary: payload, wire and
+        padding bytes and calls per collective, for summary.json) and its report (printed)."""
+        self.summary.update(measured)
         self.print(report)
 
     def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False) -> None:
@@ -329,7 +382,8 @@ class TrainLog:
             self.bar.close()
         self.summary.update(measured, step=self.last_step)
         if self.main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
-            keys = ("comm_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
+            keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "optimizer_bytes",
+                    "peak_in_flight", "peak_memory", "step")
             with open(os.path.join(self.tcfg.out_dir, "summary.json"), "w") as f:
                 json.dump({k: self.summary.get(k) for k in keys}, f, indent=2)
         if self.writer:

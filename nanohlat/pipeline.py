@@ -17,8 +17,9 @@ The schedule is laid out in *ticks*; in a tick every stage runs at most one
 forward (F) or backward (B) of one micro-batch, then the boundaries
 exchange what was produced: the left stage's new activation and the right
 stage's new gradient travel in the same exchange (zeros stand in for a side
-with nothing to send). Every rank computes the same timetable, so both sides
-of a boundary always agree on which ticks have an exchange.
+with nothing to send: the comm ledger counts them as padding). Every rank
+computes the same timetable, so both sides of a boundary always agree on
+which ticks have an exchange.
 
 Why it cannot deadlock: after each tick, stage s exchanges first with stage
 s-1 (its left boundary), then with stage s+1 (its right one). Stage 0 has no
@@ -34,18 +35,17 @@ Schedules (p stages, m micro-batches; per stage, in order):
   AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
   1F1B: warm-up: min(p-s-1, m) forwards, then alternate  holds <= p activations
         F and B (steady state), then the remaining Bs (cool-down)
-Both have the same bubble, (p-1)/(m+p-1) of the time, if F and B take one
-tick each; 1F1B's gain is memory. With pp=1 the same code is plain gradient
-accumulation.
+Both have the same bubble, (p-1)/(m+p-1) of the time, if each stage starts an
+op as soon as its input exists; 1F1B's gain is memory (timeline.py times a
+step and gives the bubble three ways: --timeline). With pp=1 the same code is
+plain gradient accumulation.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from . import comm
+from . import comm, timeline
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> range:
@@ -118,7 +118,7 @@ class PipelineRunner:
         self.ticks = timetable(train.schedule, self.pp, self.m)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0
-        self.records: list[tuple[str, int, float, float]] = []  # (kind, mb, start, end) of the last step
+        self.clock = timeline.StepClock(device, synchronize=train.timeline)   # times each F and B
 
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,
@@ -137,14 +137,14 @@ class PipelineRunner:
         in_flight = {}                     # mb -> (stage input, stage output) kept for backward
         to_send = {}                       # what this stage produced in the current tick
         total = torch.zeros((), dtype=torch.float32, device=tokens.device)
-        self.records, self.peak_in_flight = [], 0
-        self.t0 = time.perf_counter()
+        self.peak_in_flight = 0
+        self.clock.start()
         for t, row in enumerate(self.ticks):
             op = row[s]
             to_send.clear()
             if op is not None:
                 kind, i = op
-                start = time.perf_counter()
+                start = self.clock.op_start()
                 if kind == "F":
                     x = tokens[i] if mesh.is_first_stage else inputs.pop(i).clone().requires_grad_()
                     if mesh.is_last_stage:
@@ -163,26 +163,26 @@ class PipelineRunner:
                         out.backward(grads_in.pop(i))
                     if not mesh.is_first_stage:
                         to_send["grad"] = x.grad
-                self.records.append((kind, i, start, time.perf_counter()))
+                self.clock.op_end(kind, i, start)
             # communication phase of tick t: left boundary first, then right (see docstring)
             if s > 0:
                 act, grad = self._exchange_plan(t, s - 1)
                 if act is not None or grad is not None:
                     mine = to_send.get("grad") if grad is not None else None
-                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("prev"))
+                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("prev"), grad is not None, act is not None)
                     if act is not None:
                         inputs[act] = theirs
             if s < self.pp - 1:
                 act, grad = self._exchange_plan(t, s)
                 if act is not None or grad is not None:
                     mine = to_send.get("act") if act is not None else None
-                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("next"))
+                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("next"), act is not None, grad is not None)
                     if grad is not None:
                         grads_in[grad] = theirs
             if self.pp > 1:
                 self.device.sync()   # on XLA: one graph per tick, exchanges isolated
         assert not in_flight and not inputs and not grads_in
-        self.t1 = time.perf_counter()
+        self.clock.stop()
         return total
 
     @torch.no_grad()
@@ -194,11 +194,12 @@ class PipelineRunner:
         mesh = self.mesh
         total = torch.zeros((), dtype=torch.float32, device=tokens.device)
         for i in range(tokens.shape[0]):
-            x = tokens[i] if mesh.is_first_stage else comm.exchange(self._or_zeros(None), mesh.group("prev"))
+            x = tokens[i] if mesh.is_first_stage else \
+                comm.exchange(self._or_zeros(None), mesh.group("prev"), sends=False)
             if mesh.is_last_stage:
                 total = total + self.model(x, targets[i]).sum() * loss_scale
             else:
-                comm.exchange(self._or_zeros(self.model(x)), mesh.group("next"))
+                comm.exchange(self._or_zeros(self.model(x)), mesh.group("next"), receives=False)
             if self.pp > 1:
                 self.device.sync()
         return total
@@ -207,79 +208,3 @@ class PipelineRunner:
         if x is None:
             return torch.zeros(self.act_shape, dtype=self.act_dtype, device=self.device.torch_device)
         return x.to(self.act_dtype)
-
-    def busy_fraction(self) -> float:
-        """Share of this stage's last step spent computing (the rest is bubble and
-        communication). Off XLA the ops run eagerly, so wall time is compute time."""
-        busy = sum(e - b for _, _, b, e in self.records)
-        return busy / max(self.t1 - self.t0, 1e-9)
-
-
-def theoretical_bubble(pp: int, m: int) -> float:
-    return (pp - 1) / (m + pp - 1)
-
-
-def timeline_report(runner: PipelineRunner, mesh, tcfg, png_path: str = "") -> str:
-    """The last step's schedule as text: the tick timetable every rank follows,
-    then each stage's measured ops drawn to scale, and the bubble beside the
-    formula. Collective over the pp group (every stage calls it); the text is
-    for rank 0, which also draws `png_path` when matplotlib is installed."""
-    n_ops = 2 * runner.m
-    rec = torch.zeros(n_ops, 4, dtype=torch.float64)
-    for j, (kind, i, b, e) in enumerate(runner.records):
-        rec[j] = torch.tensor([1.0 if kind == "F" else 2.0, i, b - runner.t0, e - runner.t0], dtype=torch.float64)
-    span = torch.tensor([[runner.t1 - runner.t0, runner.busy_fraction()]], dtype=torch.float64)
-    dev = runner.device.torch_device
-    recs = comm.all_gather(rec.to(dev), mesh.pp_group).cpu().view(mesh.pp, n_ops, 4)
-    spans = comm.all_gather(span.to(dev), mesh.pp_group).cpu()
-    width = 72
-    total = float(spans[:, 0].max())
-    lines = [f"pipeline schedule {tcfg.schedule}: pp={mesh.pp} stages, m={runner.m} micro-batches",
-             "timetable (ticks; Fi/Bi = forward/backward of micro-batch i, .. = idle):",
-             render_ticks(runner.ticks, mesh.pp), "",
-             f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle):"]
-    for s in range(mesh.pp):
-        row = ["."] * width
-        for kind, i, b, e in recs[s].tolist():
-            if kind == 0:
-                continue
-            lo, hi = int(b / total * width), max(int(b / total * width) + 1, int(e / total * width))
-            for c in range(lo, min(hi, width)):
-                row[c] = "F" if kind == 1 else "B"
-        lines.append(f"stage {s} |" + "".join(row) + "|")
-    measured = 1.0 - float(spans[:, 1].mean())
-    if png_path and mesh.rank == 0:
-        _timeline_png(recs, total, png_path, f"{tcfg.schedule}: pp={mesh.pp}, m={runner.m}, bubble {measured:.2f}")
-    lines.append(f"bubble: measured {measured:.2f} of the step (idle + communication), "
-                 f"formula (p-1)/(m+p-1) = {theoretical_bubble(mesh.pp, runner.m):.2f}; "
-                 f"peak micro-batches in flight on this stage: {runner.peak_in_flight}")
-    return "\n".join(lines)
-
-
-def _timeline_png(recs, total: float, path: str, title: str) -> None:
-    """The measured timeline as a picture: one row per stage, forward boxes
-    light, backward boxes dark, each labelled with its micro-batch."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    pp = recs.shape[0]
-    fig, ax = plt.subplots(figsize=(10, 0.6 * pp + 1.2))
-    for s in range(pp):
-        for kind, i, b, e in recs[s].tolist():
-            if kind == 0:
-                continue
-            ax.barh(s, (e - b) * 1e3, left=b * 1e3, color="#9ecae1" if kind == 1 else "#3182bd",
-                    edgecolor="black", linewidth=0.5)
-            ax.text((b + e) / 2 * 1e3, s, ("F" if kind == 1 else "B") + str(int(i)), ha="center",
-                    va="center", fontsize=7)
-    ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, total * 1e3)
-    ax.set_xlabel("time in the step (ms)")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

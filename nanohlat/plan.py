@@ -1,4 +1,5 @@
-"""Before a run: what each rank holds, computes and sends (`train.py --plan`).
+"""Before a run: what each rank holds, computes and sends, and how long a step
+should take (`train.py --plan`); which layouts fit and are fastest (`--search`).
 
 Everything here is arithmetic on the config: no devices, no tensors, so it
 answers for hlat-70b on 2048 ranks in a moment. The same formulas are checked
@@ -15,8 +16,9 @@ Memory per rank, at its peak, the larger of the step's two phases:
     weights       parameters x 2 B (bf16) or 4 B (fp32)
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
                   the fp32 buffer (below) as autograd makes it, and free it
-    optimizer     Adam moments (2 x 4 B) + master weights, a separate copy in fp32
-                  (4 B; fp32, bf16-mixed) or bf16 (2 B); 1/dp of all that with ZeRO-1
+    optimizer     Adam moments (2 x 4 B) + master weights, a separate copy in
+                  precision.master_dtype: fp32 (4 B; fp32, bf16-mixed: 12 B in all)
+                  or bf16 (2 B; bf16-sr, bf16: 10 B); 1/dp of all that with ZeRO-1
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
@@ -57,10 +59,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from . import comm
 from .config import ModelConfig, TrainConfig
+from .config import UserError
 from .mesh import Mesh, coords, layout_table, rank_of, validate_layout
 from .metrics import flops_per_token, peak_flops
 from .pipeline import stage_layers, stage_order, timetable
+from .precision import master_dtype
 from .zero1 import padded_size
 
 GiB = 2**30
@@ -178,7 +183,7 @@ def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
                     dp_rank: int = 0) -> int:
     """Adam moments (fp32) + master weights, on one rank (1/dp of them with ZeRO-1)."""
     counts = stage_param_counts(cfg, tp, pp, stage)
-    master = 4 if t.precision in ("fp32", "bf16-mixed") else 2
+    master = master_dtype(t.precision).itemsize      # optim.FlatGroup's separate master copy
     shards = dp if t.zero1 else 1
     return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
 
@@ -246,12 +251,25 @@ def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
 # Communication
 # ---------------------------------------------------------------------------
 
-def _add(out: dict, key: str, nbytes: int) -> None:
-    if nbytes:
-        out[key] = out.get(key, 0) + nbytes
+def _add(out: dict, key: str, payload: int, calls: int, n: int) -> None:
+    """`calls` collectives of `payload` bytes each over a group of n ranks."""
+    if calls and payload:
+        e = out.setdefault(key, dict.fromkeys(comm.FIGURES, 0))
+        e["payload"] += payload * calls
+        e["wire"] += comm.wire_bytes(key.split(".")[1], n, payload) * calls
+        e["calls"] += calls
 
 
-@functools.lru_cache(maxsize=16)
+def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: int, n: int) -> None:
+    """data_parallel's bucketed collectives: `elems` columns cut into buckets of
+    at most `bucket` columns, each call moving rows x columns x size bytes."""
+    bucket = max(1, bucket)
+    full, rest = divmod(elems, bucket)
+    _add(out, key, rows * bucket * size, full, n)
+    _add(out, key, rows * rest * size, 1 if rest else 0, n)
+
+
+@functools.lru_cache(maxsize=1024)
 def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
     """Ticks in which something crosses boundary b|b+1: b runs a forward or b+1 a backward."""
     ticks = timetable(schedule, pp, m)
@@ -259,9 +277,10 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
                  for b in range(pp - 1))
 
 
-def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
-    """Bytes per optimizer step on `mesh.rank`, keyed like the CommLedger
-    ('tp.all_reduce', 'pp.exchange', ...). See comm.py for how bytes count.
+def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Per optimizer step on `mesh.rank`, keyed like the CommLedger ('tp.all_reduce',
+    'pp.exchange', ...): {payload, wire, padding, calls}. See comm.py for what
+    each figure counts.
 
     whole_block_replay: whether full activation checkpointing replays a whole
     block's forward in backward (torch_xla's reentrant checkpoint; default: on
@@ -289,50 +308,62 @@ def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_repl
         full = t.activation_checkpointing == "full"
         enters_fwd = 2 * (1 + full)
         leaves_fwd = 2 + full + (full and whole_block_replay)
-        per_mb = m * layers * act
+        per_layer = m * layers                 # calls per collective per block
         if sp:
-            _add(out, "tp.all_gather", per_mb * (enters_fwd + 2))        # + the leaves' backward
-            _add(out, "tp.reduce_scatter", per_mb * (leaves_fwd + 2))    # + the enters' backward
+            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2), tp)      # + the leaves' backward
+            _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2), tp)  # + the enters' backward
         else:
-            _add(out, "tp.all_reduce", per_mb * (leaves_fwd + 2))
+            _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2), tp)
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
-            _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", m * act)
-            _add(out, "tp.all_gather", m * act if sp else 0)
+            _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", act, m if sp else 0, tp)
         if stage == pp - 1:
             # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
             if sp:
-                _add(out, "tp.all_gather", m * act)
-                _add(out, "tp.reduce_scatter", m * act)
+                _add(out, "tp.all_gather", act, m, tp)
+                _add(out, "tp.reduce_scatter", act, m, tp)
             else:
-                _add(out, "tp.all_reduce", m * act)
-            _add(out, "tp.all_gather", m * tp * mb * T * 4)      # local maxima
-            _add(out, "tp.all_reduce", m * 2 * mb * T * 4)       # sum of exps, target logit
+                _add(out, "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", tp * mb * T * 4, m, tp)      # local maxima
+            _add(out, "tp.all_reduce", mb * T * 4, 2 * m, tp)      # sum of exps, target logit
     if pp > 1:
-        # an exchange moves 2 tensors of the residual stream per tick with traffic
-        t_local = T // tp if sp else T
-        ex = 2 * mb * t_local * C * s
+        # Each boundary of this stage: one exchange per tick with traffic; this rank
+        # sends m real tensors (activations right, or gradients left) and receives m,
+        # and sends zeros in the other ticks (padding).
+        x = mb * (T // tp if sp else T) * C * s
         for b in (stage - 1, stage):
             if 0 <= b < pp - 1:
-                _add(out, "pp.exchange", exchanges_per_boundary(t.schedule, pp, m)[b] * ex)
-        _add(out, "pp.all_reduce", 4 * 2)                         # loss sum, grad-norm square
+                ticks = exchanges_per_boundary(t.schedule, pp, m)[b]
+                e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
+                e["payload"] += 2 * m * x
+                e["wire"] += m * x
+                e["padding"] += (ticks - m) * x
+                e["calls"] += ticks
+        _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
-    groups = [counts["sharded"], counts["replicated"]]
     shards = dp if t.zero1 else 1
     if sp:
-        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4)   # norm grads
+        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
     if tp > 1:
-        _add(out, "tp.all_reduce", 4)                             # grad-norm square
+        _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
-        _add(out, "dp.all_reduce", 4)                             # loss
-        for n in groups:
-            if t.zero1:
-                _add(out, "dp.reduce_scatter", padded_size(n, dp) * 4)
-                _add(out, "dp.all_gather", padded_size(n, dp) * s)
+        _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
+        bucket = int(t.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
+        for n in (counts["sharded"], counts["replicated"]):
+            if t.zero1:   # buckets cut the (dp, shard) view by columns
+                cols = padded_size(n, dp) // dp
+                _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
+                _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
-                _add(out, "dp.all_reduce", n * 4)
+                _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
         if t.zero1:
-            _add(out, "dp.all_reduce", 4)                         # grad-norm square
-    return out
+            _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
+    return dict(sorted(out.items()))
+
+
+def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Payload bytes per collective (comm_per_step's 'payload' figure)."""
+    return {k: v["payload"] for k, v in comm_per_step(cfg, t, mesh, whole_block_replay).items()}
 
 
 # ---------------------------------------------------------------------------
@@ -347,9 +378,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    """A count in human units, 3 significant digits: 250k, 4.19M, 6.74B."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
+            return f"{n / size:.3g}{unit}"
     return str(int(n))
 
 
@@ -396,7 +428,7 @@ def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:
     tp, pp, m = t.tp, t.pp, t.microbatches
     sp = t.sequence_parallel and tp > 1
     tokens = t.batch_size * t.seq_len
-    L = [f"plan for preset {t.preset}: {cfg.num_params() / 1e9:.3f}B parameters "
+    L = [f"plan for preset {t.preset}: {fmt_count(cfg.num_params())} parameters "
          f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
          f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
          f"activation checkpointing {t.activation_checkpointing}; "
@@ -407,8 +439,8 @@ def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:
     L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
           layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
     L += _memory_section(cfg, t, dp)
-    L += _compute_section(cfg, t, world)
     L += _comm_section(cfg, t, dp)
+    L += _time_section(cfg, t, world)
     return "\n".join(L)
 
 
@@ -462,38 +494,315 @@ def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
     return L
 
 
-def _compute_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
+# ---------------------------------------------------------------------------
+# Time: compute, communication and the bubble -> an estimated step
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """How fast one process's device talks to the others: inside its node (one
+    instance / server) and across nodes, in bytes/s sent per device in one
+    direction, and a fixed cost per collective call."""
+    node: str
+    per_node: int            # devices (processes) in one node
+    inside: float            # B/s a device sends to devices of its own node
+    across: float            # B/s a device sends to other nodes: its share of the node's network
+    latency_inside: float    # s per collective call, inside a node  (assumption)
+    latency_across: float    # s per collective call, across nodes   (assumption)
+    note: str                # printed with the estimate: what is stated and what is assumed
+
+
+NETWORKS = {
+    # trn1.32xlarge: 16 Trainium chips = 32 NeuronCore-v2, linked by NeuronLink-v2
+    # (a 4D hypercube; 4 links per chip), and 800 Gbps of EFA to other instances
+    # (AWS Neuron docs, "Trn1/Trn1n Architecture"; "Trainium/Inferentia2
+    # Architecture Guide for NKI"). EFA: 800e9 / 8 B/s shared by the 32 cores.
+    # The docs give no NeuronLink-v2 bandwidth: 100 GB/s per core is an assumption.
+    "NeuronCore-v2": Network("trn1.32xlarge", 32, 100e9, 800e9 / 8 / 32, 10e-6, 30e-6,
+                             "32 NeuronCores per trn1.32xlarge and 800 Gbps EFA per instance (Neuron docs); "
+                             "NeuronLink-v2 at 100 GB/s per core is an ASSUMPTION (the docs give no figure; "
+                             "measure with nccom-test)"),
+    # DGX A100: 8 GPUs, NVLink 3 at 600 GB/s per GPU, both directions together
+    # (A100 datasheet); 8 x 200 Gb/s HDR InfiniBand, one per GPU (DGX A100 datasheet).
+    "A100": Network("DGX A100", 8, 300e9, 200e9 / 8, 10e-6, 20e-6,
+                    "NVLink 600 GB/s per GPU (both directions), 200 Gb/s InfiniBand per GPU (NVIDIA datasheets)"),
+    # DGX H100: 8 GPUs, NVLink 4 at 900 GB/s per GPU, both directions (H100
+    # datasheet); 8 x 400 Gb/s ConnectX-7 InfiniBand, one per GPU (DGX H100 datasheet).
+    "H100": Network("DGX H100", 8, 450e9, 400e9 / 8, 10e-6, 20e-6,
+                    "NVLink 900 GB/s per GPU (both directions), 400 Gb/s InfiniBand per GPU (NVIDIA datasheets)"),
+    # HGX H200: the same NVLink 900 GB/s per GPU (H200 datasheet); nodes built
+    # like the DGX H100, one 400 Gb/s InfiniBand port per GPU (assumed).
+    "H200": Network("HGX H200", 8, 450e9, 400e9 / 8, 10e-6, 20e-6,
+                    "NVLink 900 GB/s per GPU (H200 datasheet); 400 Gb/s InfiniBand per GPU, as in a DGX H100 "
+                    "(assumed)"),
+    # gloo over the loopback of one machine: memory copies through the kernel.
+    # On the 2-core development machine, busy with other work, a 16 MiB all-reduce
+    # between 2 processes ran at 0.18 GB/s and a 4-byte one took ~6 ms; quiet, it
+    # does several times better. Stated, not measured per run.
+    "cpu": Network("one machine", 1 << 30, 1e9, 1e9, 50e-6, 50e-6,
+                   "gloo over loopback: 1 GB/s per process and 50 us per call, STATED (a busy 2-core machine "
+                   "measured 0.18 GB/s)"),
+}
+NETWORKS["NeuronCore-v2 (trn1n)"] = dataclasses.replace(          # trn1n.32xlarge: twice the EFA
+    NETWORKS["NeuronCore-v2"], node="trn1n.32xlarge", across=1600e9 / 8 / 32,
+    note="trn1n.32xlarge: the same, with 1600 Gbps EFA per instance (Neuron docs)")
+
+
+def group_inside_node(ranks: list[int], per_node: int) -> bool:
+    """Whether every rank of a group sits in the same node (ranks fill nodes in order)."""
+    return len({r // per_node for r in ranks}) == 1
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> float:
+    """FLOPs activation checkpointing repeats in backward, per token: the whole
+    forward (a third of the training FLOPs) with full, the attention core's two
+    matmuls (QK^T and softmax V, 4 x layers x d_model x seq_len) with selective."""
+    if mode == "full":
+        return flops_per_token(cfg, seq_len) / 3
+    if mode == "selective":
+        return 4.0 * cfg.n_layers * cfg.d_model * seq_len
+    return 0.0
+
+
+def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, utilisation: float = DEFAULT_MFU,
+                  network: Network | None = None) -> dict:
+    """Seconds per step on `device`, part by part, for the layout in `t` (see
+    `_time_section` for the assumptions). Slowest of the first and last stage."""
+    tp, pp = t.tp, t.pp
+    dp = world // (tp * pp)
+    m = t.microbatches
+    net = network or NETWORKS[device]
+    threads = max(1, t.threads) if device == "cpu" else None
+    peak = peak_flops(device.split(" ")[0], t.precision, threads)
+    tokens = t.batch_size * t.seq_len
+    model_flops = flops_per_token(cfg, t.seq_len) * tokens
+    hardware_flops = model_flops + recompute_flops_per_token(cfg, t.seq_len, t.activation_checkpointing) * tokens
+    compute = hardware_flops / world / (peak * utilisation)
+    groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],       # rank 0's groups
+              "dp": [rank_of(d, 0, 0, tp, dp) for d in range(dp)],
+              "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))]}
+    inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
+    comm_s = dict.fromkeys(groups, 0.0)
+    for stage in sorted({0, pp - 1}):
+        per = dict.fromkeys(groups, 0.0)
+        for key, e in comm_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp))).items():
+            g = key.split(".")[0]
+            bw, lat = (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across)
+            per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
+        comm_s = {g: max(comm_s[g], per[g]) for g in groups}
+    # each micro-batch's forward + backward, with its tp collectives and pp exchanges
+    per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
+    bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
+    pipeline = m * per_microbatch + bubble
+    step = pipeline + comm_s["dp"]                          # nanohlat: the dp reduction after backward
+    # a framework that overlaps the dp reduction with the backward hides up to
+    # the backward's time (two thirds of the compute)
+    overlapped = pipeline + max(0.0, comm_s["dp"] - 2 / 3 * compute)
+    return {"device": device, "network": net, "peak": peak, "utilisation": utilisation,
+            "model_flops": model_flops, "hardware_flops": hardware_flops, "compute": compute,
+            "comm": comm_s, "inside": inside, "bubble": bubble, "pipeline": pipeline, "step": step,
+            "step_overlapped": overlapped, "tokens_per_s": tokens / step,
+            "mfu": model_flops / (step * world * peak)}
+
+
+def _time_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
     tokens = t.batch_size * t.seq_len
     f_tok = flops_per_token(cfg, t.seq_len)
-    f_step = f_tok * tokens
     L = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params + 12 x layers x d_model x seq_len, "
-             f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_step)} per step, {fmt_flop(f_step / world)} "
-             f"per rank; time at {DEFAULT_MFU:.0%} MFU:"]
+             f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_tok * tokens)} per step, "
+             f"{fmt_flop(f_tok * tokens / world)} per rank",
+         "", "estimated time per step (rank 0's groups; the slower of the first and last stage)"]
     rows = []
-    for dev in PLAN_DEVICES[t.device]:
-        threads = max(1, t.threads) if dev == "cpu" else None
-        peak = peak_flops(dev, t.precision, threads)
-        step_s = f_step / (world * peak * DEFAULT_MFU)
-        rows.append([dev, fmt_flop(peak, "FLOP/s") + (f" ({threads} core)" if dev == "cpu" else ""),
-                     fmt_seconds(step_s), f"{tokens / step_s:,.0f}", fmt_seconds(step_s * t.steps)])
-    return L + _table(["device", "peak per rank", f"step at {DEFAULT_MFU:.0%} MFU", "tokens/s",
-                       f"{t.steps:,} steps"], rows)
+    devices = [d for d in PLAN_DEVICES[t.device]] + (["NeuronCore-v2 (trn1n)"] if t.device in ("xla", "auto") else [])
+    for dev in devices:
+        e = estimate_step(cfg, t, world, dev)
+        where = lambda g: "in" if e["inside"][g] else "across"
+        rows.append([dev, fmt_flop(e["peak"], "FLOP/s"), fmt_seconds(e["compute"])]
+                    + [f"{fmt_seconds(e['comm'][g])} ({where(g)})" if (g == "tp" and t.tp > 1) or
+                       (g == "pp" and t.pp > 1) or (g == "dp" and world // (t.tp * t.pp) > 1) else "-"
+                       for g in ("tp", "pp", "dp")]
+                    + [fmt_seconds(e["bubble"]) if t.pp > 1 else "-", fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}",
+                       f"{e['mfu']:.0%}", fmt_seconds(e["step_overlapped"]), fmt_seconds(e["step"] * t.steps)])
+    L += _table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
+                 "MFU", "step, dp overlapped", f"{t.steps:,} steps"], rows)
+    net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
+    L += ["  assumptions:",
+          f"  - the matmuls run at {DEFAULT_MFU:.0%} of the device's peak, recomputation included (activation "
+          f"checkpointing {t.activation_checkpointing}: "
+          f"+{recompute_flops_per_token(cfg, t.seq_len, t.activation_checkpointing) / f_tok:.0%} FLOPs); "
+          f"MFU counts the model's FLOPs only",
+          "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
+          "the group: 'in' = all its ranks in one node, 'across' = over the network; all devices of a node "
+          "share its network equally",
+          "  - " + "\n  - ".join(net_notes),
+          "  - per-call latency: 10 us inside a node, 20-30 us across (accelerators), 50 us (cpu): assumptions",
+          "  - stages take equal time; the bubble is (p-1)/(m+p-1) of the pipeline's time, an op starting as soon "
+          "as its input exists (nanohlat's lock-step ticks lose more: timeline.py)",
+          "  - overlap: none in nanohlat: the tp collectives sit between the matmuls, pipeline exchanges between "
+          "ticks, the dp reduction after the backward; 'dp overlapped' hides it behind the backward (2/3 of the "
+          "compute), as Megatron-LM and NeuronX Distributed do"]
+    return L
+
+
+# ---------------------------------------------------------------------------
+# --plan --search: every layout that fits, fastest first
+# ---------------------------------------------------------------------------
+
+SEARCH_DEVICE = {"xla": "NeuronCore-v2", "auto": "NeuronCore-v2", "cuda": "H100", "cpu": "cpu"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: ModelConfig, t: TrainConfig, world: int):
+    """Every valid (tp, pp, dp, micro-batches, ZeRO-1, sequence parallel,
+    checkpointing) for this model, batch and world size, as TrainConfigs."""
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            try:
+                dp, _ = validate_plan_layout(cfg, dataclasses.replace(t, tp=tp, pp=pp, dp=0, microbatches=1,
+                                                                      sequence_parallel=False), world)
+            except UserError:
+                continue
+            for m in _divisors(t.batch_size // dp):
+                for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
+                    for zero in ((False, True) if dp > 1 else (False,)):
+                        for mode in ("none", "selective", "full"):
+                            yield dataclasses.replace(t, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
+                                                      zero1=zero, activation_checkpointing=mode)
+
+
+def peak_memory_per_rank(cfg: ModelConfig, t: TrainConfig, world: int) -> int:
+    """The plan's peak over the first and last stage (the largest ones)."""
+    dp, eager = world // (t.tp * t.pp), t.device in ("cpu", "cuda")
+    return max(memory_per_rank(cfg, t, t.tp, t.pp, dp, s, fused=eager, eager=eager)["peak"]
+               for s in sorted({0, t.pp - 1}))
+
+
+def search(cfg: ModelConfig, t: TrainConfig, world: int, device: str) -> list[dict]:
+    """Every candidate layout with its estimate and peak memory, fastest first."""
+    cap = DEVICE_MEMORY.get(device)
+    out = []
+    for c in candidate_layouts(cfg, t, world):
+        peak = peak_memory_per_rank(cfg, c, world)
+        out.append({"t": c, "peak_memory": peak, "fits": cap is None or peak <= cap,
+                    "estimate": estimate_step(cfg, c, world, device)})
+    out.sort(key=lambda r: (r["estimate"]["step"], r["peak_memory"]))
+    return out
+
+
+def _layout_name(c: TrainConfig) -> tuple:
+    return (c.tp, c.pp, c.microbatches, c.zero1, c.sequence_parallel and c.tp > 1, c.activation_checkpointing)
+
+
+def _search_row(i, r, world) -> list[str]:
+    c, e = r["t"], r["estimate"]
+    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, "yes" if c.zero1 else "-",
+            "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
+            fmt_bytes(r["peak_memory"]), fmt_seconds(e["compute"]),
+            fmt_seconds(e["comm"]["tp"] + e["comm"]["pp"] + e["comm"]["dp"]),
+            fmt_seconds(e["bubble"]) if c.pp > 1 else "-",
+            fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}"]
+
+
+SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO-1", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
+                 "step", "tokens/s", "MFU"]
+
+
+def search_report(cfg: ModelConfig, t: TrainConfig, world: int, top: int = 10) -> str:
+    """`train.py --plan --search`: the fastest layouts that fit, and where the
+    preset's own layout ranks."""
+    device = SEARCH_DEVICE[t.device]
+    rows = search(cfg, t, world, device)
+    fits = [r for r in rows if r["fits"]]
+    cap = DEVICE_MEMORY.get(device)
+    L = [f"layout search for preset {t.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
+         f"{len(rows)} valid layouts, {len(fits)} fit "
+         + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
+         f"  batch {t.batch_size} x {t.seq_len} tokens, precision {t.precision}, schedule {t.schedule}; "
+         f"ranked by the estimated step time (the assumptions of --plan: {DEFAULT_MFU:.0%} of peak, "
+         f"{NETWORKS[device].node} links, nothing overlapped)"]
+    L += _table(SEARCH_HEADER, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+    own = _layout_name(t)
+    mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
+    if mine is None:
+        return "\n".join(L + ["", f"the preset's own layout is not valid for {world} ranks"])
+    who = "HLAT's own layout" if t.preset.startswith("hlat") else "the preset's own layout"
+    L += ["", f"{who}:"] + _table(SEARCH_HEADER, [_search_row("-", mine, world)])
+    L += [_why(mine, fits, cap, who)]
+    return "\n".join(L)
+
+
+def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
+    """Where `mine` ranks among the layouts that fit, and what separates it from the first."""
+    best = fits[0] if fits else None
+    e = mine["estimate"]
+    parts = ("compute", "tp", "pp", "dp", "bubble")
+    def costs(x):
+        return {"compute": x["compute"], "tp": x["comm"]["tp"], "pp": x["comm"]["pp"], "dp": x["comm"]["dp"],
+                "bubble": x["bubble"]}
+    if not mine["fits"]:
+        text = (f"  it does not fit: {fmt_bytes(mine['peak_memory'])} per device at its peak against "
+                f"{fmt_bytes(cap)} (the memory table of --plan says where it goes).")
+        zero = next((i for i, r in enumerate(fits) if _layout_name(r["t"]) == _layout_name(mine["t"])[:3]
+                     + (True,) + _layout_name(mine["t"])[4:]), None)
+        if zero is not None:
+            text += f" With --zero1 added it fits and ranks {zero + 1} of {len(fits)}."
+    else:
+        rank = next(i for i, r in enumerate(fits) if r is mine) + 1
+        text = f"  it ranks {rank} of {len(fits)} layouts that fit."
+    if best is not None and best is not mine:
+        diff = {k: costs(e)[k] - costs(best["estimate"])[k] for k in parts}
+        big = sorted(diff, key=lambda k: -abs(diff[k]))[:3]
+        names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble"}
+        text += (f" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
+                 f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
+                 f"{fmt_seconds(best['estimate']['step'])}).")
+    if e["step_overlapped"] < e["step"]:
+        text += (f" Overlapping the dp reduction with the backward, as NeuronX Distributed does and nanohlat "
+                 f"does not, would bring it to {fmt_seconds(e['step_overlapped'])}.")
+    return text
+
+
+COMM_LEGEND = ["  payload: what the collective delivers; wire: what a ring implementation sends from the rank",
+               "  (all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload, exchange: the",
+               "  real tensor); padding: the zeros an exchange sends for an idle direction (comm.py)"]
+COMM_LEGEND_SHORT = ("  (bytes; wire = what a ring sends from this rank: 2(n-1)/n x payload for an all-reduce, "
+                     "(n-1)/n otherwise; comm.py)")
+
+
+def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
+    """Rows of calls, payload, wire and padding per collective, and their total.
+    With `predicted` (the plan beside a measured ledger) a last column says
+    whether all four agree, or gives the prediction."""
+    keys = sorted(set(entries) | set(predicted or {}))
+    zero = dict.fromkeys(comm.FIGURES, 0)
+    rows = []
+    for k in keys + ["total"]:
+        e = entries.get(k, zero) if k != "total" else {f: sum(v[f] for v in entries.values()) for f in comm.FIGURES}
+        row = [k, f"{e['calls']:,}" if k != "total" else "", f"{e['payload']:,}", f"{e['wire']:,}", f"{e['padding']:,}"]
+        if predicted is not None and k != "total":
+            p = predicted.get(k, zero)
+            row.append("same" if p == e else "predicted: " + " ".join(f"{f} {p[f]:,}" for f in comm.FIGURES))
+        elif predicted is not None:
+            row.append("")
+        rows.append(row)
+    header = ["collective", "calls", "payload", "wire", "padding"] + (["plan.py"] if predicted is not None else [])
+    return _table(header, rows)
 
 
 def _comm_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
     tp, pp = t.tp, t.pp
-    L = ["", "communication per step (bytes in each collective's full buffer on one rank, as the comm ledger counts)"]
-    by_stage = {s: comm_bytes_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
-    shown = sorted({0, pp - 1})
-    keys = sorted(set().union(*(by_stage[s] for s in shown)))
-    if not keys:
+    L = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
+    by_stage = {s: comm_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    if not by_stage[0]:
         return L + ["  none: one process"]
-    rows = [[k] + [f"{by_stage[s].get(k, 0):,}" for s in shown] for k in keys]
-    rows.append(["total"] + [f"{sum(by_stage[s].values()):,} ({fmt_bytes(sum(by_stage[s].values()))})"
-                             for s in shown])
-    L += _table(["collective"] + [f"rank {rank_of(0, s, 0, tp, dp)} (stage {s})" for s in shown], rows)
-    everyone = sum(sum(c.values()) for c in by_stage.values()) * tp * dp
-    L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} per step")
+    for s in sorted({0, pp - 1}):
+        L.append(f"  rank {rank_of(0, s, 0, tp, dp)} (stage {s}):")
+        L += comm_table(by_stage[s])
+    everyone = sum(e["wire"] + e["padding"] for c in by_stage.values() for e in c.values()) * tp * dp
+    L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
     if t.activation_checkpointing == "full" and tp > 1:
         L.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
                  "all 4 with torch_xla's (--device xla)")

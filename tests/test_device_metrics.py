@@ -170,7 +170,7 @@ def test_peak_flops_and_mfu_arithmetic():
     assert peak_flops("NeuronCore-v2", "fp32") == 23.75e12
     assert peak_flops("A100", "bf16-mixed") == 312e12
     assert peak_flops("H200", "bf16") == PEAK_FLOPS["H100"]["bf16"]
-    assert peak_flops("cpu", "fp32", threads=2) == 2 * 53e9
+    assert peak_flops("cpu", "fp32", threads=2) == 2 * PEAK_FLOPS["cpu"]["fp32"]
     assert peak_flops("unknown", "fp32") is None
     with pytest.raises(UserError, match="fp16"):
         peak_flops("A100", "fp16")
@@ -178,6 +178,38 @@ def test_peak_flops_and_mfu_arithmetic():
     # 1000 tokens/s * 6e9 FLOPs/token on 2 devices of 5e12 = 6e12 / 1e13
     assert mfu(1000.0, 6e9, 2 * 5e12) == pytest.approx(0.6, rel=1e-12)
     assert mfu(1000.0, 6e9, None) is None
+
+
+def test_mfu_above_one_is_not_reported_but_warned_once(monkeypatch, capsys):
+    from nanohlat import metrics
+    monkeypatch.setattr(metrics, "_mfu_warned", False)
+    assert mfu(1000.0, 6e9, 5e12) is None                   # 120%: the peak is wrong, not the model
+    assert mfu(1000.0, 6e9, 4e12) is None
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "120%" in err and "underestimated" in err
+    assert mfu(1000.0, 6e9, 6e12) == pytest.approx(1.0)      # exactly the peak is still possible
+
+
+def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
+    """train.py and bench.py both divide by metrics.device_peak; on the CPU that is
+    the best of CPU_PEAK_MATMULS (2048^3 among them), measured once per thread count."""
+    from nanohlat import metrics
+    assert max(n for n, _ in metrics.CPU_PEAK_MATMULS) >= 2048
+    calls = []
+    monkeypatch.setattr(metrics, "CPU_PEAK_MATMULS", ((32, 2), (64, 2)))
+    metrics._cpu_peak.cache_clear()
+    real = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cpu = get_device("cpu")
+    first = metrics.device_peak(cpu, "fp32")
+    assert first > 0 and metrics.device_peak(cpu, "bf16") == first == metrics.measure_cpu_peak()
+    assert calls == [(32, 32), (32, 32), (64, 64), (64, 64)]          # measured once, both sizes
+    assert "64" in metrics.describe_peak(cpu, "fp32", 2) and "2 x" in metrics.describe_peak(cpu, "fp32", 2)
+    metrics._cpu_peak.cache_clear()
+    for path in ("train.py", "nanohlat/bench.py"):   # neither has a peak of its own
+        with open(os.path.join(REPO, path)) as f:
+            source = f.read()
+        assert "measure_cpu_peak(" not in source and "peak_flops(" not in source, path
 
 
 def test_metrics_writer_round_trips_full_precision_and_appends(tmp_path):

@@ -220,10 +220,11 @@ def assert_run_matches_plan(out_dir, argv, world):
         measured = json.load(f)
     model, train = config.parse_args(argv)
     dp = world // (train.tp * train.pp)
-    predicted = plan.comm_bytes_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
-    assert set(measured["comm_bytes"]) == set(predicted)
-    for key, nbytes in measured["comm_bytes"].items():
-        assert close(nbytes, predicted[key]), (key, nbytes, predicted[key])
+    predicted = plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
+    # payload, wire, padding and calls of every collective, to the byte
+    for figure, name in (("payload", "comm_bytes"), ("wire", "comm_wire_bytes"),
+                         ("padding", "comm_padding_bytes"), ("calls", "comm_calls")):
+        assert measured[name] == {k: v[figure] for k, v in predicted.items()}, figure
     assert measured["optimizer_bytes"] == plan.optimizer_bytes(model, train, train.tp, train.pp, dp)
     assert measured["peak_in_flight"] == plan.microbatches_in_flight(train.schedule, train.pp,
                                                                      train.microbatches, 0)
@@ -291,6 +292,82 @@ def test_activation_bytes_match_autograd_with_tensor_and_sequence_parallel(four_
 
 
 # ---------------------------------------------------------------------------
+# 2b'. Two ranks: what the wire figures teach (tutorial chapters 3-5)
+# ---------------------------------------------------------------------------
+
+LAYOUTS2 = {"dp": ["--dp", "2"], "dp_zero1": ["--dp", "2", "--zero1"],
+            "tp": ["--tp", "2"], "tp_sp": ["--tp", "2", "--sequence-parallel"],
+            "pp_afab": ["--pp", "2", "--microbatches", "4", "--schedule", "afab"],
+            "pp_1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cache_dir, tmp_path_factory):
+    """summary.json of a 1-step run of each of LAYOUTS2, all in one group of 2 workers."""
+    from dist_utils import run_layouts
+    root = tmp_path_factory.mktemp("plan2")
+    runs = {name: BASE + ["--cache-dir", cache_dir, "--out-dir", str(root / name)] + extra
+            for name, extra in LAYOUTS2.items()}
+    run_layouts(2, list(runs.values()), str(root / "errors"))
+    out = {}
+    for name, argv in runs.items():
+        with open(root / name / "summary.json") as f:
+            out[name] = json.load(f)
+        assert_run_matches_plan(root / name, argv, 2)
+    return out
+
+
+def wire_total(summary: dict) -> int:
+    return sum(summary["comm_wire_bytes"].values())
+
+
+def test_zero1_puts_on_the_wire_what_data_parallel_does(two_ranks):
+    """Reduce-scatter + all-gather = one all-reduce on the wire; ZeRO-1 adds only
+    the 4-byte grad-norm scalar (each rank's shard norm must be summed)."""
+    dp, zero = two_ranks["dp"], two_ranks["dp_zero1"]
+    grads = 4 * 250_432                    # tiny's fp32 gradients, both flat groups
+    # dp 2: an all-reduce of S sends 2 (n-1)/n S = S per rank, here the gradients and the loss
+    assert dp["comm_wire_bytes"] == {"dp.all_reduce": grads + 4}
+    # ZeRO-1: reduce-scatter (n-1)/n of the fp32 gradients, all-gather (n-1)/n of the fp32 weights
+    assert zero["comm_wire_bytes"] == {"dp.reduce_scatter": grads // 2, "dp.all_gather": grads // 2,
+                                       "dp.all_reduce": 4 + 4}
+    assert wire_total(zero) == wire_total(dp) + 4
+    # while the payload, the old "buffer" count, doubles
+    assert sum(zero["comm_bytes"].values()) == 2 * grads + 8
+
+
+def test_sequence_parallel_puts_on_the_wire_what_tensor_parallel_does(two_ranks):
+    """Each all-reduce becomes an all-gather + a reduce-scatter of the same tensor:
+    8 collectives per layer instead of 4, each moving half as much. SP adds only
+    the all-reduce of the norm weights' gradients (each rank saw its own tokens)."""
+    tp, sp = two_ranks["tp"], two_ranks["tp_sp"]
+    act = 8 * 32 * 64 * 4                  # (mb, T, C) fp32
+    layers = 4
+    assert tp["comm_calls"]["tp.all_reduce"] - sp["comm_calls"]["tp.all_reduce"] == 4 * layers + 2 - 1
+    assert sp["comm_calls"]["tp.reduce_scatter"] == 4 * layers + 2     # 4 per layer + embedding + head
+    norms = 4 * (2 * layers * 64 + 64)     # fp32 gradients of the replicated norm weights
+    assert wire_total(sp) == wire_total(tp) + norms
+    # all-gathers and reduce-scatters of (mb, T, C), each sending half of it, and the loss's maxima
+    maxima = 2 * 8 * 32 * 4
+    assert sp["comm_wire_bytes"]["tp.all_gather"] + sp["comm_wire_bytes"]["tp.reduce_scatter"] \
+        == 2 * (4 * layers + 2) * act // 2 + maxima // 2
+
+
+def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):
+    """AFAB and 1F1B move the same real tensors; 1F1B only wastes fewer zeros."""
+    afab, f1b = two_ranks["pp_afab"], two_ranks["pp_1f1b"]
+    x = 2 * 32 * 64 * 4                    # one micro-batch of 2 sequences, fp32
+    for run in (afab, f1b):
+        assert run["comm_bytes"]["pp.exchange"] == 2 * 4 * x       # 4 activations out, 4 gradients in
+        assert run["comm_wire_bytes"]["pp.exchange"] == 4 * x
+    # AFAB: forwards and backwards never share a tick: 8 exchanges, half of each side zeros
+    assert afab["comm_calls"]["pp.exchange"] == 8 and afab["comm_padding_bytes"]["pp.exchange"] == 4 * x
+    # 1F1B on 2 stages: the steady state (stage 0: B0 F2 B1 F3, stage 1: F1 B1 F2 B2) sends an
+    # activation and a gradient in one exchange: 6 exchanges, 2 of them with a zero tensor
+    assert f1b["comm_calls"]["pp.exchange"] == 6 and f1b["comm_padding_bytes"]["pp.exchange"] == 2 * x
+
+
+# ---------------------------------------------------------------------------
 # 2c. One process: optimizer state and micro-batches in flight
 # ---------------------------------------------------------------------------
 
@@ -352,3 +429,131 @@ def test_peak_memory_matches_on_cuda(extra):
     predicted = plan.memory_per_rank(cfg, t, 1, 1, 1, 0, fused=True, eager=True)["peak"]
     del model, opt, runner
     assert close(measured, predicted), (measured / 2**20, predicted / 2**20)
+
+
+# ---------------------------------------------------------------------------
+# 3. Time: the estimate's arithmetic by hand, and the layout search
+# ---------------------------------------------------------------------------
+
+def test_step_time_estimate_by_hand():
+    """tiny, 4 ranks: tp 2 x pp 2, 2 micro-batches of 4 x 32 tokens, fp32, on
+    'cpu' peaks (95 GFLOP/s, 1 thread) and a made-up network of 2 devices per
+    node: tp pairs inside a node, the pipeline pair across."""
+    net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
+    model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
+    e = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
+    assert e["inside"] == {"tp": True, "pp": False, "dp": True}
+
+    # compute: 6 x matmul weights + 12 L d T per token, 256 tokens, 4 ranks, 40% of 95 GFLOP/s
+    d, L, T, kv, ffn, V = 64, 4, 32, 4 * 8, 176, 512
+    per_token = 6 * (L * (2 * d * d + 2 * d * kv + 3 * d * ffn) + d * V) + 12 * L * d * T
+    assert per_token == 1_400_832
+    compute = per_token * 256 / 4 / (95e9 * 0.4)
+    assert e["compute"] == pytest.approx(compute, rel=1e-12)
+
+    # tp, last stage (the slower): per micro-batch its 2 layers x 4 all-reduces of (4, 32, 64) fp32 =
+    # 32 KiB, each sending 2(n-1)/n = 1 x its size; the head's all-reduce; the loss's all-gather of
+    # 2 x (4, 32) fp32 maxima (sending half) and 2 all-reduces of (4, 32) fp32; then the grad-norm scalar
+    act = 4 * 32 * 64 * 4
+    wire = 2 * (2 * 4 * act + act + 2 * 4 * 32 * 4 // 2 + 2 * 4 * 32 * 4) + 4
+    calls = 2 * (2 * 4 + 1 + 1 + 2) + 1
+    assert (wire, calls) == (592_900, 25)
+    tp = wire / 1e9 + calls * 1e-5
+    # pp: 1F1B on 2 stages with 2 micro-batches has 4 ticks with traffic at the boundary
+    # (F0, F1 cross; then B0, B1): 2 activations sent, 2 zero tensors; + loss and grad-norm scalars
+    pp = (2 * act + 2 * act + 2 * 4) / 1e8 + (4 + 2) * 1e-4
+    assert e["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
+    assert e["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
+    assert e["comm"]["dp"] == 0
+
+    # a micro-batch's forward + backward with its communication; m = 2 of them, plus p - 1 = 1 of bubble
+    per_mb = (compute + tp + pp) / 2
+    assert e["bubble"] == pytest.approx(per_mb, rel=1e-12)
+    assert e["step"] == pytest.approx(3 * per_mb, rel=1e-12)
+    assert e["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
+    assert e["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
+
+
+def test_recomputation_costs_a_third_with_full_checkpointing():
+    model, train = config.parse_args(["--preset", "hlat-7b"])
+    f = metrics.flops_per_token(model, 4096)
+    assert plan.recompute_flops_per_token(model, 4096, "full") == pytest.approx(f / 3)
+    assert plan.recompute_flops_per_token(model, 4096, "selective") == 4 * 32 * 4096 * 4096   # QK^T and AV
+    assert plan.recompute_flops_per_token(model, 4096, "none") == 0
+
+
+def test_plan_prints_a_time_estimate_with_its_assumptions_and_human_counts():
+    _, _, text = plan_in_seconds("hlat-7b")
+    assert "plan for preset hlat-7b: 6.74B parameters" in text
+    assert "estimated time per step" in text and "assumptions:" in text
+    assert "800 Gbps EFA" in text and "ASSUMPTION" in text
+    _, _, text = plan_in_seconds("tiny", world=1)
+    assert "plan for preset tiny: 250k parameters" in text
+
+
+def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
+    import train
+    t0 = time.perf_counter()
+    assert train.main(["--plan", "--search", "--preset", "hlat-7b", "--nproc", "2048"]) == 0
+    assert time.perf_counter() - t0 < 60       # seconds on a quiet machine; generous for a busy one
+    out = capsys.readouterr().out
+    ranked = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert len(ranked) >= 5
+    assert [int(r[0]) for r in ranked] == list(range(1, len(ranked) + 1))
+    assert "HLAT's own layout:" in out and ("ranks" in out)
+
+    model, t = config.parse_args(["--preset", "hlat-7b"])
+    rows = plan.search(model, t, 2048, "NeuronCore-v2")
+    fits = [r for r in rows if r["fits"]]
+    steps = [r["estimate"]["step"] for r in rows]
+    assert steps == sorted(steps) and all(r["peak_memory"] <= 16 * 2**30 for r in fits)
+    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero1) == (8, 1, 4, False)
+           and r["t"].sequence_parallel and r["t"].activation_checkpointing == "selective"]
+    assert len(own) == 1
+
+
+def test_search_enumerates_every_valid_layout_of_a_small_case():
+    """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
+    (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
+    SP only with tp > 1, ZeRO-1 only with dp > 1; 3 checkpointing modes each."""
+    model, t = config.parse_args(TINY + ["--device", "cpu"])
+    layouts = list(plan.candidate_layouts(model, t, 4))
+    per = {(1, 1, 4): 2 * 1 * 2, (1, 2, 2): 3 * 1 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 2, (2, 2, 1): 4 * 2,
+           (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO-1 choices
+    assert len(layouts) == 3 * sum(per.values())
+    assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
+
+
+def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
+    """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
+    schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""
+    from nanohlat import pipeline, timeline
+    for schedule in ("afab", "1f1b"):
+        for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
+            rows, span = timeline.ideal_timeline(schedule, pp, m)
+            assert span == 3 * (m + pp - 1)
+            assert all(sum(e - b for _, _, b, e in ops) == 3 * m for ops in rows)
+            assert timeline.ideal_bubble(schedule, pp, m) == pytest.approx(timeline.formula_bubble(pp, m))
+    # pp 4, m 8: AFAB's ticks are all-F then all-B, 11 + 11 x 2 = 33 units; 1F1B's 22 ticks
+    # hold a B in 16 of them: 6 x 1 + 16 x 2 = 40 units for the same 24 units of work per stage
+    assert timeline.lockstep_bubble(pipeline.timetable("afab", 4, 8), 8) == pytest.approx(1 - 24 / 33)
+    assert timeline.lockstep_bubble(pipeline.timetable("1f1b", 4, 8), 8) == pytest.approx(1 - 24 / 40)
+
+
+def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch):
+    from nanohlat import timeline
+    from nanohlat.device import get_device
+    clock = timeline.StepClock(get_device("cpu"), synchronize=True)
+    clock.start()
+    t = clock.op_start()
+    sum(range(10000))
+    clock.op_end("F", 0, t)
+    clock.stop()
+    (kind, i, b, e), = clock.records
+    assert (kind, i) == ("F", 0) and 0 <= b <= e <= clock.t1 - clock.t0
+    assert 0 < clock.busy_fraction() <= 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * (os.cpu_count() or 1)))
+    assert "share" in timeline.oversubscription(get_device("cpu"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert timeline.oversubscription(get_device("cpu")) == ""
