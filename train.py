@@ -18,10 +18,11 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, runlock
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
+from nanohlat.files import os_error_message
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
@@ -162,7 +163,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         if tcfg.save_every and last_step % tcfg.save_every == 0 and last_step < tcfg.steps:
             checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
                             config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last,
-                            bad_steps=int(bad_streak))
+                            bad_steps=int(bad_streak), data_fingerprint=ds.fingerprint)
             saved_step = last_step
         if tcfg.stop_after and last_step >= tcfg.stop_after:
             break
@@ -172,7 +173,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if last_step != saved_step:   # the final (or --stop-after) state, unless just saved
         checkpoint.save(tcfg.out_dir, last_step, tokens_seen, model, opt, mesh, dev,
                         config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last,
-                        bad_steps=int(bad_streak))
+                        bad_steps=int(bad_streak), data_fingerprint=ds.fingerprint)
     if tcfg.timeline:
         write_timeline(runner, mesh, tcfg)
     summary.update(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
@@ -246,6 +247,9 @@ def worker(argv: list[str]) -> dict:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        sys.exit(2)
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
     # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
     if torch.distributed.is_initialized():
@@ -255,6 +259,7 @@ def worker(argv: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    lock = None
     try:
         model_cfg, tcfg = config.parse_args(argv)
         env = launch.torchrun_env()
@@ -270,12 +275,16 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
             model_cfg, tcfg = config.parse_args(argv)
             meshlib.validate_layout(model_cfg, tcfg, world)   # the tokenizer's vocabulary must split too
+        if not env or env[0] == 0:   # one run per out-dir (nanohlat/runlock.py), held until we return
+            lock = runlock.acquire(tcfg.out_dir)
         # --resume / --out-dir problems are refused here, once, as one line, not in N workers
         restarted = launch.restart_count() > 0
         resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+        checkpoint.warn_incomplete(tcfg.out_dir)
         if resume_from:
             # manifest, files, model shape; before local workers start, the checksums too
             checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
+            checkpoint.check_identity(resume_from, ds.tokenizer.path, ds.fingerprint, tcfg.allow_tokenizer_change)
         elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
             checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         if env:
@@ -291,9 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if lock:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -101,3 +101,259 @@ def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
     one_line_error(capsys.readouterr().err, "is not UTF-8 text", str(binary))
     assert eval_py.main(["--out-dir", str(tmp_path), "--task", str(binary)]) == 2
     one_line_error(capsys.readouterr().err, "is not UTF-8 text", str(binary))
+
+
+# ---------------------------------------------------------------------------
+# Shared: a finished tiny run (checkpoints at steps 2 and 4) and a small corpus
+# ---------------------------------------------------------------------------
+
+def train_here(argv):
+    import train
+    from nanohlat import config
+    model_cfg, tcfg = config.parse_args(argv)
+    return train.train(model_cfg, tcfg)
+
+
+def flags(cache_dir, out_dir, *extra):
+    return TINY + ["--cache-dir", cache_dir, "--out-dir", str(out_dir)] + [str(e) for e in extra]
+
+
+def ckpt(out_dir, step: int) -> str:
+    return os.path.join(str(out_dir), "checkpoints", f"step_{step:08d}")
+
+
+def losses(out_dir) -> dict:
+    return {m["step"]: m["loss"] for m in read_metrics(str(out_dir))}
+
+
+@pytest.fixture(scope="module")
+def base(cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "run"
+    train_here(flags(cache_dir, out, "--save-every", 2))
+    return out
+
+
+@pytest.fixture
+def run_copy(base, tmp_path):
+    import shutil
+    shutil.copytree(base, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A folder of a few Python files (json's sources): a tokenizer trains on it in a second."""
+    import shutil
+    import sysconfig
+    folder = tmp_path_factory.mktemp("corpus")
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".py"):
+            shutil.copyfile(os.path.join(src, name), folder / name)
+    return folder
+
+
+# ---------------------------------------------------------------------------
+# One run per out-dir; out-dirs that are not runs; nothing left behind
+# ---------------------------------------------------------------------------
+
+def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, capsys):
+    from nanohlat import checkpoint, runlock
+    lock = runlock.acquire(str(run_copy))        # another run (an flock on another open file: it conflicts)
+    try:
+        code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+        assert code == 2
+        one_line_error(err, "is in use by another run", f"PID {os.getpid()}")
+        assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)     # untouched
+    finally:
+        lock.release()
+    # a lock file left by a dead process holds no flock: it is taken over
+    (run_copy / "run.lock").write_text("999999999\n")
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+    assert code == 0, err
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("kind", ["a file", "not writable", "foreign files", "a Hugging Face config.json"])
+def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir, capsys):
+    out = tmp_path / "out"
+    if kind == "a file":
+        out.write_text("notes")
+    elif kind == "not writable":
+        out = "/sys/nanohlat-test-run"       # sysfs: even root cannot create folders there
+    elif kind == "foreign files":
+        out.mkdir()
+        (out / "thesis.tex").write_text("...")
+    else:
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, str(out))
+    if kind in ("foreign files", "a Hugging Face config.json"):
+        assert "not a nanohlat run" in err
+        assert sorted(os.listdir(out)) in (["thesis.tex"], ["config.json"])
+    if kind == "a file":
+        assert out.read_text() == "notes"
+
+
+def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
+    out-dir the run created is gone again, so `--resume never` is not refused later."""
+    import errno
+    from nanohlat import metrics
+    out = tmp_path / "run"
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(out), "metrics.jsonl"))
+    monkeypatch.setattr(metrics.MetricsWriter, "write", full)
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, "metrics.jsonl", "No space left on device")
+    assert not out.exists()
+    monkeypatch.undo()
+    code, err = main_in_process(flags(cache_dir, out, "--resume", "never"), capsys)
+    assert code == 0, err
+
+
+def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(run_copy, cache_dir, capsys,
+                                                                              monkeypatch):
+    import errno
+    from nanohlat import checkpoint
+
+    real = checkpoint._atomic_write
+
+    def full(path, write):
+        if ".tmp_step_" not in path:
+            return real(path, write)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    monkeypatch.setattr(checkpoint, "_atomic_write", full)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+    assert code == 2
+    one_line_error(err, "shard_00000.pt", "No space left on device")
+    monkeypatch.undo()
+    assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)
+    checkpoint.ShardSet(ckpt(run_copy, 4))
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: incomplete ones, older ones, identity, Hugging Face targets
+# ---------------------------------------------------------------------------
+
+def test_a_checkpoint_without_manifest_is_skipped_named_and_cleared(run_copy, cache_dir, capsys):
+    from nanohlat import checkpoint
+    os.remove(os.path.join(ckpt(run_copy, 4), "manifest.json"))
+    os.makedirs(os.path.join(run_copy, "checkpoints", ".tmp_step_00000005"))
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--save-every", 2), capsys)
+    assert code == 0, err
+    assert "warning: skipping incomplete checkpoint(s)" in err and "step_00000004" in err and ".tmp_step_" in err
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(run_copy))] == \
+        ["step_00000002", "step_00000004", "step_00000006"]
+    assert checkpoint.incomplete_checkpoints(str(run_copy)) == []
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_with_another_tokenizer_is_refused(run_copy, cache_dir, small_corpus, capsys):
+    """The same vocabulary size, trained on other data: another tokenizer. Refused
+    (exit 2, nothing changed); the message names the three ways on, and each works."""
+    from nanohlat import checkpoint
+    before = sorted(os.listdir(run_copy / "checkpoints"))
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--data", small_corpus), capsys)
+    assert code == 2
+    one_line_error(err, "another tokenizer", "--resume never --overwrite", "--allow-tokenizer-change", "--tokenizer ")
+    assert sorted(os.listdir(run_copy / "checkpoints")) == before and sorted(losses(run_copy)) == [1, 2, 3, 4]
+    # new data, the run's own tokenizer: allowed, and said
+    tokenizer = json.load(open(os.path.join(ckpt(run_copy, 4), "manifest.json")))["tokenizer"]
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 5, "--data", small_corpus,
+                                      "--tokenizer", tokenizer), capsys)
+    assert code == 0, err
+    assert "note: resuming" in err and "on other data" in err
+    # deliberately another tokenizer
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--data", small_corpus,
+                                      "--allow-tokenizer-change"), capsys)
+    assert code == 0, err
+    assert "warning: resuming" in err and "another tokenizer" in err
+    assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 6)
+
+
+def test_hf_import_into_a_run_is_refused_and_its_checkpoints_stay(run_copy, tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from nanohlat import checkpoint, hf
+    hf.main(["export", str(run_copy), str(tmp_path / "hf")])
+    before = {p: checkpoint.read_manifest(p)["files"] for p in checkpoint.list_checkpoints(str(run_copy))}
+    for argv in (["import", str(tmp_path / "hf"), str(run_copy)],             # into a run
+                 ["export", str(run_copy), str(tmp_path / "hf")]):            # over an earlier export
+        with pytest.raises(SystemExit) as e:
+            hf.main(argv)
+        assert e.value.code == 2
+        one_line_error(capsys.readouterr().err, "is not empty", "--overwrite")
+    assert {p: checkpoint.read_manifest(p)["files"] for p in checkpoint.list_checkpoints(str(run_copy))} == before
+    checkpoint.ShardSet(ckpt(run_copy, 4))
+    # told --overwrite, import replaces the run; export rewrites the folder
+    hf.main(["export", str(run_copy), str(tmp_path / "hf"), "--overwrite"])
+    hf.main(["import", str(tmp_path / "hf"), str(run_copy), "--overwrite"])
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(run_copy))] == ["step_00000000"]
+
+
+# ---------------------------------------------------------------------------
+# Data: verified caches, files that are not text files
+# ---------------------------------------------------------------------------
+
+def test_a_truncated_token_cache_is_rebuilt_never_used(small_corpus, tmp_path):
+    from nanohlat import data
+    from nanohlat.config import UserError
+    cache = str(tmp_path / "cache")
+    first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    tokens = first.train.copy()
+    train_bin = os.path.join(first.directory, "train.bin")
+    with open(train_bin, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(UserError, match="damaged"):            # opened directly: refused, one line
+        data.Dataset(first.tokenizer, first.directory)
+    notes = []
+    again = data.prepare_data(str(small_corpus), "", 512, cache, log=notes.append)
+    assert any("damaged" in n and "train.bin has 4,096 bytes" in n and "rebuilding" in n for n in notes), notes
+    assert (again.train == tokens).all() and len(again.train) == len(tokens)
+    # same size, one changed block: the sampled hash notices
+    with open(train_bin, "r+b") as f:
+        f.write(b"\xff\xff" * 8)
+    assert "does not match its hash" in data.verify_shards(again.directory)
+
+
+def test_damaged_cache_that_cannot_be_rebuilt_is_one_line(small_corpus, tmp_path, monkeypatch):
+    from nanohlat import data
+    from nanohlat.config import UserError
+    cache = str(tmp_path / "cache")
+    first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    os.remove(os.path.join(first.directory, "val.bin"))
+
+    real = os.makedirs
+
+    def read_only(path, *args, **kw):      # the cache dir exists; nothing new can be made in it
+        if ".tmp-" in str(path):
+            raise PermissionError(13, "Read-only file system", path)
+        return real(path, *args, **kw)
+    monkeypatch.setattr(data.os, "makedirs", read_only)
+    with pytest.raises(UserError) as e:
+        data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    assert "cannot be built" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "broken symlink in a folder"])
+def test_data_that_is_not_a_regular_file_is_refused(kind, small_corpus, tmp_path):
+    import shutil
+    from nanohlat import data
+    from nanohlat.config import UserError
+    if kind == "fifo":
+        path = str(tmp_path / "pipe.txt")
+        os.mkfifo(path)
+    elif kind == "/dev/zero":
+        path = "/dev/zero"
+    else:
+        path = str(tmp_path / "folder")
+        shutil.copytree(small_corpus, path)
+        os.symlink(str(tmp_path / "gone.py"), os.path.join(path, "link.py"))
+    with pytest.raises(UserError) as e:
+        data.prepare_data(path, "", 512, str(tmp_path / "cache"), log=lambda *a: None)
+    msg = str(e.value)
+    assert "\n" not in msg and ("broken symbolic link" in msg if "symlink" in kind else "not a regular file" in msg)
