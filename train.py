@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, runlock
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, preempt, runlock
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
@@ -39,7 +39,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not torch.distributed.is_initialized():
-        dev.init_process_group(rank, world)
+        with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
+            dev.init_process_group(rank, world)
     dp = meshlib.validate_layout(model_cfg, tcfg, world)
     mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())
     mesh.build_groups(dev if world > 1 else None)
@@ -167,6 +168,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
             saved_step = last_step
         if tcfg.stop_after and last_step >= tcfg.stop_after:
             break
+        if preempt.stop_requested(mesh, dev, last_step):   # SIGTERM / Ctrl-C: every rank stops here, saves below
+            break
     dev.sync()
     if bar:
         bar.close()
@@ -243,17 +246,22 @@ def worker(argv: list[str]) -> dict:
     rank, world, local_rank = launch.torchrun_env()
     model_cfg, tcfg = config.parse_args(argv)
     try:
-        summary = train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
+        with preempt.catch_signals() as signals:   # SIGTERM / first Ctrl-C: finish the step, save, exit 143 / 130
+            summary = train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        launch.report_error(str(e))
         sys.exit(2)
     except OSError as e:
-        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        launch.report_error(os_error_message(e))
         sys.exit(2)
+    except KeyboardInterrupt:   # the second Ctrl-C
+        sys.exit(130)
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
     # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if signals.exit_code:
+        sys.exit(signals.exit_code)
     return summary
 
 
@@ -294,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             worker(argv)
             return 0
         if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
-            train(model_cfg, tcfg)
-            return 0
+            with preempt.catch_signals() as signals:
+                train(model_cfg, tcfg)
+            return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
         return launch.spawn(worker, (argv,), tcfg.nproc, tcfg.max_restarts)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

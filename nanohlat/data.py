@@ -401,8 +401,10 @@ def verify_shards(directory: str) -> str | None:
                   for split in SPLIT_CODES]
         checks.append(("val_documents.json", None, meta["val_documents_hash"]))
         meta["corpus"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"meta.json unreadable or incomplete: {e.__class__.__name__} {e}"
+    except KeyError as e:
+        return f"meta.json has no {e} record (an older nanohlat's cache, or a damaged one)"
+    except (OSError, ValueError, TypeError) as e:
+        return f"meta.json is unreadable ({e.__class__.__name__})"
     for name, size, digest in checks:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):

@@ -25,6 +25,7 @@ import os
 from .config import UserError
 
 LOCK_NAME = "run.lock"
+_held: list["RunLock"] = []     # this process's locks (release_all: before an abrupt exit)
 # Files and folders a nanohlat run (or eval.py, or `nanohlat.hf import`) writes into its out-dir.
 RUN_FILES = {"checkpoints", "metrics.jsonl", "config.json", "summary.json", "timeline.txt", "timeline.png",
              "eval.json", "eval_curves.png", "tokenizer.model", LOCK_NAME}
@@ -76,6 +77,7 @@ class RunLock:
                             f"end or stop it, or choose another --out-dir") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        _held.append(self)
 
     def release(self) -> None:
         """Unlock; first, if the run trained no step, remove what it wrote."""
@@ -91,6 +93,14 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = -1
+        if self in _held:
+            _held.remove(self)
+
+
+def release_all() -> None:
+    """Release every lock this process holds (a watchdog calls this before os._exit)."""
+    for lock in list(_held):
+        lock.release()
 
 
 def acquire(out_dir: str) -> RunLock:

@@ -357,3 +357,164 @@ def test_data_that_is_not_a_regular_file_is_refused(kind, small_corpus, tmp_path
         data.prepare_data(path, "", 512, str(tmp_path / "cache"), log=lambda *a: None)
     msg = str(e.value)
     assert "\n" not in msg and ("broken symbolic link" in msg if "symlink" in kind else "not a regular file" in msg)
+
+
+# ---------------------------------------------------------------------------
+# Concurrent runs, preemption (SIGTERM, Ctrl-C), rendezvous
+# ---------------------------------------------------------------------------
+
+LONG = 400    # steps the signalled runs are told to do (they are stopped long before)
+
+
+def start_run(cache_dir, out, *extra, env=None):
+    log = open(os.path.join(os.path.dirname(str(out)), f"{os.path.basename(str(out))}.log"), "w")
+    argv = [sys.executable, "train.py", *flags(cache_dir, out, "--steps", LONG, *extra)]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env), log.name
+
+
+def wait_for_rows(proc, out, rows: int, timeout: float = 180) -> None:
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the run ended early with {proc.returncode}"
+        try:
+            if len(read_metrics(str(out))) >= rows:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the run logged no steps in time")
+
+
+def saved_step(out) -> int:
+    from nanohlat import checkpoint
+    return checkpoint.step_of(checkpoint.latest(str(out)))
+
+
+def test_second_run_refused_then_sigterm_saves_and_resume_is_exact(tmp_path, cache_dir, capsys):
+    """Run A trains; run B into the same out-dir exits 2 naming A's PID and touches
+    nothing. SIGTERM stops A after its current step with a checkpoint (exit 143) and
+    every metrics row up to it; --resume auto then continues exactly: the losses equal
+    those of a run never interrupted, bit for bit."""
+    import signal
+    out = tmp_path / "run"
+    a, log = start_run(cache_dir, out)
+    try:
+        wait_for_rows(a, out, 2)
+        code, err = main_in_process(flags(cache_dir, out, "--steps", LONG), capsys)
+        assert code == 2
+        one_line_error(err, "is in use by another run", f"PID {a.pid}")
+        assert a.poll() is None                      # A was running all along
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=120) == 143, open(log).read()[-3000:]
+    finally:
+        a.kill()
+    text = open(log).read()
+    assert "SIGTERM: finishing this step, saving a checkpoint" in text and "Traceback" not in text, text[-3000:]
+    k = saved_step(out)
+    assert sorted(losses(out)) == list(range(1, k + 1))       # every row of the steps it trained
+    code, err = main_in_process(flags(cache_dir, out, "--steps", LONG, "--stop-after", k + 2), capsys)
+    assert code == 0, err
+    ref = tmp_path / "ref"
+    train_here(flags(cache_dir, ref, "--steps", LONG, "--stop-after", k + 2))
+    assert losses(out) == losses(ref) and sorted(losses(ref)) == list(range(1, k + 3))
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_dir):
+    """--nproc 2 --dp 2: SIGTERM to the launcher is forwarded to both workers; they
+    agree on the step, both shards of its checkpoint are saved, exit 143."""
+    import signal
+    out = tmp_path / "run"
+    a, log = start_run(cache_dir, out, "--nproc", 2, "--dp", 2)
+    try:
+        wait_for_rows(a, out, 2)
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=180) == 143, open(log).read()[-3000:]
+    finally:
+        a.kill()
+    text = open(log).read()
+    assert "Traceback" not in text and "stopped by SIGTERM" in text, text[-3000:]
+    k = saved_step(out)
+    assert sorted(losses(out)) == list(range(1, k + 1))
+    from nanohlat import checkpoint
+    assert sorted(checkpoint.read_manifest(ckpt(out, k))["files"]) == ["shard_00000.pt", "shard_00001.pt"]
+
+
+def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
+    """The handler itself: a first SIGINT only asks to stop; the same press delivered
+    twice (terminal and launcher) is one; a later press raises KeyboardInterrupt."""
+    import signal
+    from nanohlat import preempt
+    before = signal.getsignal(signal.SIGINT)
+    with preempt.catch_signals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preempt.requested()
+        os.kill(os.getpid(), signal.SIGINT)                     # within DOUBLE_DELIVERY_S: the same press
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signals.exit_code == 130 and not preempt.requested()
+    assert signal.getsignal(signal.SIGINT) is before            # the previous handler is back
+
+
+def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,
+                                                                          monkeypatch):
+    from nanohlat import checkpoint
+    real = checkpoint._atomic_write
+
+    def interrupted(path, write):
+        if ".tmp_step_00000003" in path:
+            raise KeyboardInterrupt
+        return real(path, write)
+    monkeypatch.setattr(checkpoint, "_atomic_write", interrupted)
+    out = tmp_path / "run"
+    code, err = main_in_process(flags(cache_dir, out, "--save-every", 1, "--keep-last", 0), capsys)
+    assert code == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
+    assert checkpoint.latest(str(out)) == ckpt(out, 2)
+    checkpoint.ShardSet(ckpt(out, 2))
+
+
+def test_rendezvous_with_a_missing_rank_ends_within_the_timeout(tmp_path, cache_dir):
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t0 = time.time()
+    p = run_py(["train.py", *flags(cache_dir, tmp_path / "run", "--rendezvous-timeout", 2)], check=False,
+               env=env, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    one_line_error(p.stderr, "rank 0 of 2 waited 2s", "rank 1 did not arrive", f"MASTER_PORT={port}")
+    assert time.time() - t0 < 100
+    assert not (tmp_path / "run").exists()           # the lock and the out-dir it made are gone
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer >= 1"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not an integer >= 0"),
+    ({"WORLD_SIZE": "2"}, "RANK is not set but WORLD_SIZE is"),
+])
+def test_bad_launcher_variables_are_refused_up_front(env, message, tmp_path, cache_dir, capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, err = main_in_process(flags(cache_dir, tmp_path / "run"), capsys)
+    assert code == 2
+    one_line_error(err, message)
+
+
+def test_an_early_failure_under_nproc_2_is_one_line(tmp_path, cache_dir):
+    """Both workers fail the same way before training: said once, exit 2, none of
+    torch's launcher boilerplate (log lines, ChildFailedError tables, tracebacks)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the failure is --device cuda)")
+    p = run_py(["train.py", *flags(cache_dir, tmp_path / "run", "--nproc", 2, "--dp", 2, "--device", "cuda")],
+               check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "--device cuda")
+    assert not (tmp_path / "run").exists()
