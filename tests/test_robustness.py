@@ -518,3 +518,10 @@ def test_an_early_failure_under_nproc_2_is_one_line(tmp_path, cache_dir):
     assert p.returncode == 2
     one_line_error(p.stderr, "--device cuda")
     assert not (tmp_path / "run").exists()
+
+
+def test_max_new_tokens_beyond_the_context_says_where_it_stops(base, capsys):
+    import sample
+    assert sample.main(["--out-dir", str(base), "--prompt", "def ", "--max-new-tokens", "500", "--seed", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the model's context is 64 tokens" in err and "not --max-new-tokens 500" in err, err
