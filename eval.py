@@ -55,6 +55,15 @@ def check_args(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.all_checkpoints and args.checkpoint:
         raise UserError("--all-checkpoints evaluates every checkpoint of --out-dir; drop --checkpoint")
+    for t in args.task:     # a task file must be text: a binary one is refused before any model loads
+        if t != "builtin" and os.path.isfile(t):
+            try:
+                with open(t, encoding="utf-8") as f:
+                    f.read()
+            except UnicodeDecodeError:
+                raise UserError(f"--task {t!r} is not UTF-8 text; give a JSONL task file") from None
+            except OSError as e:
+                raise UserError(f"cannot read --task {t!r}: {e.strerror}") from None
 
 
 def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:

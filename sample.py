@@ -13,6 +13,7 @@ each new token costs one single-position forward pass.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -37,18 +38,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_args(args) -> str:
+    """Every flag against its meaning; returns the prompt text (--prompt or --prompt-file)."""
+    for name, low in (("max_new_tokens", 1), ("num_samples", 1), ("top_k", 0), ("seed", 0)):
+        if getattr(args, name) < low:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not args.prompt_file:
+        return args.prompt
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text; give a text file") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if args.max_new_tokens <= 0:
-            raise UserError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-        prompt = args.prompt
-        if args.prompt_file:
-            try:
-                with open(args.prompt_file, encoding="utf-8") as f:
-                    prompt = f.read()
-            except OSError as e:
-                raise UserError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from None
+        prompt = check_args(args)
         dev = devicelib.get_device(args.device)
         model, manifest = checkpoint.load_for_inference(args.checkpoint or args.out_dir, dev)
         tok = data.load_tokenizer(manifest["tokenizer"])
@@ -56,6 +67,10 @@ def main(argv=None) -> int:
         limit = model.cfg.max_seq_len
         if len(ids) >= limit:
             ids = [tok.bos_id] + ids[-(limit // 2):]        # keep the end of a long prompt
+        if len(ids) + args.max_new_tokens > limit:
+            print(f"note: the model's context is {limit} tokens and the prompt uses {len(ids)}: each sample "
+                  f"stops after {limit - len(ids)} new tokens, not --max-new-tokens {args.max_new_tokens}",
+                  file=sys.stderr)
         torch.manual_seed(args.seed)
         gen = torch.Generator(device="cpu").manual_seed(args.seed)
         for i in range(args.num_samples):

@@ -18,11 +18,13 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, replicas, timeline
+from nanohlat import (checkpoint, comm, config, data, launch, metrics, optim, pipeline, preempt, replicas,
+                      runlock, timeline)
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.build import build
 from nanohlat.config import UserError
+from nanohlat.files import os_error_message
 
 
 def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0, world: int = 1,
@@ -37,7 +39,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not torch.distributed.is_initialized():
-        dev.init_process_group(rank, world)
+        with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
+            dev.init_process_group(rank, world)
     dp = meshlib.validate_layout(model_cfg, tcfg, world)
     mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())
     mesh.build_groups(dev if world > 1 else None)
@@ -75,6 +78,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         tokens_seen += tokens_per_step
         if step == start_step:   # what each collective moved, beside the plan's formula
             log.comm(mesh.ledger.summary(), comm_report(mesh, model_cfg, tcfg) if log.main else "")
+        last = last or preempt.stop_requested(mesh, dev, step + 1)   # SIGTERM / Ctrl-C: all ranks stop here, saved below
         log.step(step + 1, loss, norm, lr, tokens_seen, last)   # the host reads values in a step closure
         if tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
             log.val(step + 1, evaluate_loss(runner, ds, mesh, tcfg, dev))
@@ -83,7 +87,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
             dev.sync()   # XLA: the queued step closures (log, non-finite stop) run before anything is written
             checkpoint.save(tcfg.out_dir, step + 1, tokens_seen, model, opt, mesh, dev,
                             config.to_dict(model_cfg, tcfg), ds.tokenizer.path, tcfg.keep_last,
-                            bad_steps=log.bad_steps())
+                            bad_steps=log.bad_steps(), data_fingerprint=ds.fingerprint)
         if last:
             break
     if tcfg.timeline:
@@ -152,19 +156,28 @@ def worker(argv: list[str]) -> dict:
     rank, world, local_rank = launch.torchrun_env()
     model_cfg, tcfg = config.parse_args(argv)
     try:
-        summary = train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
+        with preempt.catch_signals() as signals:   # SIGTERM / first Ctrl-C: finish the step, save, exit 143 / 130
+            summary = train(model_cfg, tcfg, rank, world, local_rank, launch.local_world_size())
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        launch.report_error(str(e))
         sys.exit(2)
+    except OSError as e:
+        launch.report_error(os_error_message(e))
+        sys.exit(2)
+    except KeyboardInterrupt:   # the second Ctrl-C
+        sys.exit(130)
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
     # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if signals.exit_code:
+        sys.exit(signals.exit_code)
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    lock = None
     try:
         model_cfg, tcfg = config.parse_args(argv)
         env = launch.torchrun_env()
@@ -180,12 +193,16 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
             model_cfg, tcfg = config.parse_args(argv)
             meshlib.validate_layout(model_cfg, tcfg, world)   # the tokenizer's vocabulary must split too
+        if not env or env[0] == 0:   # one run per out-dir (nanohlat/runlock.py), held until we return
+            lock = runlock.acquire(tcfg.out_dir)
         # --resume / --out-dir problems are refused here, once, as one line, not in N workers
         restarted = launch.restart_count() > 0
         resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+        checkpoint.warn_incomplete(tcfg.out_dir)
         if resume_from:
             # manifest, files, model shape; before local workers start, the checksums too
             checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
+            checkpoint.check_identity(resume_from, ds.tokenizer.path, ds.fingerprint, tcfg.allow_tokenizer_change)
         elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
             checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         if env:
@@ -195,15 +212,22 @@ def main(argv: list[str] | None = None) -> int:
             worker(argv)
             return 0
         if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
-            train(model_cfg, tcfg)
-            return 0
+            with preempt.catch_signals() as signals:
+                train(model_cfg, tcfg)
+            return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
         return launch.spawn(worker, (argv,), tcfg.nproc, tcfg.max_restarts)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if lock:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -30,11 +30,21 @@ nothing reads (the next save removes it) and the previous checkpoint intact.
 Old checkpoints are removed by renaming them away first, so a crash during a
 removal never leaves a half-deleted directory that looks complete.
 
-The newest complete `step_*` directory is the run's head: saving step s
-removes checkpoints of steps after s (left by a run that went back to an
-earlier checkpoint with --resume PATH), so "newest" always means "latest".
-`latest` mirrors it for people and tools; the loader relies on the listing,
-which is right even after a crash between the rename and the pointer update.
+The newest complete `step_*` directory is the run's head. A run that goes
+back to an earlier checkpoint (--resume PATH to step s) moves the checkpoints
+after s, and a copy of metrics.jsonl, aside into `checkpoints/abandoned_<time>/`
+(and says so) before it trains, so "newest" always means "latest" and nothing
+that was trained is deleted. `latest` mirrors the head for people and tools;
+the loader relies on the listing, which is right even after a crash between
+the rename and the pointer update. A `step_*` folder without its manifest (or
+a `.tmp_` one) is incomplete: never loaded, named in a warning, and cleared by
+the next save.
+
+Identity: the manifest records the sha256 of the tokenizer file and the
+fingerprint of the data (data.Dataset.fingerprint). Resuming with another
+tokenizer would give every embedding row another token's meaning, so it is
+refused unless --allow-tokenizer-change; other data with the same tokenizer
+is allowed and announced (check_identity).
 
 Which checkpoint a run starts from (find_resume): --resume auto, the newest
 complete one in out-dir; never, none (an existing run is refused unless
@@ -63,6 +73,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -105,6 +116,23 @@ def ckpt_root(out_dir: str) -> str:
 
 def step_of(path: str) -> int:
     return int(os.path.basename(os.path.normpath(path))[len("step_"):])
+
+
+def incomplete_checkpoints(out_dir: str) -> list[str]:
+    """`step_*` folders without a manifest and `.tmp_*` folders of unfinished saves."""
+    root = ckpt_root(out_dir)
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if os.path.isdir(os.path.join(root, n)) and (n.startswith(".tmp_") or (
+                n.startswith("step_") and not os.path.isfile(os.path.join(root, n, "manifest.json"))))]
+
+
+def warn_incomplete(out_dir: str) -> None:
+    found = incomplete_checkpoints(out_dir)
+    if found:
+        print(f"warning: skipping incomplete checkpoint(s) {', '.join(found)} (no manifest: a save that did not "
+              f"finish); the next save removes them", file=sys.stderr)
 
 
 def list_checkpoints(out_dir: str) -> list[str]:
@@ -170,9 +198,34 @@ def clear_run(out_dir: str) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
+def set_aside_newer(out_dir: str, step: int) -> str | None:
+    """Move the checkpoints of steps >= `step` (and a copy of metrics.jsonl) into
+    `checkpoints/abandoned_<time>/`; returns that folder, or None if there were none."""
+    newer = [p for p in list_checkpoints(out_dir) if step_of(p) >= step]
+    if not newer:
+        return None
+    aside = os.path.join(ckpt_root(out_dir), time.strftime("abandoned_%Y%m%d-%H%M%S"))
+    while os.path.exists(aside):
+        aside += "_"
+    os.makedirs(aside)
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        shutil.copyfile(metrics, os.path.join(aside, "metrics.jsonl"))
+    for p in newer:
+        os.replace(p, os.path.join(aside, os.path.basename(p)))
+    fsync_dir(ckpt_root(out_dir))
+    print(f"note: continuing from step {step}: the newer checkpoint(s) "
+          f"{', '.join(os.path.basename(p) for p in newer)} and their metrics are kept in {aside} "
+          f"(move them back to continue that line instead)", file=sys.stderr)
+    return aside
+
+
 def truncate_metrics(path: str, step: int) -> None:
     """Drop metrics.jsonl records after `step` (written by a run that was then
-    interrupted before its next checkpoint), so a resumed run continues cleanly."""
+    interrupted before its next checkpoint), so a resumed run continues cleanly.
+    A run that went back to an older checkpoint first moves the newer ones, and
+    these records, aside (set_aside_newer)."""
+    set_aside_newer(os.path.dirname(path) or ".", step + 1)
     if not os.path.isfile(path):
         return
     keep = []
@@ -208,8 +261,9 @@ def _publish(out_dir: str, tmp: str, manifest: dict) -> str:
     """(One process, every shard in `tmp` complete) manifest, rename, `latest`."""
     root, name = ckpt_root(out_dir), f"step_{manifest['step']:08d}"
     _atomic_write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-    for path in list_checkpoints(out_dir):
-        if step_of(path) >= manifest["step"]:   # an abandoned future (or this very step, saved before)
+    set_aside_newer(out_dir, manifest["step"])   # an abandoned future (or this very step, saved before): kept
+    for path in incomplete_checkpoints(out_dir):   # a step_ folder without manifest, after a crash or damage
+        if path != tmp:
             _remove(path)
     os.replace(tmp, os.path.join(root, name))    # the checkpoint appears whole, or not at all
     fsync_dir(root)
@@ -218,11 +272,12 @@ def _publish(out_dir: str, tmp: str, manifest: dict) -> str:
 
 
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
-         tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0) -> str:
+         tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> str:
     """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
 
     keep_last > 0 keeps only that many newest checkpoints; bad_steps is the
-    current run of non-finite steps (restored on resume).
+    current run of non-finite steps (restored on resume); data_fingerprint
+    identifies the token shards (data.Dataset.fingerprint).
     """
     tmp = os.path.join(ckpt_root(out_dir), f".tmp_step_{step:08d}")
     final = os.path.join(ckpt_root(out_dir), f"step_{step:08d}")
@@ -268,6 +323,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
             "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
             "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
             "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
+            "identity": identity(tokenizer_path, data_fingerprint),
         })
         if keep_last > 0:
             for old in list_checkpoints(out_dir)[:-keep_last]:
@@ -292,6 +348,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
+        "identity": identity(tokenizer_path, None),
         "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path), "sha256": sha256_file(shard_path)}},
     })
 
@@ -341,6 +398,33 @@ def check_model(path: str, manifest: dict, cfg: ModelConfig) -> None:
         desc = ", ".join(f"{k} {saved.get(k)} vs {mine[k]}" for k in diff)
         raise UserError(f"checkpoint {os.path.join(path, 'manifest.json')} is for a different model shape "
                         f"({desc}: saved vs this run); pick a matching checkpoint or --out-dir")
+
+
+def identity(tokenizer_path: str, data_fingerprint: str | None) -> dict:
+    """What makes a run this run: its tokenizer (file hash) and its data."""
+    return {"tokenizer_sha256": sha256_file(tokenizer_path), "data": data_fingerprint}
+
+
+def check_identity(path: str, tokenizer_path: str, data_fingerprint: str | None,
+                   allow_tokenizer_change: bool = False) -> None:
+    """Refuse to resume checkpoint `path` with another tokenizer; announce other data."""
+    manifest = read_manifest(path)
+    saved = manifest.get("identity") or {}
+    saved_tok = saved.get("tokenizer_sha256")
+    if saved_tok is None and os.path.isfile(manifest["tokenizer"]):   # a checkpoint from before identities
+        saved_tok = sha256_file(manifest["tokenizer"])
+    mine = sha256_file(tokenizer_path)
+    if saved_tok is not None and saved_tok != mine:
+        if not allow_tokenizer_change:
+            raise UserError(f"checkpoint {path} was trained with another tokenizer ({manifest['tokenizer']}, "
+                            f"sha256 {saved_tok[:12]}) than this run's ({tokenizer_path}, {mine[:12]}): its token "
+                            f"ids would change meaning. Start fresh with --resume never --overwrite, keep the "
+                            f"run's tokenizer for new data with --tokenizer {manifest['tokenizer']}, or continue "
+                            f"anyway with --allow-tokenizer-change")
+        print(f"warning: resuming {path} with another tokenizer (--allow-tokenizer-change): "
+              f"its token ids change meaning", file=sys.stderr)
+    elif saved.get("data") and data_fingerprint and saved["data"] != data_fingerprint:
+        print(f"note: resuming {path} on other data than it was trained on (same tokenizer)", file=sys.stderr)
 
 
 def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> list[str]:

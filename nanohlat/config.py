@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 
 
@@ -59,9 +60,12 @@ class ModelConfig:
             raise UserError(f"--n-heads {self.n_heads} is not a multiple of --n-kv-heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
-        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                     "vocab_multiple"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("rope_theta", "norm_eps"):
+            _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
 
 
 @dataclass
@@ -114,6 +118,8 @@ class TrainConfig:
     max_restarts: int = 0
     max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops (0 = never stop)
     check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
+    allow_tokenizer_change: bool = False   # resume a run whose tokenizer differs from this one's
+    rendezvous_timeout: float = 300.0      # seconds to wait for every rank to join the job
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
     timeline: bool = False
     plan: bool = False
@@ -139,8 +145,33 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise UserError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        # Each number against its meaning: NaN fails every comparison, so each
+        # check is written as "inside the range", never as "not outside it".
+        _finite_in("lr", self.lr, 0, math.inf, "> 0", low_open=True)
+        _finite_in("min_lr", self.min_lr, 0, self.lr, "in [0, --lr]")
+        _finite_in("beta1", self.beta1, 0, 1, "in [0, 1)", high_open=True)
+        _finite_in("beta2", self.beta2, 0, 1, "in [0, 1)", high_open=True)
+        _finite_in("adam_eps", self.adam_eps, 0, math.inf, "> 0", low_open=True)
+        _finite_in("weight_decay", self.weight_decay, 0, math.inf, ">= 0")
+        _finite_in("grad_clip", self.grad_clip, 0, math.inf, ">= 0 (0 = no clipping)")
+        _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
+        _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.eval_every and not self.eval_batches:
+            raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
+                            "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
+        if self.seed < 0:
+            raise UserError(f"--seed must be >= 0, got {self.seed}")
+
+
+def _finite_in(name: str, value: float, low: float, high: float, meaning: str,
+               low_open: bool = False, high_open: bool = False) -> None:
+    """Refuse a flag value that is not a finite number in [low, high] (open ends as told)."""
+    ok = (math.isfinite(value) and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high))
+    if not ok:
+        raise UserError(f"--{name.replace('_', '-')} must be a finite number {meaning}, got {value}")
 
 
 # ---------------------------------------------------------------------------
@@ -222,6 +253,9 @@ HELP = {
     "check_replicas": "every N steps check that all copies of every parameter are bitwise identical, "
                       "stop with an error if not (0 = never)",
     "overwrite": "with --resume never: replace an existing run in --out-dir",
+    "allow_tokenizer_change": "resume a checkpoint trained with another tokenizer (its token ids change meaning)",
+    "rendezvous_timeout": "seconds every rank waits for the others to join before giving up with an error",
+    "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",

@@ -19,6 +19,11 @@ the first build while the others wait, and a cache entry becomes visible only
 by an atomic rename after its manifest is written, so a crash mid-build never
 leaves something that later loads.
 
+Every cache entry is checked when it is opened: each shard's size and a
+cheap sampled hash (files.sample_hash) against meta.json. A damaged entry is
+rebuilt with a one-line note (or, if it cannot be, refused with a one-line
+error), never silently trained on.
+
 Batches are drawn by window index from an RNG seeded by (seed, step, split)
 only, so the global batch of a step is the same under every parallel layout;
 each data-parallel rank then takes its slice of it (docs/design.md 5.2).
@@ -45,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from .config import UserError
-from .files import atomic_write, sha256_file
+from .files import atomic_write, sample_hash, sha256_file
 
 FORMAT_VERSION = 1                    # bump when the cache layout or packing changes
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json")
@@ -208,7 +213,13 @@ def _data_files(data: str) -> list[str]:
     if not os.path.exists(data):
         raise UserError(f"--data {data!r} does not exist; give a text file, a .jsonl file or a folder, "
                         f"or leave --data empty for the built-in corpus")
-    return _walk(data) if os.path.isdir(data) else [data]
+    files = _walk(data) if os.path.isdir(data) else [data]
+    for path in files:   # a FIFO or device (/dev/zero) would hang or never end; a broken link cannot be read
+        if not os.path.isfile(path):
+            what = "a broken symbolic link" if os.path.islink(path) and not os.path.exists(path) else \
+                "not a regular file (a pipe, device or socket)"
+            raise UserError(f"--data {path!r} is {what}; give regular text files")
+    return files
 
 
 def read_documents(data: str) -> list[str]:
@@ -287,7 +298,7 @@ def _locked(cache_dir: str, log):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, log) -> None:
+def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, corpus_key: str, log) -> None:
     train_docs, val_docs = _split_documents(docs)
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32   # halves the memmap for every real vocab
     tmp = f"{out_dir}.tmp-{os.getpid()}"
@@ -295,7 +306,7 @@ def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, log) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(tmp)
     meta = {"format": FORMAT_VERSION, "tokenizer": tok.path, "vocab_size": tok.vocab_size,
-            "dtype": np.dtype(dtype).name, "splits": {}}
+            "dtype": np.dtype(dtype).name, "corpus": corpus_key, "splits": {}}
     t0 = time.time()
     bar = tqdm(total=len(docs), desc="tokenising", unit="doc", disable=None, leave=False)  # None: only on a tty
     for split, split_docs in (("train", train_docs), ("val", val_docs)):
@@ -315,9 +326,11 @@ def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, log) -> None:
         # Bytes per token converts the loss to bits per byte, a number comparable across tokenizers.
         # Token counts include BOS/EOS because the loss averages over those targets too.
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
-        meta["splits"][split] = {"documents": len(split_docs), "tokens": n_tokens, "bytes": n_bytes}
+        meta["splits"][split] = {"documents": len(split_docs), "tokens": n_tokens, "bytes": n_bytes,
+                                 "sample_hash": sample_hash(os.path.join(tmp, f"{split}.bin"))}
     bar.close()
     atomic_write(os.path.join(tmp, "val_documents.json"), lambda f: f.write(json.dumps(val_docs).encode()))
+    meta["val_documents_hash"] = sample_hash(os.path.join(tmp, "val_documents.json"))
     atomic_write(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))   # last: marks "complete"
     shutil.rmtree(out_dir, ignore_errors=True)   # an entry without meta.json is debris (we hold the lock)
     os.rename(tmp, out_dir)   # the entry appears whole, or not at all
@@ -340,24 +353,67 @@ def prepare_data(data: str, tokenizer: str, vocab_size: int, cache_dir: str = ""
     except OSError as e:
         raise UserError(f"--cache-dir {cache_dir!r} cannot be created ({e}); choose a writable folder") from None
     corpus = _corpus_identity(data)
-    with _locked(cache_dir, log):
-        docs = None   # read lazily: a warm cache never touches the corpus text
-        if tokenizer:
-            tok_path = tokenizer
-        else:
-            tok_dir = os.path.join(cache_dir, f"tokenizer-{_key(corpus, vocab_size)}")
-            tok_path = os.path.join(tok_dir, "tokenizer.model")
-            if not os.path.exists(tok_path):
-                docs = read_documents(data)
-                os.makedirs(tok_dir, exist_ok=True)
-                _train_tokenizer(docs, vocab_size, tok_path, log)
-        tok = load_tokenizer(tok_path)
-        shard_dir = os.path.join(cache_dir, f"tokens-{_key(corpus, sha256_file(tok_path))}")
-        if os.path.exists(os.path.join(shard_dir, "meta.json")):
-            log(f"data: using cached tokens in {shard_dir}")
-        else:
-            _build_shards(docs if docs is not None else read_documents(data), tok, shard_dir, log)
+    try:
+        with _locked(cache_dir, log):
+            return _prepare_locked(data, tokenizer, vocab_size, cache_dir, corpus, log)
+    except OSError as e:   # a read-only or full cache dir: rebuilding is impossible
+        raise UserError(f"the data cache in {cache_dir!r} cannot be built ({e.strerror}: {e.filename}); "
+                        f"free space or give a writable --cache-dir") from None
+
+
+def _prepare_locked(data: str, tokenizer: str, vocab_size: int, cache_dir: str, corpus: list, log) -> "Dataset":
+    docs = None   # read lazily: a warm cache never touches the corpus text
+    if tokenizer:
+        tok_path = tokenizer
+    else:
+        tok_dir = os.path.join(cache_dir, f"tokenizer-{_key(corpus, vocab_size)}")
+        tok_path = os.path.join(tok_dir, "tokenizer.model")
+        if os.path.exists(tok_path):
+            try:
+                load_tokenizer(tok_path)
+            except UserError:
+                log(f"data: the cached tokenizer {tok_path} is damaged; training it again")
+                os.remove(tok_path)
+        if not os.path.exists(tok_path):
+            docs = read_documents(data)
+            os.makedirs(tok_dir, exist_ok=True)
+            _train_tokenizer(docs, vocab_size, tok_path, log)
+    tok = load_tokenizer(tok_path)
+    shard_dir = os.path.join(cache_dir, f"tokens-{_key(corpus, sha256_file(tok_path))}")
+    damage = verify_shards(shard_dir) if os.path.exists(os.path.join(shard_dir, "meta.json")) else "missing"
+    if damage is None:
+        log(f"data: using cached tokens in {shard_dir}")
+    else:
+        if damage != "missing":
+            log(f"data: the cached tokens in {shard_dir} are damaged ({damage}); rebuilding them")
+        _build_shards(docs if docs is not None else read_documents(data), tok, shard_dir, _key(corpus), log)
     return Dataset(tok, shard_dir)
+
+
+def verify_shards(directory: str) -> str | None:
+    """What is wrong with a token cache entry (None: nothing): meta.json readable
+    and complete, every shard of the recorded size and sample hash."""
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            meta = json.load(f)
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        checks = [(f"{split}.bin", meta["splits"][split]["tokens"] * itemsize, meta["splits"][split]["sample_hash"])
+                  for split in SPLIT_CODES]
+        checks.append(("val_documents.json", None, meta["val_documents_hash"]))
+        meta["corpus"]
+    except KeyError as e:
+        return f"meta.json has no {e} record (an older nanohlat's cache, or a damaged one)"
+    except (OSError, ValueError, TypeError) as e:
+        return f"meta.json is unreadable ({e.__class__.__name__})"
+    for name, size, digest in checks:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if size is not None and os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path):,} bytes, meta.json says {size:,}"
+        if sample_hash(path) != digest:
+            return f"{name} does not match its hash in meta.json"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -368,8 +424,12 @@ class Dataset:
     def __init__(self, tokenizer: Tokenizer, directory: str):
         self.tokenizer = tokenizer
         self.directory = directory
+        damage = verify_shards(directory)   # (prepare_data rebuilt a damaged entry; this is a later change)
+        if damage:
+            raise UserError(f"the token cache {directory} is damaged ({damage}); run again to rebuild it")
         with open(os.path.join(directory, "meta.json")) as f:
             self.meta = json.load(f)
+        self.fingerprint = self.meta["corpus"]   # which corpus the tokens are of (checkpoints record it)
         with open(os.path.join(directory, "val_documents.json"), encoding="utf-8") as f:
             self.val_documents: list[str] = json.load(f)
         # memmap: the OS pages tokens in on demand and shares them between ranks on one machine.

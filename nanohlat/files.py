@@ -34,3 +34,26 @@ def sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def os_error_message(e: OSError) -> str:
+    """A file-system error (read-only, disk full, not a directory, ...) as one line naming the path."""
+    path = f" {e.filename!r}" if e.filename else ""
+    what = e.strerror or e.__class__.__name__
+    return f"cannot write or read{path}: {what}; free space, fix the permissions or choose another path"
+
+
+def sample_hash(path: str, blocks: int = 64, block: int = 4096) -> str:
+    """A cheap fingerprint of a large file: its size and `blocks` evenly spaced
+    blocks (the first and last included; a small file is hashed whole). Catches
+    truncation, extension and damage to any sampled block, reading ~256 KiB."""
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        if size <= blocks * block:
+            h.update(f.read())
+        else:
+            for i in range(blocks):
+                f.seek(i * (size - block) // (blocks - 1))
+                h.update(f.read(block))
+    return h.hexdigest()

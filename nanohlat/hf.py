@@ -3,6 +3,10 @@
     python -m nanohlat.hf export RUN_OR_CKPT HF_DIR    # -> LlamaForCausalLM.from_pretrained(HF_DIR)
     python -m nanohlat.hf import HF_DIR OUT_DIR        # -> train.py --resume OUT_DIR/..., sample.py, eval.py
 
+Neither writes into a folder that already holds something unless told
+--overwrite (import then replaces the run in OUT_DIR, as train.py
+--resume never --overwrite does), and import takes OUT_DIR's run lock.
+
 nanohlat's decoder *is* the Llama architecture, and its rotary embedding uses
 Hugging Face's rotate-half convention, so every weight maps 1:1 without the
 q/k row permutation that converting Meta's original checkpoints needs:
@@ -138,6 +142,10 @@ def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf_config.get(key, want) != want:
             raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's Llama has {key} = {want!r})")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(hf_config.get(key), int):
+            raise UserError(f"config.json has no integer {key!r} (got {hf_config.get(key)!r}); "
+                            f"it is not a complete Llama config")
     d, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     if hf_config.get("head_dim") not in (None, d // heads):
         raise UserError(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads = {d // heads}; "
@@ -217,26 +225,42 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise UserError(f"{hf_dir!r} has no config.json; give a Hugging Face model directory")
-    with open(config_path) as f:
-        hf_config = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{config_path} is not valid JSON ({e.__class__.__name__}); the model directory "
+                        f"is damaged") from None
+    if not isinstance(hf_config, dict):
+        raise UserError(f"{config_path} is not a JSON object; the model directory is damaged")
     state = {}
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if shards:
-        st = _safetensors()
-        for path in shards:
-            state.update(st.load_file(path))
-    else:
+    st = _safetensors() if shards else None
+    if not shards:
         shards = sorted(glob.glob(os.path.join(hf_dir, "pytorch_model*.bin")))
-        for path in shards:
-            state.update(torch.load(path, map_location="cpu", weights_only=True))  # never unpickle code
+    for path in shards:
+        try:
+            state.update(st.load_file(path) if st else
+                         torch.load(path, map_location="cpu", weights_only=True))  # never unpickle code
+        except Exception as e:  # noqa: BLE001 - any failure to parse the file means it is damaged
+            raise UserError(f"{path} cannot be read ({e.__class__.__name__}); the file is truncated or "
+                            f"damaged") from None
     if not shards:
         raise UserError(f"{hf_dir!r} has no *.safetensors or pytorch_model*.bin weights")
     return hf_config, state
 
 
-def export(run_or_ckpt: str, hf_dir: str) -> None:
+def _refuse_non_empty(path: str, what: str) -> None:
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UserError(f"{what} {path!r} is not empty; choose a new folder, or pass --overwrite to replace "
+                        f"what it holds")
+
+
+def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     from .checkpoint import load_for_inference
     from .device import get_device
+    if not overwrite:
+        _refuse_non_empty(hf_dir, "HF_DIR")
     model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
     state = model.state_dict()
     write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
@@ -244,8 +268,12 @@ def export(run_or_ckpt: str, hf_dir: str) -> None:
           f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")
 
 
-def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None) -> str:
-    from .checkpoint import save_full
+def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,
+            overwrite: bool = False) -> str:
+    from .checkpoint import clear_run, save_full
+    from .runlock import acquire
+    if not overwrite:
+        _refuse_non_empty(out_dir, "OUT_DIR")
     tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer):
         raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
@@ -256,13 +284,18 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     from .data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
-    # The checkpoint records the tokenizer's path: keep a copy in the run, so it
-    # outlives (and does not depend on) the Hugging Face directory.
-    os.makedirs(out_dir, exist_ok=True)
-    kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
-    if os.path.abspath(tokenizer) != kept:
-        shutil.copyfile(tokenizer, kept)
-    path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
+    lock = acquire(out_dir)     # no training run may be writing there meanwhile
+    try:
+        if overwrite:
+            clear_run(out_dir)
+        # The checkpoint records the tokenizer's path: keep a copy in the run, so it
+        # outlives (and does not depend on) the Hugging Face directory.
+        kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
+        if os.path.abspath(tokenizer) != kept:
+            shutil.copyfile(tokenizer, kept)
+        path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
+    finally:
+        lock.release()
     print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
           f"padded to {cfg.padded_vocab}) -> {path}")
     return path
@@ -274,20 +307,26 @@ def main(argv=None) -> None:
     e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
     e.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     e.add_argument("hf_dir", metavar="HF_DIR")
+    e.add_argument("--overwrite", action="store_true", help="write into a non-empty HF_DIR, replacing its files")
     i = sub.add_parser("import", help="Hugging Face Llama directory -> nanohlat checkpoint")
     i.add_argument("hf_dir", metavar="HF_DIR")
     i.add_argument("out_dir", metavar="OUT_DIR")
     i.add_argument("--tokenizer", default="", help="SentencePiece model (default HF_DIR/tokenizer.model)")
     i.add_argument("--vocab-multiple", type=int, default=None,
                    help="pad the vocabulary to a multiple of this (default: 128 if it divides, else no padding)")
+    i.add_argument("--overwrite", action="store_true", help="replace the run (checkpoints, metrics) in OUT_DIR")
     args = p.parse_args(argv)
     try:
         if args.command == "export":
-            export(args.checkpoint, args.hf_dir)
+            export(args.checkpoint, args.hf_dir, args.overwrite)
         else:
-            import_(args.hf_dir, args.out_dir, args.tokenizer, args.vocab_multiple)
+            import_(args.hf_dir, args.out_dir, args.tokenizer, args.vocab_multiple, args.overwrite)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:
+        from .files import os_error_message
+        print(f"error: {os_error_message(err)}", file=sys.stderr)
         sys.exit(2)
 
 

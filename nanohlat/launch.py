@@ -16,25 +16,101 @@ group can read the dead group's addresses from it and fail to connect
 (pytorch/pytorch#135712). `spawn` therefore gives every attempt its own store
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a documented PyTorch runtime variable);
 under `torchrun --max-restarts` set it yourself (`torchrun_restart_warning`).
+
+Nothing here may hang or speak in tracebacks: RANK / WORLD_SIZE /
+LOCAL_RANK are checked before use, joining the process group has a deadline
+(--rendezvous-timeout; a rank whose partners never come says so in one line
+and exits 2), and a job stopped by SIGTERM or Ctrl-C (nanohlat/preempt.py)
+ends with 143 or 130 after its workers saved a checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import threading
 import uuid
+
+from .config import UserError
+
+ENV_HINT = "RANK, WORLD_SIZE (and MASTER_ADDR, MASTER_PORT)"
+
+
+def _env_int(name: str, default: int | None = None, low: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None and default is not None:
+        return default
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < low:
+        raise UserError(f"environment variable {name}={raw!r} is not an integer >= {low}; a launcher such as "
+                        f"torchrun sets {ENV_HINT} for each process: unset them to train in one process")
+    return value
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
-    """(rank, world_size, local_rank) when a launcher started this process."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    return None
+    """(rank, world_size, local_rank) when a launcher started this process,
+    checked: integers, 0 <= RANK < WORLD_SIZE (UserError otherwise)."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return None
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        missing = "RANK" if "RANK" not in os.environ else "WORLD_SIZE"
+        raise UserError(f"{missing} is not set but {'WORLD_SIZE' if missing == 'RANK' else 'RANK'} is; "
+                        f"set both (a launcher such as torchrun does) or neither")
+    world = _env_int("WORLD_SIZE", low=1)
+    rank = _env_int("RANK")
+    if rank >= world:
+        raise UserError(f"RANK={rank} is not below WORLD_SIZE={world}; ranks are 0 .. WORLD_SIZE-1")
+    return rank, world, _env_int("LOCAL_RANK", 0)
 
 
 def local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return _env_int("LOCAL_WORLD_SIZE", 1, low=1)
+
+
+@contextlib.contextmanager
+def rendezvous_deadline(seconds: float, rank: int, world: int, on_timeout=None):
+    """Run the body (joining the process group), but never for longer than `seconds`.
+
+    The join blocks inside C++ until every rank has arrived, where no Python
+    exception can reach it; so a watchdog thread prints one line and ends the
+    process (exit code 2) when the deadline passes. `on_timeout` runs first
+    (e.g. releasing the run lock). Errors raised while joining (an address in
+    use, a refused connection) become one line too.
+    """
+    done = threading.Event()
+
+    def watchdog():
+        if done.wait(seconds):
+            return
+        others = "rank 0" if rank else ("rank 1" if world == 2 else f"some of ranks 1..{world - 1}")
+        env = ", ".join(f"{k}={os.environ.get(k)}" for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+        print(f"error: rank {rank} of {world} waited {seconds:g}s for the other ranks to join; {others} did not "
+              f"arrive ({env}): start every rank with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE, "
+              f"or raise --rendezvous-timeout", file=sys.stderr, flush=True)
+        if on_timeout:
+            on_timeout()
+        os._exit(2)
+
+    threading.Thread(target=watchdog, daemon=True, name="rendezvous-watchdog").start()
+    try:
+        yield
+    except (RuntimeError, ValueError) as e:   # torch.distributed's errors (DistNetworkError, ...) are RuntimeErrors
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise UserError(f"rank {rank} of {world} could not join the process group ({first}); check "
+                        f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')}") \
+            from None
+    finally:
+        done.set()
 
 
 def restart_count() -> int:
@@ -57,38 +133,78 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
     all the others promptly, then restart the group (up to max_restarts) or
     report which rank failed and why.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    extra = {}
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:   # (newer torch)
+        # on SIGTERM / Ctrl-C the launcher forwards the signal, then waits this long for
+        # the workers to save their checkpoint before it kills them (torch's default: 30 s)
+        extra["shutdown_timeout"] = SHUTDOWN_TIMEOUT_S
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn", **extra,
     )
-    saved = os.environ.get(_OWN_STORE)
+    saved = {k: os.environ.get(k) for k in (_OWN_STORE, ERRORS_ENV)}
     os.environ[_OWN_STORE] = "1"    # a fresh store per attempt (see the module docstring)
+    errors = tempfile.mkdtemp(prefix="nanohlat-errors-")
+    os.environ[ERRORS_ENV] = errors  # workers leave their one-line errors here (report_error)
+    logging.disable(logging.ERROR)   # torch's launcher logs each failure as a traceback: we say it in one line
     try:
         elastic_launch(config, entry)(*args)
         return 0
+    except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
+        print(f"stopped by {e.sigval.name}; --resume auto continues from the checkpoint just saved",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
-        codes = []
-        for rank, failure in sorted(e.failures.items()):
-            code = failure.exitcode
-            codes.append(code)
-            msg = failure.message if isinstance(failure.message, str) else ""
-            reason = (msg.strip().splitlines() or [""])[-1] if msg else ""
-            signal = f" (signal {failure.signal_name()})" if code < 0 else ""
-            print(f"error: rank {rank} failed with exit code {code}{signal}{': ' + reason if reason else ''}",
-                  file=sys.stderr)
-        return 2 if codes and all(c == 2 for c in codes) else 1
+        return _report_failures(e.failures, errors)
     finally:
-        if saved is None:
-            os.environ.pop(_OWN_STORE, None)
-        else:
-            os.environ[_OWN_STORE] = saved
+        logging.disable(logging.NOTSET)
+        shutil.rmtree(errors, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _report_failures(failures: dict, errors: str) -> int:
+    """One line per distinct error the workers reported (usually one), else one per
+    failed rank; returns the job's exit code."""
+    codes = [f.exitcode for f in failures.values()]
+    if codes and all(c in (128 + signal.SIGTERM, 128 + signal.SIGINT) for c in codes):
+        print("stopped by a signal; --resume auto continues from the checkpoint just saved", file=sys.stderr)
+        return codes[0]
+    reported = []
+    for name in sorted(os.listdir(errors)):
+        with open(os.path.join(errors, name)) as f:
+            reported.append(f.read().strip())
+    for line in dict.fromkeys(reported):     # the same error from every rank: said once
+        print(f"error: {line}", file=sys.stderr)
+    if not reported:
+        for rank, failure in sorted(failures.items()):
+            how = f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
+            print(f"error: rank {rank} failed with exit code {failure.exitcode}{how}", file=sys.stderr)
+    return 2 if codes and all(c == 2 for c in codes) else 1
+
+
+def report_error(message: str) -> None:
+    """A worker's one-line error: to the launcher (which says each distinct one once)
+    when `spawn` started us, else to stderr."""
+    folder = os.environ.get(ERRORS_ENV)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(message)
+    else:
+        print(f"error: {message}", file=sys.stderr)
 
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+ERRORS_ENV = "NANOHLAT_WORKER_ERRORS"
+SHUTDOWN_TIMEOUT_S = 300
 
 
 def torchrun_restart_warning() -> str | None:

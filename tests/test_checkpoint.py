@@ -229,15 +229,23 @@ def test_crash_while_saving_leaves_a_resumable_run(point, one, cache_dir, tmp_pa
     assert not [n for n in os.listdir(tmp_path / "checkpoints") if n.startswith(".")]   # debris cleared
 
 
-def test_going_back_to_an_older_checkpoint_abandons_the_newer_ones(one, cache_dir, tmp_path):
+def test_going_back_to_an_older_checkpoint_keeps_the_newer_ones_aside(one, cache_dir, tmp_path, capsys):
     """--resume PATH to step 3 of a finished run, in the same out-dir: the next save
-    (step 4) becomes the run's head; step 6, from the abandoned future, is removed."""
+    (step 4) becomes the run's head; step 6, from the abandoned future, is moved
+    (with the metrics that led to it) into checkpoints/abandoned_*/, not deleted."""
     shutil.copytree(one / "resumed", tmp_path / "run")
     train_here(flags(cache_dir, tmp_path / "run", "--resume", ckpt(tmp_path / "run", N), "--stop-after", 4))
     from nanohlat import checkpoint
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "run"))] == \
         ["step_00000003", "step_00000004"]
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    aside = [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.startswith("abandoned_")]
+    assert len(aside) == 1
+    kept = tmp_path / "run" / "checkpoints" / aside[0]
+    assert sorted(os.listdir(kept)) == ["metrics.jsonl", "step_00000006"]
+    assert sorted(losses(kept)) == list(range(1, STEPS + 1))          # the abandoned line's records, whole
+    checkpoint.ShardSet(str(kept / "step_00000006"))                   # and its checkpoint, still valid
+    assert "newer checkpoint(s) step_00000006 and their metrics are kept in" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

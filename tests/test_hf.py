@@ -160,3 +160,26 @@ def test_cli_round_trip_through_checkpoints(tmp_path):
     assert os.path.isfile(manifest["tokenizer"]) and back.cfg.vocab_size == 300
     x = tokens(CFG)
     assert (back(x)[..., :300] - model(x)[..., :300]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("damage", ["config not JSON", "config without sizes", "truncated safetensors"])
+def test_damaged_hf_directory_is_one_line(damage, tmp_path, capsys):
+    """A malformed config.json or a truncated weights file: `import` exits 2 with one line."""
+    tokenizer = train_tokenizer(tmp_path)
+    hf_dir = str(tmp_path / "hf")
+    hf.write_hf_dir(CFG, nanohlat_model().state_dict(), tokenizer, hf_dir)
+    if damage == "config not JSON":
+        with open(os.path.join(hf_dir, "config.json"), "a") as f:
+            f.write("}{")
+    elif damage == "config without sizes":
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            f.write('{"model_type": "llama"}')
+    else:
+        weights = os.path.join(hf_dir, "model.safetensors")
+        with open(weights, "r+b") as f:
+            f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(SystemExit) as e:
+        hf.main(["import", hf_dir, str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert not (tmp_path / "run").exists()

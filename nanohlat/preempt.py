@@ -1,0 +1,89 @@
+"""Preemption-safe stopping: SIGTERM or Ctrl-C finish the step, save, exit.
+
+A cluster scheduler or a spot reclaim announces the end with SIGTERM and
+kills a little later; a person presses Ctrl-C. Either way the step in flight
+is the only work at risk, so a worker does not die at once: the first signal
+sets a flag, the training loop finishes its step, every rank agrees to stop
+there, the usual final checkpoint is saved, and the process exits with the
+conventional code (128 + signal: 143 for SIGTERM, 130 for Ctrl-C).
+`--resume auto` then continues from exactly that step. A second Ctrl-C means
+"now": it raises KeyboardInterrupt wherever the process is; checkpoints are
+written atomically, so the previous one is intact even mid-save.
+
+Under `--nproc N` the launcher forwards the signal to its workers (PyTorch's
+elastic agent does that, and torchrun's too). A Ctrl-C in a terminal also
+reaches the workers directly, so they see it twice within milliseconds: a
+repeat within DOUBLE_DELIVERY_S counts as the same press.
+
+Agreeing on the step: ranks receive the signal at slightly different times,
+and a rank that stopped one step before the others would leave them waiting
+in a collective. So the flag is summed over the world group once per step
+(`stop_requested`): one 4-byte all-reduce, ~0.1 ms on gloo, negligible next
+to a step. On CUDA the loop synchronises every step anyway. On XLA reading a
+device value stalls the host until the device catches up, so there the vote
+is taken every XLA_CHECK_EVERY steps only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+DOUBLE_DELIVERY_S = 1.0
+XLA_CHECK_EVERY = 10
+
+_received: int | None = None      # the first signal, once one arrived
+_received_at = 0.0
+
+
+def _handler(signum, frame) -> None:
+    global _received, _received_at
+    if _received is None:
+        _received, _received_at = signum, time.monotonic()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then exiting"
+                  + (" (Ctrl-C again to quit at once)" if signum == signal.SIGINT else ""), file=sys.stderr)
+    elif signum == signal.SIGINT and time.monotonic() - _received_at > DOUBLE_DELIVERY_S:
+        raise KeyboardInterrupt   # the second Ctrl-C: now (the last checkpoint is intact)
+
+
+class catch_signals:
+    """`with catch_signals() as signals: train(...)`: SIGTERM and SIGINT set the
+    stop flag inside; on exit the previous handlers return, and
+    `signals.exit_code` is 128 + the signal that stopped the run (143 SIGTERM,
+    130 SIGINT), or 0."""
+
+    def __enter__(self):
+        global _received
+        _received, self.exit_code = None, 0
+        self.previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        global _received
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.exit_code = 128 + _received if _received is not None else 0
+        _received = None
+        return False
+
+
+def requested() -> bool:
+    return _received is not None
+
+
+def stop_requested(mesh, dev, step: int) -> bool:
+    """Should every rank stop after `step`? The same answer on all ranks."""
+    group = mesh.group("world")
+    if group.size == 1:
+        return requested()
+    if dev.kind == "xla" and step % XLA_CHECK_EVERY:
+        return False
+    flag = torch.tensor([1.0 if requested() else 0.0], device=dev.torch_device)
+    dist.all_reduce(flag, group=group.pg)       # (not comm.all_reduce: not part of the step's traffic)
+    return bool(flag.item() > 0)

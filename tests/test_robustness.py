@@ -1,0 +1,527 @@
+"""Nothing lost, nothing hung: what nanohlat promises for each hostile input or
+event (the table in docs/robustness.md), one test per promise.
+
+Every case ends in one of three ways, and the tests check which: exit 0 by
+design, exit 2 with one line starting "error: " and no traceback, or a
+documented signal exit (143 after SIGTERM, 130 after Ctrl-C) with a
+checkpoint saved. Runs are the tiny preset for a few steps, in this process
+where possible; the few tests that need a real second process start one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, read_metrics
+
+TINY = ["--preset", "tiny", "--steps", "4", "--eval-every", "0", "--no-progress", "--threads", "1"]
+
+
+def one_line_error(err: str, *needles: str) -> None:
+    err = err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def main_in_process(argv, capsys) -> tuple[int, str]:
+    import train
+    code = train.main(argv)
+    return code, capsys.readouterr().err
+
+
+def run_py(args, check=True, timeout=240, **kw):
+    p = subprocess.run([sys.executable] + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+# ---------------------------------------------------------------------------
+# Every flag against its meaning (config.py, sample.py, eval.py)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--min-lr", "nan"], "--min-lr must be a finite number in [0, --lr]"),
+    (["--beta1", "1.5"], "--beta1 must be a finite number in [0, 1), got 1.5"),
+    (["--beta2", "1"], "--beta2 must be a finite number in [0, 1)"),
+    (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0 (0 = no clipping)"),
+    (["--warmup-steps", "-10"], "--warmup-steps must be >= 0, got -10"),
+    (["--bucket-mb", "0"], "--bucket-mb must be a finite number > 0"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0"),
+    (["--vocab-multiple", "0"], "--vocab-multiple must be positive, got 0"),
+    (["--eval-every", "5", "--eval-batches", "0"], "--eval-batches 0 with evaluation on"),
+    (["--rendezvous-timeout", "0"], "--rendezvous-timeout must be a finite number > 0"),
+    (["--norm-eps", "nan"], "--norm-eps must be a finite number > 0"),
+])
+def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, capsys, cache_dir):
+    out = tmp_path / "run"
+    code, err = main_in_process(TINY + ["--cache-dir", cache_dir, "--out-dir", str(out)] + args, capsys)
+    assert code == 2
+    one_line_error(err, message)
+    assert not out.exists()          # before training: nothing written, so `--resume never` is never blocked
+
+
+def test_lr_nan_as_a_process_exits_2_before_training(tmp_path, cache_dir):
+    p = run_py(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "o"), "--lr", "nan"],
+               check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "--lr")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-k", "-5"], "--top-k must be >= 0, got -5"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+])
+def test_sample_flags_out_of_range(args, message, tmp_path, capsys):
+    import sample
+    assert sample.main(["--out-dir", str(tmp_path / "nothing")] + args) == 2
+    one_line_error(capsys.readouterr().err, message)
+
+
+def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
+    import eval as eval_py
+    import sample
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert sample.main(["--out-dir", str(tmp_path), "--prompt-file", str(binary)]) == 2
+    one_line_error(capsys.readouterr().err, "is not UTF-8 text", str(binary))
+    assert eval_py.main(["--out-dir", str(tmp_path), "--task", str(binary)]) == 2
+    one_line_error(capsys.readouterr().err, "is not UTF-8 text", str(binary))
+
+
+# ---------------------------------------------------------------------------
+# Shared: a finished tiny run (checkpoints at steps 2 and 4) and a small corpus
+# ---------------------------------------------------------------------------
+
+def train_here(argv):
+    import train
+    from nanohlat import config
+    model_cfg, tcfg = config.parse_args(argv)
+    return train.train(model_cfg, tcfg)
+
+
+def flags(cache_dir, out_dir, *extra):
+    return TINY + ["--cache-dir", cache_dir, "--out-dir", str(out_dir)] + [str(e) for e in extra]
+
+
+def ckpt(out_dir, step: int) -> str:
+    return os.path.join(str(out_dir), "checkpoints", f"step_{step:08d}")
+
+
+def losses(out_dir) -> dict:
+    return {m["step"]: m["loss"] for m in read_metrics(str(out_dir))}
+
+
+@pytest.fixture(scope="module")
+def base(cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("base") / "run"
+    train_here(flags(cache_dir, out, "--save-every", 2))
+    return out
+
+
+@pytest.fixture
+def run_copy(base, tmp_path):
+    import shutil
+    shutil.copytree(base, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A folder of a few Python files (json's sources): a tokenizer trains on it in a second."""
+    import shutil
+    import sysconfig
+    folder = tmp_path_factory.mktemp("corpus")
+    src = os.path.join(sysconfig.get_paths()["stdlib"], "json")
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".py"):
+            shutil.copyfile(os.path.join(src, name), folder / name)
+    return folder
+
+
+# ---------------------------------------------------------------------------
+# One run per out-dir; out-dirs that are not runs; nothing left behind
+# ---------------------------------------------------------------------------
+
+def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, capsys):
+    from nanohlat import checkpoint, runlock
+    lock = runlock.acquire(str(run_copy))        # another run (an flock on another open file: it conflicts)
+    try:
+        code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+        assert code == 2
+        one_line_error(err, "is in use by another run", f"PID {os.getpid()}")
+        assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)     # untouched
+    finally:
+        lock.release()
+    # a lock file left by a dead process holds no flock: it is taken over
+    (run_copy / "run.lock").write_text("999999999\n")
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+    assert code == 0, err
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("kind", ["a file", "not writable", "foreign files", "a Hugging Face config.json"])
+def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir, capsys):
+    out = tmp_path / "out"
+    if kind == "a file":
+        out.write_text("notes")
+    elif kind == "not writable":
+        out = "/sys/nanohlat-test-run"       # sysfs: even root cannot create folders there
+    elif kind == "foreign files":
+        out.mkdir()
+        (out / "thesis.tex").write_text("...")
+    else:
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, str(out))
+    if kind in ("foreign files", "a Hugging Face config.json"):
+        assert "not a nanohlat run" in err
+        assert sorted(os.listdir(out)) in (["thesis.tex"], ["config.json"])
+    if kind == "a file":
+        assert out.read_text() == "notes"
+
+
+def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
+    out-dir the run created is gone again, so `--resume never` is not refused later."""
+    import errno
+    from nanohlat import metrics
+    out = tmp_path / "run"
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(out), "metrics.jsonl"))
+    monkeypatch.setattr(metrics.MetricsWriter, "write", full)
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, "metrics.jsonl", "No space left on device")
+    assert not out.exists()
+    monkeypatch.undo()
+    code, err = main_in_process(flags(cache_dir, out, "--resume", "never"), capsys)
+    assert code == 0, err
+
+
+def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(run_copy, cache_dir, capsys,
+                                                                              monkeypatch):
+    import errno
+    from nanohlat import checkpoint
+
+    real = checkpoint._atomic_write
+
+    def full(path, write):
+        if ".tmp_step_" not in path:
+            return real(path, write)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    monkeypatch.setattr(checkpoint, "_atomic_write", full)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
+    assert code == 2
+    one_line_error(err, "shard_00000.pt", "No space left on device")
+    monkeypatch.undo()
+    assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)
+    checkpoint.ShardSet(ckpt(run_copy, 4))
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: incomplete ones, older ones, identity, Hugging Face targets
+# ---------------------------------------------------------------------------
+
+def test_a_checkpoint_without_manifest_is_skipped_named_and_cleared(run_copy, cache_dir, capsys):
+    from nanohlat import checkpoint
+    os.remove(os.path.join(ckpt(run_copy, 4), "manifest.json"))
+    os.makedirs(os.path.join(run_copy, "checkpoints", ".tmp_step_00000005"))
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--save-every", 2), capsys)
+    assert code == 0, err
+    assert "warning: skipping incomplete checkpoint(s)" in err and "step_00000004" in err and ".tmp_step_" in err
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(run_copy))] == \
+        ["step_00000002", "step_00000004", "step_00000006"]
+    assert checkpoint.incomplete_checkpoints(str(run_copy)) == []
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_with_another_tokenizer_is_refused(run_copy, cache_dir, small_corpus, capsys):
+    """The same vocabulary size, trained on other data: another tokenizer. Refused
+    (exit 2, nothing changed); the message names the three ways on, and each works."""
+    from nanohlat import checkpoint
+    before = sorted(os.listdir(run_copy / "checkpoints"))
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--data", small_corpus), capsys)
+    assert code == 2
+    one_line_error(err, "another tokenizer", "--resume never --overwrite", "--allow-tokenizer-change", "--tokenizer ")
+    assert sorted(os.listdir(run_copy / "checkpoints")) == before and sorted(losses(run_copy)) == [1, 2, 3, 4]
+    # new data, the run's own tokenizer: allowed, and said
+    tokenizer = json.load(open(os.path.join(ckpt(run_copy, 4), "manifest.json")))["tokenizer"]
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 5, "--data", small_corpus,
+                                      "--tokenizer", tokenizer), capsys)
+    assert code == 0, err
+    assert "note: resuming" in err and "on other data" in err
+    # deliberately another tokenizer
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--data", small_corpus,
+                                      "--allow-tokenizer-change"), capsys)
+    assert code == 0, err
+    assert "warning: resuming" in err and "another tokenizer" in err
+    assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 6)
+
+
+def test_hf_import_into_a_run_is_refused_and_its_checkpoints_stay(run_copy, tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from nanohlat import checkpoint, hf
+    hf.main(["export", str(run_copy), str(tmp_path / "hf")])
+    before = {p: checkpoint.read_manifest(p)["files"] for p in checkpoint.list_checkpoints(str(run_copy))}
+    for argv in (["import", str(tmp_path / "hf"), str(run_copy)],             # into a run
+                 ["export", str(run_copy), str(tmp_path / "hf")]):            # over an earlier export
+        with pytest.raises(SystemExit) as e:
+            hf.main(argv)
+        assert e.value.code == 2
+        one_line_error(capsys.readouterr().err, "is not empty", "--overwrite")
+    assert {p: checkpoint.read_manifest(p)["files"] for p in checkpoint.list_checkpoints(str(run_copy))} == before
+    checkpoint.ShardSet(ckpt(run_copy, 4))
+    # told --overwrite, import replaces the run; export rewrites the folder
+    hf.main(["export", str(run_copy), str(tmp_path / "hf"), "--overwrite"])
+    hf.main(["import", str(tmp_path / "hf"), str(run_copy), "--overwrite"])
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(run_copy))] == ["step_00000000"]
+
+
+# ---------------------------------------------------------------------------
+# Data: verified caches, files that are not text files
+# ---------------------------------------------------------------------------
+
+def test_a_truncated_token_cache_is_rebuilt_never_used(small_corpus, tmp_path):
+    from nanohlat import data
+    from nanohlat.config import UserError
+    cache = str(tmp_path / "cache")
+    first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    tokens = first.train.copy()
+    train_bin = os.path.join(first.directory, "train.bin")
+    with open(train_bin, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(UserError, match="damaged"):            # opened directly: refused, one line
+        data.Dataset(first.tokenizer, first.directory)
+    notes = []
+    again = data.prepare_data(str(small_corpus), "", 512, cache, log=notes.append)
+    assert any("damaged" in n and "train.bin has 4,096 bytes" in n and "rebuilding" in n for n in notes), notes
+    assert (again.train == tokens).all() and len(again.train) == len(tokens)
+    # same size, one changed block: the sampled hash notices
+    with open(train_bin, "r+b") as f:
+        f.write(b"\xff\xff" * 8)
+    assert "does not match its hash" in data.verify_shards(again.directory)
+
+
+def test_damaged_cache_that_cannot_be_rebuilt_is_one_line(small_corpus, tmp_path, monkeypatch):
+    from nanohlat import data
+    from nanohlat.config import UserError
+    cache = str(tmp_path / "cache")
+    first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    os.remove(os.path.join(first.directory, "val.bin"))
+
+    real = os.makedirs
+
+    def read_only(path, *args, **kw):      # the cache dir exists; nothing new can be made in it
+        if ".tmp-" in str(path):
+            raise PermissionError(13, "Read-only file system", path)
+        return real(path, *args, **kw)
+    monkeypatch.setattr(data.os, "makedirs", read_only)
+    with pytest.raises(UserError) as e:
+        data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
+    assert "cannot be built" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "broken symlink in a folder"])
+def test_data_that_is_not_a_regular_file_is_refused(kind, small_corpus, tmp_path):
+    import shutil
+    from nanohlat import data
+    from nanohlat.config import UserError
+    if kind == "fifo":
+        path = str(tmp_path / "pipe.txt")
+        os.mkfifo(path)
+    elif kind == "/dev/zero":
+        path = "/dev/zero"
+    else:
+        path = str(tmp_path / "folder")
+        shutil.copytree(small_corpus, path)
+        os.symlink(str(tmp_path / "gone.py"), os.path.join(path, "link.py"))
+    with pytest.raises(UserError) as e:
+        data.prepare_data(path, "", 512, str(tmp_path / "cache"), log=lambda *a: None)
+    msg = str(e.value)
+    assert "\n" not in msg and ("broken symbolic link" in msg if "symlink" in kind else "not a regular file" in msg)
+
+
+# ---------------------------------------------------------------------------
+# Concurrent runs, preemption (SIGTERM, Ctrl-C), rendezvous
+# ---------------------------------------------------------------------------
+
+LONG = 400    # steps the signalled runs are told to do (they are stopped long before)
+
+
+def start_run(cache_dir, out, *extra, env=None):
+    log = open(os.path.join(os.path.dirname(str(out)), f"{os.path.basename(str(out))}.log"), "w")
+    argv = [sys.executable, "train.py", *flags(cache_dir, out, "--steps", LONG, *extra)]
+    return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env), log.name
+
+
+def wait_for_rows(proc, out, rows: int, timeout: float = 180) -> None:
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"the run ended early with {proc.returncode}"
+        try:
+            if len(read_metrics(str(out))) >= rows:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the run logged no steps in time")
+
+
+def saved_step(out) -> int:
+    from nanohlat import checkpoint
+    return checkpoint.step_of(checkpoint.latest(str(out)))
+
+
+def test_second_run_refused_then_sigterm_saves_and_resume_is_exact(tmp_path, cache_dir, capsys):
+    """Run A trains; run B into the same out-dir exits 2 naming A's PID and touches
+    nothing. SIGTERM stops A after its current step with a checkpoint (exit 143) and
+    every metrics row up to it; --resume auto then continues exactly: the losses equal
+    those of a run never interrupted, bit for bit."""
+    import signal
+    out = tmp_path / "run"
+    a, log = start_run(cache_dir, out)
+    try:
+        wait_for_rows(a, out, 2)
+        code, err = main_in_process(flags(cache_dir, out, "--steps", LONG), capsys)
+        assert code == 2
+        one_line_error(err, "is in use by another run", f"PID {a.pid}")
+        assert a.poll() is None                      # A was running all along
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=120) == 143, open(log).read()[-3000:]
+    finally:
+        a.kill()
+    text = open(log).read()
+    assert "SIGTERM: finishing this step, saving a checkpoint" in text and "Traceback" not in text, text[-3000:]
+    k = saved_step(out)
+    assert sorted(losses(out)) == list(range(1, k + 1))       # every row of the steps it trained
+    code, err = main_in_process(flags(cache_dir, out, "--steps", LONG, "--stop-after", k + 2), capsys)
+    assert code == 0, err
+    ref = tmp_path / "ref"
+    train_here(flags(cache_dir, ref, "--steps", LONG, "--stop-after", k + 2))
+    assert losses(out) == losses(ref) and sorted(losses(ref)) == list(range(1, k + 3))
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_dir):
+    """--nproc 2 --dp 2: SIGTERM to the launcher is forwarded to both workers; they
+    agree on the step, both shards of its checkpoint are saved, exit 143."""
+    import signal
+    out = tmp_path / "run"
+    a, log = start_run(cache_dir, out, "--nproc", 2, "--dp", 2)
+    try:
+        wait_for_rows(a, out, 2)
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=180) == 143, open(log).read()[-3000:]
+    finally:
+        a.kill()
+    text = open(log).read()
+    assert "Traceback" not in text and "stopped by SIGTERM" in text, text[-3000:]
+    k = saved_step(out)
+    assert sorted(losses(out)) == list(range(1, k + 1))
+    from nanohlat import checkpoint
+    assert sorted(checkpoint.read_manifest(ckpt(out, k))["files"]) == ["shard_00000.pt", "shard_00001.pt"]
+
+
+def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
+    """The handler itself: a first SIGINT only asks to stop; the same press delivered
+    twice (terminal and launcher) is one; a later press raises KeyboardInterrupt."""
+    import signal
+    from nanohlat import preempt
+    before = signal.getsignal(signal.SIGINT)
+    with preempt.catch_signals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preempt.requested()
+        os.kill(os.getpid(), signal.SIGINT)                     # within DOUBLE_DELIVERY_S: the same press
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signals.exit_code == 130 and not preempt.requested()
+    assert signal.getsignal(signal.SIGINT) is before            # the previous handler is back
+
+
+def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,
+                                                                          monkeypatch):
+    from nanohlat import checkpoint
+    real = checkpoint._atomic_write
+
+    def interrupted(path, write):
+        if ".tmp_step_00000003" in path:
+            raise KeyboardInterrupt
+        return real(path, write)
+    monkeypatch.setattr(checkpoint, "_atomic_write", interrupted)
+    out = tmp_path / "run"
+    code, err = main_in_process(flags(cache_dir, out, "--save-every", 1, "--keep-last", 0), capsys)
+    assert code == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err
+    assert checkpoint.latest(str(out)) == ckpt(out, 2)
+    checkpoint.ShardSet(ckpt(out, 2))
+
+
+def test_rendezvous_with_a_missing_rank_ends_within_the_timeout(tmp_path, cache_dir):
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    t0 = time.time()
+    p = run_py(["train.py", *flags(cache_dir, tmp_path / "run", "--rendezvous-timeout", 2)], check=False,
+               env=env, timeout=120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    one_line_error(p.stderr, "rank 0 of 2 waited 2s", "rank 1 did not arrive", f"MASTER_PORT={port}")
+    assert time.time() - t0 < 100
+    assert not (tmp_path / "run").exists()           # the lock and the out-dir it made are gone
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer >= 1"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not an integer >= 0"),
+    ({"WORLD_SIZE": "2"}, "RANK is not set but WORLD_SIZE is"),
+])
+def test_bad_launcher_variables_are_refused_up_front(env, message, tmp_path, cache_dir, capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, err = main_in_process(flags(cache_dir, tmp_path / "run"), capsys)
+    assert code == 2
+    one_line_error(err, message)
+
+
+def test_an_early_failure_under_nproc_2_is_one_line(tmp_path, cache_dir):
+    """Both workers fail the same way before training: said once, exit 2, none of
+    torch's launcher boilerplate (log lines, ChildFailedError tables, tracebacks)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA (the failure is --device cuda)")
+    p = run_py(["train.py", *flags(cache_dir, tmp_path / "run", "--nproc", 2, "--dp", 2, "--device", "cuda")],
+               check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "--device cuda")
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_new_tokens_beyond_the_context_says_where_it_stops(base, capsys):
+    import sample
+    assert sample.main(["--out-dir", str(base), "--prompt", "def ", "--max-new-tokens", "500", "--seed", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "note: the model's context is 64 tokens" in err and "not --max-new-tokens 500" in err, err
