@@ -135,14 +135,16 @@ def decode_step(model: Transformer, cache: dict, tokens: torch.Tensor, positions
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens, temperature: float = 0.0,
              top_k: int = 0, generator=None, eos_id: int | None = None, sync=None):
     """Decode all prompts together. Yields, once per step, a list with one new
-    token per row, or None for a row that has finished (it produced eos_id,
-    max_new_tokens, or reached the model's max_seq_len). `sync`, when given, is
-    called after every step (XLA: cut the graph there and keep the cache)."""
+    token per row, or None for a row that has finished (it produced eos_id, its
+    max_new_tokens (an int, or one per row), or reached the model's max_seq_len).
+    `sync`, when given, is called after every step (XLA: cut the graph there
+    and keep the cache)."""
     B, lengths = len(prompts), [len(p) for p in prompts]
-    budget = [min(max_new_tokens, model.cfg.max_seq_len - n) for n in lengths]
+    wanted = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * B
+    budget = [min(w, model.cfg.max_seq_len - n) for w, n in zip(wanted, lengths)]
     length = max(n + b for n, b in zip(lengths, budget))
     cache = new_cache(model, B, length)
     logits = prefill(model, cache, prompts)
@@ -168,7 +170,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             sync()
 
 
-def generate_lists(model: Transformer, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+def generate_lists(model: Transformer, prompts: list[list[int]], max_new_tokens, **kw) -> list[list[int]]:
     """`generate`, collected: the new tokens of each prompt (eos included if produced)."""
     out: list[list[int]] = [[] for _ in prompts]
     for step in generate(model, prompts, max_new_tokens, **kw):
