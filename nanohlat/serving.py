@@ -14,10 +14,10 @@ keep them full, run here on the real model and the same requests:
                        arrive meanwhile wait for the whole batch.
   continuous batching  (Yu et al. 2022, "Orca", OSDI; the scheduler of vLLM,
                        Kwon et al. 2023) the batch is B slots, each with its
-                       own cache rows. Before every decode step, each free slot
-                       takes the next waiting request (its prompt is prefilled
-                       into that slot's rows), and a request that finishes
-                       leaves at once, freeing its slot for the next step.
+                       own cache rows. Before every decode step, the free
+                       slots take the waiting requests (their prompts are
+                       prefilled together into those slots' rows), and a
+                       request that finishes leaves at once, freeing its slot.
 
 generate.py's per-row positions make the second possible: a row's tokens need
 not be aligned with anyone else's. (vLLM also pages the cache, so that a slot
@@ -136,9 +136,17 @@ def _step(model, cache, tokens: list[int], positions: list[int]) -> list[int]:
     return gen.pick(logits).tolist()
 
 
-def _admit(model, cache, slot: int, r: Request) -> int:
-    """Prefill request r into cache rows [slot, slot+1); its first new token."""
-    return int(gen.pick(gen.prefill(model, gen.cache_rows(cache, slot, slot + 1), [r.prompt]))[0])
+def _admit(model, cache, slots: list[int], reqs: list[Request]) -> list[int]:
+    """Prefill the newcomers together (one pass) into a scratch cache, copy each
+    one's keys and values into its slot's row; returns their first new tokens.
+    (vLLM's paged cache lets the prefill write into the slots' pages directly.)"""
+    scratch = gen.new_cache(model, len(reqs), max(len(r.prompt) for r in reqs))
+    first = gen.pick(gen.prefill(model, scratch, [r.prompt for r in reqs])).tolist()
+    for i, (s, r) in enumerate(zip(slots, reqs)):
+        n = len(r.prompt)
+        for layer, (k, v) in cache.items():
+            k[s, :, :n], v[s, :, :n] = scratch[layer][0][i, :, :n], scratch[layer][1][i, :, :n]
+    return first
 
 
 def serve_continuous(model, requests: list[Request], slots: int) -> dict:
@@ -161,10 +169,16 @@ def serve_continuous(model, requests: list[Request], slots: int) -> dict:
     while queue or any(active):
         if not any(active):
             clock.wait_for(queue[0].arrival)
-        for s in range(slots):                                # admit into free slots
-            if active[s] is None and queue and queue[0].arrival <= clock.now:
-                active[s] = queue.popleft()
-                emit(s, clock.run(_admit, model, cache, s, active[s]))
+        free = [s for s in range(slots) if active[s] is None]
+        newcomers = []                                        # admit arrived requests into free slots
+        while len(newcomers) < len(free) and queue and queue[0].arrival <= clock.now:
+            newcomers.append(queue.popleft())
+        if newcomers:
+            taken = free[:len(newcomers)]
+            for s, r in zip(taken, newcomers):
+                active[s] = r
+            for s, t in zip(taken, clock.run(_admit, model, cache, taken, newcomers)):
+                emit(s, t)
         if any(active):                                       # one decode step, every slot
             new = clock.run(_step, model, cache, tokens, positions)
             for s in range(slots):
