@@ -246,3 +246,14 @@ def test_sample_py_refuses_a_tp_degree_the_model_cannot_split(checkpoint_dir):
     assert p.returncode == 2 and "--tp 3 does not divide" in p.stderr and "Traceback" not in p.stderr
     p = _sample(["--checkpoint", checkpoint_dir, "--nproc", "2"])
     assert p.returncode == 2 and "--tp 1 but 2 process(es)" in p.stderr
+
+
+def test_plan_kv_cache_bytes_match_the_cache(model):
+    from nanohlat import plan
+    assert gen.cache_bytes(gen.new_cache(model, 3, 20)) == plan.kv_cache_bytes(CFG, 3 * 20, 4)
+    assert plan.kv_cache_bytes(PRESETS["hlat-7b"][0], 4096, 2) == 2 * 2**30        # 512 KiB per token
+    assert plan.kv_cache_bytes(PRESETS["hlat-70b"][0], 4096, 2) == 1.25 * 2**30    # GQA: 8 kv heads
+    from nanohlat import config
+    text = plan.report(*config.parse_args(["--preset", "hlat-70b"]), 2048)
+    assert "x 80 layers = 320.00 KiB per token" in text and "8x larger (10.00 GiB per sequence)" in text
+    assert "  8                      32,768    10.00 GiB             1.25 GiB" in text   # batch 8 at 4096, tp 32
