@@ -263,3 +263,71 @@ def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, 
         tgt.held = held_before + accepted
         drf.held = min(drf.held, held_before + accepted)
     return tokens[len(prompt):], stats
+
+
+# ---------------------------------------------------------------------------
+# python -m nanohlat.serving: speculative decoding, measured
+# ---------------------------------------------------------------------------
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def main(argv=None) -> int:
+    from . import data
+    from . import device as devicelib
+    p = argparse.ArgumentParser(description="Speculative decoding: a draft model proposes, the target checks.")
+    p.add_argument("--target", required=True, help="run directory or checkpoint of the model to sample from")
+    p.add_argument("--draft", required=True, help="a smaller model trained with the same tokenizer")
+    p.add_argument("--k", type=int, default=4, help="tokens the draft proposes per target pass")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    args = p.parse_args(argv)
+    try:
+        if args.k <= 0 or args.max_new_tokens <= 0:
+            raise UserError("--k and --max-new-tokens must be positive")
+        dev = devicelib.get_device(args.device)
+        target, tm = gen.load_model(args.target, dev)
+        draft, dm = gen.load_model(args.draft, dev)
+        if target.cfg.vocab_size != draft.cfg.vocab_size or not _same_tokenizer(tm["tokenizer"], dm["tokenizer"]):
+            raise UserError(f"the draft ({args.draft}) and the target ({args.target}) must share one tokenizer; "
+                            f"train the draft with the target's --tokenizer (or the same corpus and --vocab-size)")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = data.load_tokenizer(tm["tokenizer"])
+    ids = [tok.bos_id] + tok.encode(args.prompt)
+    seeded = lambda: torch.Generator().manual_seed(args.seed)
+    gen.generate_lists(target, [ids], 2), gen.generate_lists(draft, [ids], 2)    # warm up both, untimed
+    start = time.perf_counter()
+    alone = gen.generate_lists(target, [ids], args.max_new_tokens, temperature=args.temperature,
+                               generator=seeded())[0]
+    t_alone = time.perf_counter() - start
+    start = time.perf_counter()
+    spec, st = speculative_generate(target, draft, ids, args.max_new_tokens, args.k, args.temperature,
+                                    generator=seeded())
+    t_spec = time.perf_counter() - start
+    print(f"target {target.cfg.num_params() / 1e6:.2f}M parameters, draft {draft.cfg.num_params() / 1e6:.2f}M; "
+          f"{'greedy' if args.temperature <= 0 else f'temperature {args.temperature}'}, k = {args.k}")
+    print(f"target alone: {len(alone)} tokens, {len(alone)} target passes, {t_alone:.2f} s")
+    print(f"speculative:  {len(spec)} tokens, {st['target_passes']} target passes + {st['draft_passes']} draft "
+          f"passes, {t_spec:.2f} s")
+    print(f"acceptance rate {st['accepted'] / max(1, st['proposed']):.2f} ({st['accepted']} of {st['proposed']} "
+          f"drafts); {len(spec) / st['target_passes']:.2f} tokens per target pass; speed-up {t_alone / t_spec:.2f}x")
+    if args.temperature <= 0:
+        print(f"same tokens as the target alone: {'yes' if spec == alone else 'NO'}")
+    print(f"--- speculative output ---\n{args.prompt}{tok.decode(spec)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
