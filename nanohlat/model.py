@@ -212,7 +212,7 @@ class Transformer(nn.Module):
             return logits
         return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
 
-    # -- generation (single process, tp=1 and pp=1: sample.py and eval.py) --
+    # -- generation (single process, tp=1 and pp=1: the lm-eval harness; sample.py uses generate.py) --
 
     def new_cache(self, batch: int, max_len: int, device, dtype):
         shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
