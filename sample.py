@@ -2,25 +2,33 @@
 
     python sample.py                                  # out/'s latest checkpoint, a Python-ish prompt
     python sample.py --out-dir runs/x --prompt "def fib(n):" --max-new-tokens 200
-    python sample.py --checkpoint runs/x/checkpoints/step_00000300 --prompt-file p.py
+    python sample.py --checkpoint runs/x/checkpoints/step_00000300 --prompt-file prompts.txt --batch-size 4
+    python sample.py --nproc 2 --tp 2 --top-k 1       # tensor-parallel: 2 ranks, each half of every layer
+    torchrun --nproc_per_node 2 sample.py --tp 2
 
 Any checkpoint loads here, whatever (tp, pp, dp, zero1) layout trained it:
-the shards are stitched back into one model (checkpoint.load_for_inference).
-Generation reuses a KV cache: the prompt runs through the model once, then
-each new token costs one single-position forward pass.
+each rank rebuilds the full tensors from the shards and keeps its tp slice
+(generate.load_model). Generation reuses a KV cache: the prompts run through
+the model once (prefill), then each new token costs one single-position
+forward pass (decode). `--prompt-file` holds one prompt per line (a literal
+\\n in a line is a newline); `--batch-size` prompts are decoded together, each
+row with its own positions, giving the tokens each would get alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
+import torch.distributed
 
-from nanohlat import checkpoint, data
+from nanohlat import checkpoint, data, generate, launch
 from nanohlat import device as devicelib
-from nanohlat.config import UserError
+from nanohlat import mesh as meshlib
+from nanohlat.config import UserError, model_from_dict
 
 
 def parse_args(argv=None):
@@ -28,71 +36,120 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="out", help="run directory (its latest checkpoint is used)")
     p.add_argument("--checkpoint", default="", help="a checkpoint directory (overrides --out-dir)")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--prompt-file", default="", help="read the prompt from this file")
+    p.add_argument("--prompt-file", default="", help="one prompt per line (overrides --prompt)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts (or samples) decoded together")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes to start (one per tp rank)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: --nproc, or torchrun's world size")
     return p.parse_args(argv)
 
 
-def check_args(args) -> str:
-    """Every flag against its meaning; returns the prompt text (--prompt or --prompt-file)."""
-    for name, low in (("max_new_tokens", 1), ("num_samples", 1), ("top_k", 0), ("seed", 0)):
-        if getattr(args, name) < low:
-            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+def read_prompts(args) -> list[str]:
     if not args.prompt_file:
-        return args.prompt
+        return [args.prompt]
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+            prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
     except OSError as e:
         raise UserError(f"cannot read --prompt-file {args.prompt_file!r}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UserError(f"--prompt-file {args.prompt_file!r} is not UTF-8 text; give a text file") from None
+    if not prompts:
+        raise UserError(f"--prompt-file {args.prompt_file!r} has no prompts (one per line)")
+    return prompts
+
+
+def check_args(args, world: int) -> None:
+    """Refuse bad flags once, before any worker starts."""
+    for name, low in (("max_new_tokens", 1), ("num_samples", 1), ("batch_size", 1), ("nproc", 1), ("tp", 1),
+                      ("top_k", 0), ("seed", 0)):
+        if getattr(args, name) < low:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.tp != world:
+        raise UserError(f"--tp {args.tp} but {world} process(es): sampling splits the model over every "
+                        f"process, so use --nproc {args.tp} (or torchrun --nproc_per_node {args.tp})")
+    manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir))
+    generate.check_tp(model_from_dict(manifest["config"]["model"]), args.tp)
+
+
+def sample(args, dev, mesh=None) -> None:
+    """Load this rank's slice of the model and generate; rank 0 prints."""
+    model, manifest = generate.load_model(args.checkpoint or args.out_dir, dev, mesh)
+    write = sys.stdout.write if mesh is None or mesh.rank == 0 else (lambda s: None)
+    tok = data.load_tokenizer(manifest["tokenizer"])
+    limit = model.cfg.max_seq_len
+    jobs = [(i, s, text) for i, text in enumerate(read_prompts(args)) for s in range(args.num_samples)]
+    gen = torch.Generator().manual_seed(args.seed)
+    for start in range(0, len(jobs), args.batch_size):
+        batch = jobs[start:start + args.batch_size]
+        ids = []
+        for _, _, text in batch:
+            x = [tok.bos_id] + tok.encode(text)
+            ids.append(x if len(x) < limit else [tok.bos_id] + x[-(limit // 2):])   # keep a long prompt's end
+            if len(ids[-1]) + args.max_new_tokens > limit and (mesh is None or mesh.rank == 0):
+                print(f"note: the model's context is {limit} tokens and a prompt uses {len(ids[-1])}: its "
+                      f"sample stops after {limit - len(ids[-1])} new tokens, not --max-new-tokens "
+                      f"{args.max_new_tokens}", file=sys.stderr)
+        outs: list[list[int]] = [[] for _ in batch]
+        stream, shown = len(jobs) == 1, ""
+        if stream:
+            write(batch[0][2])
+            sys.stdout.flush()
+        for step in generate.generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, gen,
+                                      eos_id=tok.eos_id, sync=dev.sync):
+            for out, t in zip(outs, step):
+                if t is not None and t != tok.eos_id:
+                    out.append(t)
+            if stream and step[0] not in (None, tok.eos_id):
+                text = tok.decode(outs[0])    # decode the whole tail, print what is new: pieces can merge bytes
+                write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        for (i, s, text), out in zip(batch, outs):
+            if not stream:
+                header = [f"prompt {i + 1}"] * (len(jobs) > args.num_samples) + [f"sample {s + 1}"] * (args.num_samples > 1)
+                write(f"--- {', '.join(header)} ---\n{text}{tok.decode(out)}")
+            write("\n")
+    sys.stdout.flush()
+
+
+def worker(argv: list[str]) -> None:
+    """One tensor-parallel rank (sample.py --nproc N, or torchrun)."""
+    rank, world, local_rank = launch.torchrun_env()
+    args = parse_args(argv)
+    try:
+        dev = devicelib.get_device(args.device, local_rank)
+        if dev.kind == "cpu":
+            devicelib.set_cpu_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size()))
+        dev.init_process_group(rank, world)
+        mesh = meshlib.Mesh(args.tp, 1, 1, rank).build_groups(dev)
+        sample(args, dev, mesh)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    torch.distributed.destroy_process_group()
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        prompt = check_args(args)
-        dev = devicelib.get_device(args.device)
-        model, manifest = checkpoint.load_for_inference(args.checkpoint or args.out_dir, dev)
-        tok = data.load_tokenizer(manifest["tokenizer"])
-        ids = [tok.bos_id] + tok.encode(prompt)
-        limit = model.cfg.max_seq_len
-        if len(ids) >= limit:
-            ids = [tok.bos_id] + ids[-(limit // 2):]        # keep the end of a long prompt
-        if len(ids) + args.max_new_tokens > limit:
-            print(f"note: the model's context is {limit} tokens and the prompt uses {len(ids)}: each sample "
-                  f"stops after {limit - len(ids)} new tokens, not --max-new-tokens {args.max_new_tokens}",
-                  file=sys.stderr)
-        torch.manual_seed(args.seed)
-        gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        for i in range(args.num_samples):
-            if args.num_samples > 1:
-                print(f"--- sample {i + 1} ---")
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
-            tokens = torch.tensor([ids], device=dev.torch_device)
-            out: list[int] = []
-            shown = ""
-            for nxt in model.generate(tokens, args.max_new_tokens, args.temperature, args.top_k,
-                                      generator=gen if dev.kind == "cpu" else None):
-                dev.sync()   # XLA: run this token's graph and keep the KV cache, or every token recomputes all before it
-                t = int(nxt[0, 0])
-                if t == tok.eos_id:
-                    break
-                out.append(t)
-                text = tok.decode(out)        # decode the whole tail: pieces can merge bytes
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-            sys.stdout.write("\n")
+        read_prompts(args)
+        env = launch.torchrun_env()
+        check_args(args, env[1] if env else args.nproc)
+        if env:
+            worker(argv)
+        elif args.nproc > 1:
+            return launch.spawn(worker, (argv,), args.nproc)
+        else:
+            sample(args, devicelib.get_device(args.device))
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

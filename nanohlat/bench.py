@@ -5,6 +5,7 @@
         --ffn-dim 1024 --batch-size 8 --seq-len 256 --threads 2        # the 13.8M reference
     python -m nanohlat.bench --preset 125m --seq-len 1024 --device cuda --precision bf16
     python -m nanohlat.bench --profile                # + where the time goes, per op
+    python -m nanohlat.bench --generate               # serving: prefill, decode, batching (generate_bench)
 
 What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
@@ -183,8 +184,11 @@ def parse(argv):
                    help="skip the Hugging Face comparison")
     b.add_argument("--profile", action="store_true", default=False,
                    help="also print torch.profiler's top ops for each model")
+    b.add_argument("--generate", action="store_true", default=False,
+                   help="time generation instead: prefill/decode for batch 1..--batch-size, the bandwidth "
+                        "bound, static vs continuous batching")
     flags = vars(parser.parse_args(argv))
-    own = {k: flags.pop(k) for k in ("warmup", "hf", "profile")}
+    own = {k: flags.pop(k) for k in ("warmup", "hf", "profile", "generate")}
     flags = BENCH_DEFAULTS | flags
     model_cfg, tcfg = config.resolve(flags)
     if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.microbatches != 1:
@@ -202,6 +206,8 @@ def main(argv=None) -> int:
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or os.cpu_count() or 1)
     threads = torch.get_num_threads() if dev.kind == "cpu" else None
+    if args.generate:
+        return generate_bench(model_cfg, tcfg, dev)
     tokens, targets = random_batch(model_cfg, tcfg, dev)
 
     steps, models = {}, {}
@@ -247,6 +253,103 @@ def main(argv=None) -> int:
         print(f"\nnanohlat / hf-llama tokens/s: {rate['nanohlat'] / rate['hf-llama']:.3f}x")
     if args.profile:
         print(profile(steps, dev))
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# --generate: serving speed (generate.py, serving.py; tutorial chapter 9)
+# ---------------------------------------------------------------------------
+
+def read_bandwidth(dev, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s this device reads memory at, measured now: the best of a few
+    sums over a tensor far larger than any cache (1 GiB on a GPU)."""
+    mib = 1024 if dev.kind == "cuda" else mib
+    x = torch.ones(mib * 2**20 // 4, device=dev.torch_device)
+    best = float("inf")
+    for _ in range(repeats + 1):                       # the first one warms up
+        wait(dev)
+        start = time.perf_counter()
+        x.sum()
+        wait(dev)
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def decode_bytes(model_cfg, batch: int, context: float, e: int) -> tuple[float, float]:
+    """(weight bytes, KV-cache bytes) one decode step reads: every matrix once
+    (the embedding table only B rows: left out), and each row's cache of
+    `context` tokens: 2 (k, v) x layers x kv heads x head dim x e bytes per token."""
+    weights = (model_cfg.num_params() - model_cfg.padded_vocab * model_cfg.d_model) * e
+    kv = batch * context * 2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim * e
+    return weights, kv
+
+
+def generate_bench(model_cfg, tcfg, dev) -> int:
+    """prefill and decode tokens/s for batch sizes 1, 2, 4 .. --batch-size, the
+    memory-bandwidth bound of decode, and static vs continuous batching on one
+    simulated request stream. Random weights: speed does not depend on them."""
+    from nanohlat import generate as gen, serving
+    model = Transformer(model_cfg)
+    init_weights(model, tcfg.seed)
+    dtype = param_dtype(tcfg.precision)
+    model.to(device=dev.torch_device, dtype=dtype).eval()
+    e = torch.finfo(dtype).bits // 8
+    P = min(tcfg.seq_len, model_cfg.max_seq_len) // 2       # prompt tokens
+    n = min(32, model_cfg.max_seq_len - P)                 # decode steps timed
+    g = torch.Generator().manual_seed(tcfg.seed)
+    bw = read_bandwidth(dev)
+    print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters, random weights (speed does not depend on "
+          f"them), {tcfg.precision}, on {dev.name}" + (f" ({torch.get_num_threads()} threads)" if dev.kind == "cpu" else ""))
+    print(f"memory bandwidth: {bw / 1e9:.1f} GB/s (measured: best sum over a large fp32 tensor)")
+    print(f"prompt {P} tokens, then {n} decode steps (context {P}..{P + n}); decode bound = bandwidth x B / "
+          f"(weight bytes + B x KV bytes per row)\n")
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < tcfg.batch_size] + [tcfg.batch_size]
+    rows, rates = [], {}
+    for B in sizes:
+        prompts = torch.randint(0, model_cfg.vocab_size, (B, P), generator=g).tolist()
+        cache = gen.new_cache(model, B, P + n)
+        times = []
+        for _ in range(3):                                       # best of 3 prefills (the first warms up)
+            wait(dev)
+            start = time.perf_counter()
+            logits = gen.prefill(model, cache, prompts)
+            wait(dev)
+            times.append(time.perf_counter() - start)
+        prefill_rate = B * P / min(times)
+        tokens = gen.pick(logits)
+        positions = torch.full((B,), P, device=dev.torch_device)
+        start = time.perf_counter()
+        for _ in range(n):
+            tokens = gen.pick(gen.decode_step(model, cache, tokens, positions))
+            tokens.tolist()                                      # the host needs each token (eos, streaming)
+            positions = positions + 1
+        rates[B] = decode_rate = B * n / (time.perf_counter() - start)
+        weights, kv = decode_bytes(model_cfg, B, P + n / 2, e)
+        bound = bw * B / (weights + kv)
+        rows.append([B, f"{prefill_rate:,.0f}", f"{decode_rate:,.0f}", f"{weights / B / 1e6:.2f} MB",
+                     f"{kv / B / 1e6:.3f} MB", f"{bound:,.0f}", f"{decode_rate / bound:.0%}"])
+    header = ["batch", "prefill tok/s", "decode tok/s", "weights/token", "KV/token", "bound tok/s", "of bound"]
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+
+    # static vs continuous batching on the same stream, loaded near the decode capacity
+    N = tcfg.batch_size
+    new_tokens = (8, min(64, model_cfg.max_seq_len - P))
+    rate = rates[N] / (sum(new_tokens) / 2)                  # requests/s the decode rate can sustain
+    results = {}
+    for name, serve in (("static", serving.serve_static), ("continuous", serving.serve_continuous)):
+        stream = serving.arrival_stream(4 * N, rate, model_cfg.vocab_size, tcfg.seed, (8, P), new_tokens)
+        results[name] = serve(model, stream, N)
+    print(f"\n{4 * N} requests arriving at {rate:.1f}/s (Poisson), prompts 8..{P} tokens, "
+          f"{new_tokens[0]}..{new_tokens[1]} new tokens each; {N} rows; greedy")
+    print(f"{'scheduler':<12} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'mean latency':>13}")
+    for name, r in results.items():
+        print(f"{name:<12} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9,.0f} "
+              f"{r['mean_latency_s']:>11.2f} s")
+    s, c = results["static"], results["continuous"]
+    print(f"continuous / static: throughput {c['tokens_per_s'] / s['tokens_per_s']:.2f}x, "
+          f"mean latency {c['mean_latency_s'] / s['mean_latency_s']:.2f}x")
     return 0
 
 

@@ -63,7 +63,7 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.
 
 
 def apply_rotary(x, cos, sin):
-    """x: (B, heads, T, D); cos/sin: (T, D)."""
+    """x: (B, heads, T, D); cos/sin: (T, D), or (B, 1, T, D) for per-row positions."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)           # "rotate half"
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -91,15 +91,21 @@ class Attention(nn.Module):
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, positions=None, mask=None):
         x = tpl.enter(x, self.group, self.sequence_parallel)               # (B, T, C) full sequence
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        mask, causal = None, True
-        if cache is not None:  # generation: append to the cache, attend to all of it
+        causal = mask is None
+        if positions is not None:  # serving (generate.py): row b's token at position p goes to cache column p
+            cache_k, cache_v = cache
+            rows = torch.arange(B, device=x.device).unsqueeze(1)                    # (B, 1)
+            cache_k[rows, :, positions] = k.transpose(1, 2)                          # (B, T, K, D) slots
+            cache_v[rows, :, positions] = v.transpose(1, 2)
+            k, v = cache_k[:, :, :mask.shape[-1]], cache_v[:, :, :mask.shape[-1]]    # mask: (B, 1, T, S)
+        elif cache is not None:  # generation: append to the cache, attend to all of it
             cache_k, cache_v = cache
             cache_k[:, :, start_pos:start_pos + T] = k
             cache_v[:, :, start_pos:start_pos + T] = v
@@ -139,8 +145,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.mlp = MLP(cfg, group, sequence_parallel)
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, positions=None, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -173,13 +179,23 @@ class Transformer(nn.Module):
             block.attn.checkpoint_core = checkpoint_fn if mode == "selective" else None
         self.block_checkpoint = checkpoint_fn if mode == "full" else None
 
-    def forward(self, x, targets=None, cache=None, start_pos: int = 0):
+    def forward(self, x, targets=None, cache=None, start_pos: int = 0, positions=None):
         """x: tokens (B, T) on the first stage, else the residual stream from the
         previous stage. Returns, on the last stage, per-token losses (B, T) when
         targets are given, else this rank's logits (B, T, V/tp); on other stages
-        the residual stream (B, T or T/tp, C) for the next stage."""
+        the residual stream (B, T or T/tp, C) for the next stage.
+
+        positions (B, T), with a cache (serving, generate.py): each row's own
+        token positions; a token at position p is stored in cache column p and
+        attends to columns 0..p of its row, so rows of different lengths (and
+        padding after a row's end) share one batch."""
         T = x.shape[1] * (self.group.size if (self.sequence_parallel and not self.first) else 1)
         cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
+        mask = None
+        if positions is not None:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, D)
+            S = int(positions.max()) + 1                                 # cache columns anyone attends to
+            mask = (torch.arange(S, device=positions.device) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         if self.first:
             x = self.embed(x)                                  # (B, T or T/tp, C)
         for i, block in self.layers.items():
@@ -187,7 +203,7 @@ class Transformer(nn.Module):
             if self.block_checkpoint is not None and cache is None:
                 x = self.block_checkpoint(block, x, cos, sin)
             else:
-                x = block(x, cos, sin, layer_cache, start_pos)
+                x = block(x, cos, sin, layer_cache, start_pos, positions, mask)
         if not self.last:
             return x
         x = tpl.enter(self.norm(x), self.group, self.sequence_parallel)   # (B, T, C)
@@ -196,7 +212,7 @@ class Transformer(nn.Module):
             return logits
         return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
 
-    # -- generation (single process, tp=1 and pp=1: sample.py and eval.py) --
+    # -- generation (single process, tp=1 and pp=1: the lm-eval harness; sample.py uses generate.py) --
 
     def new_cache(self, batch: int, max_len: int, device, dtype):
         shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)

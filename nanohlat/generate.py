@@ -1,0 +1,180 @@
+"""Serving, part 1: prefill and decode with a KV cache, batched and tensor-parallel.
+
+Generating n tokens after a prompt of P tokens is two different workloads:
+
+    prefill   the P prompt tokens go through the model in one forward pass: one
+              big matmul per weight matrix, compute-bound like training. It
+              fills the KV cache and gives the first new token's logits.
+    decode    then one token per row per step: every weight matrix is read from
+              memory to be multiplied by only B vectors, and every row's cached
+              keys and values are read once. Memory-bandwidth-bound: a step
+              costs about (weight bytes + KV-cache bytes) / bandwidth, nearly
+              the same for B = 1 as for B = 8 (`bench.py --generate`).
+
+The KV cache (`new_cache`): per layer, keys and values of every earlier token,
+(rows, kv heads, max length, head dim) each. A token at position p of row b
+is stored in column p of row b and attends to columns 0..p of its row
+(model.Transformer.forward's `positions`), so every row keeps its own
+positions and rows of different lengths share one batch:
+
+  * prompts are right-padded for the batched prefill; the padding sits at
+    positions after its row's prompt, so no real token attends to it, and the
+    row's own new tokens overwrite those columns later;
+  * in decode, row b feeds its newest token at its own position.
+
+So batched greedy decoding gives every row exactly the tokens it gets alone
+(tests/test_serving.py), and the serving scheduler (serving.py) can put a new
+request into any free row of a running batch.
+
+Tensor parallelism uses the training layers unchanged: a tp rank holds
+n_heads/tp query heads and n_kv_heads/tp kv heads, so its cache holds only
+its kv heads (sharded like wk and wv), and attention needs no communication;
+wo and down end in an all-reduce, as in training. The head leaves each rank
+1/tp of the vocabulary's logits: `full_logits` gathers them, every rank picks
+the same next token from the same numbers, and all feed it back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint, comm
+from . import tensor_parallel as tpl
+from .config import ModelConfig, TrainConfig, model_from_dict
+from .mesh import Group, validate_layout
+from .model import Transformer
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a tensor-parallel degree the model cannot be split by (UserError),
+    with the same rules and messages as training."""
+    validate_layout(cfg, TrainConfig(tp=tp, batch_size=1), tp)
+
+
+@torch.no_grad()
+def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
+    """(this tp rank's slice of the model on `dev`, in eval mode; the manifest).
+
+    Any checkpoint, saved with any (tp, pp, dp, zero1) layout: each full tensor
+    is rebuilt from the shards and cut to this rank's slice, as a resumed
+    training run does (checkpoint.load)."""
+    group = mesh.tp_group if mesh is not None else Group("tp", [0], 0)
+    shards = checkpoint.ShardSet(checkpoint.resolve(path), mesh, dev)
+    cfg = model_from_dict(shards.manifest["config"]["model"])
+    check_tp(cfg, group.size)
+    model = Transformer(cfg, group)
+    for name, p in model.named_parameters():
+        p.copy_(tpl.shard(shards.tensor(name, p.full_shape), p.tp_dim, group.rank, group.size))
+    return model.to(dev.torch_device).eval(), shards.manifest
+
+
+def new_cache(model: Transformer, rows: int, length: int) -> dict:
+    """{layer: (keys, values)}, each (rows, local kv heads, length, head dim),
+    zeros, in the model's dtype on its device."""
+    attn = next(iter(model.layers.values())).attn
+    shape = (rows, attn.n_kv_heads, length, attn.head_dim)
+    w = next(model.parameters())
+    return {i: (w.new_zeros(shape), w.new_zeros(shape)) for i in model.layer_ids}
+
+
+def cache_rows(cache: dict, start: int, stop: int) -> dict:
+    """Rows [start, stop) of a cache, as views: writes go into the big cache."""
+    return {i: (k[start:stop], v[start:stop]) for i, (k, v) in cache.items()}
+
+
+def cache_bytes(cache: dict) -> int:
+    return sum(k.numel() * k.element_size() * 2 for k, _ in cache.values())
+
+
+def full_logits(logits: torch.Tensor, model: Transformer) -> torch.Tensor:
+    """This rank's (B, V/tp) slice of the logits -> all real-vocabulary logits
+    (B, vocab_size) in fp32, the same on every tp rank."""
+    logits = comm.all_gather(logits.float(), model.group, dim=-1)
+    return logits[..., :model.cfg.vocab_size]
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0) -> torch.Tensor:
+    """softmax(logits / temperature) restricted to the top_k largest (0 = all)."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return F.softmax(logits, dim=-1)
+
+
+def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, generator=None) -> torch.Tensor:
+    """The next token of each row, (B,): the argmax when temperature <= 0, else a
+    draw from `probabilities`. Draws happen on the CPU with `generator`, so a
+    seed gives the same tokens on every device and every tp rank."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = probabilities(logits, temperature, top_k).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def prefill(model: Transformer, cache: dict, prompts: list[list[int]]) -> torch.Tensor:
+    """Run the prompts (lists of token ids, any lengths) through the model in
+    one batched pass, writing cache rows 0..len(prompts)-1 (pass `cache_rows`
+    to fill other rows). Returns each prompt's last-token logits (B, vocab)."""
+    device = model.cos.device
+    T = max(len(p) for p in prompts)
+    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)   # right-padded
+    positions = torch.arange(T, device=device).expand(len(prompts), T)
+    logits = model(tokens, cache=cache, positions=positions)                         # (B, T, V/tp)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)
+    return full_logits(logits[torch.arange(len(prompts), device=device), last], model)
+
+
+@torch.no_grad()
+def decode_step(model: Transformer, cache: dict, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row: tokens and their positions (B,) -> next logits (B, vocab)."""
+    logits = model(tokens.view(-1, 1), cache=cache, positions=positions.view(-1, 1))
+    return full_logits(logits[:, -1], model)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens, temperature: float = 0.0,
+             top_k: int = 0, generator=None, eos_id: int | None = None, sync=None):
+    """Decode all prompts together. Yields, once per step, a list with one new
+    token per row, or None for a row that has finished (it produced eos_id, its
+    max_new_tokens (an int, or one per row), or reached the model's max_seq_len).
+    `sync`, when given, is called after every step (XLA: cut the graph there
+    and keep the cache)."""
+    B, lengths = len(prompts), [len(p) for p in prompts]
+    wanted = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * B
+    budget = [min(w, model.cfg.max_seq_len - n) for w, n in zip(wanted, lengths)]
+    length = max(n + b for n, b in zip(lengths, budget))
+    cache = new_cache(model, B, length)
+    logits = prefill(model, cache, prompts)
+    positions = torch.tensor(lengths, device=logits.device)
+    made, done = [0] * B, [b <= 0 for b in budget]
+    while not all(done):
+        nxt = pick(logits, temperature, top_k, generator)
+        out = []
+        for b, t in enumerate(nxt.tolist()):
+            if done[b]:
+                out.append(None)
+                continue
+            out.append(t)
+            made[b] += 1
+            done[b] = t == eos_id or made[b] >= budget[b]
+        yield out
+        if all(done):
+            return
+        # finished rows keep computing (a batch has one shape) at a harmless, clamped position
+        logits = decode_step(model, cache, nxt, positions)
+        positions = (positions + 1).clamp(max=length - 1)
+        if sync is not None:
+            sync()
+
+
+def generate_lists(model: Transformer, prompts: list[list[int]], max_new_tokens, **kw) -> list[list[int]]:
+    """`generate`, collected: the new tokens of each prompt (eos included if produced)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for step in generate(model, prompts, max_new_tokens, **kw):
+        for row, t in zip(out, step):
+            if t is not None:
+                row.append(t)
+    return out
