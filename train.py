@@ -20,6 +20,7 @@ import torch.distributed
 
 from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
 from nanohlat import device as devicelib
+from nanohlat.compile import compile_stage
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
 from nanohlat.model import Transformer, init_weights
@@ -57,6 +58,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes
     model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
+    if tcfg.compile: compile_stage(model, dev.kind)   # torch.compile, in place (nanohlat/compile.py)
 
     # -- schedule and optimizer ---------------------------------------------
     mb = tcfg.batch_size // (dp * tcfg.microbatches)
