@@ -7,6 +7,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 from __future__ import annotations
 
 from . import optim, pipeline
+from .compile import compile_stage
 from .model import Transformer, init_weights
 from .precision import param_dtype
 
@@ -16,7 +17,7 @@ def build(model_cfg, tcfg, mesh, dev):
 
     model:  this rank's pipeline stage and tensor slice, initialised
             layout-independently (every layout starts from the same weights),
-            in the parameter dtype of --precision;
+            in the parameter dtype of --precision (compiled with --compile);
     runner: the micro-batch schedule (--schedule) that runs forward/backward;
     opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1).
     """
@@ -27,6 +28,8 @@ def build(model_cfg, tcfg, mesh, dev):
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes
     model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
+    if tcfg.compile:
+        compile_stage(model, dev.kind)   # --compile: torch.compile the stage in place (compile.py)
     mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
     seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)

@@ -1,0 +1,73 @@
+"""`--compile`: torch.compile for the model stage, and what it did, counted.
+
+torch.compile (TorchDynamo + Inductor) is PyTorch's own graph compiler. It
+sees what XLA sees on Trainium, from the other end: XLA records every op of a
+step lazily and compiles the whole recorded graph at `torch_xla.sync()`;
+Dynamo reads a function's Python bytecode the first time it is called,
+captures the tensor operations into a graph, and Inductor generates fused
+kernels for it (C++/OpenMP on the CPU, Triton on CUDA). The next call runs
+the compiled code, after checking the *guards* recorded with it (shapes,
+dtypes, grad mode, the Python values the graph was specialised on); when a
+guard fails it compiles again (a recompilation). Where Dynamo cannot capture
+something (a collective of comm.py, a Python `if` on a tensor's value, a
+`.item()`) it ends the graph, runs that piece eagerly and starts a new graph
+after it: a *graph break*. Tutorial chapter 2 has exercises on each of these.
+
+What is compiled: the model stage, `Transformer.forward` (forward and, through
+AOTAutograd, its backward), compiled in place (`nn.Module.compile`), so
+parameter names, checkpoints and the optimizer see the same module. One
+process runs the whole step's forward as one graph; with --tp > 1 each
+collective of tensor_parallel.py is a graph break, and with --pp > 1 every
+stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
+Python, calling the compiled stage once per micro-batch.
+
+What is not: the optimizer (optim.py:FlatAdamW.step) runs eagerly. It is a
+few in-place passes over large flat buffers, memory-bound, with the dp/tp/pp
+collectives of the grad norm between them: little for a compiler to fuse,
+and a graph break at every collective. The pipeline schedule and the
+evaluation loop run eagerly too (the model stage inside them is compiled;
+evaluation under no_grad compiles its own forward-only graph once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanohlat.config import UserError
+
+
+def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.Module:
+    """torch.compile this rank's model stage, in place; returns it.
+
+    Compilation is lazy: nothing happens until the first forward, which then
+    takes seconds to minutes (Inductor writes and compiles C++ on the CPU).
+    Compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR, by default
+    /tmp/torchinductor_$USER), so a second run of the same shapes starts faster.
+    """
+    if device_kind == "xla":
+        raise UserError("--compile is torch.compile for cpu and cuda; on xla the step is already "
+                        "compiled as one graph by XLA: drop --compile")
+    model.compile()
+    return model
+
+
+def reset() -> None:
+    """Forget every compiled graph and zero the counters (a fresh start, for measurements)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def stats() -> dict:
+    """What torch.compile did so far in this process, from Dynamo's own counters
+    (`torch._dynamo.utils.counters`, the same on torch 2.9 and 2.13):
+
+        graphs        graphs captured and compiled: one per piece between graph
+                      breaks, again for each recompilation
+        frames        Python functions (frames) Dynamo compiled, again for each recompilation
+        graph_breaks  places where Dynamo cut a graph, counted once when captured
+                      (not per call), with the reasons it gave (first line of each)
+    """
+    from torch._dynamo.utils import counters, graph_break_reasons
+    reasons = sorted({r.reason.splitlines()[0] for r in graph_break_reasons})
+    return {"graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["ok"],
+            "graph_breaks": len(graph_break_reasons), "break_reasons": reasons}
