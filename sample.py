@@ -19,7 +19,7 @@ import torch
 
 from nanohlat import checkpoint, data
 from nanohlat import device as devicelib
-from nanohlat.config import UserError
+from nanohlat.config import DEVICES, UserError
 
 
 def parse_args(argv=None):
@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    p.add_argument("--device", default="auto", choices=DEVICES)
     return p.parse_args(argv)
 
 

@@ -74,8 +74,7 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     work than we count, which makes MFU look slightly better than its FLOPs.
     """
     d, L = model_cfg.d_model, model_cfg.n_layers
-    kv = model_cfg.n_kv_heads * model_cfg.head_dim
-    per_layer = (d * d * 2 + d * kv * 2) + 3 * d * model_cfg.ffn_dim  # wq wo wk wv + gate up down
+    per_layer = model_cfg.layer_matrix_params()   # wq wo wk wv + gate up down
     # The head multiplies by the padded vocabulary, so the padded columns are
     # real work the device does (and 32000 is already a multiple of 128).
     head = d * model_cfg.padded_vocab
