@@ -21,7 +21,9 @@ import time
 
 import torch
 
+from nanohlat import checkpoint, config
 from nanohlat.config import UserError
+from nanohlat.mesh import layout_table
 
 # Peak dense FLOP/s of ONE device as nanohlat counts devices: one process each.
 # Numbers are vendor datasheet figures, without structured sparsity.
@@ -217,9 +219,7 @@ class TrainLog:
 
     def __init__(self, model_cfg, tcfg, mesh, dev, model, opt, tokenizer_path: str,
                  start_step: int = 0, bad_steps: int = 0, resumed_from: str | None = None):
-        from nanohlat import checkpoint, config
-        from nanohlat import device as devicelib
-        from nanohlat.mesh import layout_table
+        from nanohlat import device as devicelib   # here, not above: device.py may use this module
         self.tcfg, self.dev = tcfg, dev
         self.main = mesh.rank == 0
         self.print = print if self.main else (lambda *a, **k: None)
