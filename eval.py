@@ -25,7 +25,7 @@ import time
 from nanohlat import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat import evaluate
-from nanohlat.config import UserError
+from nanohlat.config import DEVICES, UserError
 
 
 def parse_args(argv=None):
@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass")
     p.add_argument("--max-batches", type=int, default=16, help="held-out batches (0 = the whole held-out split)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in task and few-shot draws")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--json", default="", help="where to write results (default <out-dir>/eval.json)")
     return p.parse_args(argv)
 

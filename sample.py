@@ -28,7 +28,7 @@ import torch.distributed
 from nanohlat import checkpoint, data, generate, launch
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.config import UserError, model_from_dict
+from nanohlat.config import DEVICES, UserError, model_from_dict
 
 
 def parse_args(argv=None):
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch-size", type=int, default=1, help="prompts (or samples) decoded together")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--nproc", type=int, default=1, help="local worker processes to start (one per tp rank)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: --nproc, or torchrun's world size")
     return p.parse_args(argv)

@@ -42,6 +42,7 @@ to whole bytes per call; every tensor in nanohlat splits evenly anyway.)
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,22 @@ import torch.distributed as dist
 # old names; torch 2.9 (torch-neuronx) only has the old ones. Pick once, here.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it: who is in it and where I stand.
+    mesh.py builds them; every operation below takes one."""
+
+    name: str                   # 'tp', 'dp', 'pp', 'pair' ... (the comm ledger's key)
+    ranks: list[int]
+    rank: int                   # my index inside `ranks`
+    pg: object = None           # torch.distributed ProcessGroup, None when size 1
+    ledger: object = None       # CommLedger shared by all groups of the mesh
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
 
 FIGURES = ("payload", "wire", "padding", "calls")

@@ -13,6 +13,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
+from .precision import PRECISIONS
+
+DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
+
 
 class UserError(Exception):
     """Bad input from the user. CLIs print it as one line and exit with code 2."""
@@ -45,13 +49,22 @@ class ModelConfig:
         m = self.vocab_multiple
         return (self.vocab_size + m - 1) // m * m
 
+    def kv_heads_per_rank(self, tp: int = 1) -> int:
+        """kv heads on one tensor-parallel rank. With more tp ranks than kv heads
+        (HLAT-70B: 8 kv heads, tp 32) each rank holds a replica of one kv head."""
+        return max(self.n_kv_heads // tp, 1)
+
+    def layer_matrix_params(self, tp: int = 1) -> int:
+        """Weights of one block's matrices on one tp rank (the whole block at tp 1):
+        wq, wo (d x d) and gate, up, down (d x ffn) split over tp; wk, wv (d x kv)."""
+        d, kv = self.d_model, self.kv_heads_per_rank(tp) * self.head_dim
+        return (2 * d * d + 3 * d * self.ffn_dim) // tp + 2 * d * kv
+
     def num_params(self) -> int:
-        """Parameters of the full (unsharded) model, padded vocabulary included."""
-        d, f, v, L = self.d_model, self.ffn_dim, self.padded_vocab, self.n_layers
-        kv = self.n_kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv * 2            # wq, wo, wk, wv
-        mlp = 3 * d * f                           # gate, up, down
-        return 2 * v * d + L * (attn + mlp + 2 * d) + d
+        """Parameters of the full (unsharded) model, padded vocabulary included:
+        embedding and head, per layer its matrices and two RMSNorm gains, the final norm."""
+        d, v, L = self.d_model, self.padded_vocab, self.n_layers
+        return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d
 
     def validate(self) -> None:
         if self.d_model % self.n_heads:
@@ -138,9 +151,9 @@ class TrainConfig:
         if self.log_every <= 0:
             raise UserError(f"--log-every must be positive, got {self.log_every}")
         choices = {
-            "device": ("auto", "cpu", "cuda", "xla"),
+            "device": DEVICES,
             "schedule": ("afab", "1f1b"),
-            "precision": ("fp32", "bf16-mixed", "bf16-sr", "bf16"),
+            "precision": PRECISIONS,
             "activation_checkpointing": ("none", "selective", "full"),
         }
         for name, allowed in choices.items():
@@ -289,23 +302,23 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     base_model, base_train = PRESETS[preset]
     model_names = {f.name for f in fields(ModelConfig)}
-    model = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
-    train = dataclasses.replace(TrainConfig(), **base_train)
-    train = dataclasses.replace(train, **{k: v for k, v in flags.items() if k not in model_names})
-    model.validate()
-    train.validate()
-    if train.seq_len > model.max_seq_len:
-        raise UserError(f"--seq-len {train.seq_len} is above the model maximum {model.max_seq_len}; "
+    model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
+    tcfg = dataclasses.replace(TrainConfig(), **base_train)
+    tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
+    model_cfg.validate()
+    tcfg.validate()
+    if tcfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
                         f"lower --seq-len or raise --max-seq-len")
-    return model, train
+    return model_cfg, tcfg
 
 
 def parse_args(argv=None) -> tuple[ModelConfig, TrainConfig]:
     return resolve(vars(build_parser().parse_args(argv)))
 
 
-def to_dict(model: ModelConfig, train: TrainConfig) -> dict:
-    return {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train)}
+def to_dict(model_cfg: ModelConfig, tcfg: TrainConfig) -> dict:
+    return {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(tcfg)}
 
 
 def model_from_dict(d: dict) -> ModelConfig:

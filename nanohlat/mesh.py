@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .comm import Group
 from .config import ModelConfig, TrainConfig, UserError
 
 
@@ -62,8 +63,6 @@ def validate_layout(model: ModelConfig, train: TrainConfig, world: int) -> int:
                         f"{train.microbatches} equal micro-batches; use a multiple of {dp * train.microbatches}")
     if train.sequence_parallel and train.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {train.seq_len} divisible by --tp {tp}")
-    if train.zero1 and dp == 1 and world > 1:
-        pass  # allowed: ZeRO-1 over one rank is plain AdamW, useful for comparisons
     return dp
 
 
@@ -91,21 +90,6 @@ def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_row
             row += f"  {p * per}-{(p + 1) * per - 1}" + ("  +embedding" if p == 0 else "") + ("  +norm,head,loss" if p == pp - 1 else "")
         lines.append(row)
     return "\n".join(lines)
-
-
-@dataclass
-class Group:
-    """One process group as this rank sees it: who is in it and where I stand."""
-
-    name: str                   # 'tp', 'dp', 'pp', 'pair' ... (the comm ledger's key)
-    ranks: list[int]
-    rank: int                   # my index inside `ranks`
-    pg: object = None           # torch.distributed ProcessGroup, None when size 1
-    ledger: object = None       # comm.CommLedger shared by all groups of the mesh
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
 
 
 @dataclass

@@ -22,7 +22,9 @@ import time
 
 import torch
 
+from nanohlat import checkpoint, config
 from nanohlat.config import UserError
+from nanohlat.mesh import layout_table
 
 # Peak dense FLOP/s of ONE device as nanohlat counts devices: one process each.
 # Numbers are vendor datasheet figures, without structured sparsity.
@@ -76,8 +78,7 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     work than we count, which makes MFU look slightly better than its FLOPs.
     """
     d, L = model_cfg.d_model, model_cfg.n_layers
-    kv = model_cfg.n_kv_heads * model_cfg.head_dim
-    per_layer = (d * d * 2 + d * kv * 2) + 3 * d * model_cfg.ffn_dim  # wq wo wk wv + gate up down
+    per_layer = model_cfg.layer_matrix_params()   # wq wo wk wv + gate up down
     # The head multiplies by the padded vocabulary, so the padded columns are
     # real work the device does (and 32000 is already a multiple of 128).
     head = d * model_cfg.padded_vocab
@@ -269,9 +270,7 @@ class TrainLog:
 
     def __init__(self, model_cfg, tcfg, mesh, dev, model, opt, tokenizer_path: str,
                  start_step: int = 0, bad_steps: int = 0, resumed_from: str | None = None):
-        from nanohlat import checkpoint, config
-        from nanohlat import device as devicelib
-        from nanohlat.mesh import layout_table
+        from nanohlat import device as devicelib   # here, not above: device.py may use this module
         self.tcfg, self.dev = tcfg, dev
         self.main = mesh.rank == 0
         self.print = print if self.main else (lambda *a, **k: None)

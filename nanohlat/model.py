@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import tensor_parallel as tpl
+from .comm import Group
 from .config import ModelConfig
-from .mesh import Group
 
 
 class RMSNorm(nn.Module):

@@ -65,7 +65,7 @@ from .config import UserError
 from .mesh import Mesh, coords, layout_table, rank_of, validate_layout
 from .metrics import flops_per_token, peak_flops
 from .pipeline import stage_layers, stage_order, timetable
-from .precision import master_dtype
+from .precision import master_dtype, param_dtype
 from .zero1 import padded_size
 
 GiB = 2**30
@@ -82,21 +82,17 @@ DEFAULT_MFU = 0.40
 
 
 def dtype_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
+    return param_dtype(precision).itemsize
 
 
 def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
-    """kv heads on one tp rank. With more tp ranks than kv heads (HLAT-70B: 8 kv
-    heads, tp 32) each rank must hold a replica of one kv head."""
-    return max(cfg.n_kv_heads // tp, 1)
+    return cfg.kv_heads_per_rank(tp)
 
 
 def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
     """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms."""
-    d, kv = cfg.d_model, local_kv_heads(cfg, tp) * cfg.head_dim
-    per_layer = (d * d * 2 + 3 * d * cfg.ffn_dim) // tp + d * kv * 2
-    layers = cfg.n_layers // pp
-    sharded = layers * per_layer
+    d, layers = cfg.d_model, cfg.n_layers // pp
+    sharded = layers * cfg.layer_matrix_params(tp)
     norms = layers * 2 * d
     if stage == 0:
         sharded += cfg.padded_vocab * d // tp
