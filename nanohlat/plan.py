@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import textwrap
 
 from . import comm
 from .config import ModelConfig, TrainConfig
@@ -637,7 +638,7 @@ def _time_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
           "as its input exists (nanohlat's lock-step ticks lose more: timeline.py)",
           "  - overlap: none in nanohlat: the tp collectives sit between the matmuls, pipeline exchanges between "
           "ticks, the dp reduction after the backward; 'dp overlapped' hides it behind the backward (2/3 of the "
-          "compute), as Megatron-LM and NeuronX Distributed do"]
+          "compute), as Megatron-LM does (an XLA compiler may schedule it so inside one step graph)"]
     return L
 
 
@@ -727,7 +728,7 @@ def search_report(cfg: ModelConfig, t: TrainConfig, world: int, top: int = 10) -
         return "\n".join(L + ["", f"the preset's own layout is not valid for {world} ranks"])
     who = "HLAT's own layout" if t.preset.startswith("hlat") else "the preset's own layout"
     L += ["", f"{who}:"] + _table(SEARCH_HEADER, [_search_row("-", mine, world)])
-    L += [_why(mine, fits, cap, who)]
+    L += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(L)
 
 
@@ -757,16 +758,16 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
     if e["step_overlapped"] < e["step"]:
-        text += (f" Overlapping the dp reduction with the backward, as NeuronX Distributed does and nanohlat "
-                 f"does not, would bring it to {fmt_seconds(e['step_overlapped'])}.")
+        text += (f" Overlapping the dp reduction with the backward, which nanohlat does not do, would bring "
+                 f"it to {fmt_seconds(e['step_overlapped'])}.")
     return text
 
 
 COMM_LEGEND = ["  payload: what the collective delivers; wire: what a ring implementation sends from the rank",
                "  (all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload, exchange: the",
                "  real tensor); padding: the zeros an exchange sends for an idle direction (comm.py)"]
-COMM_LEGEND_SHORT = ("  (bytes; wire = what a ring sends from this rank: 2(n-1)/n x payload for an all-reduce, "
-                     "(n-1)/n otherwise; comm.py)")
+COMM_LEGEND_SHORT = ("  (bytes; wire: what a ring sends from this rank, 2(n-1)/n x payload for an all-reduce, "
+                     "(n-1)/n for the rest)")
 
 
 def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
