@@ -11,7 +11,6 @@ where possible; the few tests that need a real second process start one.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -69,14 +68,6 @@ def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, caps
     assert code == 2
     one_line_error(err, message)
     assert not out.exists()          # before training: nothing written, so `--resume never` is never blocked
-
-
-def test_lr_nan_as_a_process_exits_2_before_training(tmp_path, cache_dir):
-    p = run_py(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "o"), "--lr", "nan"],
-               check=False)
-    assert p.returncode == 2
-    one_line_error(p.stderr, "--lr")
-    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("args, message", [
