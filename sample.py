@@ -114,7 +114,8 @@ def sample(args, dev, mesh=None) -> None:
                 shown = text
         for (i, s, text), out in zip(batch, outs):
             if not stream:
-                header = [f"prompt {i + 1}"] * (len(jobs) > args.num_samples) + [f"sample {s + 1}"] * (args.num_samples > 1)
+                header = ([f"prompt {i + 1}"] if len(jobs) > args.num_samples else []) + \
+                         ([f"sample {s + 1}"] if args.num_samples > 1 else [])
                 write(f"--- {', '.join(header)} ---\n{text}{tok.decode(out)}")
             write("\n")
     sys.stdout.flush()

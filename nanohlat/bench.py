@@ -298,8 +298,9 @@ def generate_bench(model_cfg, tcfg, dev) -> int:
     n = min(32, model_cfg.max_seq_len - P)                 # decode steps timed
     g = torch.Generator().manual_seed(tcfg.seed)
     bw = read_bandwidth(dev)
+    where = f"{dev.name} ({torch.get_num_threads()} threads)" if dev.kind == "cpu" else dev.name
     print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters, random weights (speed does not depend on "
-          f"them), {tcfg.precision}, on {dev.name}" + (f" ({torch.get_num_threads()} threads)" if dev.kind == "cpu" else ""))
+          f"them), {tcfg.precision}, on {where}")
     print(f"memory bandwidth: {bw / 1e9:.1f} GB/s (measured: best sum over a large fp32 tensor)")
     print(f"prompt {P} tokens, then {n} decode steps (context {P}..{P + n}); decode bound = bandwidth x B / "
           f"(weight bytes + B x KV bytes per row)\n")
