@@ -1,15 +1,38 @@
-"""Every runnable command block of tutorial.md runs and succeeds.
+"""Every runnable command block of tutorial.md runs, succeeds and prints what
+the tutorial shows.
 
 A block is runnable when it is fenced as bash and its first line is
-`# runnable`. Each block runs with bash -e in a fresh directory that links to
-the repository's scripts and package, so its `runs/` outputs go to a
-temporary place and the blocks cannot drift from the code they describe.
+`# runnable`. The ```text block right after it is its transcript: each command
+as `$ command`, then what it printed (a transcript without `$` lines is the
+output of a block's only command). Each block runs with bash -e in a fresh
+directory that links to the repository's scripts and package, so its `runs/`
+outputs go to a temporary place, and `python` there is this test's own
+interpreter (a venv's too).
+
+What is compared, so the tutorial's figures cannot drift from the code: every
+non-blank line of the transcript must appear, in order, in the command's
+output (the output may have more lines). A line matches when its words match
+and its numbers agree: integers (byte counts, parameter counts, steps) exactly,
+decimals (losses, GiB) to within `REL_TOL` (0.1%), room for the different
+float rounding of another CPU or thread count, far less than any change to
+training moves a loss. The expected lines are read from tutorial.md itself, so
+updating a figure there is all a change of output needs.
+
+Not compared: what a run *measures* (times, the pipeline drawn to scale, the
+measured bubble: the spans in `MEASURED`, matched by shape only) and text
+sampled from a model (`SAMPLED`: one changed bit picks other tokens). Losses
+depend on the corpus, which is the running Python's standard library: they are
+compared only under the Python version that tutorial.md says its figures were
+made with (`CORPUS_DEPENDENT`).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import platform
 import re
+import shlex
 import subprocess
 import sys
 
@@ -17,27 +40,181 @@ import pytest
 
 from conftest import ROOT
 
-BLOCK = re.compile(r"```bash\n# runnable\n(.*?)```", re.S)
+BLOCK = re.compile(r"```bash\n# runnable\n(.*?)```[ \t]*\n(?:\s*\n)*(?:```text\n(.*?)```)?", re.S)
+NUMBER = re.compile(r"\d+(?:,\d\d\d)*(?:\.\d+)?")
+REL_TOL = 1e-3
+
+# Spans of a transcript line that a run measures; they match anything. A
+# pattern's group `m`, where it has one, is the span; else the whole match.
+MEASURED = [
+    re.compile(r"drawn to scale \((?P<m>[\d.]+ ms)"),        # pipeline: the last step's wall time
+    re.compile(r"^stage \d+ (?P<m>\|[FB.]*\|)$"),           # pipeline: the step drawn to scale
+    re.compile(r"bubble: measured (?P<m>[\d.]+)"),          # pipeline: idle fraction, measured
+    re.compile(r"done in (?P<m>[\d.]+s)"),                  # eval.py: time per checkpoint
+    re.compile(r" passed in (?P<m>[\d.]+s.*)"),             # pytest: wall time
+]
+# The built-in corpus is the running Python's standard library, so losses
+# depend on the Python version. tutorial.md names the version its figures were
+# made with; under another one these spans, too, are matched by shape only.
+CORPUS_DEPENDENT = [
+    re.compile(r"loss (?P<m>\d+\.\d+)"),                   # train.py: final loss, val loss
+    re.compile(r"^\s*\d+\s+[\d,]+\s+(?P<m>\d+\.\d+\s.*)$"),   # eval.py: a row of the table
+]
+CORPUS_PYTHON = re.compile(r"made with Python (\d+\.\d+\.\d+)")
+# Commands whose output is sampled text: one changed bit in the weights (another
+# CPU's float rounding) picks other tokens, so only their exit code counts.
+SAMPLED = ("python sample.py",)
 
 
-def runnable_blocks() -> list[str]:
+def tutorial_text() -> str:
     with open(os.path.join(ROOT, "tutorial.md")) as f:
-        return BLOCK.findall(f.read())
+        return f.read()
 
 
-def test_the_tutorial_has_runnable_blocks():
-    assert len(runnable_blocks()) >= 8
+def runnable_blocks() -> list[tuple[list[str], str | None]]:
+    """(commands, transcript or None) for every runnable block, in order."""
+    blocks = []
+    for script, transcript in BLOCK.findall(tutorial_text()):
+        commands = [line.strip() for line in script.replace("\\\n", " ").splitlines()
+                    if line.strip() and not line.lstrip().startswith("#")]
+        blocks.append((commands, transcript or None))
+    return blocks
+
+
+def expected_outputs(commands: list[str], transcript: str) -> list[list[str]]:
+    """The transcript's lines, per command of the block."""
+    lines = transcript.splitlines()
+    if not any(line.startswith("$ ") for line in lines):
+        assert len(commands) == 1, "a transcript without `$ command` lines must belong to a one-command block"
+        return [lines]
+    shown = [line[2:] for line in lines if line.startswith("$ ")]
+    assert shown == commands, f"the transcript shows other commands than the block runs:\n{shown}\n{commands}"
+    outputs: list[list[str]] = []
+    for line in lines:
+        if line.startswith("$ "):
+            outputs.append([])
+        elif outputs:
+            outputs[-1].append(line)
+    return outputs
+
+
+def masked_spans(line: str, patterns: list[re.Pattern]) -> list[tuple[int, int]]:
+    spans = []
+    for p in patterns:
+        for m in p.finditer(line):
+            spans.append(m.span("m") if "m" in p.groupindex else m.span())
+    return sorted(spans)
+
+
+def line_pattern(expected: str, masks: list[re.Pattern]) -> re.Pattern:
+    """A regex for lines shaped like `expected`: spans of `masks` match anything,
+    every number is a group, runs of spaces match any run of spaces."""
+    spans = masked_spans(expected, masks)
+    parts, pos = [], 0
+    for start, end in spans + [(len(expected), len(expected))]:
+        for piece in re.split(r"(\s+)", expected[pos:start]):
+            if piece.isspace():
+                parts.append(r"\s+")
+            else:
+                last = 0
+                for m in NUMBER.finditer(piece):
+                    parts.append(re.escape(piece[last:m.start()]) + f"({NUMBER.pattern})")
+                    last = m.end()
+                parts.append(re.escape(piece[last:]))
+        if start < len(expected):
+            parts.append(".*?")
+        pos = end
+    return re.compile(r"\s*" + "".join(parts) + r"\s*")
+
+
+def numbers_agree(want: str, got: str) -> bool:
+    if "." not in want:
+        return want == got
+    return math.isclose(float(want.replace(",", "")), float(got.replace(",", "")), rel_tol=REL_TOL)
+
+
+def mismatches(expected: list[str], actual: list[str], masks: list[re.Pattern] = MEASURED) -> list[str]:
+    """Transcript lines that the actual output does not print, in order; a line
+    printed with other numbers is reported with what was printed instead."""
+    problems, i = [], 0
+    for want in (line for line in expected if line.strip()):
+        pattern = line_pattern(want, masks)
+        want_numbers = pattern.fullmatch(want).groups()
+        for j in range(i, len(actual)):
+            m = pattern.fullmatch(actual[j])
+            if m:
+                bad = [(w, g) for w, g in zip(want_numbers, m.groups()) if not numbers_agree(w, g)]
+                if bad:
+                    problems.append(f"expected {want!r}\n     got {actual[j]!r}")
+                i = j + 1
+                break
+        else:
+            problems.append(f"expected {want!r}\n     not printed (after output line {i})")
+    return problems
+
+
+def run_block(commands: list[str], cwd) -> tuple[int, list[list[str]], str]:
+    """Run the block with bash -e; (exit code, output lines per command, whole transcript)."""
+    for name in ("train.py", "sample.py", "eval.py", "nanohlat", "tests", "scripts", "pyproject.toml"):
+        os.symlink(os.path.join(ROOT, name), cwd / name)
+    bin_dir = cwd / "bin"
+    bin_dir.mkdir()
+    # `python` in the block = this interpreter. A wrapper, not a symlink: a
+    # venv's interpreter started through a link in another folder no longer
+    # finds its venv (pyvenv.cfg is looked for next to the path it was started by).
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    marker = "@@tutorial-command@@"
+    script = "".join(f"echo {marker}\n{command}\n" for command in commands)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    p = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=600)
+    outputs = [chunk.splitlines() for chunk in p.stdout.split(marker + "\n")[1:]]
+    return p.returncode, outputs, p.stdout
+
+
+def test_the_tutorial_has_runnable_blocks_with_transcripts():
+    blocks = runnable_blocks()
+    assert len(blocks) >= 8
+    assert all(transcript for _, transcript in blocks), "every runnable block is followed by a ```text transcript"
+
+
+def test_python_in_a_block_is_this_interpreter_with_its_packages(tmp_path):
+    rc, outputs, out = run_block(['python -c "import sys; print(sys.prefix); print(sys.executable)"'], tmp_path)
+    assert rc == 0, out
+    assert outputs[0][0] == sys.prefix           # a venv stays a venv
+
+
+def test_a_changed_figure_is_caught():
+    """The comparison itself: figures that differ fail, measured ones do not."""
+    want = ["done: 5 steps, final loss 6.0602, val loss 5.9415; metrics in runs/x/metrics.jsonl",
+            "  dp.all_reduce                 1,001,732      1,001,732",
+            "bubble: measured 0.73 of the step (idle + communication), formula (p-1)/(m+p-1) = 0.27"]
+    same = ["some warning", "done: 5 steps, final loss 6.0603, val loss 5.9415; metrics in runs/x/metrics.jsonl",
+            "  dp.all_reduce  1,001,732  1,001,732",
+            "bubble: measured 0.51 of the step (idle + communication), formula (p-1)/(m+p-1) = 0.27"]
+    assert mismatches(want, same) == []
+    assert len(mismatches(want, [same[1].replace("6.0603", "6.1602")] + same[2:])) == 1
+    assert len(mismatches(want, [same[1], same[2].replace("1,001,732", "1,001,736", 1), same[3]])) == 1
+    assert len(mismatches(want, [same[1], same[2], same[3].replace("0.27", "0.31")])) == 1
+    assert len(mismatches(want, same[2:])) == 1      # the loss line is missing
+    other_corpus = [same[1].replace("6.0603", "5.1379")] + same[2:]
+    assert len(mismatches(want, other_corpus)) == 1
+    assert mismatches(want, other_corpus, MEASURED + CORPUS_DEPENDENT) == []
 
 
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
-def test_tutorial_block_runs(index, tmp_path):
-    block = runnable_blocks()[index]
-    for name in ("train.py", "sample.py", "eval.py", "nanohlat", "tests", "scripts", "pyproject.toml"):
-        os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")          # `python` in the block = this interpreter
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    p = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, f"block {index} failed:\n{block}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
+    commands, transcript = runnable_blocks()[index]
+    made_with = CORPUS_PYTHON.search(tutorial_text())
+    assert made_with, "tutorial.md says which Python version its figures were made with"
+    masks = MEASURED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
+    rc, outputs, out = run_block(commands, tmp_path)
+    assert rc == 0, f"block {index} failed:\n{commands}\n{out[-6000:]}"
+    problems = []
+    for command, expected, actual in zip(commands, expected_outputs(commands, transcript), outputs):
+        if not command.startswith(SAMPLED):
+            problems += [f"$ {command}\n  {p}" for p in mismatches(expected, actual, masks)]
+    assert not problems, ("tutorial.md shows other output than the commands print (fix the code or the "
+                          "transcript):\n" + "\n".join(problems) + f"\n\nwhole output:\n{out[-6000:]}")
