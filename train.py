@@ -40,7 +40,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if world > 1 and not torch.distributed.is_initialized():
         dev.init_process_group(rank, world)
     dp = meshlib.validate_layout(model_cfg, tcfg, world)
-    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())
+    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger(),
+                        kv_replicas=meshlib.kv_replicas(model_cfg, tcfg.tp))
     mesh.build_groups(dev if world > 1 else None)
     main = rank == 0
     log = print if main else (lambda *a, **k: None)
@@ -52,7 +53,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     # -- model: this rank's stage and tensor slice, initialised layout-independently
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
-                        first=mesh.is_first_stage, last=mesh.is_last_stage)
+                        first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"))
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes

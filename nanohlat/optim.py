@@ -14,6 +14,7 @@ The global grad norm (DESIGN 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
   * tp-replicated weights (the RMSNorm gains) are identical on all tp ranks ->
     each rank adds 1/tp of their square, so the sum over tp counts them once;
+    likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
     except under ZeRO-1, where each dp rank holds a different shard -> sum over dp.
@@ -96,13 +97,13 @@ class FlatAdamW:
         mdtype = master_dtype(train.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.tp_dim is None)     # (decay, tp-replicated)
+            key = (p.ndim >= 2, p.tp_dim is None, p.tp_parts)   # (decay, tp-replicated, parts over tp)
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, mesh.dp, mesh.dp_rank, self.zero, mdtype,
                                  device.torch_device)
-                       for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
+                       for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
         self.step_count = 0
         self.device = device
         self.sr_generator = None
@@ -154,7 +155,8 @@ class FlatAdamW:
         sq = torch.zeros((), dtype=torch.float32, device=dev)
         for g, grad in zip(self.groups, grads):
             s = torch.linalg.vector_norm(grad).square()
-            sq = sq + (s / mesh.tp if g.tp_replicated else s)
+            copies = mesh.tp // g.params[0].tp_parts    # tp ranks holding this group's elements
+            sq = sq + (s / copies if copies > 1 else s)
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         if self.zero:
