@@ -42,7 +42,8 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
             dev.init_process_group(rank, world)
     dp = meshlib.validate_layout(model_cfg, tcfg, world)
-    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger())
+    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, dp, rank, ledger=comm.CommLedger(),
+                        kv_replicas=meshlib.kv_replicas(model_cfg, tcfg.tp))
     mesh.build_groups(dev if world > 1 else None)
 
     # -- data: the global batch of step k depends only on (seed, k) ----------

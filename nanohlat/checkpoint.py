@@ -53,12 +53,15 @@ by its launcher after a failure (--max-restarts) continues from the newest
 checkpoint it saved, whatever --resume said.
 
 Resharding: a shard stores, for every tensor, the full shape, which dimension
-was split over tp and which chunk it is; ZeRO-1 optimizer pieces also store
-which [start, stop) of the flattened tp-local parameter they cover. Loading
-rebuilds each full tensor one parameter at a time from whichever shards hold
-it (checking that every element was found), then cuts the slice the *new*
-layout needs. Model weights are written once per (pp, tp) coordinate (dp rank
-0); optimizer state by every rank that owns some (all dp ranks with ZeRO-1).
+was split over tp, into how many parts and which part it holds; ZeRO-1
+optimizer pieces also store which [start, stop) of the flattened tp-local
+parameter they cover. Loading rebuilds each full tensor one parameter at a
+time from whichever shards hold it (checking that every element was found),
+then cuts the part the *new* layout needs. Every element is written once:
+model weights by dp rank 0 of each (pp, tp) coordinate, optimizer state by
+every rank that owns some (all dp ranks with ZeRO-1), and a tensor that
+several tp ranks hold identically (norm gains; a kv head shared by several
+ranks when tp > n_kv_heads) only by the first of them.
 
 Trust: files load with weights_only=True, so no pickled code ever runs. Before
 anything is loaded, every file named by the manifest must exist with the
@@ -83,7 +86,7 @@ from .config import ModelConfig, UserError, model_from_dict
 from .device import extract_graphs_only
 from .files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from .files import fsync_dir, sha256_file
-from .tensor_parallel import shard
+from .tensor_parallel import local_part
 
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
@@ -242,7 +245,14 @@ def truncate_metrics(path: str, step: int) -> None:
 # -- save ------------------------------------------------------------------
 
 def _meta(p) -> dict:
-    return {"full_shape": list(p.full_shape), "tp_dim": -1 if p.tp_dim is None else p.tp_dim}
+    return {"full_shape": list(p.full_shape), "tp_dim": -1 if p.tp_dim is None else p.tp_dim,
+            "parts": p.tp_parts, "part": p.tp_part}
+
+
+def _first_copy(p, mesh) -> bool:
+    """Whether this tp rank is the first of those holding p's part (they save it)."""
+    copies = mesh.tp // p.tp_parts
+    return mesh.tp_rank == p.tp_part * copies
 
 
 def _begin(out_dir: str, step: int) -> str:
@@ -285,13 +295,15 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         _begin(out_dir, step)
     _barrier(mesh, device)
 
-    # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt
+    # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt (each element once, module docstring)
+    params = dict(model.named_parameters())
+    mine = {n for n, p in params.items() if _first_copy(p, mesh)}
     shard_state = {
         "format": FORMAT, "rank": mesh.rank, "tp": mesh.tp, "tp_rank": mesh.tp_rank,
         "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank,
-        "meta": {n: _meta(p) for n, p in model.named_parameters()},
-        "model": {n: p.detach() for n, p in model.named_parameters()} if mesh.dp_rank == 0 else {},
-        "optim": opt.export_state() if (opt.zero or mesh.dp_rank == 0) else {},
+        "meta": {n: _meta(p) for n, p in params.items()},
+        "model": {n: params[n].detach() for n in mine} if mesh.dp_rank == 0 else {},
+        "optim": {n: v for n, v in opt.export_state().items() if n in mine} if (opt.zero or mesh.dp_rank == 0) else {},
         "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: optim.py)
     }
     shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
@@ -505,16 +517,17 @@ class ShardSet:
                 continue
             try:
                 meta = sh["meta"][name]
-                full_shape, tp_dim, tp, tp_rank = meta["full_shape"], meta["tp_dim"], sh["tp"], sh["tp_rank"]
+                full_shape, tp_dim = meta["full_shape"], meta["tp_dim"]
+                parts, part = meta.get("parts", sh["tp"]), meta.get("part", sh["tp_rank"])   # older: tp chunks
                 if out is None:
                     out = torch.zeros(full_shape, dtype=torch.float32)
                     covered = torch.zeros(full_shape, dtype=torch.bool)
                 if list(out.shape) != list(full_shape):
                     raise ValueError("shards disagree on the full shape")
-                dst, cov = out, covered                        # this tp rank's chunk, as views
+                dst, cov = out, covered                        # this shard's part, as views
                 if tp_dim >= 0:
-                    size = full_shape[tp_dim] // tp
-                    dst, cov = out.narrow(tp_dim, tp_rank * size, size), covered.narrow(tp_dim, tp_rank * size, size)
+                    size = full_shape[tp_dim] // parts
+                    dst, cov = out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)
                 if section == "model":
                     if list(entry.shape) != list(dst.shape):
                         raise ValueError(f"shape {list(entry.shape)}, expected {list(dst.shape)}")
@@ -557,15 +570,14 @@ def load(path: str, model, opt, mesh, device) -> dict:
     optimizer (every rank calls this). Returns the manifest."""
     shards = ShardSet(path, mesh, device)
     check_model(path, shards.manifest, model.cfg)
-    tp, tp_rank = mesh.tp, mesh.tp_rank
     params = dict(model.named_parameters())
-    for name, p in params.items():   # one full tensor at a time, cut to this rank's slice
-        p.copy_(shard(shards.tensor(name, p.full_shape), p.tp_dim, tp_rank, tp))
+    for name, p in params.items():   # one full tensor at a time, cut to this rank's part
+        p.copy_(local_part(shards.tensor(name, p.full_shape), p))
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):
             p = params[name]
-            return shard(shards.tensor(name, p.full_shape, "optim", key), p.tp_dim, tp_rank, tp).reshape(-1)
+            return local_part(shards.tensor(name, p.full_shape, "optim", key), p).reshape(-1)
     else:   # weights only (e.g. imported from Hugging Face): master = weights, fresh moments
         def local_flat(name, key):
             p = params[name]

@@ -48,12 +48,17 @@ def validate_layout(model: ModelConfig, train: TrainConfig, world: int) -> int:
     if tp * pp * dp != world:
         raise UserError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} but the world has {world} "
                         f"processes; use --dp {world // (tp * pp)} or leave --dp unset")
-    common = [d for d in divisors(model.n_heads) if model.n_kv_heads % d == 0 and model.ffn_dim % d == 0
+    # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
+    # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
+    kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0
+    common = [d for d in divisors(model.n_heads) if kv_fits(d) and model.ffn_dim % d == 0
               and model.padded_vocab % d == 0]
-    for what, n in (("n_heads", model.n_heads), ("n_kv_heads", model.n_kv_heads),
-                    ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
+    for what, n in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
         if n % tp:
             raise UserError(f"--tp {tp} does not divide {what} {n}; choose {_choices(common)}")
+    if not kv_fits(tp):
+        raise UserError(f"--tp {tp} and n_kv_heads {model.n_kv_heads}: one must divide the other (a tp rank holds "
+                        f"whole kv heads, or several ranks share one); choose {_choices(common)}")
     if pp > model.n_layers or model.n_layers % pp:
         raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
                         f"choose {_choices(divisors(model.n_layers))}")
@@ -64,6 +69,12 @@ def validate_layout(model: ModelConfig, train: TrainConfig, world: int) -> int:
     if train.sequence_parallel and train.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {train.seq_len} divisible by --tp {tp}")
     return dp
+
+
+def kv_replicas(model: ModelConfig, tp: int) -> int:
+    """How many tp ranks hold a copy of each kv head: tp / n_kv_heads when tp
+    is larger (HLAT-70B: 32 / 8 = 4), else 1 (each rank has its own kv heads)."""
+    return tp // model.n_kv_heads if tp > model.n_kv_heads else 1
 
 
 def coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
@@ -102,6 +113,7 @@ class Mesh:
     rank: int = 0
     ledger: object = None
     groups: dict = field(default_factory=dict)
+    kv_replicas: int = 1        # tp ranks per kv head when tp > n_kv_heads (kv_replicas())
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)
@@ -128,11 +140,20 @@ class Mesh:
             return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
         if kind == "pp":
             return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
+        if kind == "kv":   # neighbouring tp ranks sharing a kv head: [0 1] [2 3] at tp 4, 2 kv heads
+            k = self.kv_replicas
+            return [g[i:i + k] for g in self._all("tp") for i in range(0, tp, k)] if k > 1 else []
         # Pipeline neighbour pairs, stage b <-> b+1. Even and odd boundaries are
         # two kinds so that each kind is a set of disjoint equal-size groups
-        # (what the xla backend wants as its replica-group partition).
+        # (what the xla backend wants as its replica-group partition). With an
+        # even pp > 2 the odd kind also pairs the last stage with the first
+        # (b = pp-1 <-> 0, never used to send), so that, as in
+        # neuronx-distributed, every rank is in one pair of each kind. (pp = 2
+        # has one boundary; with an odd pp the ring cannot split into disjoint
+        # pairs, and the odd kind leaves the last stage out.)
         parity = 0 if kind == "pair_even" else 1
-        return [[r(d, b, t), r(d, b + 1, t)] for b in range(parity, pp - 1, 2)
+        last = pp if pp > 2 and pp % 2 == 0 else pp - 1
+        return [[r(d, b, t), r(d, (b + 1) % pp, t)] for b in range(parity, last, 2)
                 for d in range(dp) for t in range(tp)]
 
     def build_groups(self, device=None) -> "Mesh":
@@ -140,7 +161,7 @@ class Mesh:
         if device is not None and self.world > 1:
             import torch.distributed as dist
             self.groups["world"] = Group("world", list(range(self.world)), self.rank, dist.group.WORLD, self.ledger)
-        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd"):
+        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv"):
             partition = self._all(kind)
             for ranks in partition:
                 pg = None
@@ -150,13 +171,16 @@ class Mesh:
                     name = "pp" if kind.startswith("pair") else kind
                     g = Group(name, ranks, ranks.index(self.rank), pg, self.ledger)
                     key = kind
-                    if kind.startswith("pair"):
+                    if kind.startswith("pair"):   # the pair's first rank is the earlier stage
                         key = "next" if ranks[0] == self.rank else "prev"
+                        if coords(ranks[1], self.tp, self.pp, self.dp)[1] == 0:
+                            key = "wrap"          # last stage <-> first: exists, carries nothing
                     self.groups[key] = g
         return self
 
     def group(self, key: str) -> Group:
-        """'tp', 'dp', 'pp', 'world', 'next' (pair with stage+1), 'prev' (pair with stage-1)."""
+        """'tp', 'dp', 'pp', 'world', 'next' (pair with stage+1), 'prev' (pair
+        with stage-1), 'kv' (the ranks sharing this rank's kv head)."""
         if key not in self.groups:  # single process, or no such neighbour
             self.groups[key] = Group(key, [self.rank], 0, None, self.ledger)
         return self.groups[key]

@@ -80,14 +80,22 @@ def attention_core(q, k, v, causal: bool, mask=None):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+    """Each tp rank computes n_heads/tp query heads and the kv heads they use:
+    n_kv_heads/tp of them, or, with more tp ranks than kv heads, a replica of
+    the one kv head its query heads share (the kv group `kv_group` holds the
+    tp/n_kv_heads replicas; tensor_parallel.py's docstring)."""
+
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None):
         super().__init__()
         tp = group.size
+        replicas = kv_group.size if kv_group is not None else 1
+        assert replicas == max(tp // cfg.n_kv_heads, 1), \
+            f"tp {tp} with {cfg.n_kv_heads} kv heads needs kv groups of {max(tp // cfg.n_kv_heads, 1)} ranks"
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads * replicas // tp, cfg.head_dim
         self.wq = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_heads * cfg.head_dim, group)
-        self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group)
-        self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group)
+        self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
+        self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
@@ -138,10 +146,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.attn = Attention(cfg, group, sequence_parallel)
+        self.attn = Attention(cfg, group, sequence_parallel, kv_group)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.mlp = MLP(cfg, group, sequence_parallel)
 
@@ -151,10 +159,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """One pipeline stage of the decoder (the whole model when pp=1)."""
+    """One pipeline stage of the decoder (the whole model when pp=1). `group`:
+    the tp group; `kv_group`: the ranks sharing a kv head when tp > n_kv_heads
+    (mesh.group("kv"))."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
-                 layers: range | None = None, first: bool = True, last: bool = True):
+                 layers: range | None = None, first: bool = True, last: bool = True,
+                 kv_group: Group | None = None):
         super().__init__()
         group = group or Group("tp", [0], 0)
         self.cfg, self.group = cfg, group
@@ -164,7 +175,7 @@ class Transformer(nn.Module):
         sp = self.sequence_parallel
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group) for i in self.layer_ids})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -276,9 +287,9 @@ def full_init(name: str, full_shape, cfg: ModelConfig, seed: int) -> torch.Tenso
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    """Fill every parameter with its slice of the full-size initial tensor,
-    one parameter at a time (a 7B model never exists in full on one rank)."""
-    tp, rank = model.group.size, model.group.rank
+    """Fill every parameter with its part of the full-size initial tensor,
+    one parameter at a time (a 7B model never exists in full on one rank).
+    The replicas of a kv head cut the same part: equal from the start."""
     for name, p in model.named_parameters():
         full = full_init(name, p.full_shape, model.cfg, seed)
-        p.copy_(tpl.shard(full, p.tp_dim, rank, tp))
+        p.copy_(tpl.local_part(full, p))

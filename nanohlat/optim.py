@@ -19,6 +19,7 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
   * tp-replicated weights (the RMSNorm gains) are identical on all tp ranks ->
     each rank adds 1/tp of their square, so the sum over tp counts them once;
+    likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
     except under ZeRO-1, where each dp rank holds a different shard -> sum over dp.
@@ -147,13 +148,13 @@ class FlatAdamW:
         mdtype = master_dtype(train.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.tp_dim is None)     # (decay, tp-replicated)
+            key = (p.ndim >= 2, p.tp_dim is None, p.tp_parts)   # (decay, tp-replicated, parts over tp)
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device,
                                  mesh.tp_rank, mesh.tp)
-                       for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
+                       for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
         for g in self.groups:
             for p, off in zip(g.params, g.offsets):
                 p.register_post_accumulate_grad_hook(g.accumulate_hook(off, p.numel()))
@@ -215,7 +216,8 @@ class FlatAdamW:
         sq = torch.zeros((), dtype=torch.float64 if exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = sum_of_squares(grad, exact)
-            sq = sq + (s / mesh.tp if g.tp_replicated else s)
+            copies = mesh.tp // g.params[0].tp_parts    # tp ranks holding this group's elements
+            sq = sq + (s / copies if copies > 1 else s)
         sq = sq.float()                                  # 4 bytes per all-reduce below
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)

@@ -314,6 +314,8 @@ def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bo
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
             _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
             _add(out, "tp.all_gather", act, m if sp else 0, tp)
+        if tp > cfg.n_kv_heads:   # kv heads shared by tp/n_kv ranks: wk and wv gradients summed over them
+            _add(out, "kv.all_reduce", cfg.head_dim * C * s, m * layers * 2, tp // cfg.n_kv_heads)
         if stage == pp - 1:
             # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
             if sp:
@@ -408,15 +410,13 @@ def shown_stages(pp: int) -> list[int]:
 
 
 def validate_plan_layout(cfg: ModelConfig, t: TrainConfig, world: int) -> tuple[int, list[str]]:
-    """mesh.validate_layout, except that tp may be a multiple of n_kv_heads larger
-    than it (HLAT-70B's tp 32 with 8 kv heads). Returns dp and notes to print."""
-    if t.tp <= cfg.n_kv_heads or t.tp % cfg.n_kv_heads:
-        return validate_layout(cfg, t, world), []
-    dp = validate_layout(dataclasses.replace(cfg, n_kv_heads=t.tp), t, world)
-    return dp, [f"note: tp {t.tp} > {cfg.n_kv_heads} kv heads, so each tp rank must hold a replica of one kv "
-                f"head (shared by {t.tp // cfg.n_kv_heads} ranks; HLAT-70B ran so). model.py does not replicate "
-                f"kv heads yet and train.py refuses this layout; the plan counts the replicas' weights and "
-                f"activations, not the all-reduce their gradients would need."]
+    """mesh.validate_layout, and what to note about the layout. Returns dp and notes to print."""
+    dp = validate_layout(cfg, t, world)
+    if t.tp <= cfg.n_kv_heads:
+        return dp, []
+    return dp, [f"note: tp {t.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
+                f"its query heads use (each shared by {t.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
+                f"wv gradients are summed over those ranks (kv.all_reduce below)."]
 
 
 def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:

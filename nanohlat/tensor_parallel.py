@@ -27,10 +27,25 @@ functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
 
 Parameters carry their sharding: `p.tp_dim` is the dimension split over tp
-ranks (None = replicated) and `p.full_shape` the unsharded shape. Init,
-checkpoints and the grad norm read these. Replicated norm weights inside a
-sequence-parallel region see only their rank's tokens, so their gradients are
-partial sums: `p.sequence_parallel` marks them for an all-reduce over tp.
+ranks (None = replicated), `p.full_shape` the unsharded shape, and the full
+tensor is cut into `p.tp_parts` equal parts along tp_dim, of which this rank
+holds part `p.tp_part` (`local_part`). Usually tp_parts = tp and part = tp
+rank; a replicated tensor has one part; a kv-head matrix with more tp ranks
+than kv heads has n_kv_heads parts, each held by tp / n_kv_heads neighbouring
+ranks (below). Init, checkpoints and the grad norm read these. Replicated
+norm weights inside a sequence-parallel region see only their rank's tokens,
+so their gradients are partial sums: `p.sequence_parallel` marks them for an
+all-reduce over tp.
+
+More tp ranks than kv heads (HLAT-70B: tp 32, 8 kv heads). A rank's query
+heads all use one kv head, so the rank holds a copy of that kv head's rows
+of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv group" of 4 replicas.
+Each replica's gradient only covers its own query heads; the kv head's true
+gradient is their sum. `share` (the weight passes through it in forward)
+adds them up in backward with an all-reduce over the kv group, once per
+micro-batch, so every replica holds the same full gradient, takes the same
+optimizer step, and stays bitwise equal to its siblings. Cost per micro-batch
+and layer: 2 all-reduces of a (head_dim, d_model) gradient.
 """
 
 from __future__ import annotations
@@ -114,6 +129,13 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _Reduce.apply(x, group)
 
 
+def share(w: torch.Tensor, group) -> torch.Tensor:
+    """A weight held by every rank of `group`, each using it for other outputs
+    (the replicas of a kv head): forward identity, backward all-reduce, so
+    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
+    return w if group is None or group.size == 1 else _Copy.apply(w, group)
+
+
 def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
     """This rank's slice of a full tensor (contiguous chunks, rank order)."""
     if tp_dim is None or tp == 1:
@@ -121,12 +143,20 @@ def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
     return full.chunk(tp, dim=tp_dim)[tp_rank]
 
 
-def _param(full_shape, tp_dim, tp: int, **attrs) -> nn.Parameter:
+def local_part(full: torch.Tensor, p) -> torch.Tensor:
+    """The part of a full tensor that parameter `p` holds on this rank."""
+    return shard(full, p.tp_dim, p.tp_part, p.tp_parts)
+
+
+def _param(full_shape, tp_dim, parts: int, part: int = 0, **attrs) -> nn.Parameter:
+    """A parameter holding part `part` of `parts` equal parts of a full tensor
+    cut along tp_dim (tp_dim None: the whole tensor, one part)."""
     shape = list(full_shape)
     if tp_dim is not None:
-        shape[tp_dim] //= tp
+        shape[tp_dim] //= parts
     p = nn.Parameter(torch.empty(shape))
     p.tp_dim, p.full_shape = tp_dim, tuple(full_shape)
+    p.tp_parts, p.tp_part = (parts, part) if tp_dim is not None else (1, 0)
     p.sequence_parallel = False
     for k, v in attrs.items():
         setattr(p, k, v)
@@ -136,14 +166,20 @@ def _param(full_shape, tp_dim, tp: int, **attrs) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T with W split by output rows. Input: the full x, already
     inside the tp region (call `enter` once before a group of these, e.g. once
-    for wq, wk and wv). Output: this rank's 1/tp of the features."""
+    for wq, wk and wv). Output: this rank's 1/tp of the features.
 
-    def __init__(self, in_features: int, out_features: int, group):
+    `replicas`: the kv group when tp exceeds the kv heads (module docstring):
+    W is cut into tp / replicas.size parts, and the ranks of the group hold
+    the same part; their gradients are summed by `share`."""
+
+    def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
-        self.weight = _param((out_features, in_features), 0, group.size)
+        r = replicas.size if replicas is not None else 1
+        self.replicas = replicas if r > 1 else None
+        self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
 
     def forward(self, x):
-        return F.linear(x, self.weight)  # (B, T, out/tp)
+        return F.linear(x, share(self.weight, self.replicas))  # (B, T, out/tp), or out*replicas/tp
 
 
 class RowParallelLinear(nn.Module):
@@ -154,7 +190,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _param((out_features, in_features), 1, group.size)
+        self.weight = _param((out_features, in_features), 1, group.size, group.rank)
 
     def forward(self, x):  # x: (B, T, in/tp)
         return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
@@ -171,7 +207,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, padded_vocab: int, dim: int, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _param((padded_vocab, dim), 0, group.size)
+        self.weight = _param((padded_vocab, dim), 0, group.size, group.rank)
         self.per_rank = padded_vocab // group.size
         self.start = group.rank * self.per_rank
 

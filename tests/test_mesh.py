@@ -31,6 +31,28 @@ def test_layout_table_for_tp2_pp2_dp2():
     assert "0-1  +embedding" in table and "2-3  +norm,head,loss" in table
 
 
+def test_kv_groups_are_neighbouring_tp_ranks_sharing_a_kv_head():
+    from nanohlat.mesh import kv_replicas
+    assert kv_replicas(dataclasses.replace(CFG, n_kv_heads=2), 4) == 2 and kv_replicas(CFG, 4) == 1
+    assert kv_replicas(PRESETS["hlat-70b"][0], 32) == 4
+    m = Mesh(4, 1, 2, rank=6, kv_replicas=2).build_groups(None)
+    assert m._all("kv") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m.group("kv").ranks == [6, 7] and m.group("kv").rank == 0
+    assert Mesh(4, 1, 1)._all("kv") == []                 # no replicas: no kv groups
+
+
+def test_pair_groups_wrap_around_so_every_rank_is_in_each_partition():
+    m = Mesh(1, 4, 1)
+    assert m._all("pair_even") == [[0, 1], [2, 3]]
+    assert m._all("pair_odd") == [[1, 2], [3, 0]]          # stage 3 <-> 0: never carries data
+    for r in range(4):
+        m = Mesh(1, 4, 1, rank=r).build_groups(None)
+        assert ("prev" in m.groups) == (r > 0) and ("next" in m.groups) == (r < 3)
+        assert m.group("next").ranks == [r, r + 1] if r < 3 else m.group("next").ranks == [r]
+    assert Mesh(2, 2, 1)._all("pair_odd") == []             # pp 2: one boundary, as before
+    assert Mesh(1, 3, 1)._all("pair_odd") == [[1, 2]]       # odd pp: no disjoint ring pairs
+
+
 def test_groups_of_each_kind_partition_the_world():
     m = Mesh(2, 2, 2, rank=5)
     assert m._all("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -47,7 +69,7 @@ def _train(**kw):
 
 
 @pytest.mark.parametrize("kw, world, message", [
-    (dict(tp=3), 3, "--tp 3 does not divide n_heads 8; choose 1, 2 or 4"),
+    (dict(tp=3), 3, "--tp 3 does not divide n_heads 8; choose 1, 2, 4 or 8"),
     (dict(tp=2, pp=2), 6, "--tp 2 x --pp 2 = 4 does not divide the world size 6"),
     (dict(tp=2, dp=3), 4, "--dp 3"),
     (dict(pp=3), 3, "--pp 3 cannot split 4 layers into equal contiguous stages; choose 1, 2 or 4"),
@@ -63,9 +85,12 @@ def test_invalid_layouts_are_refused_with_the_valid_choices(kw, world, message):
 
 
 def test_kv_heads_and_ffn_limit_tp():
-    cfg = dataclasses.replace(CFG, n_heads=8, n_kv_heads=2)
-    with pytest.raises(UserError, match="--tp 4 does not divide n_kv_heads 2; choose 1 or 2"):
-        validate_layout(cfg, _train(tp=4), 4)
+    # tp and n_kv_heads: one must divide the other (more tp ranks than kv heads: replicas)
+    cfg = dataclasses.replace(CFG, n_heads=12, n_kv_heads=3, ffn_dim=192, vocab_size=384)
+    with pytest.raises(UserError, match="--tp 2 and n_kv_heads 3: one must divide the other .*; choose 1, 3, 6 or 12$"):
+        validate_layout(cfg, _train(tp=2, batch_size=8), 2)
+    assert validate_layout(dataclasses.replace(CFG, n_kv_heads=2), _train(tp=4), 4) == 1     # 2 ranks per kv head
+    assert validate_layout(CFG, _train(tp=8), 8) == 1                                         # tiny: 4 kv heads
     cfg = dataclasses.replace(CFG, ffn_dim=170)
     with pytest.raises(UserError, match="does not divide ffn_dim 170"):
         validate_layout(cfg, _train(tp=4), 4)

@@ -82,6 +82,24 @@ def test_initialisation_is_independent_of_creation_order_and_layout():
                 assert torch.equal(p, shard(full[n].detach(), p.tp_dim, r, tp)), n
 
 
+def test_kv_head_replicas_get_the_kv_head_of_their_query_heads():
+    """tp 8 > 4 kv heads: ranks 2k and 2k+1 hold kv head k (their query heads
+    2r, 2r+1 use kv head r // 2), initialised as in one process."""
+    full = dict(_model(seed=5).named_parameters())
+    D = CFG.head_dim
+    for r in range(8):
+        g, kv = Group("tp", list(range(8)), r), Group("kv", [r - r % 2, r - r % 2 + 1], r % 2)
+        m = Transformer(CFG, group=g, kv_group=kv)
+        init_weights(m, 5)
+        attn = m.layers["1"].attn
+        assert (attn.n_heads, attn.n_kv_heads) == (1, 1)
+        for w in ("wk", "wv"):
+            p = getattr(attn, w).weight
+            assert (p.tp_parts, p.tp_part) == (4, r // 2)
+            assert torch.equal(p, full[f"layers.1.attn.{w}.weight"][r // 2 * D:(r // 2 + 1) * D]), (w, r)
+        assert torch.equal(attn.wq.weight, full["layers.1.attn.wq.weight"][r * D:(r + 1) * D])
+
+
 def test_padded_vocabulary_rows_start_at_zero_and_never_win():
     cfg = dataclasses.replace(CFG, vocab_size=500)           # padded to 512
     m = Transformer(cfg)

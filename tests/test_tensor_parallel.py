@@ -1,6 +1,7 @@
 """Each tensor-parallel layer equals the unsharded layer: outputs, input
 gradients and weight gradients, for tp = 2 and 4, with and without sequence
-parallel, and the vocab-parallel cross-entropy including padded vocabulary.
+parallel, and the vocab-parallel cross-entropy including padded vocabulary;
+and attention with more tp ranks than kv heads (replicated kv heads).
 
 Every rank builds the same full tensors from a shared seed, runs the sharded
 layer on its slice, and checks its slice of every result against the plain
@@ -94,6 +95,52 @@ def _check_layers(rank, tp):
     torch.testing.assert_close(li.grad, chunk(lr.grad, 2), **TOL)      # padded entries: zero grad
 
 
+def _check_kv_replicas(rank, tp):
+    """Attention at tp 4 with 2 kv heads: ranks [0 1] hold kv head 0, [2 3] kv
+    head 1. Output, input gradient and every weight gradient equal one
+    process's; the two replicas of a kv head get bitwise equal gradients."""
+    import dataclasses
+    import torch.distributed as dist
+    from nanohlat import comm
+    from nanohlat.config import PRESETS
+    from nanohlat.mesh import Group
+    from nanohlat.model import Attention, rotary_tables
+    cfg = dataclasses.replace(PRESETS["tiny"][0], n_kv_heads=2)
+    r = tp // cfg.n_kv_heads
+    kv_pgs = [dist.new_group(list(range(i, i + r))) for i in range(0, tp, r)]   # every rank creates every group
+    group = Group("tp", list(range(tp)), rank, dist.group.WORLD)
+    kv = Group("kv", list(range(rank - rank % r, rank - rank % r + r)), rank % r, kv_pgs[rank // r])
+    g = torch.Generator().manual_seed(1)
+    B, T, C = 2, 8, cfg.d_model
+    x, G = torch.randn(B, T, C, generator=g), torch.randn(B, T, C, generator=g)
+    cos, sin = rotary_tables(cfg.head_dim, T, cfg.rope_theta)
+    ref = Attention(cfg, Group("tp", [0], 0), False)
+    for lin in (ref.wq, ref.wk, ref.wv, ref.wo):
+        lin.weight.data.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+    xr = x.clone().requires_grad_()
+    (ref(xr, cos, sin) * G).sum().backward()
+    y_full = ref(x, cos, sin).detach()
+    chunk = lambda t, d: t.chunk(tp, dim=d)[rank]
+    for sp in (False, True):
+        attn = Attention(cfg, group, sp, kv)
+        for name in ("wq", "wk", "wv", "wo"):
+            p = getattr(attn, name).weight
+            p.data.copy_(getattr(ref, name).weight.detach().chunk(p.tp_parts, p.tp_dim)[p.tp_part])
+        xi = (chunk(x, 1) if sp else x).clone().requires_grad_()
+        y = attn(xi, cos, sin)
+        torch.testing.assert_close(y, chunk(y_full, 1) if sp else y_full, **TOL)
+        (y * (chunk(G, 1) if sp else G)).sum().backward()
+        torch.testing.assert_close(xi.grad, chunk(xr.grad, 1) if sp else xr.grad, **TOL)
+        for name in ("wq", "wk", "wv", "wo"):
+            p = getattr(attn, name).weight
+            torch.testing.assert_close(p.grad, getattr(ref, name).weight.grad.chunk(p.tp_parts, p.tp_dim)[p.tp_part],
+                                       **TOL)
+        for name in ("wk", "wv"):   # the replicas' gradients: the same bits on both ranks of a kv group
+            grad = getattr(attn, name).weight.grad
+            both = comm.all_gather(grad.unsqueeze(0), kv, dim=0)
+            assert torch.equal(both[0], both[1]), name
+
+
 def _worker(rank, tp, port, err_dir):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -101,6 +148,8 @@ def _worker(rank, tp, port, err_dir):
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
         _check_layers(rank, tp)
+        if tp == 4:
+            _check_kv_replicas(rank, tp)
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}"), "w") as f:
             f.write(traceback.format_exc())
