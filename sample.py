@@ -130,7 +130,9 @@ def worker(argv: list[str]) -> None:
         if dev.kind == "cpu":
             devicelib.set_cpu_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size()))
         dev.init_process_group(rank, world)
-        mesh = meshlib.Mesh(args.tp, 1, 1, rank).build_groups(dev)
+        manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir))
+        kv = meshlib.kv_replicas(model_from_dict(manifest["config"]["model"]), args.tp)   # tp > kv heads: copies
+        mesh = meshlib.Mesh(args.tp, 1, 1, rank, kv_replicas=kv).build_groups(dev)
         sample(args, dev, mesh)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

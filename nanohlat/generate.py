@@ -58,14 +58,15 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
 
     Any checkpoint, saved with any (tp, pp, dp, zero1) layout: each full tensor
     is rebuilt from the shards and cut to this rank's slice, as a resumed
-    training run does (checkpoint.load)."""
+    training run does (checkpoint.load). `mesh` must be built with the
+    model's kv replicas (mesh.kv_replicas) when tp exceeds its kv heads."""
     group = mesh.tp_group if mesh is not None else Group("tp", [0], 0)
     shards = checkpoint.ShardSet(checkpoint.resolve(path), mesh, dev)
     cfg = model_from_dict(shards.manifest["config"]["model"])
     check_tp(cfg, group.size)
-    model = Transformer(cfg, group)
+    model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
     for name, p in model.named_parameters():
-        p.copy_(tpl.shard(shards.tensor(name, p.full_shape), p.tp_dim, group.rank, group.size))
+        p.copy_(tpl.local_part(shards.tensor(name, p.full_shape), p))
     return model.to(dev.torch_device).eval(), shards.manifest
 
 

@@ -63,7 +63,7 @@ import textwrap
 from . import comm
 from .config import ModelConfig, TrainConfig
 from .config import UserError
-from .mesh import Mesh, coords, layout_table, rank_of, validate_layout
+from .mesh import Mesh, coords, kv_replicas, layout_table, rank_of, validate_layout
 from .metrics import flops_per_token, peak_flops
 from .pipeline import stage_layers, stage_order, timetable
 from .precision import master_dtype, param_dtype
@@ -578,7 +578,8 @@ def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, uti
     compute = hardware_flops / world / (peak * utilisation)
     groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],       # rank 0's groups
               "dp": [rank_of(d, 0, 0, tp, dp) for d in range(dp)],
-              "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))]}
+              "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))],
+              "kv": [rank_of(0, 0, r, tp, dp) for r in range(kv_replicas(cfg, tp))]}   # copies of one kv head
     inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
     comm_s = dict.fromkeys(groups, 0.0)
     for stage in sorted({0, pp - 1}):
@@ -588,6 +589,7 @@ def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, uti
             bw, lat = (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across)
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
+    comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sums run inside the tp group's backward
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
