@@ -1,53 +1,63 @@
-"""Run train.train() for several layouts inside one set of N spawned gloo workers.
+"""The one way the tests start gloo workers: `spawn_workers`.
 
 Spawning processes (and importing torch in each) costs seconds, so a test
-hands one worker group a list of runs that share a world size; each run
-builds its own mesh and process groups inside the same default group.
+hands one worker group as much work as it can: `run_layouts` trains a list of
+runs that share a world size in one group; each run builds its own mesh and
+process groups inside the same default group.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 
 import torch.multiprocessing as mp
 
+from nanohlat.launch import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "spawn_workers", "run_layouts"]
 
 
-def _worker(rank: int, world: int, port: int, runs: list[list[str]], err_dir: str, setup=None) -> None:
+def _entry(rank: int, fn, world: int, port: int, args: tuple, err_dir: str) -> None:
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    import train
-    from nanohlat import config
     try:
-        if setup is not None:   # a test's instrumentation, installed in each worker
-            setup(rank)
-        for argv in runs:
-            model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", "1"])
-            train.train(model_cfg, tcfg, rank, world, rank, world)
+        fn(rank, world, *args)
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
 
 
-def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> None:
-    """Train every argv in `runs` with `world` gloo workers; raise with the first rank's traceback.
-    `setup(rank)`, a module-level function, runs first in each worker (e.g. to patch something)."""
+def spawn_workers(fn, world: int, args: tuple, err_dir: str) -> None:
+    """Run fn(rank, world, *args) in `world` spawned processes that can join one
+    gloo group through env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE are
+    set; fn, or the train() it calls, creates the group). fn must be a module-level
+    function. Raises AssertionError with the first failing rank's traceback."""
     os.makedirs(err_dir, exist_ok=True)
     try:
-        mp.start_processes(_worker, args=(world, _free_port(), runs, err_dir, setup), nprocs=world,
+        mp.start_processes(_entry, args=(fn, world, free_port(), args, err_dir), nprocs=world,
                            join=True, start_method="spawn")
     except Exception as e:
         msgs = [open(os.path.join(err_dir, n)).read() for n in sorted(os.listdir(err_dir))]
         raise AssertionError("worker failed:\n" + "\n".join(msgs[:1])) from e
+
+
+def _train(rank: int, world: int, runs: list[list[str]], setup=None) -> None:
+    import train
+    from nanohlat import config
+    if setup is not None:   # a test's instrumentation, installed in each worker
+        setup(rank)
+    for argv in runs:
+        model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", "1"])
+        train.train(model_cfg, tcfg, rank, world, rank, world)
+
+
+def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> None:
+    """Train every argv in `runs` with `world` gloo workers; raise with the first rank's traceback.
+    `setup(rank)`, a module-level function, runs first in each worker (e.g. to patch something)."""
+    spawn_workers(_train, world, (runs, setup), err_dir)

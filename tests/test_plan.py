@@ -31,10 +31,9 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from dist_utils import spawn_workers
 from nanohlat import config, metrics, plan
-from nanohlat.launch import free_port
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -230,25 +229,18 @@ def assert_run_matches_plan(out_dir, argv, world):
                                                                      train.microbatches, 0)
 
 
-def _four_rank_worker(rank, port, train_runs, activation_runs, out_dir):
+def _four_rank_worker(rank, world, train_runs, activation_runs, out_dir):
     """One of 4 gloo ranks: train each of `train_runs` (train.py writes summary.json),
     then, on a tp 2 x pp 2 mesh, measure each of `activation_runs` on this rank's stage."""
-    import traceback
     import train
     from nanohlat import comm
     from nanohlat.device import get_device
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
-    try:
-        for argv in train_runs:
-            train.train(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), rank, 4, rank, 4)
-        mesh = Mesh(2, 2, 1, rank, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
-        results = [forward_bytes(argv, mesh.tp_group, pp=2, stage=mesh.pp_rank) for argv in activation_runs]
-        with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
-            json.dump(results, f)
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    for argv in train_runs:
+        train.train(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), rank, world, rank, world)
+    mesh = Mesh(2, 2, 1, rank, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
+    results = [forward_bytes(argv, mesh.tp_group, pp=2, stage=mesh.pp_rank) for argv in activation_runs]
+    with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
+        json.dump(results, f)
 
 
 ACTIVATION_RUNS = [TINY + ["--tp", "2", "--pp", "2", "--precision", p, "--activation-checkpointing", m] + sp
@@ -263,12 +255,7 @@ def four_ranks(cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("plan4")
     runs = {name: BASE + ["--cache-dir", cache_dir, "--out-dir", str(root / name)] + extra
             for name, extra in LAYOUTS4.items()}
-    try:
-        mp.start_processes(_four_rank_worker, args=(free_port(), list(runs.values()), ACTIVATION_RUNS, str(root)),
-                           nprocs=4, join=True, start_method="spawn")
-    except Exception as e:
-        errors = [open(root / n).read() for n in sorted(os.listdir(root)) if n.startswith("error")]
-        raise AssertionError("worker failed:\n" + "\n".join(errors[:1])) from e
+    spawn_workers(_four_rank_worker, 4, (list(runs.values()), ACTIVATION_RUNS, str(root)), str(root / "errors"))
     activations = {}
     for rank in range(4):
         with open(root / f"activations{rank}.json") as f:

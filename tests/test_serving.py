@@ -146,48 +146,37 @@ def test_accept_or_resample_keeps_the_target_distribution():
 TP_CASES = {"mha": 4, "gqa": 2, "replicated-kv": 1}        # kv heads of a 4-head model at tp 2
 
 
-def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    sys.path.insert(0, ROOT)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+def _tp_worker(rank: int, world: int, out_dir: str) -> None:
+    """One of 2 tp ranks (dist_utils.spawn_workers): every TP_CASES model, batched and continuous."""
     torch.set_num_threads(1)
     from nanohlat import device as devicelib
     from nanohlat.mesh import Mesh, kv_replicas
-    try:
-        dev = devicelib.get_device("cpu")
-        dev.init_process_group(rank, 2)
-        results = {}
-        for name, kv in TP_CASES.items():
-            cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=kv)
-            try:
-                gen.check_tp(cfg, 2)
-            except UserError as e:
-                results[name] = f"refused: {e}"
-                continue
-            mesh = Mesh(2, 1, 1, rank, kv_replicas=kv_replicas(cfg, 2)).build_groups(dev)
-            m = _model(cfg, seed=5, mesh=mesh)
-            reqs = serving.arrival_stream(4, 1e4, cfg.vocab_size, seed=2, prompt_len=(2, 9), new_tokens=(3, 9))
-            serving.serve_continuous(m, reqs, 2)
-            results[name] = {"batched": gen.generate_lists(m, PROMPTS, 10),
-                             "continuous": [r.output for r in reqs],
-                             "cache_kv_heads": gen.new_cache(m, 1, 4)[0][0].shape[1]}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    dev = devicelib.get_device("cpu")
+    dev.init_process_group(rank, 2)
+    results = {}
+    for name, kv in TP_CASES.items():
+        cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=kv)
+        try:
+            gen.check_tp(cfg, 2)
+        except UserError as e:
+            results[name] = f"refused: {e}"
+            continue
+        mesh = Mesh(2, 1, 1, rank, kv_replicas=kv_replicas(cfg, 2)).build_groups(dev)
+        m = _model(cfg, seed=5, mesh=mesh)
+        reqs = serving.arrival_stream(4, 1e4, cfg.vocab_size, seed=2, prompt_len=(2, 9), new_tokens=(3, 9))
+        serving.serve_continuous(m, reqs, 2)
+        results[name] = {"batched": gen.generate_lists(m, PROMPTS, 10),
+                         "continuous": [r.output for r in reqs],
+                         "cache_kv_heads": gen.new_cache(m, 1, 4)[0][0].shape[1]}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    import torch.multiprocessing as mp
-    from dist_utils import _free_port
+    from dist_utils import spawn_workers
     out = str(tmp_path_factory.mktemp("tp"))
-    try:
-        mp.start_processes(_tp_worker, args=(_free_port(), out), nprocs=2, join=True, start_method="spawn")
-    except Exception as e:
-        errors = [open(os.path.join(out, n)).read() for n in sorted(os.listdir(out)) if n.startswith("error")]
-        raise AssertionError("tp worker failed:\n" + "\n".join(errors[:1])) from e
+    spawn_workers(_tp_worker, 2, (out,), os.path.join(out, "errors"))
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
 
 

@@ -10,22 +10,13 @@ different grouping (fp32 round-off on values of order 1)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from dist_utils import spawn_workers
+
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_layers(rank, tp):
@@ -141,29 +132,21 @@ def _check_kv_replicas(rank, tp):
             assert torch.equal(both[0], both[1]), name
 
 
-def _worker(rank, tp, port, err_dir):
+def _worker(rank, tp):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
         _check_layers(rank, tp)
         if tp == 4:
             _check_kv_replicas(rank, tp)
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_layers_equal_unsharded(tp, tmp_path):
-    try:
-        mp.start_processes(_worker, args=(tp, _port(), str(tmp_path)), nprocs=tp, start_method="spawn")
-    except Exception:
-        pytest.fail("\n".join(open(tmp_path / n).read() for n in sorted(os.listdir(tmp_path))))
+    spawn_workers(_worker, tp, (), str(tmp_path))
 
 
 def test_single_rank_layers_are_the_plain_layers():
