@@ -616,13 +616,13 @@ def _time_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
     devices = [d for d in PLAN_DEVICES[t.device]] + (["NeuronCore-v2 (trn1n)"] if t.device in ("xla", "auto") else [])
     for dev in devices:
         e = estimate_step(cfg, t, world, dev)
-        where = lambda g: "in" if e["inside"][g] else "across"
-        rows.append([dev, fmt_flop(e["peak"], "FLOP/s"), fmt_seconds(e["compute"])]
-                    + [f"{fmt_seconds(e['comm'][g])} ({where(g)})" if (g == "tp" and t.tp > 1) or
-                       (g == "pp" and t.pp > 1) or (g == "dp" and world // (t.tp * t.pp) > 1) else "-"
-                       for g in ("tp", "pp", "dp")]
-                    + [fmt_seconds(e["bubble"]) if t.pp > 1 else "-", fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}",
-                       f"{e['mfu']:.0%}", fmt_seconds(e["step_overlapped"]), fmt_seconds(e["step"] * t.steps)])
+        sizes = {"tp": t.tp, "pp": t.pp, "dp": world // (t.tp * t.pp)}
+        comm_cells = [f"{fmt_seconds(e['comm'][g])} ({'in' if e['inside'][g] else 'across'})" if sizes[g] > 1
+                      else "-" for g in ("tp", "pp", "dp")]
+        rows.append([dev, fmt_flop(e["peak"], "FLOP/s"), fmt_seconds(e["compute"])] + comm_cells
+                    + [fmt_seconds(e["bubble"]) if t.pp > 1 else "-", fmt_seconds(e["step"]),
+                       f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}", fmt_seconds(e["step_overlapped"]),
+                       fmt_seconds(e["step"] * t.steps)])
     L += _table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
                  "MFU", "step, dp overlapped", f"{t.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
