@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import (checkpoint, comm, config, data, launch, metrics, optim, pipeline, preempt, replicas,
+from nanohlat import (checkpoint, comm, config, data, launch, metrics, optim, preempt, replicas,
                       runlock, timeline)
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib

@@ -6,6 +6,7 @@
     python -m nanohlat.bench --preset 125m --seq-len 1024 --device cuda --precision bf16
     python -m nanohlat.bench --profile                # + where the time goes, per op
     python -m nanohlat.bench --generate               # serving: prefill, decode, batching (generate_bench)
+    python -m nanohlat.bench --engines eager,compile,xla   # eager vs torch.compile vs XLA
 
 What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
@@ -21,6 +22,16 @@ tokens/s = batch_size * seq_len / median step time, and MFU is
 metrics.flops_per_token * tokens/s / metrics.device_peak (the same FLOP count
 for both models: they have the same shape). Data are random token ids: speed
 does not depend on what the tokens say.
+
+Engines (--engines, default eager): the same nanohlat step run eagerly
+(`nanohlat`), with its model stage compiled by torch.compile
+(`nanohlat-compile`, what train.py --compile runs; --compile alone means
+--engines eager,compile) and on an XLA device (`nanohlat-xla`, where
+torch_xla is installed: PJRT's CPU client on a laptop). All of them and
+Hugging Face's eager step alternate in one loop. Per engine the table shows
+the first step (where the compilers compile), the median steady step,
+tokens/s, MFU, the graphs compiled during warm-up and any compiled after it
+(recompilations: there should be none), and tokens/s relative to Hugging Face.
 
 This is a benchmark, not a test: it asserts nothing about speed. Every flag of
 train.py works (the model shape, --precision, --device, --threads ...); the
@@ -40,13 +51,16 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat import comm, config, metrics
+from nanohlat import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.build import build
 from nanohlat.config import UserError
+from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
 BENCH_DEFAULTS = {"batch_size": 8, "steps": 10}
+ENGINES = {"eager": "nanohlat", "compile": "nanohlat-compile", "xla": "nanohlat-xla"}   # --engines -> row name
 
 
 def wait(dev) -> None:
@@ -136,36 +150,48 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets):
     return step, model
 
 
-def time_interleaved(steps: dict, n: int, warmup: int, dev) -> tuple[dict, dict]:
+def warm_up(steps: dict, devs: dict, n: int) -> dict:
+    """Run n untimed steps of each step function (at least one); returns
+    {name: seconds of its first step}: where torch.compile and XLA compile."""
+    first = {}
+    for i in range(max(n, 1)):
+        for name, step in steps.items():
+            wait(devs[name])
+            t0 = time.perf_counter()
+            step()
+            wait(devs[name])
+            if i == 0:
+                first[name] = time.perf_counter() - t0
+    return first
+
+
+def time_interleaved(steps: dict, n: int, devs: dict) -> tuple[dict, dict]:
     """Seconds per step of each named step function, alternating them step by
     step (and who goes first, every round) so machine load falls on all alike.
     Returns ({name: [step seconds]}, {name: [forward + backward seconds]})."""
     names = list(steps)
-    for _ in range(warmup):
-        for name in names:
-            steps[name]()
-    wait(dev)
     times = {name: [] for name in names}
     fwd_bwd = {name: [] for name in names}
     for i in range(n):
         for name in (names if i % 2 == 0 else names[::-1]):
-            wait(dev)
+            wait(devs[name])
             t0 = time.perf_counter()
             fb = steps[name]()
-            wait(dev)
+            wait(devs[name])
             times[name].append(time.perf_counter() - t0)
             if fb is not None:
                 fwd_bwd[name].append(fb)
     return times, fwd_bwd
 
 
-def profile(steps: dict, dev, n: int = 3, rows: int = 25) -> str:
+def profile(steps: dict, devs: dict, n: int = 3, rows: int = 25) -> str:
     """torch.profiler's op table (self time) for n steps of each model."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.kind == "cuda" else [])
-    sort = "self_cuda_time_total" if dev.kind == "cuda" else "self_cpu_time_total"
     out = []
     for name, step in steps.items():
+        dev = devs[name]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.kind == "cuda" else [])
+        sort = "self_cuda_time_total" if dev.kind == "cuda" else "self_cpu_time_total"
         with torch_profile(activities=activities) as prof:
             for _ in range(n):
                 step()
@@ -187,10 +213,19 @@ def parse(argv):
     b.add_argument("--generate", action="store_true", default=False,
                    help="time generation instead: prefill/decode for batch 1..--batch-size, the bandwidth "
                         "bound, static vs continuous batching")
+    b.add_argument("--engines", default="eager",
+                   help="comma-separated: eager (nanohlat as train.py runs it), compile (torch.compile of "
+                        "the model stage, train.py --compile), xla (torch_xla) (default eager)")
     flags = vars(parser.parse_args(argv))
-    own = {k: flags.pop(k) for k in ("warmup", "hf", "profile", "generate")}
+    own = {k: flags.pop(k) for k in ("warmup", "hf", "profile", "generate", "engines")}
     flags = BENCH_DEFAULTS | flags
     model_cfg, tcfg = config.resolve(flags)
+    own["engines"] = [e.strip() for e in own["engines"].split(",") if e.strip()]
+    unknown = sorted(set(own["engines"]) - set(ENGINES))
+    if unknown or not own["engines"]:
+        raise UserError(f"--engines {','.join(unknown) or '(none)'}: choose from {', '.join(ENGINES)}")
+    if tcfg.compile and "compile" not in own["engines"]:   # --compile: the compiled engine beside eager
+        own["engines"].append("compile")
     if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.microbatches != 1:
         raise UserError("the bench times one process: leave --tp, --pp and --microbatches at 1")
     return model_cfg, tcfg, argparse.Namespace(**own)
@@ -210,12 +245,12 @@ def main(argv=None) -> int:
         return generate_bench(model_cfg, tcfg, dev)
     tokens, targets = random_batch(model_cfg, tcfg, dev)
 
-    steps, models = {}, {}
-    steps["nanohlat"], models["nanohlat"] = nanohlat_step(model_cfg, tcfg, dev, tokens, targets)
+    steps, models, devs, graphs = build_engines(args.engines, model_cfg, tcfg, dev, tokens, targets)
     hf = hf_step(model_cfg, tcfg, dev, tokens, targets) if args.hf else None
     if hf is not None:
         steps["hf-llama"], models["hf-llama"] = hf
-        n_ours, n_hf = (sum(p.numel() for p in m.parameters()) for m in models.values())
+        devs["hf-llama"] = dev
+        n_ours, n_hf = (sum(p.numel() for p in models[name].parameters()) for name in (next(iter(models)), "hf-llama"))
         assert n_ours == n_hf, f"shape mismatch: nanohlat {n_ours:,} vs Hugging Face {n_hf:,} parameters"
     elif args.hf:
         print("(transformers is not installed: timing nanohlat alone; pip install transformers)")
@@ -230,30 +265,71 @@ def main(argv=None) -> int:
     print(f"step: batch {tcfg.batch_size} x seq {tcfg.seq_len} = {tok_per_step:,} tokens, {tcfg.precision}, "
           f"on {where}")
     print(metrics.describe_peak(dev, tcfg.precision))
-    print(f"timing {tcfg.steps} steps per model after {args.warmup} warm-up, interleaved ...", flush=True)
+    print(f"timing {tcfg.steps} steps per model after {max(args.warmup, 1)} warm-up, interleaved ...", flush=True)
 
-    times, fwd_bwd = time_interleaved(steps, tcfg.steps, args.warmup, dev)
-    rate = {}
+    first = warm_up(steps, devs, args.warmup)              # the compilers compile here
+    compiled = {name: count() for name, count in graphs.items()}
+    times, fwd_bwd = time_interleaved(steps, tcfg.steps, devs)
+    recompiled = {name: count() - compiled[name] for name, count in graphs.items()}
+    print()
+    print(report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak))
+    if "nanohlat-compile" in steps:
+        st = compilelib.stats()
+        print(f"\nnanohlat-compile: {st['graphs']} graph(s), {st['graph_breaks']} graph break(s)"
+              + "".join(f"\n  break: {r}" for r in st["break_reasons"]))
+    if args.profile:
+        print(profile(steps, devs))
+    if "hf-llama" in steps:   # eager and compile last, as the README quotes them
+        rate = {name: tok_per_step / statistics.median(ts) for name, ts in times.items()}
+        print()
+        for name in sorted((n for n in steps if n != "hf-llama"), key=lambda n: n != "nanohlat-xla"):
+            print(f"{name} / hf-llama tokens/s: {rate[name] / rate['hf-llama']:.3f}x")
+    return 0
+
+
+def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
+    """nanohlat's step once per engine: ({row name: step}, {row name: model},
+    {row name: device}, {row name: graphs compiled so far, a function})."""
+    steps, models, devs, graphs = {}, {}, {}, {}
+    for engine in engines:
+        name, edev, etok, etgt = ENGINES[engine], dev, tokens, targets
+        if engine == "xla":
+            if not devicelib._installed("torch_xla"):
+                print("(xla: torch_xla is not installed here, no xla engine; .ci/xla-lane installs it)")
+                continue
+            edev = devicelib.get_device("xla", 0, tcfg.precision)
+            etok, etgt = tokens.to(edev.torch_device), targets.to(edev.torch_device)
+            graphs[name] = edev.compile_count
+        steps[name], models[name] = nanohlat_step(model_cfg, tcfg, edev, etok, etgt)
+        devs[name] = edev
+        if engine == "compile":
+            compilelib.reset()
+            compilelib.compile_stage(models[name], edev.kind)
+            graphs[name] = lambda: compilelib.stats()["graphs"]
+    return steps, models, devs, graphs
+
+
+def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak) -> str:
+    """The table: one row per engine (and Hugging Face), ratios against hf-llama's eager step."""
+    hf = tok_per_step / statistics.median(times["hf-llama"]) if "hf-llama" in times else None
     # fwd+bwd and optimizer: medians of each phase (they need not add up to the step's median)
-    print(f"\n{'':<10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>10} {'MFU':>7} "
-          f"{'fwd+bwd':>10} {'optimizer':>10}")
+    lines = [f"{'':<16} {'first step':>10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>9} "
+             f"{'MFU':>6} {'vs hf':>6} {'graphs':>6} {'recompiled':>10} {'fwd+bwd':>10} {'optimizer':>10}"]
     for name, ts in times.items():
         med = statistics.median(ts)
-        rate[name] = tok_per_step / med
-        m = metrics.mfu(rate[name], flops_tok, peak)
-        mfu_text = f"{m * 100:6.1f}%" if m is not None else "    n/a"
+        rate = tok_per_step / med
+        m = metrics.mfu(rate, flops_tok, peak)
+        mfu_text = f"{m * 100:5.1f}%" if m is not None else "   n/a"
+        ratio = f"{rate / hf:5.3f}x" if hf else "   n/a"
+        g = f"{compiled[name]:>6} {recompiled[name]:>10}" if name in compiled else f"{'-':>6} {'-':>10}"
         phases = ""
         if fwd_bwd[name]:
             fb = statistics.median(fwd_bwd[name])
             op = statistics.median([t - f for t, f in zip(ts, fwd_bwd[name])])
             phases = f" {fb * 1e3:>7.1f} ms {op * 1e3:>7.1f} ms"
-        print(f"{name:<10} {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms {max(ts) * 1e3:>6.1f} ms "
-              f"{rate[name]:>10,.0f} {mfu_text}{phases}")
-    if "hf-llama" in rate:
-        print(f"\nnanohlat / hf-llama tokens/s: {rate['nanohlat'] / rate['hf-llama']:.3f}x")
-    if args.profile:
-        print(profile(steps, dev))
-    return 0
+        lines.append(f"{name:<16} {first[name]:>8.2f} s {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms "
+                     f"{max(ts) * 1e3:>6.1f} ms {rate:>9,.0f} {mfu_text} {ratio} {g}{phases}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------

@@ -756,7 +756,7 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
         diff = {k: costs(e)[k] - costs(best["estimate"])[k] for k in parts}
         big = sorted(diff, key=lambda k: -abs(diff[k]))[:3]
         names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble"}
-        text += (f" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
+        text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
     if e["step_overlapped"] < e["step"]:

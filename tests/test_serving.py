@@ -11,7 +11,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
