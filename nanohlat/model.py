@@ -45,9 +45,11 @@ class RMSNorm(nn.Module):
         self.weight = tpl._param((dim,), None, 1, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
+        # exercise 1.1: begin
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+        # exercise 1.1: end
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +66,11 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.
 
 def apply_rotary(x, cos, sin):
     """x: (B, heads, T, D); cos/sin: (T, D)."""
+    # exercise 1.2: begin
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)           # "rotate half"
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    # exercise 1.2: end
 
 
 def attention_core(q, k, v, causal: bool, mask=None):

@@ -57,6 +57,7 @@ def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, i
     """The ops of one stage, in order: [('F', 0), ('F', 1), ('B', 0), ...]."""
     if schedule == "afab":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    # exercise 5.1: begin
     warmup = min(pp - stage - 1, m)
     ops = [("F", i) for i in range(warmup)]
     f, b = warmup, 0
@@ -67,6 +68,7 @@ def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, i
         ops.append(("B", b))
         b += 1
     return ops
+    # exercise 5.1: end
 
 
 def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | None]]:
