@@ -189,6 +189,54 @@ def check_rotary() -> str | None:
 
 
 # ---------------------------------------------------------------------------
+# Chapter 3: data parallelism and ZeRO-1 (3 gloo ranks)
+# ---------------------------------------------------------------------------
+
+def _flat_buffers(world, n, seed):
+    """Every rank's flat gradient buffer (known to all ranks) and the dp-padded length."""
+    g = torch.Generator().manual_seed(seed)
+    padded = (n + world - 1) // world * world
+    bufs = [torch.cat([torch.randn(n, generator=g), torch.zeros(padded - n)]) for _ in range(world)]
+    return bufs, padded
+
+
+def _dp_buckets(rank, world, which):
+    from nanohlat import data_parallel, zero1
+    group = tp_group(rank, world)
+    group.name = "dp"
+    for n, bucket in ((10, 4), (37, 8), (37, 1000), (6, 3)):    # several buckets, a ragged last one, one bucket
+        bufs, padded = _flat_buffers(world, n, seed=31 + n)
+        total = sum(bufs)
+        if which == "all-reduce":
+            got = data_parallel.all_reduce_buckets(bufs[rank][:n].clone(), group, bucket)
+            v = compare(f"all_reduce_buckets(n={n}, bucket_elems={bucket})", got, total[:n], rank)
+        elif which == "reduce-scatter":
+            got = zero1.reduce_scatter_buckets(bufs[rank].clone(), group, bucket)
+            v = compare(f"reduce_scatter_buckets(n={n}, padded {padded}, bucket_elems={bucket}): this rank's shard",
+                        got, total.view(world, -1)[rank], rank)
+        else:
+            shards = [b.view(world, -1)[r] for r, b in enumerate(bufs)]   # rank r's updated shard
+            got = zero1.all_gather_buckets(shards[rank].clone(), group, bucket)
+            v = compare(f"all_gather_buckets(shard of {padded // world}, bucket_elems={bucket})",
+                        got, torch.cat(shards), rank)
+        if v:
+            return v
+    return None
+
+
+def check_all_reduce() -> str | None:
+    return spawn(_dp_buckets, 3, "all-reduce")   # 3 ranks: uneven shards and padding show
+
+
+def check_reduce_scatter() -> str | None:
+    return spawn(_dp_buckets, 3, "reduce-scatter")   # 3 ranks: uneven shards and padding show
+
+
+def check_all_gather() -> str | None:
+    return spawn(_dp_buckets, 3, "all-gather")   # 3 ranks: uneven shards and padding show
+
+
+# ---------------------------------------------------------------------------
 # Chapter 4: tensor and sequence parallelism (2 gloo ranks)
 # ---------------------------------------------------------------------------
 
@@ -370,6 +418,9 @@ def check_groups() -> str | None:
 CHECKS = {
     "1.1": [check_rmsnorm],
     "1.2": [check_rotary],
+    "3.1": [check_all_reduce],
+    "3.2": [check_reduce_scatter],
+    "3.3": [check_all_gather],
     "4.1": [check_conjugates],
     "4.2": [check_linears],
     "4.3": [check_cross_entropy],
