@@ -84,7 +84,7 @@ EXERCISES = [
     Exercise("5.2", "the exchange plan of a tick: what a stage sends and receives at one boundary", "5"),
     Exercise("6.1", "rank <-> (dp, pp, tp) coordinates, tensor-parallel ranks neighbours", "6"),
     Exercise("6.2", "the process groups: every tp, dp and pp group of the mesh", "6"),
-    Exercise("7.1", "stochastic rounding of fp32 to bf16, unbiased and identical for identical elements", "7"),
+    Exercise("7.1", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
     Exercise("8.1", "resharding: assemble a full tensor from the tp shards a checkpoint saved", "8"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}

@@ -237,6 +237,50 @@ def check_all_gather() -> str | None:
 
 
 # ---------------------------------------------------------------------------
+# Chapter 7: stochastic rounding
+# ---------------------------------------------------------------------------
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and just above each fp32 x, in magnitude (x's sign)."""
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    down = (bits & 0xFFFF0000).to(torch.int64)
+    up = down + 0x10000
+    as_float = lambda b: torch.tensor((b - ((b >> 31) << 32)).tolist(), dtype=torch.int32).view(torch.float32)
+    return as_float(down), as_float(up)
+
+
+def check_stochastic_rounding() -> str | None:
+    from nanohlat.precision import stochastic_round_to_bf16
+    g = torch.Generator().manual_seed(71)
+    x = torch.cat([torch.randn(2000, generator=g) * 0.02, torch.randn(2000, generator=g) * 300,
+                   torch.tensor([1.0, -1.0, 0.0, 2.0 ** -130, 1 + 2 ** -9, -(1 + 2 ** -9)])])
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
+    got = stochastic_round_to_bf16(x, noise=noise)
+    if got.dtype != torch.bfloat16:
+        return f"stochastic_round_to_bf16 returned {got.dtype}, expected torch.bfloat16"
+    down, up = _bf16_neighbours(x)
+    low = x.view(torch.int32).long() & 0xFFFF
+    goes_up = low + noise.long() >= 1 << 16          # the carry: probability low / 2^16
+    want = torch.where(goes_up, up, down)
+    v = compare("stochastic_round_to_bf16(x, noise): each element rounds up exactly when "
+                "its low 16 bits + noise carry", got.float(), want, rtol=0, atol=0)
+    if v:
+        return v
+    # unbiased: the mean over many noise draws of one value approaches the value
+    val = torch.full((20000,), 1 + 3 * 2 ** -10)     # 3/8 of the way from 1 to the next bf16 (1 + 2^-7)
+    noise = torch.randint(0, 1 << 16, val.shape, dtype=torch.int32, generator=g)
+    mean = stochastic_round_to_bf16(val, noise=noise).double().mean()
+    if abs(mean.item() - val[0].item()) > 4 * 2 ** -7 * 0.5 / 20000 ** 0.5:   # 4 standard errors
+        return (f"rounding 1 + 3/1024 with 20000 random noises averages {mean.item():.6f}, not "
+                f"{val[0].item():.6f}: the rounding is biased")
+    special = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    out = stochastic_round_to_bf16(special, noise=torch.full((3,), (1 << 16) - 1, dtype=torch.int32))
+    if not (torch.isnan(out[0]) and out[1] == float("inf") and out[2] == -float("inf")):
+        return f"NaN and +-inf must stay NaN and +-inf; got {out.tolist()}"
+    return None
+
+
+# ---------------------------------------------------------------------------
 # Chapter 4: tensor and sequence parallelism (2 gloo ranks)
 # ---------------------------------------------------------------------------
 
@@ -427,4 +471,5 @@ CHECKS = {
     "5.1": [check_1f1b],
     "6.1": [check_coords],
     "6.2": [check_groups],
+    "7.1": [check_stochastic_rounding],
 }
