@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline
+from nanohlat import checkpoint, comm, config, data, launch, metrics, optim, pipeline, replicas
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
@@ -139,6 +139,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         loss = runner.run(tokens, targets, 1.0 / tokens_per_step)
         loss = comm.all_reduce(comm.all_reduce(loss, mesh.pp_group), mesh.dp_group)   # global mean
         norm, finite = opt.step(lr, loss_finite=torch.isfinite(loss))   # a non-finite step updates nothing
+        replicas.check(model, mesh, step + 1, tcfg.check_replicas)     # --check-replicas N: copies still identical?
         bad_streak = torch.where(finite, torch.zeros_like(bad_streak), bad_streak + 1)
         worst_streak = torch.maximum(worst_streak, bad_streak)
         skipped = skipped + (bad_streak > 0).float()

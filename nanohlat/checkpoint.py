@@ -235,8 +235,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "meta": {n: _meta(p) for n, p in model.named_parameters()},
         "model": {n: p.detach() for n, p in model.named_parameters()} if mesh.dp_rank == 0 else {},
         "optim": opt.export_state() if (opt.zero or mesh.dp_rank == 0) else {},
-        "rng": {"torch_cpu": torch.get_rng_state(),
-                "sr": opt.sr_generator.get_state() if opt.sr_generator is not None else None},
+        "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: optim.py)
     }
     shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
     if extract_graphs_only():
@@ -262,7 +261,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
             "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
             "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
             # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
-            "schedule": {"optimizer_step": opt.step_count, "bad_steps": int(bad_steps)},
+            "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
             # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
             "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
             "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
@@ -282,7 +281,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
     state = {"format": FORMAT, "rank": 0, "tp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0,
              "meta": {n: {"full_shape": list(t.shape), "tp_dim": -1} for n, t in full_state.items()},
              "model": {n: t.detach().float().cpu().contiguous() for n, t in full_state.items()},
-             "optim": {}, "rng": {"torch_cpu": None, "sr": None}}
+             "optim": {}, "rng": {"torch_cpu": None}}
     shard_path = os.path.join(tmp, "shard_00000.pt")
     _atomic_write(shard_path, lambda f: torch.save(state, f))
     return _publish(out_dir, tmp, {
@@ -489,15 +488,13 @@ def load(path: str, model, opt, mesh, device) -> dict:
     opt.import_state(lambda n, k: local_flat(n, k).to(device.torch_device), step_count)
 
     # Random generators are per rank: restore them only where ranks mean the
-    # same thing as when saved. In another layout the stochastic-rounding noise
-    # differs anyway (each rank rounds its own shard), so fresh seeds are right.
+    # same thing as when saved. (The stochastic-rounding noise needs none: it
+    # follows from the seed, the optimizer step and the element, in any layout.)
     layout = shards.manifest["layout"]
     if (layout["tp"], layout["pp"], layout["dp"], layout["zero1"]) == (mesh.tp, mesh.pp, mesh.dp, opt.zero):
         rng = (shards.shard_of_rank(mesh.rank) or {}).get("rng") or {}
         if rng.get("torch_cpu") is not None:
             torch.set_rng_state(rng["torch_cpu"])
-        if rng.get("sr") is not None and opt.sr_generator is not None:
-            opt.sr_generator.set_state(rng["sr"])
     return shards.manifest
 
 

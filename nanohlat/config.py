@@ -113,6 +113,7 @@ class TrainConfig:
     overwrite: bool = False      # with --resume never: replace an existing run
     max_restarts: int = 0
     max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops (0 = never stop)
+    check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
     timeline: bool = False
     plan: bool = False
@@ -122,7 +123,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("save_every", "keep_last", "max_bad_steps", "eval_every", "eval_batches", "max_restarts",
+        for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches", "max_restarts",
                      "stop_after", "threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -216,6 +217,8 @@ HELP = {
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (0 = keep all)",
     "max_bad_steps": "stop after this many non-finite steps in a row (0 = never stop)",
+    "check_replicas": "every N steps check that all copies of every parameter are bitwise identical, "
+                      "stop with an error if not (0 = never)",
     "overwrite": "with --resume never: replace an existing run in --out-dir",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",

@@ -1,18 +1,22 @@
 """Data parallelism: same weights on every dp rank, different slices of the batch.
 
 Each dp rank runs forward/backward on batch_size/dp sequences (split further
-into micro-batches, whose gradients simply accumulate in `p.grad`). The loss
-of every micro-batch is divided by the token count of the *global* batch, so
+into micro-batches, whose gradients are added, one micro-batch at a time,
+into one flat fp32 buffer per parameter group: see optim.py). The loss of
+every micro-batch is divided by the token count of the *global* batch, so
 summing the ranks' gradients gives exactly the gradient of the global mean
 loss: one process and dp processes compute the same number (up to the order
 of the additions, i.e. fp32 round-off).
 
-The gradients are flattened into one fp32 buffer and summed over the dp group
-once per step, after accumulation, in buckets of --bucket-mb. (A framework
-overlaps each bucket's all-reduce with the rest of the backward pass; here
-they run back to back so the communication stays easy to read and count.)
+The flat gradient buffer is summed over the dp group once per step, after
+accumulation, in buckets of --bucket-mb. (A framework overlaps each bucket's
+all-reduce with the rest of the backward pass; here they run back to back so
+the communication stays easy to read and count.)
 
 Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
+
+`ReplicatedDP` is what FlatAdamW (optim.py) calls at the three places where
+data parallelism matters; with --zero1 it calls `zero1.ZeroOneDP` instead.
 """
 
 from __future__ import annotations
@@ -37,28 +41,26 @@ def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Te
     return flat
 
 
-def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
-    """ZeRO-1's gradient step: sum over dp and keep only this rank's shard.
+class ReplicatedDP:
+    """Plain data parallelism: every dp rank keeps all of every flat buffer."""
 
-    The padded buffer is viewed as (dp, S): row r is rank r's shard. Buckets
-    cut the S columns, so each rank still owns one contiguous slice of the
-    flat buffer (what checkpoints and the parameter all-gather rely on).
-    """
-    if group.size == 1:
-        return flat
-    rows = flat.view(group.size, -1)                       # (dp, S)
-    shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
-    for a, b in bucket_ranges(rows.shape[1], bucket_elems // group.size):
-        piece = rows[:, a:b].contiguous().view(-1)         # (dp * (b-a),)
-        shard[a:b] = comm.reduce_scatter(piece, group)
-    return shard
+    sharded = False
 
+    def __init__(self, group, bucket_elems: int):
+        self.group, self.bucket_elems = group, bucket_elems
 
-def all_gather_buckets(shard: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
-    """ZeRO-1's parameter step: every rank's updated shard -> the full flat buffer."""
-    if group.size == 1:
-        return shard
-    full = torch.empty(group.size, shard.numel(), dtype=shard.dtype, device=shard.device)
-    for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
-        full[:, a:b] = comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)
-    return full.view(-1)
+    def layout(self, numel: int) -> tuple[int, int, int]:
+        """(padded length, start, stop): no padding, and this rank owns all of it."""
+        return numel, 0, numel
+
+    def reduce_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+        """The gradients summed over dp, in place."""
+        return all_reduce_buckets(flat, self.group, self.bucket_elems)
+
+    def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:
+        """dp replicas hold the same summed gradients: count them once."""
+        return sq
+
+    def gather_parameters(self, full: torch.Tensor) -> torch.Tensor:
+        """Every rank updated all of it: nothing to gather."""
+        return full

@@ -6,9 +6,13 @@ or replicated). Per buffer the optimizer keeps a master copy and the two Adam
 moments, for all of it (plain data parallel) or for this dp rank's 1/dp shard
 (--zero1, see zero1.py). A step:
 
-    grads -> flat fp32 -> dp all-reduce (or ZeRO-1 reduce-scatter)
-          -> global grad norm -> clip -> AdamW on the (shard of the) master
-          -> (ZeRO-1 all-gather) -> copy into the model's parameters
+    1. reduce gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
+    2. global grad norm    one number over all ranks, each parameter counted once
+    3. AdamW update        clip, then plain AdamW on the (shard of the) master
+    4. write back          (ZeRO-1 all-gather) -> copy into the model's parameters
+
+Where data parallelism enters (steps 1, 2 and 4) the optimizer calls one
+object: `data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` with --zero1.
 
 The global grad norm (DESIGN 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
@@ -27,11 +31,13 @@ non-finite gradient or loss turns the update into a no-op (multiplied by 0.0), n
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
 from . import comm, data_parallel, zero1
-from .precision import master_dtype, round_update
+from .precision import (full_index, master_dtype, mix64, name_key, round_update, rounding_noise, step_key,
+                        stochastic_round_to_bf16)
 
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -42,45 +48,81 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def sum_of_squares(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """sum(x^2) of a flat fp32 buffer.
+
+    The grad norm decides the clipping, so the layouts' norms must agree as
+    well as their gradients do (per parameter, to ~1e-9 relative). An fp32
+    reduction of a million squares adds its own round-off of ~1e-5 relative,
+    larger than that. So `exact` (cpu, cuda) accumulates in fp64, in chunks
+    (a full fp64 copy of the buffer would double its memory): each square is
+    exact in fp64 and the sum's round-off is ~1e-16 per addition. XLA devices
+    (trn1 has no fp64) use fp32 dot products, which the compiler sums as a tree.
+    """
+    if not exact:
+        return torch.dot(x, x)
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for chunk in x.split(1 << 20):
+        c = chunk.double()
+        total += torch.dot(c, c)
+    return total
+
+
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp: int, dp_rank: int,
-                 zero: bool, mdtype, device):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp_sync, mdtype, device, tp_rank=0, tp=1):
         self.names, self.params = names, params
         self.decay, self.tp_replicated = decay, tp_replicated
         self.numel = sum(p.numel() for p in params)
-        self.shards = dp if zero else 1
-        self.padded = zero1.padded_size(self.numel, self.shards)
-        self.start, self.stop = zero1.shard_range(self.numel, self.shards, dp_rank if zero else 0)
+        self.padded, self.start, self.stop = dp_sync.layout(self.numel)
         self.offsets = []
         off = 0
         for p in params:
             self.offsets.append(off)
             off += p.numel()
+        self.pieces = self._pieces(tp_rank, tp)
         flat = self.flatten([p.detach() for p in params], torch.float32)
         self.master = flat[self.start:self.stop].to(mdtype).clone()
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self._grad = None
+        # the gradients, accumulated in fp32 micro-batch by micro-batch (FlatAdamW's
+        # hooks), summed over dp in place, then the AdamW update's scratch space
+        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+
+    def _pieces(self, tp_rank: int, tp: int) -> list:
+        """Each parameter's part of this rank's shard [start, stop), with what
+        the stochastic-rounding noise needs to name its elements."""
+        pieces = []
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            ov = zero1.overlap(off, off + p.numel(), self.start, self.stop)
+            if ov is None:
+                continue
+            full_shape = getattr(p, "full_shape", p.shape)
+            chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+            pieces.append(SimpleNamespace(
+                name=name, name_key=name_key(name), start=ov[0] - self.start, stop=ov[1] - self.start,
+                local_start=ov[0] - off, local_stop=ov[1] - off, shape=tuple(p.shape), tp_dim=p.tp_dim,
+                chunks=chunks, chunk=tp_rank * chunks // tp))   # tp ranks that share a chunk hold copies
+        return pieces
+
+    def accumulate_hook(self, off: int, numel: int):
+        """A post-accumulate-grad hook for the parameter at `off`: add its fresh
+        gradient (one micro-batch's, in the parameter's dtype) into the fp32
+        buffer and free it, so no gradient is ever summed in bf16."""
+        view = self.grad[off:off + numel]
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                view.add_(p.grad.reshape(-1))
+                p.grad = None
+        return hook
 
     def flatten(self, tensors, dtype) -> torch.Tensor:
         """Concatenate tensors (as dtype) and zero-pad to the sharded length."""
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         pad = self.padded - self.numel
         return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-    def grad_buffer(self) -> torch.Tensor:
-        """The parameters' gradients copied into one flat, padded fp32 buffer,
-        kept between steps (it is also the optimizer step's scratch space)."""
-        if self._grad is None:
-            self._grad = torch.zeros(self.padded, dtype=torch.float32, device=self.master.device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is None:
-                self._grad[off:off + p.numel()].zero_()
-            else:
-                self._grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
-        return self._grad
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
@@ -92,7 +134,9 @@ class FlatAdamW:
         self.zero = train.zero1
         self.precision = train.precision
         self.software_sr = not device.hardware_stochastic_rounding   # trn1 rounds stochastically in hardware
-        self.bucket_elems = int(train.bucket_mb * 2**20 / 4)
+        bucket_elems = int(train.bucket_mb * 2**20 / 4)
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
+        self.dp_sync = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(mesh.dp_group, bucket_elems)
         mdtype = master_dtype(train.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
@@ -100,96 +144,134 @@ class FlatAdamW:
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, mesh.dp, mesh.dp_rank, self.zero, mdtype,
-                                 device.torch_device)
+        self.groups = [FlatGroup(names, params, decay, repl, self.dp_sync, mdtype, device.torch_device,
+                                 mesh.tp_rank, mesh.tp)
                        for (decay, repl), (names, params) in sorted(by_kind.items(), reverse=True)]
-        self.step_count = 0
+        for g in self.groups:
+            for p, off in zip(g.params, g.offsets):
+                p.register_post_accumulate_grad_hook(g.accumulate_hook(off, p.numel()))
+        # optimizer steps taken, as a device tensor: a skipped (non-finite) step
+        # does not count (Adam's bias correction), and XLA needs no host sync for it
+        self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
         self.device = device
-        self.sr_generator = None
-        if self.software_sr and train.precision == "bf16-sr" and device.kind != "xla":
-            # SR noise need not match across layouts (each rank rounds its own shard).
-            # torch_xla has no torch.Generator: on xla the noise comes from XLA's own RNG.
-            self.sr_generator = torch.Generator(device=device.torch_device).manual_seed(train.seed + 1000 + mesh.rank)
 
     def state_bytes(self) -> int:
         """Optimizer memory on this rank: master weights (if separate) + two moments."""
         return sum(g.state_bytes() for g in self.groups)
 
     def zero_grad(self) -> None:
+        """Start a step's gradient accumulation: clear the fp32 buffers."""
         for g in self.groups:
+            g.grad.zero_()
             for p in g.params:
                 p.grad = None
 
     @torch.no_grad()
     def step(self, lr: float, loss_finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step. Returns (grad norm, finite flag) as device tensors (no host sync).
+        """One optimizer step, in four phases. Returns (grad norm, finite flag)
+        as device tensors (no host sync).
 
-        A step whose gradient norm (or, given `loss_finite`, loss) is not finite
-        changes nothing: every update below is multiplied by `keep` = 0.0.
-        Buffers are updated in place: on a 7B model each full-size temporary
-        would be gigabytes, and on CPU every fresh one costs page faults.
+        The "keep" mask. A step whose gradient norm (or, given `loss_finite`,
+        loss) is not finite must change nothing, and on XLA that cannot be a
+        Python `if` on a device value (a host sync every step). So the step
+        always runs, and `keep` (1.0, or 0.0 for such a step) multiplies every
+        change it makes: the moments' weights, the learning rate, the weight
+        decay, the clipped gradient. With keep = 0.0 each buffer is rewritten
+        with its old value. This is the only place the mask is made.
         """
-        mesh, t = self.mesh, self.train
-        dev = self.device.torch_device
-        self.step_count += 1
-        b1, b2 = t.beta1, t.beta2
-        # step-dependent scalars as one small tensor: the graph stays the same every step
-        scalars = torch.tensor([lr, 1 - b1 ** self.step_count, 1 - b2 ** self.step_count],
-                               dtype=torch.float32, device=dev)
-        lr_t, bc1, bc2 = scalars[0], scalars[1], scalars[2]
+        grads = self._reduce_gradients()                        # 1. sum the gradients over tp (SP) and dp
+        norm = self._global_grad_norm(grads)                    # 2. one number for the whole model
+        finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
+        keep = finite.float()                                   # 0.0 turns the whole update into a no-op
+        coef = self._coefficients(lr, norm, keep)
+        for g, grad in zip(self.groups, grads):
+            self._adamw(g, grad, coef)                          # 3. AdamW on the (shard of the) master
+            self._write_back(g)                                 # 4. into the model's parameters
+        self.step_count += finite.long()                        # a skipped step is not a step
+        return norm, finite
 
-        # 1. gradients -> this group's flat fp32 buffer, summed over dp (all of it, or this rank's shard)
+    def _reduce_gradients(self) -> list[torch.Tensor]:
+        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard)."""
         grads = []
         for g in self.groups:
-            flat = g.grad_buffer()
-            if g.tp_replicated and mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
+            flat = g.grad
+            if g.tp_replicated and self.mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
-                flat = comm.all_reduce(flat, mesh.tp_group, inplace=True)
-            if self.zero:
-                grads.append(data_parallel.reduce_scatter_buckets(flat, mesh.dp_group, self.bucket_elems))
-            else:
-                grads.append(data_parallel.all_reduce_buckets(flat, mesh.dp_group, self.bucket_elems))
+                flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
+            grads.append(self.dp_sync.reduce_gradients(flat))
+        return grads
 
-        # 2. global grad norm, each parameter counted once (see module docstring)
-        sq = torch.zeros((), dtype=torch.float32, device=dev)
+    def _global_grad_norm(self, grads) -> torch.Tensor:
+        """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
+        mesh = self.mesh
+        exact = self.device.kind != "xla"
+        sq = torch.zeros((), dtype=torch.float64 if exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
-            s = torch.linalg.vector_norm(grad).square()
+            s = sum_of_squares(grad, exact)
             sq = sq + (s / mesh.tp if g.tp_replicated else s)
+        sq = sq.float()                                  # 4 bytes per all-reduce below
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
-        if self.zero:
-            sq = comm.all_reduce(sq, mesh.dp_group)
-        norm = sq.sqrt()
-        finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
-        keep = finite.float()                            # 0.0 turns the whole update into a no-op
+        return self.dp_sync.sum_norm_squares(sq).sqrt()
+
+    def _coefficients(self, lr: float, norm: torch.Tensor, keep: torch.Tensor) -> dict:
+        """This step's scalars as device tensors, every one multiplied by `keep`.
+        Step-dependent values enter as tensors so the XLA graph stays the same every step."""
+        t = self.train
+        b1, b2 = t.beta1, t.beta2
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device.torch_device)
+        n = (self.step_count + 1).float()                # this step's number, if it is kept
+        # bias corrections 1 - beta^n, as -expm1(n log beta): accurate in fp32 even for n = 1
+        bc1, bc2 = -torch.expm1(n * math.log(b1)), -torch.expm1(n * math.log(b2))
         clip = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0) if t.grad_clip > 0 else torch.ones_like(norm)
-        clip = clip * keep
-        w1, w2 = (1 - b1) * keep, (1 - b2) * keep        # moment weights: m <- m + w1 (g - m)
-        step_size = lr_t * keep / bc1
-        decay = 1 - lr_t * keep * t.weight_decay         # decoupled weight decay: w <- w (1 - lr wd)
+        return {"clip": clip * keep,
+                "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
+                "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
+                "decay": 1 - lr_t * keep * t.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
 
-        # 3. AdamW on the master shard, in fp32, reusing the gradient buffer as scratch
-        for g, grad in zip(self.groups, grads):
-            grad.mul_(clip).nan_to_num_(0.0, 0.0, 0.0)   # a skipped step's inf/nan become 0 x ... = 0
-            g.exp_avg.lerp_(grad, w1)
-            g.exp_avg_sq.lerp_(grad.mul_(grad), w2)
-            denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(bc2.sqrt()).add_(t.adam_eps)
-            update = torch.div(g.exp_avg, denom, out=denom).mul_(step_size)   # (m / bc1) / (sqrt(v / bc2) + eps)
-            w = g.master if g.master.dtype == torch.float32 else g.master.float()
-            if g.decay and t.weight_decay:
-                w.mul_(decay)
-            w.sub_(update)
-            if w is not g.master:                        # pure bf16: round the fp32 result back
-                g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr,
-                                            self.sr_generator))
+    def _adamw(self, g: FlatGroup, grad: torch.Tensor, c: dict) -> None:
+        """Phase 3: plain AdamW (Loshchilov & Hutter 2019) on the master, in fp32:
 
-            # 4. back into the model: all-gather the shards (ZeRO-1) and unflatten
-            full = g.master.to(g.params[0].dtype)
-            if self.zero:
-                full = data_parallel.all_gather_buckets(full, mesh.dp_group, self.bucket_elems)
-            for p, off in zip(g.params, g.offsets):
-                p.copy_(full[off:off + p.numel()].view_as(p))
-        return norm, finite
+            g <- clip * g
+            m <- b1 m + (1 - b1) g            v <- b2 v + (1 - b2) g^2
+            w <- w (1 - lr wd) - lr (m / bc1) / (sqrt(v / bc2) + eps)
+
+        with bc = 1 - beta^step (bias correction), written in place (on a 7B
+        model each full-size temporary would be gigabytes, and on CPU every
+        fresh one costs page faults): the gradient buffer is the scratch space.
+        """
+        t = self.train
+        grad.mul_(c["clip"]).nan_to_num_(0.0, 0.0, 0.0)    # a skipped step's inf/nan become 0 x ... = 0
+        g.exp_avg.lerp_(grad, c["w1"])
+        g.exp_avg_sq.lerp_(grad.mul_(grad), c["w2"])
+        denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(c["sqrt_bc2"]).add_(t.adam_eps)
+        update = torch.div(g.exp_avg, denom, out=denom).mul_(c["step_size"])   # (m / bc1) / (sqrt(v / bc2) + eps)
+        w = g.master if g.master.dtype == torch.float32 else g.master.float()
+        if g.decay and t.weight_decay:
+            w.mul_(c["decay"])
+        w.sub_(update)
+        if w is not g.master:                               # pure bf16: round the fp32 result back
+            self._round_into_master(g, w)
+
+    def _round_into_master(self, g: FlatGroup, w: torch.Tensor) -> None:
+        """Pure bf16: store the fp32 result `w` in the bf16 master. bf16-sr in
+        software rounds each element with its own noise, a function of (seed,
+        step, parameter, the element's index in the full parameter) and not of
+        the rank (precision.py), so every replica of an element rounds alike."""
+        if not (self.precision == "bf16-sr" and self.software_sr):
+            g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr))
+            return
+        key = step_key(self.train.seed, self.step_count + 1)
+        for p in g.pieces:   # one parameter's part of this rank's shard at a time: small int64 temporaries
+            local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
+            noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))
+            g.master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))
+
+    def _write_back(self, g: FlatGroup) -> None:
+        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first)."""
+        full = self.dp_sync.gather_parameters(g.master.to(g.params[0].dtype))
+        for p, off in zip(g.params, g.offsets):
+            p.copy_(full[off:off + p.numel()].view_as(p))
 
     # -- checkpoint support: per-parameter pieces of the (sharded) state --
 
@@ -199,21 +281,18 @@ class FlatAdamW:
         export the piece of every parameter that falls in their shard."""
         out = {}
         for g in self.groups:
-            for name, p, off in zip(g.names, g.params, g.offsets):
-                ov = zero1.overlap(off, off + p.numel(), g.start, g.stop)
-                if ov is None:
-                    continue
-                a, b = ov[0] - g.start, ov[1] - g.start
-                out[name] = {"start": ov[0] - off, "stop": ov[1] - off,
-                             "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
-                             "exp_avg_sq": g.exp_avg_sq[a:b]}
+            for p in g.pieces:
+                a, b = p.start, p.stop
+                out[p.name] = {"start": p.local_start, "stop": p.local_stop,
+                               "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
+                               "exp_avg_sq": g.exp_avg_sq[a:b]}
         return out
 
     @torch.no_grad()
     def import_state(self, local_flat, step_count: int) -> None:
         """Fill this rank's shards from `local_flat(name, key)` -> the tp-local
         parameter's full flattened state (key: master | exp_avg | exp_avg_sq)."""
-        self.step_count = step_count
+        self.step_count.fill_(step_count)
         for g in self.groups:
             for key in ("master", "exp_avg", "exp_avg_sq"):
                 dst = getattr(g, key)

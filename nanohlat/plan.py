@@ -13,12 +13,13 @@ Memory per rank, at its peak, the larger of the step's two phases:
               ZeRO-1 shards and gathers (+ temporaries)) optimizer step
 
     weights       parameters x 2 B (bf16) or 4 B (fp32)
-    gradients     the same again: p.grad has the parameter's dtype
+    gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
+                  the fp32 buffer (below) as autograd makes it, and free it
     optimizer     Adam moments (2 x 4 B) + master weights, a separate copy in fp32
                   (4 B; fp32, bf16-mixed) or bf16 (2 B); 1/dp of all that with ZeRO-1
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
-    fp32 grads    FlatAdamW keeps one flat fp32 gradient buffer per group between
+    fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
                   steps (4 B/param), also the update's scratch space; ZeRO-1 adds the
                   reduce-scattered 1/dp shards and the all-gathered new weights
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
@@ -222,7 +223,7 @@ def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
     s = dtype_bytes(t.precision)
     flight = microbatches_in_flight(t.schedule, pp, t.microbatches, stage)
     flat, temporaries = optimizer_step_bytes(cfg, t, tp, pp, dp, stage, eager)
-    out = {"params": params, "weights": s * params, "grads": s * params,
+    out = {"params": params, "weights": s * params, "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, t, tp, pp, dp, stage),
            "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(t, zero1=True), tp, pp, dp, stage),
            "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(t, zero1=False), tp, pp, dp, stage),

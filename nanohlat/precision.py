@@ -10,16 +10,41 @@ survive *on average*. HLAT-7B trained in pure bf16 with the Trainium
 hardware's stochastic rounding (NEURON_RT_STOCHASTIC_ROUNDING_EN=1); HLAT-70B
 kept fp32 master weights in ZeRO-1 instead.
 
-    --precision   parameters/compute   optimizer master weights   rounding of the update
-    fp32          fp32                 fp32                       -
-    bf16-mixed    bf16                 fp32 (1/dp each w/ ZeRO-1) fp32 master, copy -> bf16
-    bf16-sr       bf16                 the bf16 weights           stochastic (software; hardware on trn1)
-    bf16          bf16                 the bf16 weights           round-to-nearest-even
+    --precision   parameters/compute   optimizer master weights      rounding of the update
+    fp32          fp32                 fp32 copy                     -
+    bf16-mixed    bf16                 fp32 copy                     fp32 master, copy -> bf16
+    bf16-sr       bf16                 bf16 copy of the bf16 weights stochastic (software; hardware on trn1)
+    bf16          bf16                 bf16 copy of the bf16 weights round-to-nearest-even
 
-Adam's moments stay fp32 in every mode.
+The optimizer (optim.FlatAdamW) keeps its master weights in a flat buffer of
+`master_dtype` beside the model's parameters: all of them, or this dp rank's
+1/dp with ZeRO-1. In the pure bf16 modes that copy holds the same bf16 values
+as the parameters (2 bytes each). Adam's moments stay fp32 in every mode, and
+gradients always accumulate in fp32 (optim.FlatGroup.accumulate_hook).
+
+Stochastic rounding noise: one rule for every holder of an element
+------------------------------------------------------------------
+With plain data parallelism every dp rank holds a replica of every element,
+tp ranks hold replicas of the RMSNorm gains, and under ZeRO-1 one dp rank
+rounds an element that all others then receive. Replicas stay bitwise
+identical only if every holder rounds an element with the same noise. So the
+noise is a function of *what* is rounded, never of *who* rounds it:
+
+    noise(element) = hash(seed, optimizer step, parameter name,
+                          the element's flat index in the FULL parameter) mod 2^16
+
+"Full" means unsharded over tp: a tp rank computes its elements' indices in
+the whole tensor from its shard's position (`full_index`), so the noise is
+also the same in every layout. The hash is counter-based (SplitMix64's
+integer mixing on int64 tensors: no generator state to carry, no
+torch.Generator, which torch_xla does not have), and its 16 bits are as good
+as uniform, so the rounding stays unbiased.
 """
 
 from __future__ import annotations
+
+import hashlib
+import math
 
 import torch
 
@@ -34,17 +59,20 @@ def master_dtype(precision: str) -> torch.dtype:
     return torch.float32 if precision in ("fp32", "bf16-mixed") else torch.bfloat16
 
 
-def stochastic_round_to_bf16(x: torch.Tensor, generator=None) -> torch.Tensor:
+def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Round fp32 -> bf16 up or down at random, unbiased.
 
     A bf16 is the top 16 bits of an fp32. Adding a uniform random integer in
     [0, 2^16) to the low 16 bits and then truncating them carries into the
     kept bits with probability (low bits) / 2^16: exactly the distance to the
     next bf16 value. Works for negative numbers too (sign-magnitude format).
+    `noise`: those integers (int32, x's shape; the optimizer passes
+    `rounding_noise`), else drawn from `generator`.
     """
     x = x.float().contiguous()
     bits = x.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    if noise is None:
+        noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     rounded = (bits + noise) & -65536          # -65536 == 0xFFFF0000: clear the low 16 bits
     out = rounded.view(torch.float32).to(torch.bfloat16)    # exact: low bits are zero
     # a NaN with a full mantissa would carry into the sign bit: keep NaN a NaN
@@ -52,12 +80,64 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None) -> torch.Tensor:
 
 
 def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str, software_sr: bool,
-                 generator=None) -> torch.Tensor:
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
     """Store the fp32 result of an optimizer step in the master dtype."""
     if dtype == torch.float32:
         return x
     if precision == "bf16-sr" and software_sr:
-        return stochastic_round_to_bf16(x, generator)
+        return stochastic_round_to_bf16(x, noise=noise)
     # round-to-nearest-even; on trn1 with NEURON_RT_STOCHASTIC_ROUNDING_EN=1 the
     # hardware rounds this very cast stochastically instead
     return x.to(dtype)
+
+
+# -- the noise: SplitMix64 (Steele, Lea, Flood 2014) on int64 tensors ---------
+# int64 arithmetic wraps around modulo 2^64 in torch and XLA alike; `>>` on
+# int64 is arithmetic (it copies the sign bit), so _shr masks to get the
+# logical shift the mixer needs.
+
+def _s64(c: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GAMMA = _s64(0x9E3779B97F4A7C15)
+_M1, _M2 = _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: every output bit depends on every input bit."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def name_key(name: str) -> int:
+    """A stable 64-bit key for a parameter name (Python's hash() changes per process)."""
+    return _s64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+
+def step_key(seed: int, step: torch.Tensor) -> torch.Tensor:
+    """The key of one optimizer step (`step`: an int64 device tensor; no host sync, no recompile)."""
+    return mix64(mix64(torch.full_like(step, _s64(seed % (1 << 64)))) + step * _GAMMA)
+
+
+def rounding_noise(param_key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Uniform integers in [0, 2^16) for the elements at `index` (int64, full-parameter
+    flat indices) of the parameter whose per-step key is `param_key`
+    (= mix64(step_key ^ name_key)). The top 16 bits of the mix are kept."""
+    return _shr(mix64(param_key + index * _GAMMA), 48).to(torch.int32)
+
+
+def full_index(local: torch.Tensor, shape, tp_dim, chunk: int, chunks: int) -> torch.Tensor:
+    """Flat indices into the full parameter of the elements at flat indices
+    `local` of this rank's shard (shape `shape`), which is chunk number `chunk`
+    of `chunks` contiguous chunks along `tp_dim` (tensor_parallel.shard)."""
+    if tp_dim is None or chunks == 1:
+        return local
+    block = math.prod(shape[tp_dim:])          # one chunk's elements per index of the leading dims
+    return (local // block) * (block * chunks) + chunk * block + local % block

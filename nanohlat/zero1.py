@@ -21,9 +21,19 @@ A step is then "partition, step the shard, all-gather":
 Bytes per step: reduce-scatter of 4N plus all-gather of N * (parameter
 bytes), for N parameters on the rank: the same as one all-reduce (which *is*
 a reduce-scatter followed by an all-gather), so ZeRO-1 saves memory for free.
+
+Everything ZeRO-1 does lives here: the shard arithmetic, the two bucketed
+collectives and `ZeroOneDP`, the object FlatAdamW (optim.py) calls at the
+three places where sharding matters. Its plain-data-parallel twin is
+`data_parallel.ReplicatedDP`: same methods, no sharding.
 """
 
 from __future__ import annotations
+
+import torch
+
+from . import comm
+from .data_parallel import bucket_ranges
 
 
 def padded_size(numel: int, dp: int) -> int:
@@ -41,3 +51,56 @@ def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
     """Intersection of [a0, a1) and [b0, b1), or None."""
     lo, hi = max(a0, b0), min(a1, b1)
     return (lo, hi) if lo < hi else None
+
+
+def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
+    """ZeRO-1's gradient step: sum over dp and keep only this rank's shard.
+
+    The padded buffer is viewed as (dp, S): row r is rank r's shard. Buckets
+    cut the S columns, so each rank still owns one contiguous slice of the
+    flat buffer (what checkpoints and the parameter all-gather rely on).
+    """
+    if group.size == 1:
+        return flat
+    rows = flat.view(group.size, -1)                       # (dp, S)
+    shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
+    for a, b in bucket_ranges(rows.shape[1], bucket_elems // group.size):
+        piece = rows[:, a:b].contiguous().view(-1)         # (dp * (b-a),)
+        shard[a:b] = comm.reduce_scatter(piece, group)
+    return shard
+
+
+def all_gather_buckets(shard: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
+    """ZeRO-1's parameter step: every rank's updated shard -> the full flat buffer."""
+    if group.size == 1:
+        return shard
+    full = torch.empty(group.size, shard.numel(), dtype=shard.dtype, device=shard.device)
+    for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
+        full[:, a:b] = comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)
+    return full.view(-1)
+
+
+class ZeroOneDP:
+    """The sharded update: this dp rank owns [start, stop) of every flat buffer."""
+
+    sharded = True
+
+    def __init__(self, group, bucket_elems: int):
+        self.group, self.bucket_elems = group, bucket_elems
+
+    def layout(self, numel: int) -> tuple[int, int, int]:
+        """(padded length, start, stop) of a flat buffer of `numel` elements."""
+        return (padded_size(numel, self.group.size),
+                *shard_range(numel, self.group.size, self.group.rank))
+
+    def reduce_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+        """Summed gradients of this rank's shard."""
+        return reduce_scatter_buckets(flat, self.group, self.bucket_elems)
+
+    def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:
+        """Each dp rank holds a different shard: the squares add up over dp."""
+        return comm.all_reduce(sq, self.group)
+
+    def gather_parameters(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's updated shard -> the full flat buffer of new weights."""
+        return all_gather_buckets(shard, self.group, self.bucket_elems)

@@ -23,13 +23,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, runs: list[list[str]], err_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, runs: list[list[str]], err_dir: str, setup=None) -> None:
     sys.path.insert(0, ROOT)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import train
     from nanohlat import config
     try:
+        if setup is not None:   # a test's instrumentation, installed in each worker
+            setup(rank)
         for argv in runs:
             model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", "1"])
             train.train(model_cfg, tcfg, rank, world, rank, world)
@@ -39,11 +41,12 @@ def _worker(rank: int, world: int, port: int, runs: list[list[str]], err_dir: st
         raise
 
 
-def run_layouts(world: int, runs: list[list[str]], err_dir: str) -> None:
-    """Train every argv in `runs` with `world` gloo workers; raise with the first rank's traceback."""
+def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> None:
+    """Train every argv in `runs` with `world` gloo workers; raise with the first rank's traceback.
+    `setup(rank)`, a module-level function, runs first in each worker (e.g. to patch something)."""
     os.makedirs(err_dir, exist_ok=True)
     try:
-        mp.start_processes(_worker, args=(world, _free_port(), runs, err_dir), nprocs=world,
+        mp.start_processes(_worker, args=(world, _free_port(), runs, err_dir, setup), nprocs=world,
                            join=True, start_method="spawn")
     except Exception as e:
         msgs = [open(os.path.join(err_dir, n)).read() for n in sorted(os.listdir(err_dir))]

@@ -325,20 +325,27 @@ def test_dead_worker_stops_the_job_and_is_named(cache_dir, tmp_path, monkeypatch
 
 def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys):
     """NaN gradients injected into step 3 only: warning, the update is skipped (the
-    weights and Adam moments saved after step 3 equal those after step 2), and the
-    run goes on."""
-    from nanohlat import pipeline
+    weights and Adam moments saved after step 3 equal those after step 2, and so
+    does the optimizer's step count), and the run goes on."""
+    from nanohlat import optim, pipeline
     real_run, calls = pipeline.PipelineRunner.run, []
 
     def run(self, *args, **kwargs):
         loss = real_run(self, *args, **kwargs)
         calls.append(1)
         if len(calls) == 3:
-            for p in self.model.parameters():
-                p.grad.fill_(float("nan"))
             loss = loss * float("nan")
         return loss
+
+    real_step = optim.FlatAdamW.step
+
+    def step(self, *args, **kwargs):
+        if len(calls) == 3:   # the gradients live in the optimizer's fp32 buffers
+            for g in self.groups:
+                g.grad.fill_(float("nan"))
+        return real_step(self, *args, **kwargs)
     monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
+    monkeypatch.setattr(optim.FlatAdamW, "step", step)
     train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2))
     assert "warning: step 3 had a non-finite loss or gradient; the update was skipped" in capsys.readouterr().err
     shard = {s: torch.load(os.path.join(ckpt(tmp_path, s), "shard_00000.pt"), weights_only=True) for s in (2, 3, 4)}
@@ -346,6 +353,9 @@ def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, 
         assert torch.equal(w, shard[3]["model"][name]), name
         assert torch.equal(shard[2]["optim"][name]["exp_avg"], shard[3]["optim"][name]["exp_avg"]), name
     assert not torch.equal(shard[3]["model"]["embed.weight"], shard[4]["model"]["embed.weight"])
+    step_count = {s: json.load(open(os.path.join(ckpt(tmp_path, s), "manifest.json")))["schedule"]["optimizer_step"]
+                  for s in (2, 3, 4)}
+    assert step_count == {2: 2, 3: 2, 4: 3}      # Adam's bias correction does not count the skipped step
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
 
 

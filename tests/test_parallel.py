@@ -8,7 +8,7 @@ Tolerance: the layouts add the same numbers in a different order (a dot
 product split over tp ranks, gradients summed over dp ranks, micro-batches
 accumulated one by one), so results differ by fp32 round-off: ~1e-7 relative
 per operation, grown through 4 layers and 4 optimizer steps. Measured: losses
-(~6) differ by <= 5e-7; we allow 2e-5. Grad norms (~1.7) agree to 1e-5
+(~6) differ by <= 5e-7; we allow 2e-5. Grad norms (~1.7) agree to 1e-6
 relative at step 1 and to 1e-4 later (see the weights paragraph for why).
 
 Weights need two numbers. Almost every element agrees to ~1e-7. But Adam's
@@ -59,10 +59,13 @@ def assert_same_as_reference(reference, out_dir):
     assert [m["step"] for m in got] == [m["step"] for m in ref_metrics]
     for a, b in zip(got, ref_metrics):
         assert abs(a["loss"] - b["loss"]) < LOSS_TOL, (a["step"], a["loss"], b["loss"])
-        # step 1 starts from identical weights: only summation order differs. Later
-        # steps inherit the rare Adam-amplified weight differences described above,
-        # which the gradient norm (unlike the loss) feels: 1e-4 relative
-        rel = 1e-5 if a["step"] == 1 else 1e-4
+        # step 1 starts from identical weights: only summation order differs, and
+        # the per-parameter gradients of the layouts agree to ~1e-9. The norm's own
+        # reduction adds nothing visible to that (optim.sum_of_squares accumulates
+        # in fp64; a plain fp32 reduction alone would be off by ~1e-5), so 1e-6
+        # holds. Later steps inherit the rare Adam-amplified weight differences
+        # described above, which the gradient norm (unlike the loss) feels: 1e-4
+        rel = 1e-6 if a["step"] == 1 else 1e-4
         assert abs(a["grad_norm"] - b["grad_norm"]) < rel * b["grad_norm"], (a, b)
     model, _ = checkpoint.load_for_inference(str(out_dir), device.get_device("cpu"))
     for name, p in model.named_parameters():
