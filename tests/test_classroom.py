@@ -24,6 +24,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRONG = {
     "1.1": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
     "1.2": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
+    "3.1": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
+            "comm.all_reduce(flat[a:b].clone(), group)"),
+    "3.2": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",
+            "piece = flat[a * group.size:b * group.size]"),
     "4.1": ("nanohlat/tensor_parallel.py", "return comm.all_reduce(g, ctx.group), None", "return g, None"),
     "4.2": ("nanohlat/tensor_parallel.py", "return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)",
             "return F.linear(x, self.weight)"),
@@ -35,6 +39,7 @@ WRONG = {
             "return rank // (tp * pp), (rank // tp) % pp, rank % tp"),
     "6.2": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
             "return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]"),
+    "7.1": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
 }
 
 
