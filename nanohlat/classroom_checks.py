@@ -188,6 +188,29 @@ def check_rotary() -> str | None:
     return compare("<rot(q, 5), rot(k, 2)> vs <rot(q, 9), rot(k, 6)> (same distance)", rq[5] @ rk[2], rq[9] @ rk[6])
 
 
+def check_kv_cache() -> str | None:
+    from nanohlat.config import ModelConfig
+    from nanohlat.model import Transformer, init_weights
+    for n_kv in (4, 2):   # multi-head, then grouped-query attention
+        cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=n_kv, ffn_dim=48, vocab_size=50,
+                          max_seq_len=16)
+        model = Transformer(cfg)
+        init_weights(model, seed=13)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(13))
+        with torch.no_grad():
+            want = model(tokens)                               # no cache: the whole sequence at once
+            cache = model.new_cache(2, 12, torch.device("cpu"), torch.float32)
+            # prefill 5 tokens, then a chunk of 3 (it must not see its own future), then one at a time
+            pieces = [(0, 5), (5, 8)] + [(p, p + 1) for p in range(8, 12)]
+            for a, b in pieces:
+                got = model(tokens[:, a:b], cache=cache, start_pos=a)
+                v = compare(f"logits of positions {a}..{b - 1} fed with the KV cache holding 0..{a - 1} "
+                            f"(n_kv_heads {n_kv})", got, want[:, a:b], rtol=1e-4, atol=1e-5)
+                if v:
+                    return v
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Chapter 3: data parallelism and ZeRO-1 (3 gloo ranks)
 # ---------------------------------------------------------------------------
@@ -420,6 +443,27 @@ def check_1f1b() -> str | None:
     return None
 
 
+def check_exchange_plan() -> str | None:
+    from types import SimpleNamespace
+    from nanohlat.pipeline import PipelineRunner, timetable
+    for schedule in ("afab", "1f1b"):
+        for pp, m in ((2, 3), (4, 4), (4, 6)):
+            ticks = timetable(schedule, pp, m)
+            runner = SimpleNamespace(ticks=ticks)
+            when = {(op[0], s, op[1]): t for t, row in enumerate(ticks) for s, op in enumerate(row) if op}
+            for t in range(len(ticks)):
+                for b in range(pp - 1):
+                    # oracle: after tick t, the activation of F(b, i) crosses b -> b+1 if F(b, i) ran at t,
+                    # and the gradient of B(b+1, j) crosses b+1 -> b if B(b+1, j) ran at t
+                    act = next((i for i in range(m) if when[("F", b, i)] == t), None)
+                    grad = next((j for j in range(m) if when[("B", b + 1, j)] == t), None)
+                    got = tuple(PipelineRunner._exchange_plan(runner, t, b))
+                    if got != (act, grad):
+                        return (f"_exchange_plan(tick {t}, boundary {b}->{b + 1}) with {schedule}, pp {pp}, "
+                                f"m {m} = {got} (activation, gradient), expected {(act, grad)}")
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Chapter 6: the mesh
 # ---------------------------------------------------------------------------
@@ -462,6 +506,7 @@ def check_groups() -> str | None:
 CHECKS = {
     "1.1": [check_rmsnorm],
     "1.2": [check_rotary],
+    "1.3": [check_kv_cache],
     "3.1": [check_all_reduce],
     "3.2": [check_reduce_scatter],
     "3.3": [check_all_gather],
@@ -469,6 +514,7 @@ CHECKS = {
     "4.2": [check_linears],
     "4.3": [check_cross_entropy],
     "5.1": [check_1f1b],
+    "5.2": [check_exchange_plan],
     "6.1": [check_coords],
     "6.2": [check_groups],
     "7.1": [check_stochastic_rounding],

@@ -104,6 +104,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         mask, causal = None, True
         if cache is not None:  # generation: append to the cache, attend to all of it
+            # exercise 1.3: begin
             cache_k, cache_v = cache
             cache_k[:, :, start_pos:start_pos + T] = k
             cache_v[:, :, start_pos:start_pos + T] = v
@@ -112,6 +113,7 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1:
                     mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
+            # exercise 1.3: end
         if self.checkpoint_core is not None and cache is None:
             y = self.checkpoint_core(attention_core, q, k, v, causal)
         else:

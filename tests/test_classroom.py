@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRONG = {
     "1.1": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
     "1.2": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
+    "1.3": ("nanohlat/model.py", ".tril(start_pos)", ".tril(0)"),
     "3.1": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
             "comm.all_reduce(flat[a:b].clone(), group)"),
     "3.2": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",
@@ -35,6 +36,8 @@ WRONG = {
             "m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0) if group.size > 1 else local_max",
             "m = local_max"),
     "5.1": ("nanohlat/pipeline.py", "warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage, m)"),
+    "5.2": ("nanohlat/pipeline.py", 'grad = right[1] if right is not None and right[0] == "B" else None',
+            'grad = left[1] if left is not None and left[0] == "B" else None'),
     "6.1": ("nanohlat/mesh.py", "return (rank // tp) % dp, rank // (tp * dp), rank % tp",
             "return rank // (tp * pp), (rank // tp) % pp, rank % tp"),
     "6.2": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
