@@ -1,0 +1,260 @@
+"""The classroom kit: exercises students implement in the real code, checked automatically.
+
+    python -m nanohlat.classroom list                         # the exercises, in tutorial order
+    python -m nanohlat.classroom new DIR [--chapter N | --exercise ID ...]
+    python -m nanohlat.classroom check ID [ID ...] | --chapter N | --all
+
+How it works. The reference code carries *exercise regions*, comment-marked:
+
+    def forward(self, x):
+        # exercise N.M: begin
+        h = x.float()
+        ...
+        # exercise N.M: end
+
+`new` copies the repository into DIR and replaces the lines between the
+markers with a stub that raises
+
+    NotImplementedError("exercise 1.1: <the task>, see tutorial.md section 1")
+
+so the reference and the exercises can never drift apart: the exercise *is*
+the real code, minus the part the student writes. Everything else runs.
+
+`check` runs an exercise's checks on the code it finds (the student's copy,
+or this repository, where every check passes). Each check compares the
+student's code with an independent oracle written in
+`classroom_checks.py`: a dense computation for a parallel layer, the
+one-process result for a parallel layout, a hand-written timetable for a
+schedule. The verdict names what differs: the first mismatching tensor, its
+rank, the index and by how much. Distributed checks run on a few gloo worker
+processes on the CPU, seconds each; a check that hangs (a collective called
+on one rank only) is stopped after its time limit and reported as such.
+
+The teacher's side (a course plan, typical mistakes, grading) is in
+docs/teaching.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What a student copy leaves out: version control, run outputs, caches, virtual environments.
+SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "out", "runs", ".cache", "data_cache",
+             "class-copy", "build", "dist"}
+SKIP_PREFIXES = (".venv", "venv", ".tox", ".eggs")
+
+BEGIN = re.compile(r"^(\s*)# exercise (\d+\.\d+): begin\s*$")
+END = re.compile(r"^\s*# exercise (\d+\.\d+): end\s*$")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str          # "4.2": chapter 4 of tutorial.md, second exercise
+    task: str        # one line: what to write
+    section: str     # where tutorial.md explains it
+
+    @property
+    def chapter(self) -> int:
+        return int(self.id.split(".")[0])
+
+    def stub_message(self) -> str:
+        return f"exercise {self.id}: {self.task}, see tutorial.md section {self.section}"
+
+
+# In tutorial order. The checks of each id are classroom_checks.CHECKS[id].
+EXERCISES = [
+    Exercise("1.1", "RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32", "1"),
+    Exercise("1.2", "rotary embeddings: rotate each (x_i, x_{i+D/2}) pair by its position's angle", "1"),
+    Exercise("1.3", "attention with a KV cache: write the new keys/values into the cache and attend to all of it", "1"),
+    Exercise("3.1", "data parallelism: sum a flat gradient buffer over the dp group, bucket by bucket", "3"),
+    Exercise("3.2", "ZeRO-1: reduce-scatter the gradient buckets so each dp rank keeps its shard", "3"),
+    Exercise("3.3", "ZeRO-1: all-gather every rank's updated shard into the full flat buffer", "3"),
+    Exercise("4.1", "the four conjugate functions: forward and backward of copy, reduce, gather and scatter", "4"),
+    Exercise("4.2", "column- and row-parallel linear layers", "4"),
+    Exercise("4.3", "the vocab-parallel cross-entropy, without gathering the logits", "4"),
+    Exercise("5.1", "the 1F1B order of one pipeline stage: warm-up forwards, then one forward one backward", "5"),
+    Exercise("5.2", "the exchange plan of a tick: what a stage sends and receives at one boundary", "5"),
+    Exercise("6.1", "rank <-> (dp, pp, tp) coordinates, tensor-parallel ranks neighbours", "6"),
+    Exercise("6.2", "the process groups: every tp, dp and pp group of the mesh", "6"),
+    Exercise("7.1", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
+    Exercise("8.1", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
+]
+BY_ID = {e.id: e for e in EXERCISES}
+
+
+# ---------------------------------------------------------------------------
+# Regions and student copies
+# ---------------------------------------------------------------------------
+
+def _source_files(root: str):
+    """Every .py file of the repository below `root`, sorted, skipping copies and caches."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(SKIP_PREFIXES))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield os.path.join(dirpath, name)
+
+
+def find_regions(root: str = ROOT) -> dict[str, list[tuple[str, int, int, str]]]:
+    """{exercise id: [(file, begin line index, end line index, indent), ...]} (0-based lines)."""
+    regions: dict = {}
+    for path in _source_files(root):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        open_at = None
+        for i, line in enumerate(lines):
+            m = BEGIN.match(line)
+            if m:
+                if open_at is not None:
+                    raise ValueError(f"{path}:{i + 1}: exercise {m.group(2)} begins inside exercise {open_at[1]}")
+                open_at = (i, m.group(2), m.group(1))
+                continue
+            m = END.match(line)
+            if m:
+                if open_at is None or open_at[1] != m.group(1):
+                    raise ValueError(f"{path}:{i + 1}: 'exercise {m.group(1)}: end' without its begin")
+                regions.setdefault(m.group(1), []).append((os.path.relpath(path, root), open_at[0], i, open_at[2]))
+                open_at = None
+        if open_at is not None:
+            raise ValueError(f"{path}:{open_at[0] + 1}: exercise {open_at[1]} has no end marker")
+    return regions
+
+
+def stub_lines(ex: Exercise, indent: str) -> list[str]:
+    return [f"{indent}raise NotImplementedError({ex.stub_message()!r})"]
+
+
+def stub_source(text: str, ids: set[str]) -> str:
+    """`text` with the body of every region of `ids` replaced by its stub (markers kept)."""
+    lines = text.splitlines()
+    out, skipping = [], None
+    for line in lines:
+        if skipping is None:
+            out.append(line)
+            m = BEGIN.match(line)
+            if m and m.group(2) in ids:
+                skipping = m.group(2)
+                out.extend(stub_lines(BY_ID[skipping], m.group(1)))
+        elif END.match(line):
+            out.append(line)
+            skipping = None
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
+    """Copy the repository to `dest` with the regions of `ids` stubbed. Returns the files changed."""
+    regions = find_regions(root)
+    missing = [i for i in ids if i not in regions]
+    if missing:   # the registry and the code disagree: a bug of the kit, not of the student
+        raise SystemExit(f"error: no region in the code for exercise(s) {', '.join(missing)}")
+
+    def ignore(directory, names):
+        return [n for n in names if n in SKIP_DIRS or n.startswith(SKIP_PREFIXES) or n.endswith(".egg-info")
+                or os.path.abspath(os.path.join(directory, n)) == os.path.abspath(dest)]
+
+    shutil.copytree(root, dest, ignore=ignore)
+    changed = sorted({r[0] for i in ids for r in regions[i]})
+    for rel in changed:
+        path = os.path.join(dest, rel)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(stub_source(text, set(ids)))
+    return changed
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def select(args) -> list[str]:
+    if getattr(args, "all", False):
+        return [e.id for e in EXERCISES]
+    if args.chapter is not None:
+        ids = [e.id for e in EXERCISES if e.chapter == args.chapter]
+        if not ids:
+            raise SystemExit(f"error: no exercises in chapter {args.chapter}; chapters: "
+                             f"{', '.join(sorted({str(e.chapter) for e in EXERCISES}, key=int))}")
+        return ids
+    ids = args.ids or []
+    unknown = [i for i in ids if i not in BY_ID]
+    if unknown:
+        raise SystemExit(f"error: unknown exercise {', '.join(unknown)}; "
+                         f"`python -m nanohlat.classroom list` shows them all")
+    return ids
+
+
+def cmd_list() -> int:
+    regions = find_regions()
+    for e in EXERCISES:
+        where = ", ".join(sorted({r[0] for r in regions.get(e.id, [])})) or "(no region!)"
+        print(f"{e.id:>4}  {e.task}  [{where}]")
+    return 0
+
+
+def cmd_new(args) -> int:
+    dest = os.path.abspath(args.dir)
+    if os.path.exists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)):
+        print(f"error: {args.dir} exists and is not empty; choose a new folder", file=sys.stderr)
+        return 2
+    if os.path.isdir(dest):
+        os.rmdir(dest)   # an empty folder: copytree makes it anew
+    ids = select(args) if (args.chapter is not None or args.ids) else [e.id for e in EXERCISES]
+    changed = make_copy(dest, ids)
+    print(f"wrote a student copy to {args.dir}: exercises {', '.join(ids)} to implement, in {', '.join(changed)}")
+    print(f"then: cd {args.dir} && python -m nanohlat.classroom check {ids[0]}   (or check --all)")
+    return 0
+
+
+def cmd_check(args) -> int:
+    ids = select(args)
+    if not ids:
+        print("error: name an exercise (e.g. `check 4.2`), --chapter N or --all", file=sys.stderr)
+        return 2
+    from . import classroom_checks
+    failed = []
+    for i in ids:
+        ex = BY_ID[i]
+        start = time.perf_counter()
+        verdict = classroom_checks.run(ex)
+        took = time.perf_counter() - start
+        status = "pass" if verdict is None else "FAIL"
+        print(f"exercise {i:>4}  {status}  ({took:.1f} s)  {ex.task}")
+        if verdict is not None:
+            failed.append(i)
+            for line in verdict.splitlines():
+                print(f"              {line}")
+    print(f"{len(ids) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="the exercises, in tutorial order")
+    n = sub.add_parser("new", help="write a student copy of the repository with exercise stubs")
+    n.add_argument("dir")
+    n.add_argument("--chapter", type=int, default=None, help="only this chapter's exercises")
+    n.add_argument("--exercise", dest="ids", action="append", help="only this exercise (repeatable)")
+    c = sub.add_parser("check", help="check exercises on the code in the current folder")
+    c.add_argument("ids", nargs="*")
+    c.add_argument("--chapter", type=int, default=None)
+    c.add_argument("--all", action="store_true")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        return cmd_list()
+    if args.cmd == "new":
+        return cmd_new(args)
+    return cmd_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

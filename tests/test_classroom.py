@@ -1,0 +1,128 @@
+"""The classroom kit can fail: for every exercise, the stub fails its check,
+plausible wrong implementations fail it, and the reference passes it.
+
+Three `check` runs cover every exercise: the repository itself (all pass), a
+student copy with every region stubbed (all "not done yet"), and a copy with
+one typical mistake planted in each exercise listed in WRONG (all FAIL, and
+not as "not done": the check caught the mistake itself).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from nanohlat import classroom, classroom_checks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# exercise id -> (file, text in its region, the mistake a student typically makes)
+WRONG = {
+    "1.1": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
+    "1.2": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
+    "1.3": ("nanohlat/model.py", ".tril(start_pos)", ".tril(0)"),
+    "3.1": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
+            "comm.all_reduce(flat[a:b].clone(), group)"),
+    "3.2": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",
+            "piece = flat[a * group.size:b * group.size]"),
+    "4.1": ("nanohlat/tensor_parallel.py", "return comm.all_reduce(g, ctx.group), None", "return g, None"),
+    "4.2": ("nanohlat/tensor_parallel.py", "return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)",
+            "return F.linear(x, self.weight)"),
+    "4.3": ("nanohlat/tensor_parallel.py",
+            "m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0) if group.size > 1 else local_max",
+            "m = local_max"),
+    "5.1": ("nanohlat/pipeline.py", "warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage, m)"),
+    "5.2": ("nanohlat/pipeline.py", 'grad = right[1] if right is not None and right[0] == "B" else None',
+            'grad = left[1] if left is not None and left[0] == "B" else None'),
+    "6.1": ("nanohlat/mesh.py", "return (rank // tp) % dp, rank // (tp * dp), rank % tp",
+            "return rank // (tp * pp), (rank // tp) % pp, rank % tp"),
+    "6.2": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
+            "return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]"),
+    "7.1": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
+    "8.1": ("nanohlat/checkpoint.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
+            "out.narrow(tp_dim, part, size), covered.narrow(tp_dim, part, size)"),
+}
+
+
+def run_check(cwd: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = cwd                       # the copy's own nanohlat, not the repository's
+    return subprocess.run([sys.executable, "-m", "nanohlat.classroom", "check", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def verdicts(out: str) -> dict[str, str]:
+    """{exercise id: 'pass' | 'FAIL'} from check's output."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^exercise\s+(\d+\.\d+)\s+(pass|FAIL)", out, re.M)}
+
+
+def test_every_exercise_has_a_region_a_check_and_a_stub_message():
+    regions = classroom.find_regions(ROOT)
+    ids = [e.id for e in classroom.EXERCISES]
+    assert len(ids) >= 14
+    assert sorted(regions) == sorted(ids), "the registry and the code's regions disagree"
+    assert sorted(classroom_checks.CHECKS) == sorted(ids)
+    for e in classroom.EXERCISES:
+        assert f"tutorial.md section {e.section}" in e.stub_message()
+
+
+def test_stubbed_source_is_valid_python_and_keeps_the_markers():
+    text = ("def f(x):\n    y = 1\n    # exercise 1.1: begin\n    y = x * 2\n    return y\n"
+            "    # exercise 1.1: end\n")
+    out = classroom.stub_source(text, {"1.1"})
+    assert "y = x * 2" not in out and "# exercise 1.1: begin" in out and "# exercise 1.1: end" in out
+    compile(out, "f.py", "exec")
+    ns: dict = {}
+    exec(out, ns)
+    with pytest.raises(NotImplementedError, match="exercise 1.1"):
+        ns["f"](3)
+    assert classroom.stub_source(text, {"4.2"}) == text     # other exercises untouched
+
+
+def test_the_reference_passes_every_check():
+    r = run_check(ROOT, "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(verdicts(r.stdout).values()) == {"pass"} and len(verdicts(r.stdout)) == len(classroom.EXERCISES)
+
+
+def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
+    dest = tmp_path / "class-copy"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "nanohlat.classroom", "new", str(dest)], cwd=ROOT,
+                       capture_output=True, text=True, env=env | {"PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    for rel in {reg[0] for regs in classroom.find_regions(ROOT).values() for reg in regs}:
+        compile((dest / rel).read_text(), rel, "exec")     # every stubbed file still imports
+    r = run_check(str(dest), "--all")
+    assert r.returncode != 0
+    v = verdicts(r.stdout)
+    assert v == {e.id: "FAIL" for e in classroom.EXERCISES}, r.stdout
+    assert r.stdout.count("not done yet: exercise") == len(classroom.EXERCISES), r.stdout
+    # a second `new` into the same folder refuses instead of overwriting the student's work
+    r = subprocess.run([sys.executable, "-m", "nanohlat.classroom", "new", str(dest)], cwd=ROOT,
+                       capture_output=True, text=True, env=env | {"PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "not empty" in r.stderr
+
+
+def test_typical_mistakes_fail_their_checks(tmp_path):
+    dest = tmp_path / "mistakes"
+    classroom.make_copy(str(dest), [], ROOT)
+    regions = classroom.find_regions(ROOT)
+    for ex, (rel, right, wrong) in WRONG.items():
+        path = dest / rel
+        text = path.read_text()
+        lines = text.splitlines()
+        inside = "\n".join("\n".join(lines[b:e]) for f, b, e, _ in regions[ex] if f == rel)
+        assert right in inside, f"{ex}: the planted mistake must sit inside the exercise's region"
+        assert text.count(right) == 1
+        path.write_text(text.replace(right, wrong))
+    chapters = {ex.split(".")[0] for ex in WRONG}
+    assert chapters >= {str(e.chapter) for e in classroom.EXERCISES}, "a mistake for every chapter"
+    r = run_check(str(dest), *WRONG)
+    v = verdicts(r.stdout)
+    assert r.returncode != 0 and v == {ex: "FAIL" for ex in WRONG}, r.stdout
+    assert "not done yet" not in r.stdout and "differs" in r.stdout, r.stdout
