@@ -524,12 +524,12 @@ class ShardSet:
                     covered = torch.zeros(full_shape, dtype=torch.bool)
                 if list(out.shape) != list(full_shape):
                     raise ValueError("shards disagree on the full shape")
-                # exercise 8.1: begin
+                # exercise 8a: begin
                 dst, cov = out, covered                        # this shard's part, as views
                 if tp_dim >= 0:
                     size = full_shape[tp_dim] // parts
                     dst, cov = out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)
-                # exercise 8.1: end
+                # exercise 8a: end
                 if section == "model":
                     if list(entry.shape) != list(dst.shape):
                         raise ValueError(f"shape {list(entry.shape)}, expected {list(dst.shape)}")

@@ -7,15 +7,15 @@
 How it works. The reference code carries *exercise regions*, comment-marked:
 
     def forward(self, x):
-        # exercise N.M: begin
+        # exercise Nx: begin
         h = x.float()
         ...
-        # exercise N.M: end
+        # exercise Nx: end
 
 `new` copies the repository into DIR and replaces the lines between the
 markers with a stub that raises
 
-    NotImplementedError("exercise 1.1: <the task>, see tutorial.md section 1")
+    NotImplementedError("exercise Nx: <the task>, see tutorial.md section N")
 
 so the reference and the exercises can never drift apart: the exercise *is*
 the real code, minus the part the student writes. Everything else runs.
@@ -51,19 +51,19 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "out", "runs", ".cache", "d
              "class-copy", "build", "dist"}
 SKIP_PREFIXES = (".venv", "venv", ".tox", ".eggs")
 
-BEGIN = re.compile(r"^(\s*)# exercise (\d+\.\d+): begin\s*$")
-END = re.compile(r"^\s*# exercise (\d+\.\d+): end\s*$")
+BEGIN = re.compile(r"^(\s*)# exercise (\d+[a-z]): begin\s*$")
+END = re.compile(r"^\s*# exercise (\d+[a-z]): end\s*$")
 
 
 @dataclass(frozen=True)
 class Exercise:
-    id: str          # "4.2": chapter 4 of tutorial.md, second exercise
+    id: str          # "4b": chapter 4 of tutorial.md, its second implementation exercise
     task: str        # one line: what to write
     section: str     # where tutorial.md explains it
 
     @property
     def chapter(self) -> int:
-        return int(self.id.split(".")[0])
+        return int(self.id[:-1])
 
     def stub_message(self) -> str:
         return f"exercise {self.id}: {self.task}, see tutorial.md section {self.section}"
@@ -71,21 +71,21 @@ class Exercise:
 
 # In tutorial order. The checks of each id are classroom_checks.CHECKS[id].
 EXERCISES = [
-    Exercise("1.1", "RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32", "1"),
-    Exercise("1.2", "rotary embeddings: rotate each (x_i, x_{i+D/2}) pair by its position's angle", "1"),
-    Exercise("1.3", "attention with a KV cache: write the new keys/values into the cache and attend to all of it", "1"),
-    Exercise("3.1", "data parallelism: sum a flat gradient buffer over the dp group, bucket by bucket", "3"),
-    Exercise("3.2", "ZeRO-1: reduce-scatter the gradient buckets so each dp rank keeps its shard", "3"),
-    Exercise("3.3", "ZeRO-1: all-gather every rank's updated shard into the full flat buffer", "3"),
-    Exercise("4.1", "the four conjugate functions: forward and backward of copy, reduce, gather and scatter", "4"),
-    Exercise("4.2", "column- and row-parallel linear layers", "4"),
-    Exercise("4.3", "the vocab-parallel cross-entropy, without gathering the logits", "4"),
-    Exercise("5.1", "the 1F1B order of one pipeline stage: warm-up forwards, then one forward one backward", "5"),
-    Exercise("5.2", "the exchange plan of a tick: what a stage sends and receives at one boundary", "5"),
-    Exercise("6.1", "rank <-> (dp, pp, tp) coordinates, tensor-parallel ranks neighbours", "6"),
-    Exercise("6.2", "the process groups: every tp, dp and pp group of the mesh", "6"),
-    Exercise("7.1", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
-    Exercise("8.1", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
+    Exercise("1a", "RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32", "1"),
+    Exercise("1b", "rotary embeddings: rotate each (x_i, x_{i+D/2}) pair by its position's angle", "1"),
+    Exercise("1c", "attention with a KV cache: write the new keys/values into the cache and attend to all of it", "1"),
+    Exercise("3a", "data parallelism: sum a flat gradient buffer over the dp group, bucket by bucket", "3"),
+    Exercise("3b", "ZeRO-1: reduce-scatter the gradient buckets so each dp rank keeps its shard", "3"),
+    Exercise("3c", "ZeRO-1: all-gather every rank's updated shard into the full flat buffer", "3"),
+    Exercise("4a", "the four conjugate functions: forward and backward of copy, reduce, gather and scatter", "4"),
+    Exercise("4b", "column- and row-parallel linear layers", "4"),
+    Exercise("4c", "the vocab-parallel cross-entropy, without gathering the logits", "4"),
+    Exercise("5a", "the 1F1B order of one pipeline stage: warm-up forwards, then one forward one backward", "5"),
+    Exercise("5b", "the exchange plan of a tick: what a stage sends and receives at one boundary", "5"),
+    Exercise("6a", "rank <-> (dp, pp, tp) coordinates, tensor-parallel ranks neighbours", "6"),
+    Exercise("6b", "the process groups: every tp, dp and pp group of the mesh", "6"),
+    Exercise("7a", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
+    Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 
@@ -217,7 +217,7 @@ def cmd_new(args) -> int:
 def cmd_check(args) -> int:
     ids = select(args)
     if not ids:
-        print("error: name an exercise (e.g. `check 4.2`), --chapter N or --all", file=sys.stderr)
+        print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
     from . import classroom_checks
     failed = []

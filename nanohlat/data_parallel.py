@@ -36,11 +36,11 @@ def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Te
     """Sum a flat gradient buffer over the dp group, in place, bucket by bucket."""
     if group.size == 1:
         return flat
-    # exercise 3.1: begin
+    # exercise 3a: begin
     for a, b in bucket_ranges(flat.numel(), bucket_elems):
         flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)
     return flat
-    # exercise 3.1: end
+    # exercise 3a: end
 
 
 class ReplicatedDP:

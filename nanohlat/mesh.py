@@ -79,15 +79,15 @@ def kv_replicas(model: ModelConfig, tp: int) -> int:
 
 def coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
     """rank -> (dp_rank, pp_rank, tp_rank); the inverse of `rank_of`."""
-    # exercise 6.1: begin
+    # exercise 6a: begin
     return (rank // tp) % dp, rank // (tp * dp), rank % tp
-    # exercise 6.1: end
+    # exercise 6a: end
 
 
 def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
-    # exercise 6.1: begin
+    # exercise 6a: begin
     return (pp_rank * dp + dp_rank) * tp + tp_rank
-    # exercise 6.1: end
+    # exercise 6a: end
 
 
 def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64) -> str:
@@ -138,14 +138,14 @@ class Mesh:
         """Every group of one kind, as lists of ranks, in a fixed order."""
         tp, pp, dp = self.tp, self.pp, self.dp
         r = lambda d, p, t: rank_of(d, p, t, tp, dp)
-        # exercise 6.2: begin
+        # exercise 6b: begin
         if kind == "tp":
             return [[r(d, p, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
         if kind == "dp":
             return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
         if kind == "pp":
             return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-        # exercise 6.2: end
+        # exercise 6b: end
         if kind == "kv":   # neighbouring tp ranks sharing a kv head: [0 1] [2 3] at tp 4, 2 kv heads
             k = self.kv_replicas
             return [g[i:i + k] for g in self._all("tp") for i in range(0, tp, k)] if k > 1 else []

@@ -45,11 +45,11 @@ class RMSNorm(nn.Module):
         self.weight = tpl._param((dim,), None, 1, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
-        # exercise 1.1: begin
+        # exercise 1a: begin
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-        # exercise 1.1: end
+        # exercise 1a: end
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +66,11 @@ def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.
 
 def apply_rotary(x, cos, sin):
     """x: (B, heads, T, D); cos/sin: (T, D), or (B, 1, T, D) for per-row positions."""
-    # exercise 1.2: begin
+    # exercise 1b: begin
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)           # "rotate half"
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-    # exercise 1.2: end
+    # exercise 1b: end
 
 
 def attention_core(q, k, v, causal: bool, mask=None):
@@ -118,7 +118,7 @@ class Attention(nn.Module):
             cache_v[rows, :, positions] = v.transpose(1, 2)
             k, v = cache_k[:, :, :mask.shape[-1]], cache_v[:, :, :mask.shape[-1]]    # mask: (B, 1, T, S)
         elif cache is not None:  # generation: append to the cache, attend to all of it
-            # exercise 1.3: begin
+            # exercise 1c: begin
             cache_k, cache_v = cache
             cache_k[:, :, start_pos:start_pos + T] = k
             cache_v[:, :, start_pos:start_pos + T] = v
@@ -127,7 +127,7 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1:
                     mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
-            # exercise 1.3: end
+            # exercise 1c: end
         if self.checkpoint_core is not None and cache is None:
             y = self.checkpoint_core(attention_core, q, k, v, causal)
         else:

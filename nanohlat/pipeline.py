@@ -57,7 +57,7 @@ def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, i
     """The ops of one stage, in order: [('F', 0), ('F', 1), ('B', 0), ...]."""
     if schedule == "afab":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    # exercise 5.1: begin
+    # exercise 5a: begin
     warmup = min(pp - stage - 1, m)
     ops = [("F", i) for i in range(warmup)]
     f, b = warmup, 0
@@ -68,7 +68,7 @@ def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, i
         ops.append(("B", b))
         b += 1
     return ops
-    # exercise 5.1: end
+    # exercise 5a: end
 
 
 def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | None]]:
@@ -125,12 +125,12 @@ class PipelineRunner:
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,
         micro-batch whose gradient crosses b+1->b), None where nothing moves."""
-        # exercise 5.2: begin
+        # exercise 5b: begin
         left, right = self.ticks[t][boundary], self.ticks[t][boundary + 1]
         act = left[1] if left is not None and left[0] == "F" else None
         grad = right[1] if right is not None and right[0] == "B" else None
         return act, grad
-        # exercise 5.2: end
+        # exercise 5b: end
 
     def run(self, tokens, targets, loss_scale: float) -> torch.Tensor:
         """tokens/targets: (m, mb, T) this dp rank's micro-batches (used on the

@@ -69,7 +69,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tenso
     `noise`: those integers (int32, x's shape; the optimizer passes
     `rounding_noise`), else drawn from `generator`.
     """
-    # exercise 7.1: begin
+    # exercise 7a: begin
     x = x.float().contiguous()
     bits = x.view(torch.int32)
     if noise is None:
@@ -78,7 +78,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tenso
     out = rounded.view(torch.float32).to(torch.bfloat16)    # exact: low bits are zero
     # a NaN with a full mantissa would carry into the sign bit: keep NaN a NaN
     return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)
-    # exercise 7.1: end
+    # exercise 7a: end
 
 
 def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str, software_sr: bool,

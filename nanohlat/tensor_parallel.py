@@ -64,16 +64,16 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         ctx.group = group
         return x
-        # exercise 4.1: end
+        # exercise 4a: end
 
     @staticmethod
     def backward(ctx, g):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         return comm.all_reduce(g, ctx.group), None
-        # exercise 4.1: end
+        # exercise 4a: end
 
 
 class _Reduce(torch.autograd.Function):
@@ -81,15 +81,15 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         return comm.all_reduce(x, group)
-        # exercise 4.1: end
+        # exercise 4a: end
 
     @staticmethod
     def backward(ctx, g):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         return g, None
-        # exercise 4.1: end
+        # exercise 4a: end
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -97,16 +97,16 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         ctx.group = group
         return comm.all_gather(x, group, dim=SEQ_DIM)
-        # exercise 4.1: end
+        # exercise 4a: end
 
     @staticmethod
     def backward(ctx, g):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         return comm.reduce_scatter(g, ctx.group, dim=SEQ_DIM), None
-        # exercise 4.1: end
+        # exercise 4a: end
 
 
 class _ScatterSeq(torch.autograd.Function):
@@ -114,16 +114,16 @@ class _ScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         ctx.group = group
         return comm.reduce_scatter(x, group, dim=SEQ_DIM)
-        # exercise 4.1: end
+        # exercise 4a: end
 
     @staticmethod
     def backward(ctx, g):
-        # exercise 4.1: begin
+        # exercise 4a: begin
         return comm.all_gather(g, ctx.group, dim=SEQ_DIM), None
-        # exercise 4.1: end
+        # exercise 4a: end
 
 
 def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
@@ -195,9 +195,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
 
     def forward(self, x):
-        # exercise 4.2: begin
+        # exercise 4b: begin
         return F.linear(x, share(self.weight, self.replicas))  # (B, T, out/tp), or out*replicas/tp
-        # exercise 4.2: end
+        # exercise 4b: end
 
 
 class RowParallelLinear(nn.Module):
@@ -211,9 +211,9 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_features, in_features), 1, group.size, group.rank)
 
     def forward(self, x):  # x: (B, T, in/tp)
-        # exercise 4.2: begin
+        # exercise 4b: begin
         return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
-        # exercise 4.2: end
+        # exercise 4b: end
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -257,7 +257,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     all-reduces' backward is identity, so each rank differentiates its own
     slice: softmax - onehot.
     """
-    # exercise 4.3: begin
+    # exercise 4c: begin
     logits = logits.float()
     if group.size == 1:
         # One rank holds the whole vocabulary: the same loss is PyTorch's fused
@@ -278,4 +278,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     picked = logits.gather(-1, torch.where(mine, local_t, 0).unsqueeze(-1)).squeeze(-1)
     z_t = reduce_sum(torch.where(mine, picked, torch.zeros_like(picked)), group)
     return torch.log(sum_exp) + m - z_t
-    # exercise 4.3: end
+    # exercise 4c: end

@@ -62,26 +62,26 @@ def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torc
     """
     if group.size == 1:
         return flat
-    # exercise 3.2: begin
+    # exercise 3b: begin
     rows = flat.view(group.size, -1)                       # (dp, S)
     shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
     for a, b in bucket_ranges(rows.shape[1], bucket_elems // group.size):
         piece = rows[:, a:b].contiguous().view(-1)         # (dp * (b-a),)
         shard[a:b] = comm.reduce_scatter(piece, group)
     return shard
-    # exercise 3.2: end
+    # exercise 3b: end
 
 
 def all_gather_buckets(shard: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
     """ZeRO-1's parameter step: every rank's updated shard -> the full flat buffer."""
     if group.size == 1:
         return shard
-    # exercise 3.3: begin
+    # exercise 3c: begin
     full = torch.empty(group.size, shard.numel(), dtype=shard.dtype, device=shard.device)
     for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
         full[:, a:b] = comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)
     return full.view(-1)
-    # exercise 3.3: end
+    # exercise 3c: end
 
 
 class ZeroOneDP:

@@ -22,28 +22,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # exercise id -> (file, text in its region, the mistake a student typically makes)
 WRONG = {
-    "1.1": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
-    "1.2": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
-    "1.3": ("nanohlat/model.py", ".tril(start_pos)", ".tril(0)"),
-    "3.1": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
+    "1a": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
+    "1b": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
+    "1c": ("nanohlat/model.py", ".tril(start_pos)", ".tril(0)"),
+    "3a": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
             "comm.all_reduce(flat[a:b].clone(), group)"),
-    "3.2": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",
+    "3b": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",
             "piece = flat[a * group.size:b * group.size]"),
-    "4.1": ("nanohlat/tensor_parallel.py", "return comm.all_reduce(g, ctx.group), None", "return g, None"),
-    "4.2": ("nanohlat/tensor_parallel.py", "return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)",
+    "4a": ("nanohlat/tensor_parallel.py", "return comm.all_reduce(g, ctx.group), None", "return g, None"),
+    "4b": ("nanohlat/tensor_parallel.py", "return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)",
             "return F.linear(x, self.weight)"),
-    "4.3": ("nanohlat/tensor_parallel.py",
+    "4c": ("nanohlat/tensor_parallel.py",
             "m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0) if group.size > 1 else local_max",
             "m = local_max"),
-    "5.1": ("nanohlat/pipeline.py", "warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage, m)"),
-    "5.2": ("nanohlat/pipeline.py", 'grad = right[1] if right is not None and right[0] == "B" else None',
+    "5a": ("nanohlat/pipeline.py", "warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage, m)"),
+    "5b": ("nanohlat/pipeline.py", 'grad = right[1] if right is not None and right[0] == "B" else None',
             'grad = left[1] if left is not None and left[0] == "B" else None'),
-    "6.1": ("nanohlat/mesh.py", "return (rank // tp) % dp, rank // (tp * dp), rank % tp",
+    "6a": ("nanohlat/mesh.py", "return (rank // tp) % dp, rank // (tp * dp), rank % tp",
             "return rank // (tp * pp), (rank // tp) % pp, rank % tp"),
-    "6.2": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
+    "6b": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
             "return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]"),
-    "7.1": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
-    "8.1": ("nanohlat/checkpoint.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
+    "7a": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
+    "8a": ("nanohlat/checkpoint.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
             "out.narrow(tp_dim, part, size), covered.narrow(tp_dim, part, size)"),
 }
 
@@ -57,7 +57,7 @@ def run_check(cwd: str, *args: str) -> subprocess.CompletedProcess:
 
 def verdicts(out: str) -> dict[str, str]:
     """{exercise id: 'pass' | 'FAIL'} from check's output."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"^exercise\s+(\d+\.\d+)\s+(pass|FAIL)", out, re.M)}
+    return {m.group(1): m.group(2) for m in re.finditer(r"^exercise\s+(\d+[a-z])\s+(pass|FAIL)", out, re.M)}
 
 
 def test_every_exercise_has_a_region_a_check_and_a_stub_message():
@@ -71,16 +71,16 @@ def test_every_exercise_has_a_region_a_check_and_a_stub_message():
 
 
 def test_stubbed_source_is_valid_python_and_keeps_the_markers():
-    text = ("def f(x):\n    y = 1\n    # exercise 1.1: begin\n    y = x * 2\n    return y\n"
-            "    # exercise 1.1: end\n")
-    out = classroom.stub_source(text, {"1.1"})
-    assert "y = x * 2" not in out and "# exercise 1.1: begin" in out and "# exercise 1.1: end" in out
+    text = ("def f(x):\n    y = 1\n    # exercise 1a: begin\n    y = x * 2\n    return y\n"
+            "    # exercise 1a: end\n")
+    out = classroom.stub_source(text, {"1a"})
+    assert "y = x * 2" not in out and "# exercise 1a: begin" in out and "# exercise 1a: end" in out
     compile(out, "f.py", "exec")
     ns: dict = {}
     exec(out, ns)
-    with pytest.raises(NotImplementedError, match="exercise 1.1"):
+    with pytest.raises(NotImplementedError, match="exercise 1a"):
         ns["f"](3)
-    assert classroom.stub_source(text, {"4.2"}) == text     # other exercises untouched
+    assert classroom.stub_source(text, {"4b"}) == text     # other exercises untouched
 
 
 def test_the_reference_passes_every_check():
@@ -120,7 +120,7 @@ def test_typical_mistakes_fail_their_checks(tmp_path):
         assert right in inside, f"{ex}: the planted mistake must sit inside the exercise's region"
         assert text.count(right) == 1
         path.write_text(text.replace(right, wrong))
-    chapters = {ex.split(".")[0] for ex in WRONG}
+    chapters = {ex[:-1] for ex in WRONG}
     assert chapters >= {str(e.chapter) for e in classroom.EXERCISES}, "a mistake for every chapter"
     r = run_check(str(dest), *WRONG)
     v = verdicts(r.stdout)
