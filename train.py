@@ -176,7 +176,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if tcfg.timeline:
         write_timeline(runner, mesh, tcfg)
     summary.update(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
-                   peak_memory=dev.peak_memory(), step=last_step)
+                   peak_memory=metrics.peak_memory(dev), step=last_step)
     if main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
         keys = ("comm_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
         with open(os.path.join(tcfg.out_dir, "summary.json"), "w") as f:

@@ -67,10 +67,10 @@ import torch
 
 from . import comm
 from .config import ModelConfig, UserError, model_from_dict
-from .device import extract_graphs_only
 from .files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from .files import fsync_dir, sha256_file
 from .tensor_parallel import shard
+from .xla import extract_graphs_only, to_host
 
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
@@ -238,7 +238,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "rng": {"torch_cpu": torch.get_rng_state(),
                 "sr": opt.sr_generator.get_state() if opt.sr_generator is not None else None},
     }
-    shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
+    shard_state = to_host(shard_state)                 # XLA: sync, then copies on the CPU
     if extract_graphs_only():
         # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
         # transfer above has been traced (so its graph is pre-compiled too); writing

@@ -198,3 +198,17 @@ class Throughput:
         # outside the measured interval, so they are not counted.
         counted = sum(t for _, t in list(self._events)[1:])
         return counted / elapsed if elapsed > 0 else 0.0
+
+
+def peak_memory(device) -> int | None:
+    """Peak bytes of this process on `device` (a device.Device): CUDA tensor
+    allocations; on the CPU the process's peak resident set (everything, not
+    only tensors); xla when the runtime reports it (PJRT's CPU client does not)."""
+    if device.kind == "cuda":
+        return torch.cuda.max_memory_allocated(device.torch_device)
+    if device.kind == "cpu":
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if os.uname().sysname == "Darwin" else peak * 1024  # Linux reports KiB
+    from nanohlat import xla
+    return xla.peak_memory(device.torch_device)
