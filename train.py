@@ -94,7 +94,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
     if tcfg.timeline:
         write_timeline(runner, mesh, tcfg)
     return log.close(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
-                     peak_memory=dev.peak_memory())
+                     peak_memory=metrics.peak_memory(dev))
 
 
 def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:

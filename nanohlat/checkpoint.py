@@ -83,10 +83,10 @@ import torch
 
 from . import comm
 from .config import ModelConfig, UserError, model_from_dict
-from .device import extract_graphs_only
 from .files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from .files import fsync_dir, sha256_file
 from .tensor_parallel import local_part
+from .xla import extract_graphs_only, to_host
 
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
@@ -306,7 +306,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "optim": {n: v for n, v in opt.export_state().items() if n in mine} if (opt.zero or mesh.dp_rank == 0) else {},
         "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: optim.py)
     }
-    shard_state = device.to_host(shard_state)          # XLA: sync, then copies on the CPU
+    shard_state = to_host(shard_state)                 # XLA: sync, then copies on the CPU
     if extract_graphs_only():
         # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
         # transfer above has been traced (so its graph is pre-compiled too); writing

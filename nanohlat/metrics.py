@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from nanohlat import checkpoint, config
+from nanohlat import checkpoint, config, xla
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
 
@@ -270,7 +270,6 @@ class TrainLog:
 
     def __init__(self, model_cfg, tcfg, mesh, dev, model, opt, tokenizer_path: str,
                  start_step: int = 0, bad_steps: int = 0, resumed_from: str | None = None):
-        from nanohlat import device as devicelib   # here, not above: device.py may use this module
         self.tcfg, self.dev = tcfg, dev
         self.main = mesh.rank == 0
         self.print = print if self.main else (lambda *a, **k: None)
@@ -299,7 +298,7 @@ class TrainLog:
         self.peak_total = peak * mesh.world if peak else None
         self.meter = Throughput()
         # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
-        self.judge = not devicelib.extract_graphs_only()
+        self.judge = not xla.extract_graphs_only()
         # Non-finite steps, counted on the device (no host sync per step): the
         # current run of them, the longest run and how many in all. The host looks
         # at them when a step is logged (`_log_step`). They are never reset in
@@ -391,3 +390,17 @@ class TrainLog:
             self.print(f"done: {self.last_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}"
                        + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
         return self.summary
+
+
+def peak_memory(device) -> int | None:
+    """Peak bytes of this process on `device` (a device.Device): CUDA tensor
+    allocations; on the CPU the process's peak resident set (everything, not
+    only tensors); xla when the runtime reports it (PJRT's CPU client does not)."""
+    if device.kind == "cuda":
+        return torch.cuda.max_memory_allocated(device.torch_device)
+    if device.kind == "cpu":
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if os.uname().sysname == "Darwin" else peak * 1024  # Linux reports KiB
+    from nanohlat import xla
+    return xla.peak_memory(device.torch_device)

@@ -1,10 +1,9 @@
-"""Specifications for nanohlat/device.py and nanohlat/metrics.py."""
+"""Specifications for nanohlat/device.py, nanohlat/xla.py and nanohlat/metrics.py."""
 
 import importlib.util
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,9 +12,11 @@ import pytest
 import torch
 
 from nanohlat.config import PRESETS, ModelConfig, UserError
-from nanohlat.device import extract_graphs_only, get_device
-from nanohlat.metrics import (PEAK_FLOPS, MetricsWriter, Throughput, flops_per_token, mfu,
-                              peak_flops)
+from dist_utils import free_port
+from nanohlat import xla
+from nanohlat.device import get_device
+from nanohlat.metrics import (PEAK_FLOPS, MetricsWriter, Throughput, flops_per_token, mfu, peak_flops,
+                              peak_memory)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -27,12 +28,6 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in full_env.items() if v is not None}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- device ------------------------------------------------------------------
@@ -74,11 +69,11 @@ def test_cpu_device_runs_closures_now_and_copies_to_host():
     assert seen == [3]  # eager backends have the values already
 
     w = torch.ones(3)
-    host = d.to_host({"w": w, "rest": [w, (w, 7)], "step": 5})
+    host = xla.to_host({"w": w, "rest": [w, (w, 7)], "step": 5})
     w.add_(1)  # training goes on: the snapshot must not change
     assert host["w"].tolist() == [1, 1, 1] and host["rest"][1][0].tolist() == [1, 1, 1]
     assert host["step"] == 5 and isinstance(host["rest"][1], tuple)
-    assert d.compile_count() is None
+    assert xla.compile_count() is None    # torch_xla never loaded here
 
 
 def test_cpu_checkpoint_gives_the_same_gradients():
@@ -98,9 +93,9 @@ def test_cpu_checkpoint_gives_the_same_gradients():
 
 def test_extract_graphs_only_follows_the_neuron_variable(monkeypatch):
     monkeypatch.delenv("NEURON_EXTRACT_GRAPHS_ONLY", raising=False)
-    assert not extract_graphs_only()
+    assert not xla.extract_graphs_only()
     monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
-    assert extract_graphs_only()
+    assert xla.extract_graphs_only()
 
 
 @pytest.mark.xla
@@ -110,6 +105,7 @@ def test_xla_device_on_cpu_syncs_logs_and_compiles_once():
     # and graph counts work; collectives across processes cannot be tested here.
     result = run_python("""
         import sys, torch, torch.distributed
+        from nanohlat import xla
         from nanohlat.device import get_device
         assert "torch_xla" not in sys.modules
         d = get_device("xla")
@@ -127,10 +123,10 @@ def test_xla_device_on_cpu_syncs_logs_and_compiles_once():
             d.add_step_closure(lambda l: losses.append(l.item()), loss.detach())
             assert len(losses) == step  # queued, not run: no host sync inside the step
             d.sync()
-            counts.append(d.compile_count())
+            counts.append(xla.compile_count())
         assert len(losses) == 4 and losses[-1] < losses[0], losses
         assert counts[0] >= 1 and counts[1:] == [counts[-1]] * 3, counts  # nothing compiles after the first steps
-        host = d.to_host({"w": lin.weight})
+        host = xla.to_host({"w": lin.weight})
         assert host["w"].device.type == "cpu"
         torch.distributed.destroy_process_group()
         try:  # torch_xla on CPU forms a world of 1 whatever was asked: refused
@@ -144,6 +140,12 @@ def test_xla_device_on_cpu_syncs_logs_and_compiles_once():
 
 
 # -- metrics -----------------------------------------------------------------
+
+def test_peak_memory_on_the_cpu_covers_what_the_process_touched():
+    x = torch.ones(64 * 2**20 // 4)          # 64 MiB, written: resident
+    assert peak_memory(get_device("cpu")) >= x.numel() * 4
+
+
 
 def test_flops_per_token_hlat_7b_matches_hand_count():
     cfg = ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008,

@@ -195,7 +195,7 @@ def test_sample_py_runs_on_xla_and_matches_cpu(measured):
 def child(mode: str, cache_dir: str, out: str) -> dict:
     sys.path.insert(0, REPO)
     import train
-    from nanohlat import checkpoint, config, optim
+    from nanohlat import checkpoint, config, optim, xla
     from nanohlat import device as devicelib
 
     def metrics(out_dir) -> dict:
@@ -221,12 +221,11 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
         return {"cpu": metrics(cpu_dir), "torch_xla_imported_by_cpu_run": "torch_xla" in sys.modules}
 
     # xla runs, with the number of compiled graphs at the start of every optimizer step
-    counter = devicelib.get_device("xla")
     counts: list[int] = []
     original_step = optim.FlatAdamW.step
 
     def counting_step(self, *args, **kwargs):
-        counts.append(counter.compile_count())
+        counts.append(xla.compile_count())
         return original_step(self, *args, **kwargs)
 
     optim.FlatAdamW.step = counting_step
@@ -235,7 +234,7 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
         counts.clear()
         out_dir, _ = run(name, *extra)
         result["runs"][name] = metrics(out_dir) | {"compiles_at_step_start": list(counts),
-                                                   "compiles_at_end": counter.compile_count()}
+                                                   "compiles_at_end": xla.compile_count()}
     optim.FlatAdamW.step = original_step
 
     # checkpoints across devices: half a run on one device, the rest on the other
@@ -251,11 +250,12 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
 
     # checkpoint snapshots: the nesting kept, the values of the moment (not later in-place updates)
     import torch
-    w = torch.arange(6.0).to(counter.torch_device) + 1
-    counter.sync()
-    host = counter.to_host({"w": w, "rest": [w[1:3], (w[2:5], 7)], "none": None})
+    dev = devicelib.get_device("xla")
+    w = torch.arange(6.0).to(dev.torch_device) + 1
+    dev.sync()
+    host = xla.to_host({"w": w, "rest": [w[1:3], (w[2:5], 7)], "none": None})
     w.add_(10)
-    counter.sync()
+    dev.sync()
     result["to_host"] = {"types": [type(host["rest"]).__name__, type(host["rest"][1]).__name__],
                          "devices": sorted({t.device.type for t in (host["w"], host["rest"][0], host["rest"][1][0])}),
                          "values": [host["w"].tolist(), host["rest"][0].tolist(), host["rest"][1][0].tolist()],
