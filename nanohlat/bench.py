@@ -10,8 +10,9 @@
 
 What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
-(through `pipeline.PipelineRunner`, as train.py runs it) and
-`optim.FlatAdamW.step` (flatten grads, global grad norm, clip, AdamW, copy
+(through `pipeline.PipelineRunner`, as train.py runs it; FlatAdamW's hooks add
+the gradients into flat fp32 buffers) and `optim.FlatAdamW.step` (global grad
+norm, clip, AdamW, copy
 back). Beside it, when `transformers` is installed, the same step of Hugging
 Face's `LlamaForCausalLM` of identical shape (same parameter count, checked)
 with `torch.optim.AdamW` and `clip_grad_norm_`, on the same batch. The two

@@ -144,8 +144,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches", "max_restarts",
-                     "stop_after", "threads"):
+        for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
+                     "max_restarts", "stop_after", "threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.log_every <= 0:

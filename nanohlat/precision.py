@@ -94,9 +94,10 @@ def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str, software_s
 
 
 # -- the noise: SplitMix64 (Steele, Lea, Flood 2014) on int64 tensors ---------
-# int64 arithmetic wraps around modulo 2^64 in torch and XLA alike; `>>` on
-# int64 is arithmetic (it copies the sign bit), so _shr masks to get the
-# logical shift the mixer needs.
+# int64 multiplication wraps around modulo 2^64 in torch and XLA alike. The
+# mixer needs logical right shifts, and `>>` of a negative int64 differs
+# (torch copies the sign bit; torch_xla 2.9 gave 0 for -1 >> 30), so _shr
+# shifts only non-negative numbers and puts the sign bit back by hand.
 
 def _s64(c: int) -> int:
     """A 64-bit constant as the signed int64 torch stores."""
@@ -108,7 +109,9 @@ _M1, _M2 = _s64(0xBF58476D1CE4E5B9), _s64(0x94D049BB133111EB)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    return (x >> s) & ((1 << (64 - s)) - 1)
+    """Logical shift right of int64 bit patterns by 1 <= s <= 63."""
+    low63 = (x & ((1 << 63) - 1)) >> s                 # the 63 low bits, shifted: no sign involved
+    return low63 | ((x < 0).to(torch.int64) << (63 - s))   # the sign bit lands at bit 63 - s
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:

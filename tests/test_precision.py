@@ -15,6 +15,7 @@ dozens of SEs so the two cannot be confused.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -272,3 +273,21 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32():
         return ((x - ref).norm() / ref.norm()).item()
     assert rel(flat) <= 1e-6, rel(flat)
     assert rel(bf16_sum) > 1e-3, rel(bf16_sum)      # the test can tell the two apart
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="needs torch_xla")
+def test_the_noise_and_the_rounding_are_the_same_on_xla_as_on_the_cpu():
+    """An XLA rank and a CPU rank holding the same element draw the same noise:
+    int64 wrap-around and the logical shifts agree (torch_xla's `>>` of a
+    negative int64 does not match torch's, which precision._shr avoids)."""
+    import torch_xla.core.xla_model as xm
+    dev = xm.xla_device()
+    idx = full_index(torch.arange(100, 300), (8, 50), 1, 1, 2)
+    key = mix64(step_key(1234, torch.tensor(5)) ^ name_key("w"))
+    key_x = mix64(step_key(1234, torch.tensor(5, device=dev)) ^ name_key("w"))
+    noise, noise_x = rounding_noise(key, idx), rounding_noise(key_x, idx.to(dev))
+    assert torch.equal(noise, noise_x.cpu())
+    x = torch.randn(200, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(stochastic_round_to_bf16(x, noise=noise),
+                       stochastic_round_to_bf16(x.to(dev), noise=noise_x).cpu())
