@@ -36,6 +36,7 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
 
     # -- device and mesh ---------------------------------------------------
     dev = devicelib.get_device(tcfg.device, local_rank, tcfg.precision)   # precision: trn1's rounding mode
+    dev.manual_seed(tcfg.seed)   # torch's generators and, on xla, the device's own (a resume restores them)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not torch.distributed.is_initialized():
@@ -108,13 +109,16 @@ def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
     return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.dp_group)
 
 
-def split_batch(batch: torch.Tensor, mesh, tcfg, dev):
-    """Global batch (B, T+1) -> this dp rank's micro-batches: tokens and targets (M, mb, T)."""
+def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:
+    """Global batch (B, T+1), on the host -> this dp rank's M micro-batches:
+    lists of M token and M target tensors (mb, T), each sent to the device on
+    its own (on XLA a micro-batch is then a graph input, not a slice of one)."""
     per_rank = tcfg.batch_size // mesh.dp
     mine = batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
     mine = mine.view(tcfg.microbatches, per_rank // tcfg.microbatches, tcfg.seq_len + 1)
-    mine = mine.to(dev.torch_device)
-    return mine[..., :-1], mine[..., 1:]
+    tokens = [mb[:, :-1].contiguous().to(dev.torch_device) for mb in mine]
+    targets = [mb[:, 1:].contiguous().to(dev.torch_device) for mb in mine]
+    return tokens, targets
 
 
 @torch.no_grad()

@@ -161,6 +161,7 @@ class Device:
     # -- randomness --------------------------------------------------------------
 
     def manual_seed(self, seed: int) -> None:
+        """Seed every generator this process draws from (train() calls it with --seed)."""
         torch.manual_seed(seed)  # CPU generator and every CUDA device
         if self.kind == "xla":
             import torch_xla

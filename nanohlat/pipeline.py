@@ -132,15 +132,27 @@ class PipelineRunner:
         return act, grad
         # exercise 5b: end
 
-    def run(self, tokens, targets, loss_scale: float) -> torch.Tensor:
-        """tokens/targets: (m, mb, T) this dp rank's micro-batches (used on the
-        first / last stage). Accumulates gradients in the parameters; returns the
-        sum of this stage's scaled micro-batch losses (zero off the last stage)."""
+    def run(self, tokens: list, targets: list, loss_scale: float) -> torch.Tensor:
+        """tokens/targets: this dp rank's m micro-batches, one (mb, T) device
+        tensor each (used on the first / last stage). The gradients go into
+        FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
+        this stage's scaled micro-batch losses (zero off the last stage).
+
+        On XLA every tick (pp > 1) or every micro-batch (pp = 1) ends with a
+        graph cut (device.sync): a graph then covers one op of one
+        micro-batch, whose inputs are device data of the same shapes for every
+        micro-batch (each is its own tensor, never `tokens[i]` of one big
+        tensor, which would bake i into the graph). So the graphs compiled do
+        not grow in number or size with m (neuronx-distributed marks a step
+        per micro-batch too). The gradients accumulated so far stay on the
+        device across a cut; the next graph adds to them."""
         mesh, s = self.mesh, self.stage
         inputs, grads_in = {}, {}          # received activations / gradients, by micro-batch
         in_flight = {}                     # mb -> (stage input, stage output) kept for backward
         to_send = {}                       # what this stage produced in the current tick
-        total = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        # (no gradient exists before a micro-batch: FlatAdamW's hooks move each one
+        # into the flat fp32 buffer and free it, so every micro-batch runs the same graph)
         self.peak_in_flight = 0
         self.clock.start()
         for t, row in enumerate(self.ticks):
@@ -183,8 +195,8 @@ class PipelineRunner:
                     theirs = comm.exchange(self._or_zeros(mine), mesh.group("next"), act is not None, grad is not None)
                     if grad is not None:
                         grads_in[grad] = theirs
-            if self.pp > 1:
-                self.device.sync()   # on XLA: one graph per tick, exchanges isolated
+            if self.pp > 1 or (op is not None and op[0] == "B"):
+                self.device.sync()   # on XLA: one graph per tick (pp = 1: per micro-batch), see run's docstring
         assert not in_flight and not inputs and not grads_in
         self.clock.stop()
         return total
@@ -196,8 +208,8 @@ class PipelineRunner:
         a stage that just computed with one waiting for its input, so the
         chain cannot deadlock. Returns the scaled loss sum (zero off the last stage)."""
         mesh = self.mesh
-        total = torch.zeros((), dtype=torch.float32, device=tokens.device)
-        for i in range(tokens.shape[0]):
+        total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        for i in range(self.m):
             x = tokens[i] if mesh.is_first_stage else \
                 comm.exchange(self._or_zeros(None), mesh.group("prev"), sends=False)
             if mesh.is_last_stage:

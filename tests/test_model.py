@@ -118,3 +118,30 @@ def test_padded_vocabulary_rows_start_at_zero_and_never_win():
 
 def test_parameter_count_matches_config_formula():
     assert sum(p.numel() for p in _model().parameters()) == CFG.num_params()
+
+
+def test_micro_batches_reach_the_model_as_their_own_tensors():
+    """train.split_batch hands the runner one tensor per micro-batch (sent to the
+    device on its own, not a view into one batch tensor), and the runner passes
+    exactly those tensors to the model: no `tokens[i]` of a device tensor, which
+    XLA would bake into the graph as a constant, one graph per i."""
+    import train
+    from nanohlat import device, pipeline
+    from nanohlat.config import TrainConfig
+    from nanohlat.mesh import Mesh
+    t = dataclasses.replace(TrainConfig(), batch_size=6, seq_len=16, microbatches=3)
+    mesh = Mesh(1, 1, 1).build_groups(None)
+    dev = device.get_device("cpu")
+    batch = torch.randint(0, CFG.vocab_size, (6, 17))
+    tokens, targets = train.split_batch(batch, mesh, t, dev)
+    assert isinstance(tokens, list) and isinstance(targets, list) and len(tokens) == len(targets) == 3
+    for i, (x, y) in enumerate(zip(tokens, targets)):
+        assert x._base is None and y._base is None and x.is_contiguous()     # its own storage
+        assert torch.equal(x, batch[2 * i:2 * i + 2, :-1]) and torch.equal(y, batch[2 * i:2 * i + 2, 1:])
+    model = _model()
+    seen = []
+    original = model.forward
+    model.forward = lambda x, targets=None, **kw: (seen.append((x, targets)), original(x, targets, **kw))[1]
+    runner = pipeline.PipelineRunner(model, mesh, t, (2, 16, CFG.d_model), torch.float32, dev)
+    runner.run(tokens, targets, 1.0)
+    assert [(id(x), id(y)) for x, y in seen] == [(id(x), id(y)) for x, y in zip(tokens, targets)]
