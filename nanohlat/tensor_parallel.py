@@ -261,8 +261,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     logits = logits.float()
     if group.size == 1:
         # One rank holds the whole vocabulary: the same loss is PyTorch's fused
-        # log-softmax + nll, ~3% faster on the CPU than the steps below. Dropping
-        # the padded columns is the -inf mask: they get no probability, no gradient.
+        # log-softmax + nll, fewer passes over the (B, T, V) logits than the
+        # steps below. Dropping the padded columns is the -inf mask: they get no
+        # probability and no gradient.
         logits = logits[..., :vocab_size]
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     per_rank = logits.shape[-1]

@@ -158,3 +158,21 @@ def test_single_rank_layers_are_the_plain_layers():
     torch.nn.init.normal_(row.weight)
     assert torch.equal(row(x), F.linear(x, row.weight))
     assert tpl.enter(x, g, True) is x
+
+
+def test_single_rank_cross_entropy_ignores_padded_vocab():
+    """tp=1 takes F.cross_entropy's fused path: padded ids still get no probability, no gradient."""
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.mesh import Group
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 32, generator=g) * 3
+    logits[..., 29:] = 50.0                                   # padded entries, large on purpose
+    targets = torch.randint(0, 29, (2, 5), generator=g)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = tpl.vocab_parallel_cross_entropy(a, targets, Group("tp", [0], 0), 29)
+    ref = F.cross_entropy(b[..., :29].reshape(-1, 29), targets.reshape(-1), reduction="none").view(2, 5)
+    torch.testing.assert_close(loss, ref)
+    loss.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(a.grad, b.grad)
+    assert a.grad[..., 29:].abs().max() == 0
