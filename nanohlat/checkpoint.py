@@ -196,7 +196,7 @@ def clear_run(out_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             elif name == "latest" or name.endswith(".partial"):
                 os.remove(path)
-    for name in ("metrics.jsonl", "timeline.txt", "summary.json", "config.json"):
+    for name in ("metrics.jsonl", "timeline.txt", "timeline.png", "summary.json", "config.json"):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
 
