@@ -1,7 +1,8 @@
 """Replicas stay bitwise identical, and --check-replicas notices when they do not.
 
 Every rank that holds a copy of a parameter (dp replicas, with or without
-ZeRO-1; tp ranks for the replicated RMSNorm gains) updates its own copy. The
+ZeRO-1; tp ranks for the replicated RMSNorm gains and, with more tp ranks
+than kv heads, for the kv heads they share) updates its own copy. The
 copies stay equal only if every rank computes the same update bit for bit:
 the same reduced gradients, the same grad norm and, in bf16-sr, the same
 stochastic-rounding noise for the same element (precision.py). Ten steps in
@@ -23,7 +24,9 @@ BASE = ["--preset", "tiny", "--steps", "10", "--eval-every", "0", "--batch-size"
 PRECISIONS = ("fp32", "bf16", "bf16-sr", "bf16-mixed")
 WORLD2 = {"dp2": ["--dp", "2"], "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
           "tp2_sp": ["--tp", "2", "--sequence-parallel"]}
-WORLD4 = {"tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"]}
+WORLD4 = {"tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"],
+          # 2 kv heads on 4 tp ranks: ranks [0 1] and [2 3] each hold copies of one kv head
+          "tp4_kv2_sp": ["--tp", "4", "--n-kv-heads", "2", "--sequence-parallel"]}
 
 
 def _skip_cpu_peak() -> None:
