@@ -387,8 +387,12 @@ class TrainLog:
         if self.writer:
             self.writer.close()
             losses, vals = self.summary["losses"], self.summary["val_losses"]
-            self.print(f"done: {self.last_step} steps, final loss {losses[-1] if losses else float('nan'):.4f}"
-                       + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
+            if not losses:   # resumed at (or past) --steps: nothing was trained
+                self.print(f"done: nothing to train, the run in {self.tcfg.out_dir} is already at step "
+                           f"{self.last_step} of --steps {self.tcfg.steps} (raise --steps to go on)")
+            else:
+                self.print(f"done: {self.last_step} steps, final loss {losses[-1]:.4f}"
+                           + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
         return self.summary
 
 
