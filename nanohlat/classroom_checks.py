@@ -17,6 +17,7 @@ called on some ranks only.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import traceback
 
@@ -49,10 +50,18 @@ def compare(what: str, got, want, rank: int | None = None, rtol=TOL["rtol"], ato
             f"(largest difference {diff.max().item():.3g}; tolerance {atol:g} + {rtol:g} x |expected|)")
 
 
-def explain(e: BaseException) -> str:
-    """A student's exception as a verdict: the stub, or where their code raised."""
-    if isinstance(e, NotImplementedError) and "exercise" in str(e):
-        return f"not done yet: {e}"
+STUB = re.compile(r"exercise (\d+[a-z]): .*?, see tutorial\.md section \d+")
+
+
+def explain(e: BaseException, exercise: str | None = None) -> str:
+    """A student's exception as a verdict: a stub (this exercise's, or one it
+    needs first; the stub's message may arrive wrapped in another error), or
+    where their code raised."""
+    stub = STUB.search(str(e))
+    if stub:
+        if exercise and stub.group(1) != exercise:
+            return f"not done yet: exercise {exercise} needs exercise {stub.group(1)} first ({stub.group(0)})"
+        return f"not done yet: {stub.group(0)}"
     tb = traceback.extract_tb(e.__traceback__)
     mine = [f for f in tb if "classroom_checks" not in f.filename] or tb
     at = f" at {os.path.relpath(mine[-1].filename)}:{mine[-1].lineno}" if mine else ""
@@ -65,9 +74,9 @@ def run(ex) -> str | None:
         try:
             verdict = check()
         except Exception as e:   # the student's code raised (NotImplementedError for the stub)
-            return explain(e)
+            return explain(e, ex.id)
         if verdict:
-            return verdict
+            return verdict if not verdict.startswith("not done yet") else explain(Exception(verdict), ex.id)
     return None
 
 

@@ -102,6 +102,8 @@ def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     v = verdicts(r.stdout)
     assert v == {e.id: "FAIL" for e in classroom.EXERCISES}, r.stdout
     assert r.stdout.count("not done yet: exercise") == len(classroom.EXERCISES), r.stdout
+    # an exercise that builds on another names it (1c's attention runs 1a's RMSNorm)
+    assert "not done yet: exercise 1c needs exercise 1a first" in r.stdout
     # a second `new` into the same folder refuses instead of overwriting the student's work
     r = subprocess.run([sys.executable, "-m", "nanohlat.classroom", "new", str(dest)], cwd=ROOT,
                        capture_output=True, text=True, env=env | {"PYTHONPATH": ROOT})
