@@ -168,6 +168,15 @@ def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
             text = f.read()
         with open(path, "w", encoding="utf-8") as f:
             f.write(stub_source(text, set(ids)))
+    for path in _source_files(dest):   # a copy that does not even compile would blame the student
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        try:
+            compile(source, path, "exec")
+        except SyntaxError as e:
+            shutil.rmtree(dest)
+            raise SystemExit(f"error: {os.path.relpath(path, dest)}:{e.lineno} of the source does not compile "
+                             f"({e.msg}); fix the repository first (no copy written)")
     return changed
 
 

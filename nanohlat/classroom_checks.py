@@ -233,12 +233,13 @@ def _flat_buffers(world, n, seed):
 
 
 def _dp_buckets(rank, world, which):
-    from nanohlat import data_parallel, zero1
+    from nanohlat import comm, data_parallel, zero1
     group = tp_group(rank, world)
-    group.name = "dp"
+    group.name, group.ledger = "dp", comm.CommLedger()
     for n, bucket in ((10, 4), (37, 8), (37, 1000), (6, 3)):    # several buckets, a ragged last one, one bucket
         bufs, padded = _flat_buffers(world, n, seed=31 + n)
         total = sum(bufs)
+        group.ledger.reset()
         if which == "all-reduce":
             got = data_parallel.all_reduce_buckets(bufs[rank][:n].clone(), group, bucket)
             v = compare(f"all_reduce_buckets(n={n}, bucket_elems={bucket})", got, total[:n], rank)
@@ -253,6 +254,17 @@ def _dp_buckets(rank, world, which):
                         got, torch.cat(shards), rank)
         if v:
             return v
+        # the buckets themselves: how many collectives, each of at most bucket_elems elements
+        # (ZeRO-1's: bucket_elems // dp columns of the (dp, S) view, so one call still moves ~bucket_elems)
+        op = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather"}[which]
+        columns = n if which == "all-reduce" else padded // world
+        per_call = bucket if which == "all-reduce" else max(1, bucket // world)
+        want_calls = -(-columns // per_call)
+        calls = group.ledger.snapshot("calls").get(f"dp.{op}", 0)
+        if calls != want_calls:
+            return (f"{which} of {columns} columns with bucket_elems={bucket} made {calls} collective call(s) on "
+                    f"rank {rank}; expected {want_calls}: buckets of {per_call} "
+                    + ("elements" if which == "all-reduce" else f"columns (bucket_elems // dp) of the (dp, S) view"))
     return None
 
 

@@ -57,8 +57,10 @@ def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torc
     """ZeRO-1's gradient step: sum over dp and keep only this rank's shard.
 
     The padded buffer is viewed as (dp, S): row r is rank r's shard. Buckets
-    cut the S columns, so each rank still owns one contiguous slice of the
-    flat buffer (what checkpoints and the parameter all-gather rely on).
+    cut the S columns, bucket_elems // dp of them at a time (so one call still
+    moves ~bucket_elems elements), and each rank still owns one contiguous
+    slice of the flat buffer (what checkpoints and the parameter all-gather
+    rely on).
     """
     if group.size == 1:
         return flat
@@ -73,7 +75,9 @@ def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torc
 
 
 def all_gather_buckets(shard: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
-    """ZeRO-1's parameter step: every rank's updated shard -> the full flat buffer."""
+    """ZeRO-1's parameter step: every rank's updated shard -> the full flat buffer,
+    in buckets of bucket_elems // dp elements of each shard (the inverse of
+    reduce_scatter_buckets' columns)."""
     if group.size == 1:
         return shard
     # exercise 3c: begin
