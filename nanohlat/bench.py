@@ -247,6 +247,9 @@ def main(argv=None) -> int:
     tokens, targets = random_batch(model_cfg, tcfg, dev)
 
     steps, models, devs, graphs = build_engines(args.engines, model_cfg, tcfg, dev, tokens, targets)
+    if not steps:
+        print("error: none of --engines can run here", file=sys.stderr)
+        return 2
     hf = hf_step(model_cfg, tcfg, dev, tokens, targets) if args.hf else None
     if hf is not None:
         steps["hf-llama"], models["hf-llama"] = hf
