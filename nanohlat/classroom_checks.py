@@ -264,7 +264,7 @@ def _dp_buckets(rank, world, which):
         if calls != want_calls:
             return (f"{which} of {columns} columns with bucket_elems={bucket} made {calls} collective call(s) on "
                     f"rank {rank}; expected {want_calls}: buckets of {per_call} "
-                    + ("elements" if which == "all-reduce" else f"columns (bucket_elems // dp) of the (dp, S) view"))
+                    + ("elements" if which == "all-reduce" else "columns (bucket_elems // dp) of the (dp, S) view"))
     return None
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from nanohlat import xla
-from nanohlat.config import UserError
+from nanohlat.config import DEVICES, UserError
 
 
 _interop_threads_set = False
@@ -185,8 +185,8 @@ def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = 
     `precision` (the --precision of a training run) matters on Trainium only:
     it decides the Neuron runtime's rounding mode, which must be set before
     the runtime starts (see `xla.set_neuron_rounding`)."""
-    if kind not in ("auto", "cpu", "cuda", "xla"):
-        raise UserError(f"--device {kind!r} is not one of auto, cpu, cuda, xla")
+    if kind not in DEVICES:
+        raise UserError(f"--device {kind!r} is not one of {', '.join(DEVICES)}")
     if kind == "auto":
         if xla.preferred():
             kind = "xla"

@@ -38,13 +38,13 @@ def _choices(xs) -> str:
     return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
 
 
-def validate_layout(model: ModelConfig, train: TrainConfig, world: int) -> int:
+def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     """Refuse a layout that cannot work, before any worker starts. Returns dp."""
-    tp, pp = train.tp, train.pp
+    tp, pp = tcfg.tp, tcfg.pp
     if world % (tp * pp):
         raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world}; "
                         f"choose tp*pp among {_choices(divisors(world))}")
-    dp = train.dp or world // (tp * pp)
+    dp = tcfg.dp or world // (tp * pp)
     if tp * pp * dp != world:
         raise UserError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} but the world has {world} "
                         f"processes; use --dp {world // (tp * pp)} or leave --dp unset")
@@ -62,12 +62,12 @@ def validate_layout(model: ModelConfig, train: TrainConfig, world: int) -> int:
     if pp > model.n_layers or model.n_layers % pp:
         raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
                         f"choose {_choices(divisors(model.n_layers))}")
-    per_rank = train.batch_size // dp if train.batch_size % dp == 0 else 0
-    if not per_rank or per_rank % train.microbatches:
-        raise UserError(f"--batch-size {train.batch_size} must split into dp {dp} x microbatches "
-                        f"{train.microbatches} equal micro-batches; use a multiple of {dp * train.microbatches}")
-    if train.sequence_parallel and train.seq_len % tp:
-        raise UserError(f"--sequence-parallel needs --seq-len {train.seq_len} divisible by --tp {tp}")
+    per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
+    if not per_rank or per_rank % tcfg.microbatches:
+        raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "
+                        f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
+    if tcfg.sequence_parallel and tcfg.seq_len % tp:
+        raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
     return dp
 
 

@@ -137,15 +137,15 @@ class FlatGroup:
 
 
 class FlatAdamW:
-    def __init__(self, model, mesh, train, device):
-        self.mesh, self.train = mesh, train
-        self.zero = train.zero1
-        self.precision = train.precision
+    def __init__(self, model, mesh, tcfg, device):
+        self.mesh, self.tcfg = mesh, tcfg
+        self.zero = tcfg.zero1
+        self.precision = tcfg.precision
         self.software_sr = not device.hardware_stochastic_rounding   # trn1 rounds stochastically in hardware
-        bucket_elems = int(train.bucket_mb * 2**20 / 4)
+        bucket_elems = int(tcfg.bucket_mb * 2**20 / 4)
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
         self.dp_sync = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(mesh.dp_group, bucket_elems)
-        mdtype = master_dtype(train.precision)
+        mdtype = master_dtype(tcfg.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
             key = (p.ndim >= 2, p.tp_dim is None, p.tp_parts)   # (decay, tp-replicated, parts over tp)
@@ -226,17 +226,17 @@ class FlatAdamW:
     def _coefficients(self, lr: float, norm: torch.Tensor, keep: torch.Tensor) -> dict:
         """This step's scalars as device tensors, every one multiplied by `keep`.
         Step-dependent values enter as tensors so the XLA graph stays the same every step."""
-        t = self.train
-        b1, b2 = t.beta1, t.beta2
+        tcfg = self.tcfg
+        b1, b2 = tcfg.beta1, tcfg.beta2
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device.torch_device)
         n = (self.step_count + 1).float()                # this step's number, if it is kept
         # bias corrections 1 - beta^n, as -expm1(n log beta): accurate in fp32 even for n = 1
         bc1, bc2 = -torch.expm1(n * math.log(b1)), -torch.expm1(n * math.log(b2))
-        clip = torch.clamp(t.grad_clip / (norm + 1e-6), max=1.0) if t.grad_clip > 0 else torch.ones_like(norm)
+        clip = torch.clamp(tcfg.grad_clip / (norm + 1e-6), max=1.0) if tcfg.grad_clip > 0 else torch.ones_like(norm)
         return {"clip": clip * keep,
                 "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
                 "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
-                "decay": 1 - lr_t * keep * t.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
+                "decay": 1 - lr_t * keep * tcfg.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
 
     def _adamw(self, g: FlatGroup, grad: torch.Tensor, c: dict) -> None:
         """Phase 3: plain AdamW (Loshchilov & Hutter 2019) on the master, in fp32:
@@ -249,14 +249,14 @@ class FlatAdamW:
         model each full-size temporary would be gigabytes, and on CPU every
         fresh one costs page faults): the gradient buffer is the scratch space.
         """
-        t = self.train
+        tcfg = self.tcfg
         grad.mul_(c["clip"]).nan_to_num_(0.0, 0.0, 0.0)    # a skipped step's inf/nan become 0 x ... = 0
         g.exp_avg.lerp_(grad, c["w1"])
         g.exp_avg_sq.lerp_(grad.mul_(grad), c["w2"])
-        denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(c["sqrt_bc2"]).add_(t.adam_eps)
+        denom = torch.sqrt(g.exp_avg_sq, out=grad).div_(c["sqrt_bc2"]).add_(tcfg.adam_eps)
         update = torch.div(g.exp_avg, denom, out=denom).mul_(c["step_size"])   # (m / bc1) / (sqrt(v / bc2) + eps)
         w = g.master if g.master.dtype == torch.float32 else g.master.float()
-        if g.decay and t.weight_decay:
+        if g.decay and tcfg.weight_decay:
             w.mul_(c["decay"])
         w.sub_(update)
         if w is not g.master:                               # pure bf16: round the fp32 result back
@@ -270,7 +270,7 @@ class FlatAdamW:
         if not (self.precision == "bf16-sr" and self.software_sr):
             g.master.copy_(round_update(w, g.master.dtype, self.precision, self.software_sr))
             return
-        key = step_key(self.train.seed, self.step_count + 1)
+        key = step_key(self.tcfg.seed, self.step_count + 1)
         for p in g.pieces:   # one parameter's part of this rank's shard at a time: small int64 temporaries
             local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
             noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))

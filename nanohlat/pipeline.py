@@ -113,14 +113,14 @@ def render_ticks(ticks, pp: int) -> str:
 class PipelineRunner:
     """Runs one optimizer step's forward/backward over micro-batches on this stage."""
 
-    def __init__(self, model, mesh, train, act_shape, act_dtype, device):
+    def __init__(self, model, mesh, tcfg, act_shape, act_dtype, device):
         self.model, self.mesh, self.device = model, mesh, device
         self.pp, self.stage = mesh.pp, mesh.pp_rank
-        self.m = train.microbatches
-        self.ticks = timetable(train.schedule, self.pp, self.m)
+        self.m = tcfg.microbatches
+        self.ticks = timetable(tcfg.schedule, self.pp, self.m)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0
-        self.clock = timeline.StepClock(device, synchronize=train.timeline)   # times each F and B
+        self.clock = timeline.StepClock(device, synchronize=tcfg.timeline)   # times each F and B
 
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,

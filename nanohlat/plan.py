@@ -107,8 +107,8 @@ def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
 # Memory
 # ---------------------------------------------------------------------------
 
-def micro_batch_size(t: TrainConfig, dp: int) -> int:
-    return t.batch_size // (dp * t.microbatches)
+def micro_batch_size(tcfg: TrainConfig, dp: int) -> int:
+    return tcfg.batch_size // (dp * tcfg.microbatches)
 
 
 # With sequence parallel, comm.all_gather returns the gathered (mb, T, C)
@@ -144,13 +144,13 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     return norms + inputs + core + mlp
 
 
-def activation_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
                      mode: str | None = None, sp: bool | None = None, fused: bool = True) -> int:
     """Bytes autograd (and the pipeline runner) keep for ONE micro-batch on a rank
     of `stage`, at the end of its forward. mode/sp default to the config's."""
-    mode = t.activation_checkpointing if mode is None else mode
-    sp = (t.sequence_parallel if sp is None else sp) and tp > 1
-    e, mb, T, C = dtype_bytes(t.precision), micro_batch_size(t, dp), t.seq_len, cfg.d_model
+    mode = tcfg.activation_checkpointing if mode is None else mode
+    sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
+    e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
     n = mb * (T // tp if sp else T) * C
     total = cfg.n_layers // pp * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused)
     first, last = stage == 0, stage == pp - 1
@@ -176,12 +176,12 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int) -> int:
     return peak
 
 
-def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
+def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
                     dp_rank: int = 0) -> int:
     """Adam moments (fp32) + master weights, on one rank (1/dp of them with ZeRO-1)."""
     counts = stage_param_counts(cfg, tp, pp, stage)
-    master = master_dtype(t.precision).itemsize      # optim.FlatGroup's separate master copy
-    shards = dp if t.zero1 else 1
+    master = master_dtype(tcfg.precision).itemsize      # optim.FlatGroup's separate master copy
+    shards = dp if tcfg.zero1 else 1
     return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
 
 
@@ -195,7 +195,7 @@ def optimizer_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int,
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 
 
-def optimizer_step_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
                          eager: bool) -> tuple[int, int]:
     """(flat fp32 gradient buffers kept between steps, extra bytes during FlatAdamW.step).
 
@@ -205,36 +205,36 @@ def optimizer_step_bytes(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp:
     all-gathered new weights in the parameter dtype."""
     counts = stage_param_counts(cfg, tp, pp, stage)
     groups = [counts["sharded"], counts["replicated"]]
-    shards = dp if t.zero1 else 1
+    shards = dp if tcfg.zero1 else 1
     buffers = 4 * sum(padded_size(n, shards) for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
     during = 0
     if shards > 1:
         during += 4 * sum(padded_size(n, shards) // shards for n in groups)
-        during += dtype_bytes(t.precision) * max(padded_size(n, shards) for n in groups)
+        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups)
     if eager:
-        during += int(4 * EAGER_STEP_COPIES[t.precision] * largest_shard)
+        during += int(4 * EAGER_STEP_COPIES[tcfg.precision] * largest_shard)
     return buffers, during
 
 
-def memory_per_rank(cfg: ModelConfig, t: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
                     fused: bool = True, eager: bool = False) -> dict:
     """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
     params = stage_param_counts(cfg, tp, pp, stage)["total"]
-    s = dtype_bytes(t.precision)
-    flight = microbatches_in_flight(t.schedule, pp, t.microbatches, stage)
-    flat, temporaries = optimizer_step_bytes(cfg, t, tp, pp, dp, stage, eager)
+    s = dtype_bytes(tcfg.precision)
+    flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage)
+    flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
     out = {"params": params, "weights": s * params, "grads": 0,   # accumulated in the fp32 buffers
-           "optimizer": optimizer_bytes(cfg, t, tp, pp, dp, stage),
-           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(t, zero1=True), tp, pp, dp, stage),
-           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(t, zero1=False), tp, pp, dp, stage),
+           "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
+           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=True), tp, pp, dp, stage),
+           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=False), tp, pp, dp, stage),
            "in_flight": flight,
-           "activations": flight * activation_bytes(cfg, t, tp, pp, dp, stage, fused=fused),
+           "activations": flight * activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
            # gradient of the fp32 logits and of the head's output (parameter
            # dtype), while most activations are still alive (measured on CUDA)
-           "loss_backward": (4 + s) * micro_batch_size(t, dp) * t.seq_len * cfg.padded_vocab // tp
+           "loss_backward": (4 + s) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries}
     out["forward_backward"] = out["activations"] + out["loss_backward"]
@@ -274,7 +274,7 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
                  for b in range(pp - 1))
 
 
-def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
     """Per optimizer step on `mesh.rank`, keyed like the CommLedger ('tp.all_reduce',
     'pp.exchange', ...): {payload, wire, padding, calls}. See comm.py for what
     each figure counts.
@@ -283,14 +283,14 @@ def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bo
     block's forward in backward (torch_xla's reentrant checkpoint; default: on
     --device xla) or stops early (torch's non-reentrant one, cpu and cuda)."""
     if whole_block_replay is None:
-        whole_block_replay = t.device == "xla"
+        whole_block_replay = tcfg.device == "xla"
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     dp_rank, stage, _ = coords(mesh.rank, tp, pp, dp)
-    s = dtype_bytes(t.precision)
-    m = t.microbatches
-    mb = t.batch_size // (dp * m)
-    T, C = t.seq_len, cfg.d_model
-    sp = t.sequence_parallel and tp > 1
+    s = dtype_bytes(tcfg.precision)
+    m = tcfg.microbatches
+    mb = tcfg.batch_size // (dp * m)
+    T, C = tcfg.seq_len, cfg.d_model
+    sp = tcfg.sequence_parallel and tp > 1
     act = mb * T * C * s                       # one full-sequence residual-stream tensor
     layers = cfg.n_layers // pp
     out: dict = {}
@@ -302,7 +302,7 @@ def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bo
         # stops replaying once it has recomputed all that backward needs, i.e.
         # before the MLP's leave (nothing after it keeps a tensor); torch_xla's
         # replays the whole block.
-        full = t.activation_checkpointing == "full"
+        full = tcfg.activation_checkpointing == "full"
         enters_fwd = 2 * (1 + full)
         leaves_fwd = 2 + full + (full and whole_block_replay)
         per_layer = m * layers                 # calls per collective per block
@@ -332,7 +332,7 @@ def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bo
         x = mb * (T // tp if sp else T) * C * s
         for b in (stage - 1, stage):
             if 0 <= b < pp - 1:
-                ticks = exchanges_per_boundary(t.schedule, pp, m)[b]
+                ticks = exchanges_per_boundary(tcfg.schedule, pp, m)[b]
                 e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
                 e["payload"] += 2 * m * x
                 e["wire"] += m * x
@@ -340,29 +340,29 @@ def comm_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bo
                 e["calls"] += ticks
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
-    shards = dp if t.zero1 else 1
+    shards = dp if tcfg.zero1 else 1
     if sp:
         _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
-        bucket = int(t.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
+        bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for n in (counts["sharded"], counts["replicated"]):
-            if t.zero1:   # buckets cut the (dp, shard) view by columns
+            if tcfg.zero1:   # buckets cut the (dp, shard) view by columns
                 cols = padded_size(n, dp) // dp
                 _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
                 _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
-        if t.zero1:
+        if tcfg.zero1:
             _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
     return dict(sorted(out.items()))
 
 
-def comm_bytes_per_step(cfg: ModelConfig, t: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+def comm_bytes_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
     """Payload bytes per collective (comm_per_step's 'payload' figure)."""
-    return {k: v["payload"] for k, v in comm_per_step(cfg, t, mesh, whole_block_replay).items()}
+    return {k: v["payload"] for k, v in comm_per_step(cfg, tcfg, mesh, whole_block_replay).items()}
 
 
 # ---------------------------------------------------------------------------
@@ -409,43 +409,43 @@ def shown_stages(pp: int) -> list[int]:
     return list(range(pp)) if pp <= 16 else [0, 1, pp - 2, pp - 1]
 
 
-def validate_plan_layout(cfg: ModelConfig, t: TrainConfig, world: int) -> tuple[int, list[str]]:
+def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tuple[int, list[str]]:
     """mesh.validate_layout, and what to note about the layout. Returns dp and notes to print."""
-    dp = validate_layout(cfg, t, world)
-    if t.tp <= cfg.n_kv_heads:
+    dp = validate_layout(cfg, tcfg, world)
+    if tcfg.tp <= cfg.n_kv_heads:
         return dp, []
-    return dp, [f"note: tp {t.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
-                f"its query heads use (each shared by {t.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
+    return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
+                f"its query heads use (each shared by {tcfg.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
                 f"wv gradients are summed over those ranks (kv.all_reduce below)."]
 
 
-def report(cfg: ModelConfig, t: TrainConfig, world: int) -> str:
+def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     """Everything above as text: the answer to `train.py --plan`."""
-    dp, notes = validate_plan_layout(cfg, t, world)
-    tp, pp, m = t.tp, t.pp, t.microbatches
-    sp = t.sequence_parallel and tp > 1
-    tokens = t.batch_size * t.seq_len
-    L = [f"plan for preset {t.preset}: {fmt_count(cfg.num_params())} parameters "
+    dp, notes = validate_plan_layout(cfg, tcfg, world)
+    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    sp = tcfg.sequence_parallel and tp > 1
+    tokens = tcfg.batch_size * tcfg.seq_len
+    L = [f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters "
          f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
          f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
-         f"activation checkpointing {t.activation_checkpointing}; "
-         f"{'ZeRO-1' if t.zero1 else 'replicated optimizer'}; precision {t.precision}; schedule {t.schedule}",
-         f"  batch: {t.batch_size} sequences x {t.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
-         f"{t.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(t, dp)}"]
+         f"activation checkpointing {tcfg.activation_checkpointing}; "
+         f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
+         f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
+         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
     L += ["  " + n for n in notes]
     L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
           layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
-    L += _memory_section(cfg, t, dp)
-    L += _comm_section(cfg, t, dp)
-    L += _time_section(cfg, t, world)
-    L += _kv_cache_section(cfg, t)
+    L += _memory_section(cfg, tcfg, dp)
+    L += _comm_section(cfg, tcfg, dp)
+    L += _time_section(cfg, tcfg, world)
+    L += _kv_cache_section(cfg, tcfg)
     return "\n".join(L)
 
 
-def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
-    tp, pp, m = t.tp, t.pp, t.microbatches
-    eager = t.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
-    mems = {s: memory_per_rank(cfg, t, tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
+def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    eager = tcfg.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
+    mems = {s: memory_per_rank(cfg, tcfg, tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
     largest = max(range(pp), key=lambda s: mems[s]["peak"])
     L = ["", "parameters and memory per rank (every rank of a stage holds the same), assuming "
              + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
@@ -462,13 +462,13 @@ def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
                  "fp32 grads", "loss bwd", "optimizer step", "peak"], rows)
-    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if t.zero1 else 'no ZeRO'}, as configured) + fp32 gradient "
+    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if tcfg.zero1 else 'no ZeRO'}, as configured) + fp32 gradient "
              f"buffers + the larger of (activations in flight + loss backward) and (optimizer step: "
-             + ("ZeRO-1 shards and gathers" if t.zero1 else "") + (" + " if t.zero1 and eager else "")
-             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (t.zero1 or eager) else "")
+             + ("ZeRO-1 shards and gathers" if tcfg.zero1 else "") + (" + " if tcfg.zero1 and eager else "")
+             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero1 or eager) else "")
              + ")")
     biggest = mems[largest]["peak"]
-    for dev in PLAN_DEVICES[t.device]:
+    for dev in PLAN_DEVICES[tcfg.device]:
         if dev in DEVICE_MEMORY:
             cap = DEVICE_MEMORY[dev]
             L.append(f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(cap)} on one {dev}: "
@@ -476,13 +476,13 @@ def _memory_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
 
     flight = mems[largest]["in_flight"]
     L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({flight} of {m} micro-batch(es) "
-              f"of {micro_batch_size(t, dp)} x {t.seq_len} tokens in flight):"]
+              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
     rows = []
     for mode in ("none", "selective", "full"):
         for sp in ((False, True) if tp > 1 else (False,)):
-            kept = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp, fused=False)
-            fused = activation_bytes(cfg, t, tp, pp, dp, largest, mode, sp, fused=True)
-            this = (mode, sp) == (t.activation_checkpointing, t.sequence_parallel and tp > 1)
+            kept = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=False)
+            fused = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=True)
+            this = (mode, sp) == (tcfg.activation_checkpointing, tcfg.sequence_parallel and tp > 1)
             rows.append([mode, "on" if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
                          fmt_bytes(fused), fmt_bytes(flight * fused), "<- this run" if this else ""])
     L += _table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
@@ -562,19 +562,19 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> floa
     return 0.0
 
 
-def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, utilisation: float = DEFAULT_MFU,
+def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, utilisation: float = DEFAULT_MFU,
                   network: Network | None = None) -> dict:
     """Seconds per step on `device`, part by part, for the layout in `t` (see
     `_time_section` for the assumptions). Slowest of the first and last stage."""
-    tp, pp = t.tp, t.pp
+    tp, pp = tcfg.tp, tcfg.pp
     dp = world // (tp * pp)
-    m = t.microbatches
+    m = tcfg.microbatches
     net = network or NETWORKS[device]
-    threads = max(1, t.threads) if device == "cpu" else None
-    peak = peak_flops(device.split(" ")[0], t.precision, threads)
-    tokens = t.batch_size * t.seq_len
-    model_flops = flops_per_token(cfg, t.seq_len) * tokens
-    hardware_flops = model_flops + recompute_flops_per_token(cfg, t.seq_len, t.activation_checkpointing) * tokens
+    threads = max(1, tcfg.threads) if device == "cpu" else None
+    peak = peak_flops(device.split(" ")[0], tcfg.precision, threads)
+    tokens = tcfg.batch_size * tcfg.seq_len
+    model_flops = flops_per_token(cfg, tcfg.seq_len) * tokens
+    hardware_flops = model_flops + recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) * tokens
     compute = hardware_flops / world / (peak * utilisation)
     groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],       # rank 0's groups
               "dp": [rank_of(d, 0, 0, tp, dp) for d in range(dp)],
@@ -584,7 +584,7 @@ def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, uti
     comm_s = dict.fromkeys(groups, 0.0)
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
-        for key, e in comm_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp))).items():
+        for key, e in comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp))).items():
             g = key.split(".")[0]
             bw, lat = (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across)
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
@@ -605,31 +605,31 @@ def estimate_step(cfg: ModelConfig, t: TrainConfig, world: int, device: str, uti
             "mfu": model_flops / (step * world * peak)}
 
 
-def _time_section(cfg: ModelConfig, t: TrainConfig, world: int) -> list[str]:
-    tokens = t.batch_size * t.seq_len
-    f_tok = flops_per_token(cfg, t.seq_len)
+def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
+    tokens = tcfg.batch_size * tcfg.seq_len
+    f_tok = flops_per_token(cfg, tcfg.seq_len)
     L = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params + 12 x layers x d_model x seq_len, "
              f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_tok * tokens)} per step, "
              f"{fmt_flop(f_tok * tokens / world)} per rank",
          "", "estimated time per step (rank 0's groups; the slower of the first and last stage)"]
     rows = []
-    devices = [d for d in PLAN_DEVICES[t.device]] + (["NeuronCore-v2 (trn1n)"] if t.device in ("xla", "auto") else [])
+    devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
     for dev in devices:
-        e = estimate_step(cfg, t, world, dev)
-        sizes = {"tp": t.tp, "pp": t.pp, "dp": world // (t.tp * t.pp)}
+        e = estimate_step(cfg, tcfg, world, dev)
+        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp)}
         comm_cells = [f"{fmt_seconds(e['comm'][g])} ({'in' if e['inside'][g] else 'across'})" if sizes[g] > 1
                       else "-" for g in ("tp", "pp", "dp")]
         rows.append([dev, fmt_flop(e["peak"], "FLOP/s"), fmt_seconds(e["compute"])] + comm_cells
-                    + [fmt_seconds(e["bubble"]) if t.pp > 1 else "-", fmt_seconds(e["step"]),
+                    + [fmt_seconds(e["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(e["step"]),
                        f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}", fmt_seconds(e["step_overlapped"]),
-                       fmt_seconds(e["step"] * t.steps)])
+                       fmt_seconds(e["step"] * tcfg.steps)])
     L += _table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
-                 "MFU", "step, dp overlapped", f"{t.steps:,} steps"], rows)
+                 "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     L += ["  assumptions:",
           f"  - the matmuls run at {DEFAULT_MFU:.0%} of the device's peak, recomputation included (activation "
-          f"checkpointing {t.activation_checkpointing}: "
-          f"+{recompute_flops_per_token(cfg, t.seq_len, t.activation_checkpointing) / f_tok:.0%} FLOPs); "
+          f"checkpointing {tcfg.activation_checkpointing}: "
+          f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
           f"MFU counts the model's FLOPs only",
           "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
           "the group: 'in' = all its ranks in one node, 'across' = over the network; all devices of a node "
@@ -655,36 +655,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, t: TrainConfig, world: int):
+def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     """Every valid (tp, pp, dp, micro-batches, ZeRO-1, sequence parallel,
     checkpointing) for this model, batch and world size, as TrainConfigs."""
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             try:
-                dp, _ = validate_plan_layout(cfg, dataclasses.replace(t, tp=tp, pp=pp, dp=0, microbatches=1,
+                dp, _ = validate_plan_layout(cfg, dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=1,
                                                                       sequence_parallel=False), world)
             except UserError:
                 continue
-            for m in _divisors(t.batch_size // dp):
-                for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
+            for m in _divisors(tcfg.batch_size // dp):
+                for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
                     for zero in ((False, True) if dp > 1 else (False,)):
                         for mode in ("none", "selective", "full"):
-                            yield dataclasses.replace(t, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
+                            yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
                                                       zero1=zero, activation_checkpointing=mode)
 
 
-def peak_memory_per_rank(cfg: ModelConfig, t: TrainConfig, world: int) -> int:
+def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     """The plan's peak over the first and last stage (the largest ones)."""
-    dp, eager = world // (t.tp * t.pp), t.device in ("cpu", "cuda")
-    return max(memory_per_rank(cfg, t, t.tp, t.pp, dp, s, fused=eager, eager=eager)["peak"]
-               for s in sorted({0, t.pp - 1}))
+    dp, eager = world // (tcfg.tp * tcfg.pp), tcfg.device in ("cpu", "cuda")
+    return max(memory_per_rank(cfg, tcfg, tcfg.tp, tcfg.pp, dp, s, fused=eager, eager=eager)["peak"]
+               for s in sorted({0, tcfg.pp - 1}))
 
 
-def search(cfg: ModelConfig, t: TrainConfig, world: int, device: str) -> list[dict]:
+def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list[dict]:
     """Every candidate layout with its estimate and peak memory, fastest first."""
     cap = DEVICE_MEMORY.get(device)
     out = []
-    for c in candidate_layouts(cfg, t, world):
+    for c in candidate_layouts(cfg, tcfg, world):
         peak = peak_memory_per_rank(cfg, c, world)
         out.append({"t": c, "peak_memory": peak, "fits": cap is None or peak <= cap,
                     "estimate": estimate_step(cfg, c, world, device)})
@@ -710,25 +710,25 @@ SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO-1", "SP", "ckpt", "peak mem",
                  "step", "tokens/s", "MFU"]
 
 
-def search_report(cfg: ModelConfig, t: TrainConfig, world: int, top: int = 10) -> str:
+def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10) -> str:
     """`train.py --plan --search`: the fastest layouts that fit, and where the
     preset's own layout ranks."""
-    device = SEARCH_DEVICE[t.device]
-    rows = search(cfg, t, world, device)
+    device = SEARCH_DEVICE[tcfg.device]
+    rows = search(cfg, tcfg, world, device)
     fits = [r for r in rows if r["fits"]]
     cap = DEVICE_MEMORY.get(device)
-    L = [f"layout search for preset {t.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
+    L = [f"layout search for preset {tcfg.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
          f"{len(rows)} valid layouts, {len(fits)} fit "
          + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
-         f"  batch {t.batch_size} x {t.seq_len} tokens, precision {t.precision}, schedule {t.schedule}; "
+         f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {tcfg.schedule}; "
          f"ranked by the estimated step time (the assumptions of --plan: {DEFAULT_MFU:.0%} of peak, "
          f"{NETWORKS[device].node} links, nothing overlapped)"]
     L += _table(SEARCH_HEADER, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
-    own = _layout_name(t)
+    own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
     if mine is None:
         return "\n".join(L + ["", f"the preset's own layout is not valid for {world} ranks"])
-    who = "HLAT's own layout" if t.preset.startswith("hlat") else "the preset's own layout"
+    who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
     L += ["", f"{who}:"] + _table(SEARCH_HEADER, [_search_row("-", mine, world)])
     L += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(L)
@@ -792,10 +792,10 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
     return _table(header, rows)
 
 
-def _comm_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
-    tp, pp = t.tp, t.pp
+def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    tp, pp = tcfg.tp, tcfg.pp
     L = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
-    by_stage = {s: comm_per_step(cfg, t, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
     if not by_stage[0]:
         return L + ["  none: one process"]
     for s in sorted({0, pp - 1}):
@@ -803,7 +803,7 @@ def _comm_section(cfg: ModelConfig, t: TrainConfig, dp: int) -> list[str]:
         L += comm_table(by_stage[s])
     everyone = sum(e["wire"] + e["padding"] for c in by_stage.values() for e in c.values()) * tp * dp
     L.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
-    if t.activation_checkpointing == "full" and tp > 1:
+    if tcfg.activation_checkpointing == "full" and tp > 1:
         L.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
                  "all 4 with torch_xla's (--device xla)")
     return L
@@ -816,10 +816,10 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, e: int, kv_heads: int | None =
     return tokens * cfg.n_layers * 2 * kv * cfg.head_dim * e
 
 
-def _kv_cache_section(cfg: ModelConfig, t: TrainConfig) -> list[str]:
+def _kv_cache_section(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
     """Serving with this model (sample.py, generate.py): the KV cache for a
     context of --seq-len tokens, per sequence and per batch, whole and per tp rank."""
-    tp, e, T = t.tp, dtype_bytes(t.precision), t.seq_len
+    tp, e, T = tcfg.tp, dtype_bytes(tcfg.precision), tcfg.seq_len
     kv_local = local_kv_heads(cfg, tp)
     per_layer = kv_cache_bytes(cfg, 1, e) // cfg.n_layers
     L = ["", f"KV cache when serving (generate.py), {e}-byte values: per token per layer 2 (k, v) x "

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import generate as gen
-from .config import UserError
+from .config import DEVICES, UserError
 
 
 # ---------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "xla"))
+    p.add_argument("--device", default="auto", choices=DEVICES)
     args = p.parse_args(argv)
     try:
         if args.k <= 0 or args.max_new_tokens <= 0:
