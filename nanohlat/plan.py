@@ -160,10 +160,13 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
         total += e * n  # the received input, kept for its gradient (fp32: it is the norm's input)
     if not last:
         total += e * n  # the stage's output, kept by the runner until its backward
-    else:           # final norm, then the loss: masked fp32 logits and their exp, and per-token scalars
+    else:           # final norm, then the loss
         V = cfg.padded_vocab // tp
         total += 4 * n + e * n + (e * mb * T * C if sp else e * n) + 4 * (n // C)
-        total += 8 * mb * T * V + V + 13 * mb * T
+        if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
+            total += 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
+        else:         # vocab-parallel: masked fp32 logits and their exp, and per-token scalars
+            total += 8 * mb * T * V + V + 13 * mb * T
     return total
 
 

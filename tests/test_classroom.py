@@ -33,7 +33,7 @@ WRONG = {
     "4b": ("nanohlat/tensor_parallel.py", "return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)",
             "return F.linear(x, self.weight)"),
     "4c": ("nanohlat/tensor_parallel.py",
-            "m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0) if group.size > 1 else local_max",
+            "m = comm.all_gather(local_max.unsqueeze(0), group, dim=0).amax(dim=0)",
             "m = local_max"),
     "5a": ("nanohlat/pipeline.py", "warmup = min(pp - stage - 1, m)", "warmup = min(pp - stage, m)"),
     "5b": ("nanohlat/pipeline.py", 'grad = right[1] if right is not None and right[0] == "B" else None',

@@ -429,7 +429,7 @@ def test_step_time_estimate_by_hand():
     net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
     model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
     e = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
-    assert e["inside"] == {"tp": True, "pp": False, "dp": True}
+    assert e["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
 
     # compute: 6 x matmul weights + 12 L d T per token, 256 tokens, 4 ranks, 40% of 95 GFLOP/s
     d, L, T, kv, ffn, V = 64, 4, 32, 4 * 8, 176, 512
