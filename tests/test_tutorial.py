@@ -51,6 +51,9 @@ MEASURED = [
     re.compile(r"drawn to scale \((?P<m>[\d.]+ ms)"),        # pipeline: the last step's wall time
     re.compile(r"^stage \d+ (?P<m>\|[FB.]*\|)$"),           # pipeline: the step drawn to scale
     re.compile(r"bubble: measured (?P<m>[\d.]+)"),          # pipeline: idle fraction, measured
+    re.compile(r"; measured (?P<m>[\d.]+) \(idle"),           # pipeline: the same, in the three-bubble line
+    re.compile(r"^(?P<m>[.sx]+\s+\[100%\])$"),               # pytest: its progress line (xla tests run or skip)
+    re.compile(r"^(?P<m>\d+ passed.*)$"),                    # pytest: its summary line
     re.compile(r"done in (?P<m>[\d.]+s)"),                  # eval.py: time per checkpoint
     re.compile(r" passed in (?P<m>[\d.]+s.*)"),             # pytest: wall time
 ]
