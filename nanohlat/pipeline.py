@@ -151,8 +151,11 @@ class PipelineRunner:
         in_flight = {}                     # mb -> (stage input, stage output) kept for backward
         to_send = {}                       # what this stage produced in the current tick
         total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
-        # (no gradient exists before a micro-batch: FlatAdamW's hooks move each one
-        # into the flat fp32 buffer and free it, so every micro-batch runs the same graph)
+        # XLA: cut here, so that what the step queued before (zero_grad's reset of
+        # the flat gradient buffers) is a graph of its own, not part of micro-batch
+        # 0's; then every micro-batch runs the same graph (no gradient exists
+        # before one: FlatAdamW's hooks move each into the fp32 buffer and free it)
+        self.device.sync()
         self.peak_in_flight = 0
         self.clock.start()
         for t, row in enumerate(self.ticks):
