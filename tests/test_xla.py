@@ -220,22 +220,23 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
         run("cpu_half", "--stop-after", "3", device="cpu")   # continued on XLA by the other mode
         return {"cpu": metrics(cpu_dir), "torch_xla_imported_by_cpu_run": "torch_xla" in sys.modules}
 
-    # xla runs, with the number of compiled graphs at the start of every optimizer step
+    # xla runs, with the number of compiled graphs at the start of every training
+    # step (train.py calls zero_grad first: before the step's forward compiles)
     counts: list[int] = []
-    original_step = optim.FlatAdamW.step
+    original_zero_grad = optim.FlatAdamW.zero_grad
 
-    def counting_step(self, *args, **kwargs):
+    def counting_zero_grad(self, *args, **kwargs):
         counts.append(xla.compile_count())
-        return original_step(self, *args, **kwargs)
+        return original_zero_grad(self, *args, **kwargs)
 
-    optim.FlatAdamW.step = counting_step
+    optim.FlatAdamW.zero_grad = counting_zero_grad
     result["runs"] = {}
     for name, extra in RUNS.items():
         counts.clear()
         out_dir, _ = run(name, *extra)
         result["runs"][name] = metrics(out_dir) | {"compiles_at_step_start": list(counts),
                                                    "compiles_at_end": xla.compile_count()}
-    optim.FlatAdamW.step = original_step
+    optim.FlatAdamW.zero_grad = original_zero_grad
 
     # checkpoints across devices: half a run on one device, the rest on the other
     run("xla_half", "--stop-after", "3")
