@@ -18,6 +18,7 @@ row with its own positions, giving the tokens each would get alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -121,6 +122,22 @@ def sample(args, dev, mesh=None) -> None:
     sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """While process groups form, send file descriptor 1 to stderr: some torch
+    versions' gloo (2.9) print a "[Gloo] Rank r is connected to ..." line on
+    stdout, which would end up in the middle of the generated text."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def worker(argv: list[str]) -> None:
     """One tensor-parallel rank (sample.py --nproc N, or torchrun)."""
     rank, world, local_rank = launch.torchrun_env()
@@ -129,10 +146,11 @@ def worker(argv: list[str]) -> None:
         dev = devicelib.get_device(args.device, local_rank)
         if dev.kind == "cpu":
             devicelib.set_cpu_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size()))
-        dev.init_process_group(rank, world)
         manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir))
         kv = meshlib.kv_replicas(model_from_dict(manifest["config"]["model"]), args.tp)   # tp > kv heads: copies
-        mesh = meshlib.Mesh(args.tp, 1, 1, rank, kv_replicas=kv).build_groups(dev)
+        with stdout_to_stderr():   # stdout carries the generated text only
+            dev.init_process_group(rank, world)
+            mesh = meshlib.Mesh(args.tp, 1, 1, rank, kv_replicas=kv).build_groups(dev)
         sample(args, dev, mesh)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
