@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import traceback
 
 import torch
@@ -84,12 +83,6 @@ def run(ex) -> str | None:
 # gloo workers
 # ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, fn, args, queue):
     import datetime
     import torch.distributed as dist
@@ -111,9 +104,10 @@ def spawn(fn, world: int, *args) -> str | None:
     """Run fn(rank, world, *args) on `world` gloo processes; the first failing rank's verdict."""
     import queue as queue_mod
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+    from nanohlat.launch import free_port, start_method
+    ctx = mp.get_context(start_method())
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()

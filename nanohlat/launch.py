@@ -171,6 +171,30 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
                 os.environ[k] = v
 
 
+def start_method() -> str:
+    """How the tests' and the classroom checks' worker groups start processes.
+
+    "spawn" starts a fresh Python per worker, and each imports torch again:
+    2-3 s of CPU apiece. On Linux these groups use "forkserver": one server
+    process, started at the first group, imports torch once, and each worker
+    is a fork of it, ready in milliseconds. (Not "fork": a copy of the caller,
+    whose threads and locks a child must not inherit. On macOS forking after
+    some system libraries have loaded is unsafe, so there we spawn.)
+
+    A forkserver worker inherits the server's environment and stdout, not the
+    caller's as they are now, and it is the server's child, not the caller's.
+    That is fine where results come back through a queue or files and the
+    environment is passed explicitly; `spawn` above (train.py --nproc) keeps
+    "spawn": its workers print to the terminal as it is, read the environment
+    of the moment, and a dead worker is seen and named at once.
+    """
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["torch"])
+    return "forkserver"
+
+
 def _report_failures(failures: dict, errors: str) -> int:
     """One line per distinct error the workers reported (usually one), else one per
     failed rank; returns the job's exit code."""

@@ -14,15 +14,17 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from nanohlat.launch import free_port
+from nanohlat.launch import free_port, start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = ["free_port", "spawn_workers", "run_layouts"]
 
 
-def _entry(rank: int, fn, world: int, port: int, args: tuple, err_dir: str) -> None:
+def _entry(rank: int, fn, world: int, port: int, args: tuple, err_dir: str, env: dict) -> None:
     sys.path.insert(0, ROOT)
+    os.environ.clear()   # a forkserver worker starts with the server's environment: use ours (launch.start_method)
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
@@ -34,14 +36,14 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple, err_dir: str) -> N
 
 
 def spawn_workers(fn, world: int, args: tuple, err_dir: str) -> None:
-    """Run fn(rank, world, *args) in `world` spawned processes that can join one
+    """Run fn(rank, world, *args) in `world` new processes that can join one
     gloo group through env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE are
     set; fn, or the train() it calls, creates the group). fn must be a module-level
     function. Raises AssertionError with the first failing rank's traceback."""
     os.makedirs(err_dir, exist_ok=True)
     try:
-        mp.start_processes(_entry, args=(fn, world, free_port(), args, err_dir), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(fn, world, free_port(), args, err_dir, dict(os.environ)), nprocs=world,
+                           join=True, start_method=start_method())
     except Exception as e:
         msgs = [open(os.path.join(err_dir, n)).read() for n in sorted(os.listdir(err_dir))]
         raise AssertionError("worker failed:\n" + "\n".join(msgs[:1])) from e
