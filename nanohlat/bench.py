@@ -25,8 +25,8 @@ for both models: they have the same shape). Data are random token ids: speed
 does not depend on what the tokens say.
 
 Engines (--engines, default eager): the same nanohlat step run eagerly
-(`nanohlat`), with its model stage compiled by torch.compile
-(`nanohlat-compile`, what train.py --compile runs; --compile alone means
+(`nanohlat`), with torch.compile (`nanohlat-compile`: the model stage and
+the optimizer's arithmetic compiled, what train.py --compile runs; --compile alone means
 --engines eager,compile) and on an XLA device (`nanohlat-xla`, where
 torch_xla is installed: PJRT's CPU client on a laptop). All of them and
 Hugging Face's eager step alternate in one loop. Per engine the table shows
@@ -43,6 +43,7 @@ model, after --warmup untimed ones).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -216,7 +217,7 @@ def parse(argv):
                         "bound, static vs continuous batching")
     b.add_argument("--engines", default="eager",
                    help="comma-separated: eager (nanohlat as train.py runs it), compile (torch.compile of "
-                        "the model stage, train.py --compile), xla (torch_xla) (default eager)")
+                        "the model stage and the optimizer's arithmetic, train.py --compile), xla (torch_xla) (default eager)")
     flags = vars(parser.parse_args(argv))
     own = {k: flags.pop(k) for k in ("warmup", "hf", "profile", "generate", "engines")}
     flags = BENCH_DEFAULTS | flags
@@ -304,12 +305,13 @@ def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
             edev = devicelib.get_device("xla", 0, tcfg.precision)
             etok, etgt = tokens.to(edev.torch_device), targets.to(edev.torch_device)
             graphs[name] = edev.compile_count
-        steps[name], models[name] = nanohlat_step(model_cfg, tcfg, edev, etok, etgt)
-        devs[name] = edev
         if engine == "compile":
             compilelib.reset()
-            compilelib.compile_stage(models[name], edev.kind)
             graphs[name] = lambda: compilelib.stats()["graphs"]
+        # build() compiles the model stage and the optimizer's arithmetic when compile=True, as in train.py
+        etcfg = dataclasses.replace(tcfg, compile=engine == "compile")
+        steps[name], models[name] = nanohlat_step(model_cfg, etcfg, edev, etok, etgt)
+        devs[name] = edev
     return steps, models, devs, graphs
 
 

@@ -7,7 +7,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 from __future__ import annotations
 
 from . import optim, pipeline
-from .compile import compile_stage
+from .compile import compile_optimizer, compile_stage
 from .model import Transformer, init_weights
 from .precision import param_dtype
 
@@ -19,7 +19,8 @@ def build(model_cfg, tcfg, mesh, dev):
             layout-independently (every layout starts from the same weights),
             in the parameter dtype of --precision (compiled with --compile);
     runner: the micro-batch schedule (--schedule) that runs forward/backward;
-    opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1).
+    opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1; its
+            arithmetic compiled with --compile).
     """
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
@@ -34,4 +35,6 @@ def build(model_cfg, tcfg, mesh, dev):
     seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
     opt = optim.FlatAdamW(model, mesh, tcfg, dev)
+    if tcfg.compile:
+        compile_optimizer(opt)   # and the optimizer's arithmetic (compile.py)
     return model, runner, opt

@@ -21,11 +21,13 @@ collective of tensor_parallel.py is a graph break, and with --pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
-What is not: the optimizer (optim.py:FlatAdamW.step) runs eagerly. It is a
-few in-place passes over large flat buffers, memory-bound, with the dp/tp/pp
-collectives of the grad norm between them: little for a compiler to fuse,
-and a graph break at every collective. The pipeline schedule and the
-evaluation loop run eagerly too (the model stage inside them is compiled;
+The optimizer (optim.py:FlatAdamW) is compiled in part (`compile_optimizer`):
+the arithmetic of its step, the fp64 sum of squares of the grad norm and the
+AdamW update, each a few memory-bound passes over a large flat buffer that
+Inductor fuses into one loop (eagerly, every pass streams the buffer again).
+Its collectives (the dp reduction, the grad norm's all-reduces, ZeRO-1's
+all-gather) and the Python between the phases stay eager. So do the pipeline
+schedule and the evaluation loop (the model stage inside them is compiled;
 evaluation under no_grad compiles its own forward-only graph once).
 """
 
@@ -49,6 +51,12 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
                         "compiled as one graph by XLA: drop --compile")
     model.compile()
     return model
+
+
+def compile_optimizer(opt) -> None:
+    """torch.compile the arithmetic of this rank's optimizer step (FlatAdamW.compile);
+    compiled at the first step, like the model stage."""
+    opt.compile()
 
 
 def reset() -> None:
