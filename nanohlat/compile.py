@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from nanohlat import comm
 from nanohlat.config import UserError
 
 
@@ -49,6 +50,12 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
     if device_kind == "xla":
         raise UserError("--compile is torch.compile for cpu and cuda; on xla the step is already "
                         "compiled as one graph by XLA: drop --compile")
+    # comm.py's ledger adds each collective's bytes to Python integers. Traced by
+    # Dynamo, every such integer becomes a guard ("payload == 2101252"), which the
+    # next call fails: a recompilation per call, until Dynamo gives up and runs
+    # the stage eagerly (its recompile limit, 8). Dynamo must not look inside.
+    if not hasattr(comm._record, "__wrapped__"):   # (once per process)
+        comm._record = torch.compiler.disable(comm._record)
     model.compile()
     return model
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from conftest import read_metrics
-from dist_utils import run_layouts
+from dist_utils import spawn_workers
 
 LOSS_TOL = 2e-5
 BASE = ["--preset", "tiny", "--steps", "10", "--warmup-steps", "2"]
@@ -66,10 +67,27 @@ def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path):
     assert st["graphs"] == 2 + 2 * 2 and st["graph_breaks"] == 0, st
 
 
+def _compiled_runs(rank: int, world: int, runs: list) -> None:
+    """Train each run, with a fresh torch.compile state each."""
+    import train
+    from nanohlat import compile as compilelib
+    from nanohlat import config
+    torch._dynamo.config.fail_on_recompile_limit_hit = True   # an error, not a silent fall-back to eager
+    for argv in runs:
+        compilelib.reset()
+        model_cfg, tcfg = config.parse_args(argv)
+        train.train(model_cfg, tcfg, rank, world, rank, world)
+
+
 def test_compile_tp2_and_pp2_match_eager(eager, cache_dir, tmp_path):
+    """tp 2 and pp 2 give the eager losses, compiled all along: a guard that
+    fails call after call (as one on comm.py's byte counters did) makes Dynamo
+    recompile until its limit, then silently run that code eagerly; here that
+    limit is an error (`fail_on_recompile_limit_hit`, set by _compiled_runs)."""
     runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"]}
-    run_layouts(2, [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "0"])
-                    for name, extra in runs.items()], str(tmp_path / "err"))
+    argv = [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
+            for name, extra in runs.items()]
+    spawn_workers(_compiled_runs, 2, (argv,), str(tmp_path / "err"))
     for name in runs:
         _assert_losses_equal(read_metrics(str(tmp_path / name)), eager[0])
 
