@@ -17,7 +17,7 @@ What is compiled: the model stage, `Transformer.forward` (forward and, through
 AOTAutograd, its backward), compiled in place (`nn.Module.compile`), so
 parameter names, checkpoints and the optimizer see the same module. One
 process runs the whole step's forward as one graph; with --tp > 1 each
-collective of tensor_parallel.py is a graph break, and with --pp > 1 every
+collective of comm.py is a graph break (compile_stage), and with --pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
@@ -50,12 +50,15 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
     if device_kind == "xla":
         raise UserError("--compile is torch.compile for cpu and cuda; on xla the step is already "
                         "compiled as one graph by XLA: drop --compile")
-    # comm.py's ledger adds each collective's bytes to Python integers. Traced by
-    # Dynamo, every such integer becomes a guard ("payload == 2101252"), which the
-    # next call fails: a recompilation per call, until Dynamo gives up and runs
-    # the stage eagerly (its recompile limit, 8). Dynamo must not look inside.
-    if not hasattr(comm._record, "__wrapped__"):   # (once per process)
-        comm._record = torch.compiler.disable(comm._record)
+    # Each collective of comm.py runs eagerly, between two graphs. Dynamo must not
+    # look inside: the ledger there adds each call's bytes to Python integers, and
+    # traced, every such integer becomes a guard ("payload == 2101252") that the
+    # next call fails, a recompilation per call until Dynamo gives up (its limit,
+    # 8) and silently runs that code eagerly from then on.
+    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+        f = getattr(comm, name)
+        if not hasattr(f, "__wrapped__"):   # (once per process)
+            setattr(comm, name, torch.compiler.disable(f))
     model.compile()
     return model
 
