@@ -177,7 +177,7 @@ LESSONS = {"lr": lesson_lr, "branch": lesson_branch, "sync": lesson_sync}
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tutorial chapter 2: graph compiler lessons, counted.")
-    p.add_argument("lesson", choices=sorted(LESSONS))
+    p.add_argument("lesson", nargs="+", choices=sorted(LESSONS), help="one or more, run in this order")
     p.add_argument("--xla", action="store_true", help="run on torch_xla (PJRT_DEVICE=CPU on a laptop)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.xla:
@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         except ImportError:
             print("error: --xla needs torch_xla (bash .ci/xla-lane installs it into .venv-xla)", file=sys.stderr)
             return 2
-    print("\n".join(LESSONS[args.lesson](args.xla)))
+    for lesson in args.lesson:
+        print("\n".join(LESSONS[lesson](args.xla)))
     return 0
 
 
