@@ -1,4 +1,9 @@
-"""The command lines a user types: train.py (one process, --nproc, torchrun), sample.py, and their errors."""
+"""The command lines a user types: train.py (one process, --nproc, torchrun), sample.py, and their errors.
+
+The full 3D layout through the launcher (`--nproc 8 --tp 2 --pp 2 --dp 2 --zero1
+--sequence-parallel`) is tutorial chapter 6's runnable block (tests/test_tutorial.py
+checks what it prints); its equality with one process, to 2e-5, is
+tests/test_parallel.py's `tp2_pp2_dp2_zero1_sp`."""
 
 from __future__ import annotations
 
@@ -115,10 +120,3 @@ def test_pipeline_1f1b_with_timeline_equals_one_process(one_process, cache_dir, 
     assert json.load(open(out / "summary.json"))["peak_in_flight"] == 2      # 1F1B: at most pp
     pytest.importorskip("matplotlib")
     assert (out / "timeline.png").stat().st_size > 1000
-
-
-def test_full_3d_layout_with_zero1_and_sequence_parallel_equals_one_process(one_process, cache_dir, tmp_path):
-    out = tmp_path / "3d"
-    run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "8", "--tp", "2",
-         "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel"])
-    assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
