@@ -7,7 +7,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 from __future__ import annotations
 
 from . import optim, pipeline
-from .compile import compile_optimizer, compile_stage
+from .compile import compile_stage
 from .model import Transformer, init_weights
 from .precision import param_dtype
 
@@ -36,5 +36,5 @@ def build(model_cfg, tcfg, mesh, dev):
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
     opt = optim.FlatAdamW(model, mesh, tcfg, dev)
     if tcfg.compile:
-        compile_optimizer(opt)   # and the optimizer's arithmetic (compile.py)
+        opt.compile()   # and the optimizer's arithmetic (FlatAdamW.compile)
     return model, runner, opt

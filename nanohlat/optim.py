@@ -192,15 +192,15 @@ class FlatAdamW:
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
         self.device = device
         self.block = block_size(device.kind)   # the passes' block size (CPU_BLOCK above)
-        exact = device.kind != "xla"
-        self.squares = lambda x: sum_of_squares(x, exact, self.block)   # phase 2's sum(g^2) of one buffer
+        self.exact = device.kind != "xla"      # the grad norm in fp64 (sum_of_squares); trn1 has no fp64
+        self.squares = lambda x: sum_of_squares(x, self.exact, self.block)   # phase 2's sum(g^2) of one buffer
 
     def compile(self) -> None:
         """--compile: torch.compile the step's arithmetic, not its collectives:
         phase 2's sum of squares and phase 3's AdamW, each fused by Inductor
         into one loop over a whole buffer (so no cache blocks: one pass reads
-        each element once). One graph per buffer size (dynamic=False). See
-        compile.py:compile_optimizer."""
+        each element once). One graph per buffer size (dynamic=False).
+        build.py calls it with --compile (compile.py says what stays eager)."""
         self.block = None
         self.squares = torch.compile(fused_sum_of_squares, dynamic=False)
         self._adamw_block = torch.compile(self._adamw_block, dynamic=False)
@@ -254,8 +254,7 @@ class FlatAdamW:
     def _global_grad_norm(self, grads) -> torch.Tensor:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
         mesh = self.mesh
-        sq = torch.zeros((), dtype=torch.float64 if self.device.kind != "xla" else torch.float32,
-                         device=self.device.torch_device)
+        sq = torch.zeros((), dtype=torch.float64 if self.exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = self.squares(grad)
             copies = mesh.tp // g.params[0].tp_parts    # tp ranks holding this group's elements
