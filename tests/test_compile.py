@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import read_metrics
-from dist_utils import spawn_workers
+from dist_utils import run_layouts
 
 LOSS_TOL = 2e-5
 BASE = ["--preset", "tiny", "--steps", "10", "--warmup-steps", "2"]
@@ -67,27 +67,19 @@ def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path):
     assert st["graphs"] == 2 + 2 * 2 and st["graph_breaks"] == 0, st
 
 
-def _compiled_runs(rank: int, world: int, runs: list) -> None:
-    """Train each run, with a fresh torch.compile state each."""
-    import train
-    from nanohlat import compile as compilelib
-    from nanohlat import config
-    torch._dynamo.config.fail_on_recompile_limit_hit = True   # an error, not a silent fall-back to eager
-    for argv in runs:
-        compilelib.reset()
-        model_cfg, tcfg = config.parse_args(argv)
-        train.train(model_cfg, tcfg, rank, world, rank, world)
+def _recompile_limit_is_an_error(rank: int) -> None:
+    """run_layouts' setup, in each worker: Dynamo raises where it would silently fall back to eager."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def test_compile_tp2_and_pp2_match_eager(eager, cache_dir, tmp_path):
     """tp 2 and pp 2 give the eager losses, compiled all along: a guard that
     fails call after call (as one on comm.py's byte counters did) makes Dynamo
     recompile until its limit, then silently run that code eagerly; here that
-    limit is an error (`fail_on_recompile_limit_hit`, set by _compiled_runs)."""
+    limit is an error (`fail_on_recompile_limit_hit`)."""
     runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"]}
-    argv = [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
-            for name, extra in runs.items()]
-    spawn_workers(_compiled_runs, 2, (argv,), str(tmp_path / "err"))
+    run_layouts(2, [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
+                    for name, extra in runs.items()], str(tmp_path / "err"), _recompile_limit_is_an_error)
     for name in runs:
         _assert_losses_equal(read_metrics(str(tmp_path / name)), eager[0])
 
