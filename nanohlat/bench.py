@@ -12,12 +12,15 @@ What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
 (through `pipeline.PipelineRunner`, as train.py runs it; FlatAdamW's hooks add
 the gradients into flat fp32 buffers) and `optim.FlatAdamW.step` (global grad
-norm, clip, AdamW, copy
-back). Beside it, when `transformers` is installed, the same step of Hugging
-Face's `LlamaForCausalLM` of identical shape (same parameter count, checked)
-with `torch.optim.AdamW` and `clip_grad_norm_`, on the same batch. The two
-alternate step by step (and swap who goes first every round), so that load
-from anything else on the machine hits both alike; we report the median step.
+norm, clip, AdamW, copy back). Beside it, when `transformers` is installed,
+the same step of Hugging Face's `LlamaForCausalLM` of identical shape (same
+parameter count, checked) with `torch.optim.AdamW` and `clip_grad_norm_`, on
+the same batch. The two alternate step by step (and swap who goes first every
+round), so that load from anything else on the machine hits both alike; we
+report the median step. How much to trust a ratio of medians: the bench also
+prints, per engine, the ratio of each round's two back-to-back steps, as a
+median and a middle half (`spread`). On a shared or throttling machine that
+middle half can be +-5% wide; a difference inside it is not a measured one.
 
 tokens/s = batch_size * seq_len / median step time, and MFU is
 metrics.flops_per_token * tokens/s / metrics.device_peak (the same FLOP count
@@ -286,8 +289,11 @@ def main(argv=None) -> int:
         print(profile(steps, devs))
     if "hf-llama" in steps:   # eager and compile last, as the README quotes them
         rate = {name: tok_per_step / statistics.median(ts) for name, ts in times.items()}
+        ours = sorted((n for n in steps if n != "hf-llama"), key=lambda n: n != "nanohlat-xla")
         print()
-        for name in sorted((n for n in steps if n != "hf-llama"), key=lambda n: n != "nanohlat-xla"):
+        print(spread(times, ours))
+        print()
+        for name in ours:
             print(f"{name} / hf-llama tokens/s: {rate[name] / rate['hf-llama']:.3f}x")
     return 0
 
@@ -335,6 +341,28 @@ def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok,
             phases = f" {fb * 1e3:>7.1f} ms {op * 1e3:>7.1f} ms"
         lines.append(f"{name:<16} {first[name]:>8.2f} s {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms "
                      f"{max(ts) * 1e3:>6.1f} ms {rate:>9,.0f} {mfu_text} {ratio} {g}{phases}")
+    return "\n".join(lines)
+
+
+def paired_ratios(times: dict, name: str) -> list[float]:
+    """Round by round, Hugging Face's step time over `name`'s (its tokens/s
+    relative to Hugging Face's, from the two steps the round ran back to back)."""
+    return [hf / ours for hf, ours in zip(times["hf-llama"], times[name])]
+
+
+def spread(times: dict, names: list) -> str:
+    """How far the ratio moves from round to round: the median and the middle
+    half (25th to 75th percentile) of each engine's paired ratios. The last
+    lines' ratios compare medians; when the middle half here spans a
+    difference (say 1.00x), this run cannot tell the two steps apart."""
+    lines = ["per-round ratio (the two steps of one round, back to back): median, middle half"]
+    for name in names:
+        r = paired_ratios(times, name)
+        if len(r) < 4:
+            lines.append(f"  {name:<16} {statistics.median(r):.3f}x   (middle half: needs --steps 4 or more)")
+            continue
+        q1, q2, q3 = statistics.quantiles(r, n=4)
+        lines.append(f"  {name:<16} {q2:.3f}x   {q1:.3f}x - {q3:.3f}x")
     return "\n".join(lines)
 
 

@@ -1,0 +1,34 @@
+"""The benchmark's printed figures: the ratio lines the README quotes, and the
+round-by-round spread printed beside them (nanohlat/bench.py)."""
+
+import re
+
+import pytest
+
+from nanohlat import bench
+
+
+def test_spread_pairs_the_steps_of_one_round():
+    # the machine slows down every other round; each round's two steps slow
+    # together, so every paired ratio is the same 1/1.1
+    times = {"hf-llama": [1.0, 2.0, 1.0, 2.0, 1.0], "nanohlat": [1.1, 2.2, 1.1, 2.2, 1.1]}
+    assert bench.paired_ratios(times, "nanohlat") == pytest.approx([1 / 1.1] * 5)
+    assert "nanohlat         0.909x   0.909x - 0.909x" in bench.spread(times, ["nanohlat"])
+    # a step that is faster in some rounds and slower in others: the middle half spans 1.00x
+    times = {"hf-llama": [1.0] * 8, "nanohlat": [0.8, 0.9, 0.95, 1.0, 1.0, 1.05, 1.1, 1.25]}
+    text = bench.spread(times, ["nanohlat"])
+    q1, q3 = (float(x) for x in re.search(r"(\d\.\d+)x - (\d\.\d+)x", text).groups())
+    assert q1 < 1.0 < q3
+    # too few rounds for quartiles: the median alone, and why
+    assert "needs --steps 4" in bench.spread({"hf-llama": [1.0, 1.0], "nanohlat": [1.0, 2.0]}, ["nanohlat"])
+
+
+def test_bench_ends_with_the_ratio_lines(capsys):
+    pytest.importorskip("transformers")
+    rc = bench.main(["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2",
+                     "--ffn-dim", "128", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2",
+                     "--steps", "4", "--warmup", "1", "--threads", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"nanohlat / hf-llama tokens/s: \d+\.\d{3}x", out[-1])
+    assert re.fullmatch(r"  nanohlat +\d+\.\d{3}x +\d+\.\d{3}x - \d+\.\d{3}x", out[-3])
