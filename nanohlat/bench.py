@@ -2,7 +2,7 @@
 
     python -m nanohlat.bench                          # default preset, batch 8, this machine
     python -m nanohlat.bench --n-layers 6 --d-model 384 --n-heads 6 --n-kv-heads 6 \\
-        --ffn-dim 1024 --batch-size 8 --seq-len 256 --threads 2        # the 13.8M reference
+        --ffn-dim 1024 --vocab-size 4096 --batch-size 8 --seq-len 256 --threads 2   # the 13.8M reference
     python -m nanohlat.bench --preset 125m --seq-len 1024 --device cuda --precision bf16
     python -m nanohlat.bench --profile                # + where the time goes, per op
     python -m nanohlat.bench --generate               # serving: prefill, decode, batching (generate_bench)
@@ -18,8 +18,9 @@ parameter count, checked) with `torch.optim.AdamW` and `clip_grad_norm_`, on
 the same batch. The two alternate step by step (and swap who goes first every
 round), so that load from anything else on the machine hits both alike; we
 report the median step. How much to trust a ratio of medians: the bench also
-prints, per engine, the ratio of each round's two back-to-back steps, as a
-median and a middle half (`spread`). On a shared or throttling machine that
+prints, per engine, the ratio of its step and Hugging Face's in each round
+(run back to back for the first two engines), as a median and a middle half
+(`spread`). On a shared or throttling machine that
 middle half can be +-5% wide; a difference inside it is not a measured one.
 
 tokens/s = batch_size * seq_len / median step time, and MFU is
@@ -55,7 +56,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanohlat import comm, config, metrics
+from nanohlat import comm, config, metrics, xla
 from nanohlat import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
@@ -260,6 +261,11 @@ def main(argv=None) -> int:
         devs["hf-llama"] = dev
         n_ours, n_hf = (sum(p.numel() for p in models[name].parameters()) for name in (next(iter(models)), "hf-llama"))
         assert n_ours == n_hf, f"shape mismatch: nanohlat {n_ours:,} vs Hugging Face {n_hf:,} parameters"
+        # Hugging Face's step runs second in each round (the order reverses every
+        # round), so it runs right next to each of the first two engines: the
+        # pairs of `spread` are then two back-to-back steps
+        names = [n for n in steps if n != "hf-llama"]
+        steps = {n: steps[n] for n in names[:1] + ["hf-llama"] + names[1:]}
     elif args.hf:
         print("(transformers is not installed: timing nanohlat alone; pip install transformers)")
 
@@ -305,12 +311,12 @@ def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
     for engine in engines:
         name, edev, etok, etgt = ENGINES[engine], dev, tokens, targets
         if engine == "xla":
-            if not devicelib._installed("torch_xla"):
+            if not xla.installed("torch_xla"):
                 print("(xla: torch_xla is not installed here, no xla engine; .ci/xla-lane installs it)")
                 continue
             edev = devicelib.get_device("xla", 0, tcfg.precision)
             etok, etgt = tokens.to(edev.torch_device), targets.to(edev.torch_device)
-            graphs[name] = edev.compile_count
+            graphs[name] = xla.compile_count
         if engine == "compile":
             compilelib.reset()
             graphs[name] = lambda: compilelib.stats()["graphs"]
@@ -327,7 +333,8 @@ def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok,
     # fwd+bwd and optimizer: medians of each phase (they need not add up to the step's median)
     lines = [f"{'':<16} {'first step':>10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>9} "
              f"{'MFU':>6} {'vs hf':>6} {'graphs':>6} {'recompiled':>10} {'fwd+bwd':>10} {'optimizer':>10}"]
-    for name, ts in times.items():
+    for name in sorted(times, key=lambda n: n == "hf-llama"):   # nanohlat's engines, then hf-llama
+        ts = times[name]
         med = statistics.median(ts)
         rate = tok_per_step / med
         m = metrics.mfu(rate, flops_tok, peak)
@@ -345,8 +352,10 @@ def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok,
 
 
 def paired_ratios(times: dict, name: str) -> list[float]:
-    """Round by round, Hugging Face's step time over `name`'s (its tokens/s
-    relative to Hugging Face's, from the two steps the round ran back to back)."""
+    """Round by round, Hugging Face's step time over `name`'s: its tokens/s
+    relative to Hugging Face's, from the two steps of one round (back to back
+    for the first two engines, which main() places on either side of
+    Hugging Face's step)."""
     return [hf / ours for hf, ours in zip(times["hf-llama"], times[name])]
 
 
@@ -355,7 +364,7 @@ def spread(times: dict, names: list) -> str:
     half (25th to 75th percentile) of each engine's paired ratios. The last
     lines' ratios compare medians; when the middle half here spans a
     difference (say 1.00x), this run cannot tell the two steps apart."""
-    lines = ["per-round ratio (the two steps of one round, back to back): median, middle half"]
+    lines = ["per-round ratio (each round's step of the engine over Hugging Face's): median, middle half"]
     for name in names:
         r = paired_ratios(times, name)
         if len(r) < 4:

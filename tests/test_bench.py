@@ -1,11 +1,15 @@
 """The benchmark's printed figures: the ratio lines the README quotes, and the
 round-by-round spread printed beside them (nanohlat/bench.py)."""
 
+import importlib.util
 import re
 
 import pytest
 
 from nanohlat import bench
+
+TINY = ["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2", "--ffn-dim", "128",
+        "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2", "--warmup", "1", "--threads", "1"]
 
 
 def test_spread_pairs_the_steps_of_one_round():
@@ -25,10 +29,18 @@ def test_spread_pairs_the_steps_of_one_round():
 
 def test_bench_ends_with_the_ratio_lines(capsys):
     pytest.importorskip("transformers")
-    rc = bench.main(["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2",
-                     "--ffn-dim", "128", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2",
-                     "--steps", "4", "--warmup", "1", "--threads", "1"])
+    rc = bench.main(TINY + ["--steps", "4"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(r"nanohlat / hf-llama tokens/s: \d+\.\d{3}x", out[-1])
     assert re.fullmatch(r"  nanohlat +\d+\.\d{3}x +\d+\.\d{3}x - \d+\.\d{3}x", out[-3])
+
+
+
+def test_xla_engine_without_torch_xla_says_so(capsys):
+    if importlib.util.find_spec("torch_xla") is not None:
+        pytest.skip("torch_xla is installed here: tests/test_xla.py runs the xla engine")
+    assert bench.main(TINY + ["--steps", "2", "--no-hf", "--engines", "xla"]) == 2
+    out, err = capsys.readouterr()
+    assert "torch_xla is not installed here" in out
+    assert err.strip() == "error: none of --engines can run here"

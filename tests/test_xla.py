@@ -303,3 +303,20 @@ def test_microbatches_compile_the_same_graphs_as_one(cache_dir, tmp_path):
         got[m] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got[8]["graphs"] == got[1]["graphs"], got
     assert got[8]["compile_s"] <= 1.5 * got[1]["compile_s"], got
+
+
+def test_bench_runs_the_xla_engine():
+    """`python -m nanohlat.bench --engines eager,xla` times nanohlat on the xla device
+    beside the eager CPU step, and counts the xla engine's graphs."""
+    cmd = [sys.executable, "-m", "nanohlat.bench", "--n-layers", "1", "--d-model", "64", "--n-heads", "2",
+           "--n-kv-heads", "2", "--ffn-dim", "128", "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2",
+           "--steps", "3", "--warmup", "2", "--threads", "1", "--no-hf", "--engines", "eager,xla",
+           "--device", "cpu"]   # (PJRT_DEVICE is set: --device auto would pick xla for the eager engine too)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith("nanohlat")}
+    assert set(rows) == {"nanohlat", "nanohlat-xla"}, proc.stdout
+    assert rows["nanohlat"][-6:-4] == ["-", "-"], proc.stdout      # eager: no graphs, then fwd+bwd, optimizer
+    graphs, recompiled = (int(x) for x in rows["nanohlat-xla"][-2:])   # xla: no fwd+bwd split
+    assert graphs > 0 and recompiled == 0, proc.stdout
+    assert "on cpu (1 threads)" in proc.stdout
