@@ -7,8 +7,8 @@
 
 Each lesson runs two (or three) versions of one small piece of an optimizer
 step for a few steps and prints how many graphs the compiler built, how many
-times it cut a graph, and (with --xla) how many graphs ran per step and how
-many values came back to the host. The counts are deterministic: they are
+times it cut a graph, and (with --xla) how many graphs ran over the steps
+and how many values came back to the host. The counts are deterministic: they are
 the answers the exercises ask for.
 
 torch.compile runs here with backend="eager": Dynamo captures the graphs, and

@@ -386,6 +386,11 @@ class TrainLog:
                 json.dump({k: self.summary.get(k) for k in keys}, f, indent=2)
         if self.writer:
             self.writer.close()
+            if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)
+                from nanohlat import compile as compilelib
+                st = compilelib.stats()
+                self.print(f"torch.compile on rank 0: {st['graphs']} graphs compiled, "
+                           f"{st['graph_breaks']} graph breaks")
             losses, vals = self.summary["losses"], self.summary["val_losses"]
             if not losses:   # resumed at (or past) --steps: nothing was trained
                 self.print(f"done: nothing to train, the run in {self.tcfg.out_dir} is already at step "

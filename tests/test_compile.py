@@ -11,7 +11,7 @@ first loss or the second by far more.
 Compiling costs tens of seconds per process on the CPU (Inductor writes and
 builds C++), so there are two such tests: one process (with an evaluation,
 whose no_grad forward is a graph of its own), and one spawned pair of workers
-that runs tp 2 and then pp 2.
+that runs tp 2, pp 2, then dp 2 with ZeRO-1.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _assert_losses_equal(got, ref):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
-def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path):
+def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path, capsys):
     from nanohlat import compile as compilelib
     compilelib.reset()
     summary = _train(_flags(cache_dir, tmp_path, ["--eval-every", "10", "--compile"]))
@@ -65,6 +65,7 @@ def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path):
     # per optimizer buffer (the tiny model's two: matrices, norm gains) one for its grad norm's sum of
     # squares and one for its AdamW update (FlatAdamW.compile: a graph per buffer size)
     assert st["graphs"] == 2 + 2 * 2 and st["graph_breaks"] == 0, st
+    assert "torch.compile on rank 0: 6 graphs compiled, 0 graph breaks" in capsys.readouterr().out
 
 
 def _recompile_limit_is_an_error(rank: int) -> None:
@@ -72,12 +73,12 @@ def _recompile_limit_is_an_error(rank: int) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-def test_compile_tp2_and_pp2_match_eager(eager, cache_dir, tmp_path):
-    """tp 2 and pp 2 give the eager losses, compiled all along: a guard that
+def test_compile_tp2_pp2_and_dp2_zero1_match_eager(eager, cache_dir, tmp_path):
+    """tp 2, pp 2 and dp 2 with ZeRO-1 give the eager losses, compiled all along: a guard that
     fails call after call (as one on comm.py's byte counters did) makes Dynamo
     recompile until its limit, then silently run that code eagerly; here that
     limit is an error (`fail_on_recompile_limit_hit`)."""
-    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"]}
+    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"], "dp2_zero1": ["--dp", "2", "--zero1"]}
     run_layouts(2, [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
                     for name, extra in runs.items()], str(tmp_path / "err"), _recompile_limit_is_an_error)
     for name in runs:
