@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         # tokenizer and token shards are built once, here, before any worker starts
         ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
         if ds.tokenizer.vocab_size != model_cfg.vocab_size:

@@ -178,6 +178,23 @@ def _cuda_name(index: int) -> str:
     return "unknown"
 
 
+def check_available(kind: str, workers: int = 1) -> None:
+    """Refuse, as one line, a --device that this machine cannot give `workers`
+    local processes, without creating anything: train.py asks before it
+    writes into out-dir (and before --overwrite removes an old run)."""
+    if kind not in DEVICES:
+        raise UserError(f"--device {kind!r} is not one of {', '.join(DEVICES)}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                            f"install a CUDA build of torch on a GPU machine, or use --device cpu")
+        if workers > torch.cuda.device_count():
+            raise UserError(f"{workers} workers need a GPU each but only {torch.cuda.device_count()} are "
+                            f"visible; start at most that many workers per machine")
+    if kind == "xla" and not xla.installed("torch_xla"):
+        raise UserError(f"--device xla needs torch_xla, which is not installed; {xla.INSTALL_HINT}")
+
+
 def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = None) -> Device:
     """The device for this process. 'auto' prefers Trainium (torch-neuronx
     installed, or PJRT_DEVICE set with torch_xla installed), then CUDA, then CPU.
@@ -199,12 +216,7 @@ def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = 
         return Device("cpu", torch.device("cpu"), "gloo", "cpu", local_rank)
 
     if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                            f"install a CUDA build of torch on a GPU machine, or use --device cpu")
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(f"worker {local_rank} needs a GPU but only {torch.cuda.device_count()} are visible; "
-                            f"start at most that many workers per machine")
+        check_available("cuda", local_rank + 1)
         return Device("cuda", torch.device("cuda", local_rank), "nccl", _cuda_name(local_rank), local_rank)
 
     name = xla.device_name()   # a UserError if torch_xla is not installed

@@ -165,6 +165,21 @@ def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, cap
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("device", ["cuda", "xla"])
+def test_overwrite_asking_for_a_missing_device_keeps_the_old_run(device, run_copy, cache_dir, capsys):
+    """--resume never --overwrite removes the old run only once the new one can
+    start: a device this machine lacks is refused first, and the old run stays."""
+    import importlib.util
+    import torch
+    if (torch.cuda.is_available() if device == "cuda" else importlib.util.find_spec("torch_xla") is not None):
+        pytest.skip(f"this machine has {device}")
+    before = sorted(os.listdir(run_copy / "checkpoints"))
+    code, err = main_in_process(flags(cache_dir, run_copy, "--resume", "never", "--overwrite", "--device", device),
+                                capsys)
+    assert code == 2
+    one_line_error(err, f"--device {device}")
+    assert sorted(os.listdir(run_copy / "checkpoints")) == before and len(losses(run_copy)) == 4
+
 @pytest.mark.parametrize("kind", ["a file", "not writable", "foreign files", "a Hugging Face config.json"])
 def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir, capsys):
     out = tmp_path / "out"
