@@ -177,7 +177,9 @@ def find_resume(out_dir: str, resume: str, overwrite: bool = False, restarted: b
     if resume == "auto":
         return latest(out_dir)
     if resume == "never":
-        has_run = latest(out_dir) or os.path.isfile(os.path.join(out_dir, "metrics.jsonl"))
+        # a run that logged no row trained nothing (e.g. one killed with -9 before its first step)
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        has_run = latest(out_dir) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
         if has_run and not overwrite:
             raise UserError(f"--out-dir {out_dir} already holds a run; use --resume auto to continue it, "
                             f"--overwrite to replace it, or another --out-dir")

@@ -165,6 +165,17 @@ def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, cap
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_run_killed_before_its_first_step_does_not_block_resume_never(tmp_path, cache_dir, capsys):
+    """kill -9 before step 1 leaves config.json and an empty metrics.jsonl (no
+    cleanup runs); nothing was trained, so a retry with --resume never starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    code, err = main_in_process(flags(cache_dir, out, "--resume", "never", "--steps", 2), capsys)
+    assert code == 0, err
+    assert sorted(losses(out)) == [1, 2]
+
 @pytest.mark.parametrize("device", ["cuda", "xla"])
 def test_overwrite_asking_for_a_missing_device_keeps_the_old_run(device, run_copy, cache_dir, capsys):
     """--resume never --overwrite removes the old run only once the new one can
