@@ -25,7 +25,8 @@ import time
 from nanohlat import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat import evaluate
-from nanohlat.config import DEVICES, UserError
+from nanohlat.config import DEVICES, SEED_LIMIT, UserError
+from nanohlat.files import os_error_message
 
 
 def parse_args(argv=None):
@@ -53,6 +54,8 @@ def check_args(args) -> None:
     for name, low in (("shots", 0), ("examples", 1), ("batch_size", 1), ("max_batches", 0), ("seed", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.seed >= SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.all_checkpoints and args.checkpoint:
         raise UserError("--all-checkpoints evaluates every checkpoint of --out-dir; drop --checkpoint")
     for t in args.task:     # a task file must be text: a binary one is refused before any model loads
@@ -151,14 +154,32 @@ def plot_curves(rows: list[dict], path: str) -> bool:
 
 
 def write_json(path: str, obj) -> None:
-    """Readers see the old file or the whole new one, never a prefix."""
+    """Readers see the old file or the whole new one, never a prefix; a
+    failed write leaves no temporary file behind."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_json_path(path: str) -> None:
+    """Refuse a results path that cannot be written, before the evaluation runs."""
+    if os.path.isdir(path):
+        raise UserError(f"--json {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'eval.json')!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):          # write_json creates the missing folders
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write {path!r}: {parent!r} is a file, not a folder; choose another --json")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write {path!r}: {parent!r} is not writable; choose another --json")
 
 
 def main(argv=None) -> int:
@@ -168,6 +189,8 @@ def main(argv=None) -> int:
         for t in args.task:     # a bad task file should fail before any model is loaded
             if t != "builtin":
                 evaluate.load_task_file(t)
+        out = args.json or os.path.join(args.out_dir, "eval.json")
+        check_json_path(out)
         dev = devicelib.get_device(args.device)
         if args.all_checkpoints:
             paths = checkpoint.list_checkpoints(args.out_dir)
@@ -185,7 +208,6 @@ def main(argv=None) -> int:
         else:
             print_single(rows[0])
         settings = {k: getattr(args, k) for k in ("task", "shots", "examples", "batch_size", "max_batches", "seed")}
-        out = args.json or os.path.join(args.out_dir, "eval.json")
         write_json(out, {"settings": settings, "results": rows})
         log(f"eval: wrote {out}")
         if args.all_checkpoints:
@@ -194,6 +216,12 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:     # e.g. the disk filled while writing the results
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # Ctrl-C: nothing half-written (write_json), no traceback
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -29,7 +29,7 @@ import torch.distributed
 from nanohlat import checkpoint, data, generate, launch
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.config import DEVICES, UserError, model_from_dict
+from nanohlat.config import DEVICES, SEED_LIMIT, UserError, model_from_dict
 
 
 def parse_args(argv=None):
@@ -71,6 +71,8 @@ def check_args(args, world: int) -> None:
                       ("top_k", 0), ("seed", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.seed >= SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.tp != world:
@@ -175,6 +177,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

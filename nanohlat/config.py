@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from .precision import PRECISIONS
 
 DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
+SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
+THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
 class UserError(Exception):
@@ -67,16 +69,16 @@ class ModelConfig:
         return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d
 
     def validate(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                     "vocab_multiple"):   # first: the divisibility checks below divide by some of these
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise UserError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise UserError(f"--n-heads {self.n_heads} is not a multiple of --n-kv-heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
-        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                     "vocab_multiple"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("rope_theta", "norm_eps"):
             _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
 
@@ -175,8 +177,11 @@ class TrainConfig:
         if self.eval_every and not self.eval_batches:
             raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
                             "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
-        if self.seed < 0:
-            raise UserError(f"--seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise UserError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.threads > THREADS_LIMIT:
+            raise UserError(f"--threads {self.threads} is more than {THREADS_LIMIT}; use at most one per core "
+                            f"(0 = this machine's cores shared among the local workers)")
 
 
 def _finite_in(name: str, value: float, low: float, high: float, meaning: str,

@@ -96,8 +96,11 @@ def full_logits(logits: torch.Tensor, model: Transformer) -> torch.Tensor:
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0) -> torch.Tensor:
-    """softmax(logits / temperature) restricted to the top_k largest (0 = all)."""
-    logits = logits.float() / temperature
+    """softmax(logits / temperature) restricted to the top_k largest (0 = all).
+    The row's largest logit is subtracted first (softmax does not change): the
+    scaled logits are then <= 0, so a tiny temperature cannot overflow them."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -253,7 +253,7 @@ class Transformer(nn.Module):
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                logits = (logits - logits.amax(-1, keepdim=True)) / temperature   # <= 0: cannot overflow
                 if top_k:
                     kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -43,6 +43,7 @@ when it is the target's argmax, so the output is the target's greedy output.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import generate as gen
-from .config import DEVICES, UserError
+from .config import DEVICES, SEED_LIMIT, UserError
 
 
 # ---------------------------------------------------------------------------
@@ -295,6 +296,10 @@ def main(argv=None) -> int:
     try:
         if args.k <= 0 or args.max_new_tokens <= 0:
             raise UserError("--k and --max-new-tokens must be positive")
+        if not 0 <= args.seed < SEED_LIMIT:
+            raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
+        if not (math.isfinite(args.temperature) and args.temperature >= 0):
+            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
         dev = devicelib.get_device(args.device)
         target, tm = gen.load_model(args.target, dev)
         draft, dm = gen.load_model(args.draft, dev)
@@ -304,7 +309,15 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = data.load_tokenizer(tm["tokenizer"])
+    try:
+        return compare(args, target, draft, data.load_tokenizer(tm["tokenizer"]))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def compare(args, target, draft, tok) -> int:
+    """main's measurement: the target alone, then speculative decoding, same seed."""
     ids = [tok.bos_id] + tok.encode(args.prompt)
     seeded = lambda: torch.Generator().manual_seed(args.seed)
     gen.generate_lists(target, [ids], 2), gen.generate_lists(draft, [ids], 2)    # warm up both, untimed

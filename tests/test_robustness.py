@@ -61,6 +61,10 @@ def run_py(args, check=True, timeout=240, **kw):
     (["--eval-every", "5", "--eval-batches", "0"], "--eval-batches 0 with evaluation on"),
     (["--rendezvous-timeout", "0"], "--rendezvous-timeout must be a finite number > 0"),
     (["--norm-eps", "nan"], "--norm-eps must be a finite number > 0"),
+    (["--n-heads", "0"], "--n-heads must be positive, got 0"),
+    (["--n-kv-heads", "0"], "--n-kv-heads must be positive, got 0"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
+    (["--threads", "100000"], "--threads 100000 is more than 1024"),
 ])
 def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, capsys, cache_dir):
     out = tmp_path / "run"
@@ -76,11 +80,46 @@ def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, caps
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
 ])
 def test_sample_flags_out_of_range(args, message, tmp_path, capsys):
     import sample
     assert sample.main(["--out-dir", str(tmp_path / "nothing")] + args) == 2
     one_line_error(capsys.readouterr().err, message)
+
+
+def test_speculative_decoding_flags_out_of_range(capsys):
+    from nanohlat import serving
+    for args, message in ((["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+                          (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+                          (["--seed", "-1"], "--seed must be in [0, 2**63)")):
+        assert serving.main(["--target", "none", "--draft", "none"] + args) == 2
+        one_line_error(capsys.readouterr().err, message)
+
+
+def test_a_tiny_temperature_samples_the_largest_logit():
+    """logits / 1e-40 overflowed to inf (softmax: nan, and a crash); shifted by the
+    row's largest logit first, the scaled logits stay <= 0."""
+    import torch
+    from nanohlat import generate
+    logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
+    assert torch.equal(generate.probabilities(logits, 1e-40), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+    assert torch.allclose(generate.probabilities(logits, 1.0), torch.softmax(logits, -1))
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "is a folder; give a file path"),
+    ("under_a_file", "is a file, not a folder"),
+])
+def test_eval_json_that_cannot_be_written_is_refused_before_evaluating(where, message, tmp_path, capsys):
+    import eval as eval_py
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("x")
+    target = {"folder": tmp_path / "folder", "under_a_file": tmp_path / "afile" / "eval.json"}[where]
+    # --out-dir holds no run: the path is refused before any checkpoint is even looked for
+    assert eval_py.main(["--out-dir", str(tmp_path / "norun"), "--json", str(target)]) == 2
+    one_line_error(capsys.readouterr().err, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder"]
 
 
 def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
