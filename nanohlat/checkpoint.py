@@ -4,6 +4,7 @@ On disk (one directory per saved step):
 
     <out_dir>/checkpoints/step_00000200/
         shard_00000.pt ... shard_<world-1>.pt   one per rank: its tensors + where they belong
+        tokenizer.model                          a copy of the run's tokenizer (_copy_tokenizer)
         manifest.json                            written last: config, layout, step, tokens,
                                                  schedule, data position, file sizes + sha256
     <out_dir>/checkpoints/latest                 name of the newest complete checkpoint
@@ -73,6 +74,7 @@ never a silently wrong model.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -283,6 +285,20 @@ def _publish(out_dir: str, tmp: str, manifest: dict) -> str:
     return os.path.join(root, name)
 
 
+TOKENIZER_COPY = "tokenizer.model"
+
+
+def _copy_tokenizer(tokenizer_path: str, ckpt_dir: str) -> dict:
+    """A copy of the run's tokenizer inside the checkpoint: the manifest's
+    `tokenizer` path points into a cache that may be cleared, or stay behind
+    on another machine, and without its tokenizer a model's token ids mean
+    nothing. `read_manifest` prefers the copy."""
+    with open(tokenizer_path, "rb") as f:
+        blob = f.read()
+    _atomic_write(os.path.join(ckpt_dir, TOKENIZER_COPY), lambda f: f.write(blob))
+    return {"file": TOKENIZER_COPY, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
          tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> str:
     """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
@@ -324,8 +340,9 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
     digest = torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64)
     digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 4)
 
-    # 3. rank 0: manifest, rename into place, update `latest`, prune
+    # 3. rank 0: the tokenizer's copy, manifest, rename into place, update `latest`, prune
     if mesh.rank == 0:
+        tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
         files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
                                        "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
         _publish(out_dir, tmp, {
@@ -337,7 +354,7 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
             "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
             "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
             "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
-            "identity": identity(tokenizer_path, data_fingerprint),
+            "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, data_fingerprint),
         })
         if keep_last > 0:
             for old in list_checkpoints(out_dir)[:-keep_last]:
@@ -356,13 +373,14 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
              "optim": {}, "rng": {"torch_cpu": None}}
     shard_path = os.path.join(tmp, "shard_00000.pt")
     _atomic_write(shard_path, lambda f: torch.save(state, f))
+    tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
     return _publish(out_dir, tmp, {
         "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
         "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
-        "identity": identity(tokenizer_path, None),
+        "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, None),
         "files": {"shard_00000.pt": {"bytes": os.path.getsize(shard_path), "sha256": sha256_file(shard_path)}},
     })
 
@@ -384,6 +402,11 @@ def read_manifest(path: str) -> dict:
     if missing:
         raise UserError(f"checkpoint manifest {mpath} lacks {', '.join(missing)}: it is corrupt; "
                         f"pick another checkpoint")
+    copy = manifest.get("tokenizer_copy")   # the tokenizer saved with the checkpoint, when whole
+    if isinstance(copy, dict) and copy.get("file") == TOKENIZER_COPY:
+        cpath = os.path.join(path, TOKENIZER_COPY)
+        if os.path.isfile(cpath) and sha256_file(cpath) == copy.get("sha256"):
+            manifest["tokenizer"] = cpath
     return manifest
 
 

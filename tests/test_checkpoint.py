@@ -189,7 +189,7 @@ class Crash(Exception):
 
 
 def crash_on_write(real, step: int, nth: int, half: bool):
-    """An _atomic_write that dies at the nth file (0: shard, 1: manifest, 2: `latest`)
+    """An _atomic_write that dies at the nth file (0: shard, 1: the tokenizer's copy, 2: manifest, 3: `latest`)
     of the save of `step`, after writing half of it (half=True) or before writing."""
     seen = []
 
@@ -213,7 +213,7 @@ def test_crash_while_saving_leaves_a_resumable_run(point, one, cache_dir, tmp_pa
     from step 2 (or from step 4 if only the `latest` pointer was missing), and its
     losses are the uninterrupted run's, bit for bit."""
     from nanohlat import checkpoint
-    nth, half = {"half_a_shard": (0, True), "before_manifest": (1, False), "before_latest": (2, False)}[point]
+    nth, half = {"half_a_shard": (0, True), "before_manifest": (2, False), "before_latest": (3, False)}[point]
     argv = flags(cache_dir, tmp_path, "--save-every", 2, "--keep-last", 2)
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "_atomic_write", crash_on_write(checkpoint._atomic_write, 4, nth, half))

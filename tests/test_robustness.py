@@ -296,6 +296,24 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(ru
 # Checkpoints: incomplete ones, older ones, identity, Hugging Face targets
 # ---------------------------------------------------------------------------
 
+def test_a_run_moved_away_from_its_tokenizer_cache_still_samples(run_copy, capsys):
+    """Each checkpoint holds a copy of the run's tokenizer: with the cached
+    original gone (a cleared cache, the run copied to another machine),
+    sample.py, eval.py and the rest load the copy."""
+    import filecmp
+    import sample
+    from nanohlat import checkpoint
+    path = ckpt(run_copy, 4)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert filecmp.cmp(os.path.join(path, "tokenizer.model"), manifest["tokenizer"], shallow=False)
+    manifest["tokenizer"] = str(run_copy / "gone" / "tokenizer.model")     # the original, somewhere else
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    assert checkpoint.read_manifest(path)["tokenizer"] == os.path.join(path, "tokenizer.model")
+    assert sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "4", "--prompt", "def "]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
 def test_a_checkpoint_without_manifest_is_skipped_named_and_cleared(run_copy, cache_dir, capsys):
     from nanohlat import checkpoint
     os.remove(os.path.join(ckpt(run_copy, 4), "manifest.json"))
