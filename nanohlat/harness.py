@@ -98,11 +98,21 @@ class NanoHLATLM(LM):
         return out
 
 
-def main() -> None:
+def main() -> int:
     from lm_eval.__main__ import cli_evaluate
+
+    from .config import UserError
     sys.argv[0] = "python -m nanohlat.harness"
-    cli_evaluate()
+    # the harness's own default device is "cuda:0"; nanohlat's is auto (what this machine has)
+    if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):
+        sys.argv += ["--device", "auto"]
+    try:
+        cli_evaluate()
+    except UserError as e:   # a bad path=, a device this machine lacks: one line, as everywhere
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

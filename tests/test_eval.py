@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import sysconfig
 
 import pytest
@@ -308,3 +309,18 @@ def test_lm_eval_harness_task_from_a_local_file_matches_our_scoring(corpus, tmp_
     # generate_until: greedy, stops at the stop string, never returns it.
     [gen] = lm.generate_until([Instance("generate_until", {}, ("def f(x):\n", {"until": ["\n"], "max_gen_toks": 8}), 0)])
     assert isinstance(gen, str) and "\n" not in gen
+
+
+def test_harness_command_line_bad_path_is_one_line_on_any_machine(tmp_path, monkeypatch, capsys):
+    """`python -m nanohlat.harness` without --device runs where nanohlat's auto
+    device says (the harness's own default is cuda:0), and a path= without a
+    run is one line, exit 2, like every nanohlat command."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("lm_eval")
+    from nanohlat import harness
+    monkeypatch.setattr(sys, "argv", ["harness", "--model", "nanohlat", "--model_args",
+                                      f"path={tmp_path / 'none'}", "--tasks", "arc_easy"])
+    assert harness.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: no complete checkpoint in") and "Traceback" not in err, err
