@@ -53,6 +53,8 @@ def parse_args(argv=None):
 def read_prompts(args) -> list[str]:
     if not args.prompt_file:
         return [args.prompt]
+    if os.path.exists(args.prompt_file) and not os.path.isfile(args.prompt_file):   # a FIFO or /dev/zero would
+        raise UserError(f"--prompt-file {args.prompt_file!r} is not a regular file; give a text file")  # never end
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]

@@ -174,6 +174,8 @@ class Task:
 
 def load_task_file(path: str) -> Task:
     """A JSONL file, one {"context": str, "choices": [str, ...], "label": int} per line."""
+    if os.path.exists(path) and not os.path.isfile(path):   # a folder, a FIFO, a device
+        raise UserError(f"--task {path!r} is not a regular file; give 'builtin' or a .jsonl file")
     if not os.path.isfile(path):
         raise UserError(f"--task {path!r} does not exist; give 'builtin' or a .jsonl file whose lines look like "
                         f'{{"context": "...", "choices": ["...", "..."], "label": 0}}')
@@ -189,6 +191,8 @@ def load_task_file(path: str) -> Task:
                     raise TypeError(f"'context' is a {type(context).__name__}, not a string")
                 if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)):
                     raise TypeError("'choices' is not a list of at least 2 strings")
+                if not all(c.strip() for c in choices):   # an empty choice has log-likelihood 0: it always wins
+                    raise TypeError("a choice is empty or blank; every choice needs at least one token")
                 if not (type(label) is int and 0 <= label < len(choices)):
                     raise TypeError(f"'label' {label!r} is not an index into the {len(choices)} choices")
             except (ValueError, KeyError, TypeError) as e:

@@ -122,6 +122,28 @@ def test_eval_json_that_cannot_be_written_is_refused_before_evaluating(where, me
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder"]
 
 
+def test_prompt_and_task_files_that_are_not_regular_files_are_refused(tmp_path, capsys):
+    """A FIFO would block and /dev/zero never ends: refused before reading; a folder is named as one."""
+    import eval as eval_py
+    import sample
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert sample.main(["--out-dir", str(tmp_path), "--prompt-file", str(fifo)]) == 2
+    one_line_error(capsys.readouterr().err, "is not a regular file")
+    for task in (fifo, tmp_path):
+        assert eval_py.main(["--out-dir", str(tmp_path), "--task", str(task)]) == 2
+        one_line_error(capsys.readouterr().err, "is not a regular file", str(task))
+
+
+def test_a_task_with_an_empty_choice_is_refused(tmp_path, capsys):
+    """An empty continuation scores log-likelihood 0 and would always win (or, with an
+    empty context too, crash the scorer)."""
+    import eval as eval_py
+    task = tmp_path / "t.jsonl"
+    task.write_text('{"context": "", "choices": ["", "b"], "label": 1}\n')
+    assert eval_py.main(["--out-dir", str(tmp_path), "--task", str(task)]) == 2
+    one_line_error(capsys.readouterr().err, "t.jsonl:1", "a choice is empty")
+
 def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
     import eval as eval_py
     import sample
