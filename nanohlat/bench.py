@@ -234,6 +234,13 @@ def parse(argv):
         own["engines"].append("compile")
     if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.microbatches != 1:
         raise UserError("the bench times one process: leave --tp, --pp and --microbatches at 1")
+    if own["warmup"] < 0:
+        raise UserError(f"--warmup must be >= 0, got {own['warmup']}")
+    prompt = min(tcfg.seq_len, model_cfg.max_seq_len) // 2     # generate_bench's prompts: 8 .. prompt tokens
+    if own["generate"] and (prompt < 8 or model_cfg.max_seq_len - prompt < 8):
+        raise UserError(f"--generate times prompts of 8 to --seq-len / 2 tokens and at least 8 new tokens: "
+                        f"give --seq-len >= 16 and --max-seq-len >= --seq-len / 2 + 8 (got {tcfg.seq_len}, "
+                        f"{model_cfg.max_seq_len})")
     return model_cfg, tcfg, argparse.Namespace(**own)
 
 

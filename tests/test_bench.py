@@ -44,3 +44,14 @@ def test_xla_engine_without_torch_xla_says_so(capsys):
     out, err = capsys.readouterr()
     assert "torch_xla is not installed here" in out
     assert err.strip() == "error: none of --engines can run here"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+    (["--generate", "--seq-len", "15"], "give --seq-len >= 16"),
+    (["--engines", "eager,tpu"], "--engines tpu: choose from eager, compile, xla"),
+])
+def test_bench_flags_out_of_range_are_one_line(args, message, capsys):
+    assert bench.main(["--preset", "tiny", "--no-hf"] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
