@@ -177,6 +177,9 @@ class TrainConfig:
         if self.eval_every and not self.eval_batches:
             raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
                             "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
+        if not self.resume.strip():
+            raise UserError("--resume is empty; give auto (continue out-dir's run), never (start fresh) "
+                            "or a checkpoint path")
         if not 0 <= self.seed < SEED_LIMIT:
             raise UserError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.threads > THREADS_LIMIT:

@@ -251,7 +251,9 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _refuse_non_empty(path: str, what: str) -> None:
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{what} {path!r} is a file, not a folder; choose a new folder")
+    if os.path.exists(path) and os.listdir(path):
         raise UserError(f"{what} {path!r} is not empty; choose a new folder, or pass --overwrite to replace "
                         f"what it holds")
 

@@ -55,7 +55,9 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
               and model.padded_vocab % d == 0]
     for what, n in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
         if n % tp:
-            raise UserError(f"--tp {tp} does not divide {what} {n}; choose {_choices(common)}")
+            hint = (f", or a --vocab-multiple that --tp {tp} divides (the vocabulary is padded up to a "
+                    f"multiple of it, now {model.vocab_multiple})") if what == "padded vocabulary" else ""
+            raise UserError(f"--tp {tp} does not divide {what} {n}; choose {_choices(common)}{hint}")
     if not kv_fits(tp):
         raise UserError(f"--tp {tp} and n_kv_heads {model.n_kv_heads}: one must divide the other (a tp rank holds "
                         f"whole kv heads, or several ranks share one); choose {_choices(common)}")

@@ -65,6 +65,7 @@ def run_py(args, check=True, timeout=240, **kw):
     (["--n-kv-heads", "0"], "--n-kv-heads must be positive, got 0"),
     (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
     (["--threads", "100000"], "--threads 100000 is more than 1024"),
+    (["--resume", ""], "--resume is empty; give auto"),
 ])
 def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, capsys, cache_dir):
     out = tmp_path / "run"
