@@ -171,9 +171,10 @@ def warm_up(steps: dict, devs: dict, n: int) -> dict:
     return first
 
 
-def time_interleaved(steps: dict, n: int, devs: dict) -> tuple[dict, dict]:
+def time_interleaved(steps: dict, n: int, devs: dict, between=None) -> tuple[dict, dict]:
     """Seconds per step of each named step function, alternating them step by
-    step (and who goes first, every round) so machine load falls on all alike.
+    step (and who goes first, every round) so machine load falls on all alike;
+    `between()`, if given, runs after each round, untimed.
     Returns ({name: [step seconds]}, {name: [forward + backward seconds]})."""
     names = list(steps)
     times = {name: [] for name in names}
@@ -187,6 +188,8 @@ def time_interleaved(steps: dict, n: int, devs: dict) -> tuple[dict, dict]:
             times[name].append(time.perf_counter() - t0)
             if fb is not None:
                 fwd_bwd[name].append(fb)
+        if between is not None:
+            between()
     return times, fwd_bwd
 
 
@@ -278,20 +281,22 @@ def main(argv=None) -> int:
 
     tok_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
-    peak = metrics.device_peak(dev, tcfg.precision)   # the definition train.py uses
     where = f"{dev.name} ({threads} threads)" if threads else dev.name
     print(f"model: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, {model_cfg.n_heads} heads "
           f"({model_cfg.n_kv_heads} kv), ffn {model_cfg.ffn_dim}, vocab {model_cfg.padded_vocab}: "
           f"{model_cfg.num_params() / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token")
     print(f"step: batch {tcfg.batch_size} x seq {tcfg.seq_len} = {tok_per_step:,} tokens, {tcfg.precision}, "
           f"on {where}")
-    print(metrics.describe_peak(dev, tcfg.precision))
     print(f"timing {tcfg.steps} steps per model after {max(args.warmup, 1)} warm-up, interleaved ...", flush=True)
 
     first = warm_up(steps, devs, args.warmup)              # the compilers compile here
     compiled = {name: count() for name, count in graphs.items()}
-    times, fwd_bwd = time_interleaved(steps, tcfg.steps, devs)
+    # on the CPU the peak is measured again after every round (the best counts): see metrics.resample_cpu_peak
+    times, fwd_bwd = time_interleaved(steps, tcfg.steps, devs,
+                                      metrics.resample_cpu_peak if dev.kind == "cpu" else None)
     recompiled = {name: count() - compiled[name] for name, count in graphs.items()}
+    peak = metrics.device_peak(dev, tcfg.precision)   # the definition train.py uses
+    print(metrics.describe_peak(dev, tcfg.precision) + ("; sampled again after every round, the best kept" if dev.kind == "cpu" else ""))
     print()
     print(report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak))
     if "nanohlat-compile" in steps:
