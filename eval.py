@@ -75,9 +75,11 @@ def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
     cfg = model.cfg
     # An imported model (nanohlat.hf) has no training config: the built-in corpus then.
     train = manifest.get("config", {}).get("train") or {}
-    key = (train.get("data", ""), manifest["tokenizer"], train.get("cache_dir", ""))
+    # the tokenizer by content: each checkpoint holds its own copy of the same file
+    tok_id = manifest.get("identity", {}).get("tokenizer_sha256") or manifest["tokenizer"]
+    key = (train.get("data", ""), tok_id, train.get("cache_dir", ""))
     if key not in cache:    # all checkpoints of a run share data and tasks: build them once
-        ds = data.prepare_data(key[0], key[1], cfg.vocab_size, key[2], log=log)
+        ds = data.prepare_data(key[0], manifest["tokenizer"], cfg.vocab_size, key[2], log=log)
         tasks = [evaluate.next_line_task(ds.val_documents, args.examples, args.seed) if t == "builtin"
                  else evaluate.load_task_file(t) for t in args.task]
         cache[key] = ds, tasks
