@@ -25,7 +25,7 @@ import time
 from nanohlat import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat import evaluate
-from nanohlat.config import DEVICES, SEED_LIMIT, UserError
+from nanohlat.config import DEVICES, UserError, check_seed
 from nanohlat.files import os_error_message
 
 
@@ -54,8 +54,7 @@ def check_args(args) -> None:
     for name, low in (("shots", 0), ("examples", 1), ("batch_size", 1), ("max_batches", 0), ("seed", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if args.seed >= SEED_LIMIT:
-        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_seed(args.seed)
     if args.all_checkpoints and args.checkpoint:
         raise UserError("--all-checkpoints evaluates every checkpoint of --out-dir; drop --checkpoint")
     for t in args.task:     # a task file must be text: a binary one is refused before any model loads

@@ -29,7 +29,7 @@ import torch.distributed
 from nanohlat import checkpoint, data, generate, launch
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.config import DEVICES, SEED_LIMIT, UserError, model_from_dict
+from nanohlat.config import DEVICES, UserError, check_seed, model_from_dict
 
 
 def parse_args(argv=None):
@@ -73,8 +73,7 @@ def check_args(args, world: int) -> None:
                       ("top_k", 0), ("seed", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if args.seed >= SEED_LIMIT:
-        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_seed(args.seed)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.tp != world:

@@ -180,11 +180,16 @@ class TrainConfig:
         if not self.resume.strip():
             raise UserError("--resume is empty; give auto (continue out-dir's run), never (start fresh) "
                             "or a checkpoint path")
-        if not 0 <= self.seed < SEED_LIMIT:
-            raise UserError(f"--seed must be in [0, 2**63), got {self.seed}")
+        check_seed(self.seed)
         if self.threads > THREADS_LIMIT:
             raise UserError(f"--threads {self.threads} is more than {THREADS_LIMIT}; use at most one per core "
                             f"(0 = this machine's cores shared among the local workers)")
+
+
+def check_seed(seed: int) -> None:
+    """--seed of every command (train, bench, sample, eval, serving)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 def _finite_in(name: str, value: float, low: float, high: float, meaning: str,

@@ -191,8 +191,8 @@ def check_available(kind: str, workers: int = 1) -> None:
         if workers > torch.cuda.device_count():
             raise UserError(f"{workers} workers need a GPU each but only {torch.cuda.device_count()} are "
                             f"visible; start at most that many workers per machine")
-    if kind == "xla" and not xla.installed("torch_xla"):
-        raise UserError(f"--device xla needs torch_xla, which is not installed; {xla.INSTALL_HINT}")
+    if kind == "xla":
+        xla.require_installed()
 
 
 def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = None) -> Device:
@@ -202,8 +202,6 @@ def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = 
     `precision` (the --precision of a training run) matters on Trainium only:
     it decides the Neuron runtime's rounding mode, which must be set before
     the runtime starts (see `xla.set_neuron_rounding`)."""
-    if kind not in DEVICES:
-        raise UserError(f"--device {kind!r} is not one of {', '.join(DEVICES)}")
     if kind == "auto":
         if xla.preferred():
             kind = "xla"
@@ -211,15 +209,15 @@ def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = 
             kind = "cuda"
         else:
             kind = "cpu"
+    check_available(kind, local_rank + 1)   # an unknown name, no GPU, no torch_xla: one line
 
     if kind == "cpu":
         return Device("cpu", torch.device("cpu"), "gloo", "cpu", local_rank)
 
     if kind == "cuda":
-        check_available("cuda", local_rank + 1)
         return Device("cuda", torch.device("cuda", local_rank), "nccl", _cuda_name(local_rank), local_rank)
 
-    name = xla.device_name()   # a UserError if torch_xla is not installed
+    name = xla.device_name()
     if name == xla.NEURON and precision is not None:
         xla.set_neuron_rounding(precision)
     return Device("xla", None, "xla", name, local_rank)

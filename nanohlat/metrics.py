@@ -14,7 +14,6 @@ should: the recomputed work produces nothing new.
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import os
 import sys
@@ -123,12 +122,7 @@ def _best_matmul_rate() -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_peak(threads: int) -> float:
-    return _best_matmul_rate()
-
-
-_resampled: dict[int, float] = {}   # threads -> best rate of resample_cpu_peak's later samples
+_cpu_peaks: dict[int, float] = {}   # threads -> the best matmul rate measured so far in this process
 
 
 def measure_cpu_peak() -> float:
@@ -143,7 +137,9 @@ def measure_cpu_peak() -> float:
     every core busy.
     """
     threads = torch.get_num_threads()
-    return max(_cpu_peak(threads), _resampled.get(threads, 0.0))
+    if threads not in _cpu_peaks:
+        _cpu_peaks[threads] = _best_matmul_rate()
+    return _cpu_peaks[threads]
 
 
 def resample_cpu_peak() -> float:
@@ -153,8 +149,8 @@ def resample_cpu_peak() -> float:
     may be a slow one, and every MFU would then be read against too low a
     peak (the same code read 50% and 86% in two runs before this)."""
     threads = torch.get_num_threads()
-    _resampled[threads] = max(_resampled.get(threads, 0.0), _best_matmul_rate())
-    return measure_cpu_peak()
+    _cpu_peaks[threads] = max(measure_cpu_peak(), _best_matmul_rate())
+    return _cpu_peaks[threads]
 
 
 def device_peak(device, precision: str) -> float | None:

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import generate as gen
-from .config import DEVICES, SEED_LIMIT, UserError
+from .config import DEVICES, UserError, check_seed
 
 
 # ---------------------------------------------------------------------------
@@ -296,8 +296,7 @@ def main(argv=None) -> int:
     try:
         if args.k <= 0 or args.max_new_tokens <= 0:
             raise UserError("--k and --max-new-tokens must be positive")
-        if not 0 <= args.seed < SEED_LIMIT:
-            raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
+        check_seed(args.seed)
         if not (math.isfinite(args.temperature) and args.temperature >= 0):
             raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
         dev = devicelib.get_device(args.device)

@@ -36,6 +36,12 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def require_installed() -> None:
+    """--device xla on a machine without torch_xla: one line that says what to install."""
+    if not installed("torch_xla"):
+        raise UserError(f"--device xla needs torch_xla, which is not installed; {INSTALL_HINT}")
+
+
 def preferred() -> bool:
     """Whether --device auto means xla: torch-neuronx installed (a trn1), or
     PJRT_DEVICE set with torch_xla installed."""
@@ -45,8 +51,7 @@ def preferred() -> bool:
 def device_name() -> str:
     """NeuronCore-v2, cpu (torch_xla's CPU backend) or unknown, without
     starting the XLA runtime (device_type() only reads PJRT_DEVICE)."""
-    if not installed("torch_xla"):
-        raise UserError(f"--device xla needs torch_xla, which is not installed; {INSTALL_HINT}")
+    require_installed()
     import torch_xla  # noqa: F401  importing sets PJRT_DEVICE (NEURON if its plugin is found, else CPU)
     import torch_xla.runtime as xr
     # NEURON means trn1 here (NeuronCore-v2): torch-neuronx 2.9 is our trn1 target.

@@ -199,7 +199,7 @@ def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     assert max(n for n, _ in metrics.CPU_PEAK_MATMULS) >= 2048
     calls = []
     monkeypatch.setattr(metrics, "CPU_PEAK_MATMULS", ((32, 2), (64, 2)))
-    metrics._cpu_peak.cache_clear()
+    monkeypatch.setattr(metrics, "_cpu_peaks", {})
     real = torch.randn
     monkeypatch.setattr(torch, "randn", lambda *a, **k: calls.append(a) or real(*a, **k))
     cpu = get_device("cpu")
@@ -207,7 +207,6 @@ def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     assert first > 0 and metrics.device_peak(cpu, "bf16") == first == metrics.measure_cpu_peak()
     assert calls == [(32, 32), (32, 32), (64, 64), (64, 64)]          # measured once, both sizes
     assert "64" in metrics.describe_peak(cpu, "fp32", 2) and "2 x" in metrics.describe_peak(cpu, "fp32", 2)
-    metrics._cpu_peak.cache_clear()
     for path in ("train.py", "nanohlat/bench.py"):   # neither has a peak of its own
         with open(os.path.join(REPO, path)) as f:
             source = f.read()
@@ -243,11 +242,7 @@ def test_resampling_the_cpu_peak_keeps_the_best(monkeypatch):
     from nanohlat import metrics
     rates = iter([1e9, 3e9, 2e9])
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: next(rates))
-    monkeypatch.setattr(metrics, "_resampled", {})
-    metrics._cpu_peak.cache_clear()
-    try:
-        assert metrics.measure_cpu_peak() == 1e9
-        assert metrics.resample_cpu_peak() == 3e9 == metrics.measure_cpu_peak()
-        assert metrics.resample_cpu_peak() == 3e9
-    finally:
-        metrics._cpu_peak.cache_clear()
+    monkeypatch.setattr(metrics, "_cpu_peaks", {})
+    assert metrics.measure_cpu_peak() == 1e9
+    assert metrics.resample_cpu_peak() == 3e9 == metrics.measure_cpu_peak()
+    assert metrics.resample_cpu_peak() == 3e9
