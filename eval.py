@@ -26,7 +26,7 @@ from nanohlat import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat import evaluate
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.files import os_error_message
+from nanohlat.files import atomic_write, os_error_message
 
 
 def parse_args(argv=None):
@@ -155,19 +155,10 @@ def plot_curves(rows: list[dict], path: str) -> bool:
 
 
 def write_json(path: str, obj) -> None:
-    """Readers see the old file or the whole new one, never a prefix; a
-    failed write leaves no temporary file behind."""
+    """Readers see the old file or the whole new one, never a prefix, and a
+    failed write leaves no temporary file behind (files.atomic_write)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
 def check_json_path(path: str) -> None:

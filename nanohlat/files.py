@@ -17,13 +17,19 @@ def fsync_dir(path: str) -> None:
 
 def atomic_write(path: str, write) -> None:
     """write(f) into `path + '.partial'`, flush + fsync, then rename over `path`:
-    readers see the old file or the whole new one, never a prefix."""
+    readers see the old file or the whole new one, never a prefix. A write
+    that fails (disk full, Ctrl-C) removes its `.partial`; only a killed
+    process leaves one behind."""
     tmp = path + ".partial"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     fsync_dir(os.path.dirname(path) or ".")
 
 

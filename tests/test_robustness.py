@@ -145,6 +145,21 @@ def test_a_task_with_an_empty_choice_is_refused(tmp_path, capsys):
     assert eval_py.main(["--out-dir", str(tmp_path), "--task", str(task)]) == 2
     one_line_error(capsys.readouterr().err, "t.jsonl:1", "a choice is empty")
 
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_partial(tmp_path):
+    """files.atomic_write (checkpoints, the data cache, eval.json): a write that
+    fails part-way keeps the old file whole and removes its `.partial`."""
+    import errno
+    from nanohlat.files import atomic_write
+    target = tmp_path / "eval.json"
+    target.write_text("old")
+
+    def full(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+    with pytest.raises(OSError):
+        atomic_write(str(target), full)
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
 def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
     import eval as eval_py
     import sample
