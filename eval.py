@@ -1,5 +1,5 @@
 """Evaluate nanohlat checkpoints: held-out loss / perplexity / bits per byte, and
-multiple-choice tasks scored by log-likelihood (nanohlat/evaluate.py).
+multiple-choice tasks scored by log-likelihood (nanohlat/serving/evaluate.py).
 
     python eval.py                                     # out/'s latest checkpoint, built-in task
     python eval.py --out-dir runs/x --task builtin my_task.jsonl --shots 3
@@ -11,7 +11,7 @@ files: pick the true next line of code among four (chance: 25%).
 
 Prints a table and writes JSON (default <out-dir>/eval.json, written
 atomically); with --all-checkpoints and matplotlib installed, also
-<out-dir>/eval_curves.png. For the lm-evaluation-harness, see nanohlat/harness.py.
+<out-dir>/eval_curves.png. For the lm-evaluation-harness, see nanohlat/serving/harness.py.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import os
 import sys
 import time
 
-from nanohlat import checkpoint, data
+from nanohlat.run import checkpoint, data
 from nanohlat import device as devicelib
-from nanohlat import evaluate
+from nanohlat.serving import evaluate
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.files import atomic_write, os_error_message
+from nanohlat.run.files import atomic_write, os_error_message
 
 
 def parse_args(argv=None):
@@ -72,7 +72,7 @@ def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
     """One checkpoint -> one result row (held-out metrics and every task)."""
     model, manifest = checkpoint.load_for_inference(path, dev)
     cfg = model.cfg
-    # An imported model (nanohlat.hf) has no training config: the built-in corpus then.
+    # An imported model (nanohlat.serving.hf) has no training config: the built-in corpus then.
     train = manifest.get("config", {}).get("train") or {}
     # the tokenizer by content: each checkpoint holds its own copy of the same file
     tok_id = manifest.get("identity", {}).get("tokenizer_sha256") or manifest["tokenizer"]

@@ -26,7 +26,8 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import checkpoint, data, generate, launch
+from nanohlat.run import checkpoint, data, launch
+from nanohlat.serving import generate
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import DEVICES, UserError, check_seed, model_from_dict

@@ -18,13 +18,14 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import (checkpoint, comm, config, data, launch, metrics, optim, preempt, replicas,
-                      runlock, timeline)
+from nanohlat.run import checkpoint, data, launch, metrics, preempt, replicas, runlock
+from nanohlat import comm, config, optim
+from nanohlat.tools import timeline
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.build import build
+from nanohlat.run.build import build
 from nanohlat.config import UserError
-from nanohlat.files import os_error_message
+from nanohlat.run.files import os_error_message
 
 
 def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0, world: int = 1,
@@ -134,7 +135,7 @@ def evaluate_loss(runner, ds, mesh, tcfg, dev) -> torch.Tensor:
 
 def comm_report(mesh, model_cfg, tcfg) -> str:
     """The comm ledger of the first step on this rank, beside the model-shape formula."""
-    from nanohlat import plan
+    from nanohlat.tools import plan
     measured = mesh.ledger.snapshot()
     if not measured:
         return "communication: none (one process)"
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         env = launch.torchrun_env()
         world = env[1] if env else tcfg.nproc
         if tcfg.plan:
-            from nanohlat import plan
+            from nanohlat.tools import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             argv = argv + ["--vocab-size", str(ds.tokenizer.vocab_size)]
             model_cfg, tcfg = config.parse_args(argv)
             meshlib.validate_layout(model_cfg, tcfg, world)   # the tokenizer's vocabulary must split too
-        if not env or env[0] == 0:   # one run per out-dir (nanohlat/runlock.py), held until we return
+        if not env or env[0] == 0:   # one run per out-dir (nanohlat/run/runlock.py), held until we return
             lock = runlock.acquire(tcfg.out_dir)
         # --resume / --out-dir problems are refused here, once, as one line, not in N workers
         restarted = launch.restart_count() > 0

@@ -122,7 +122,7 @@ class TrainConfig:
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
     activation_checkpointing: str = "none"  # none | selective | full
     threads: int = 0             # CPU threads per worker (0 = cores / workers)
-    compile: bool = False        # torch.compile the model stage (nanohlat/compile.py)
+    compile: bool = False        # torch.compile the model stage (nanohlat/tools/compile.py)
     # logging, evaluation, checkpoints
     eval_every: int = 50
     eval_batches: int = 4
@@ -285,7 +285,7 @@ HELP = {
     "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
-    "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/compile.py)",
+    "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }
 

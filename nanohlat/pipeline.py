@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, timeline
+from . import comm
+from nanohlat.tools import timeline
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> range:

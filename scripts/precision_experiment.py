@@ -124,7 +124,7 @@ def rounding_report(run_dir: str) -> str:
     |update| / spacing under stochastic rounding)."""
     import torch
     sys.path.insert(0, ROOT)
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     path = checkpoint.latest(run_dir)
     if path is None:
         return f"(no checkpoint in {run_dir}: no rounding report)"
@@ -163,7 +163,8 @@ def frozen_report(root: str, precisions) -> str:
     run (from its final checkpoint): the direct sign of updates being rounded away."""
     import torch
     sys.path.insert(0, ROOT)
-    from nanohlat import checkpoint, config
+    from nanohlat.run import checkpoint
+    from nanohlat import config
     from nanohlat.model import full_init
     from nanohlat.precision import param_dtype
     lines = [f"share of weights still exactly at their initial value after the last step ({root}):",

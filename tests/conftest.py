@@ -18,7 +18,7 @@ if ROOT not in sys.path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """Tokenizer + token shards of the built-in corpus at tiny's vocab, built once."""
-    from nanohlat import data
+    from nanohlat.run import data
     path = str(tmp_path_factory.mktemp("cache"))
     data.prepare_data("", "", 512, path, log=lambda *a: None)
     return path

@@ -14,7 +14,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from nanohlat.launch import free_port, start_method
+from nanohlat.run.launch import free_port, start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -170,7 +170,8 @@ def test_sample_py_loads_an_8_rank_run(eight, capsys):
 
 def test_load_for_inference_equals_the_training_weights(eight, one):
     """The 8-rank run's final weights, stitched into one model, are the one-process run's (round-off)."""
-    from nanohlat import checkpoint, device
+    from nanohlat.run import checkpoint
+    from nanohlat import device
     cpu = device.get_device("cpu")
     got, manifest = checkpoint.load_for_inference(str(eight / "full"), cpu)
     ref, _ = checkpoint.load_for_inference(str(one / "full"), cpu)
@@ -212,7 +213,7 @@ def test_crash_while_saving_leaves_a_resumable_run(point, one, cache_dir, tmp_pa
     """Crash while saving step 4 (--save-every 2), then start again: the run resumes
     from step 2 (or from step 4 if only the `latest` pointer was missing), and its
     losses are the uninterrupted run's, bit for bit."""
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     nth, half = {"half_a_shard": (0, True), "before_manifest": (2, False), "before_latest": (3, False)}[point]
     argv = flags(cache_dir, tmp_path, "--save-every", 2, "--keep-last", 2)
     with monkeypatch.context() as m:
@@ -235,7 +236,7 @@ def test_going_back_to_an_older_checkpoint_keeps_the_newer_ones_aside(one, cache
     (with the metrics that led to it) into checkpoints/abandoned_*/, not deleted."""
     shutil.copytree(one / "resumed", tmp_path / "run")
     train_here(flags(cache_dir, tmp_path / "run", "--resume", ckpt(tmp_path / "run", N), "--stop-after", 4))
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path / "run"))] == \
         ["step_00000003", "step_00000004"]
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
@@ -258,7 +259,8 @@ def _fault_worker(argv: list[str]):
     the test through the environment (the only way into a spawned worker that
     does not touch train.py's flags)."""
     import train
-    from nanohlat import checkpoint, launch, optim
+    from nanohlat.run import checkpoint, launch
+    from nanohlat import optim
     fault = json.loads(os.environ["TEST_CHECKPOINT_FAULT"])
 
     def die():
@@ -312,7 +314,7 @@ def test_worker_killed_while_saving_is_restarted_and_finishes(one, cache_dir, tm
     assert code == 0, out[-2000:] + err[-3000:]
     assert f"resumed from {ckpt(tmp_path, 2)} at step 2" in out
     assert_close_after(tmp_path, one / "full", 0)
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     assert checkpoint.latest(str(tmp_path)) == ckpt(tmp_path, STEPS)
 
 
@@ -393,7 +395,7 @@ def test_nan_checks_are_off_while_neuron_extracts_graphs(cache_dir, tmp_path, mo
 
 def test_resume_never_refuses_an_existing_run_and_overwrite_replaces_it(one, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     run = tmp_path / "run"
     shutil.copytree(one / "full", run)
     assert train.main(flags(cache_dir, run, "--resume", "never", "--steps", 2)) == 2
@@ -439,7 +441,8 @@ def _break(path: str, how: str) -> str:
 @pytest.mark.parametrize("how", ["missing shard", "truncated shard", "corrupt shard", "truncated manifest",
                                  "shard dropped from the manifest"])
 def test_damaged_checkpoint_is_a_clear_error(eight, tmp_path, how):
-    from nanohlat import checkpoint, device
+    from nanohlat.run import checkpoint
+    from nanohlat import device
     from nanohlat.config import UserError
     path = str(tmp_path / "step")
     shutil.copytree(ckpt(eight / "full", STEPS), path)
@@ -465,7 +468,7 @@ def test_damaged_checkpoint_stops_train_py_with_one_line(how, extra, eight, cach
 
 def test_checkpoint_of_another_model_shape_is_refused(one, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     from nanohlat.config import UserError
     run = tmp_path / "run"
     shutil.copytree(one / "full", run)

@@ -55,7 +55,7 @@ def _assert_losses_equal(got, ref):
 
 
 def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path, capsys):
-    from nanohlat import compile as compilelib
+    from nanohlat.tools import compile as compilelib
     compilelib.reset()
     summary = _train(_flags(cache_dir, tmp_path, ["--eval-every", "10", "--compile"]))
     _assert_losses_equal(read_metrics(str(tmp_path)), eager[0])
@@ -87,7 +87,7 @@ def test_compile_tp2_pp2_and_dp2_zero1_match_eager(eager, cache_dir, tmp_path):
 
 def test_lessons_count_what_the_tutorial_says(capsys):
     """The numbers chapter 2's exercises check (backend="eager": Dynamo's counts, no C++)."""
-    from nanohlat import compile_lessons
+    from nanohlat.tools import compile_lessons
     for lesson in ("lr", "branch", "sync"):
         assert compile_lessons.main([lesson]) == 0
     out = capsys.readouterr().out.splitlines()

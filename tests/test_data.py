@@ -1,4 +1,4 @@
-"""nanohlat/data.py: tokenizer, cache, packing and batches, as specifications.
+"""nanohlat/run/data.py: tokenizer, cache, packing and batches, as specifications.
 
 Most tests use a small synthetic Python corpus written here (a tokenizer for
 it trains in well under a second); one test touches the built-in stdlib corpus.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanohlat.config import UserError
-from nanohlat.data import (Dataset, builtin_corpus_files, load_tokenizer, prepare_data,
+from nanohlat.run.data import (Dataset, builtin_corpus_files, load_tokenizer, prepare_data,
                            read_documents)
 
 VOCAB = 512   # the `tiny` preset's vocabulary

@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/device.py, nanohlat/xla.py and nanohlat/metrics.py."""
+"""Specifications for nanohlat/device.py, nanohlat/xla.py and nanohlat/run/metrics.py."""
 
 import importlib.util
 import json
@@ -15,7 +15,7 @@ from nanohlat.config import PRESETS, ModelConfig, UserError
 from dist_utils import free_port
 from nanohlat import xla
 from nanohlat.device import get_device
-from nanohlat.metrics import (PEAK_FLOPS, MetricsWriter, Throughput, flops_per_token, mfu, peak_flops,
+from nanohlat.run.metrics import (PEAK_FLOPS, MetricsWriter, Throughput, flops_per_token, mfu, peak_flops,
                               peak_memory)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +183,7 @@ def test_peak_flops_and_mfu_arithmetic():
 
 
 def test_mfu_above_one_is_not_reported_but_warned_once(monkeypatch, capsys):
-    from nanohlat import metrics
+    from nanohlat.run import metrics
     monkeypatch.setattr(metrics, "_mfu_warned", False)
     assert mfu(1000.0, 6e9, 5e12) is None                   # 120%: the peak is wrong, not the model
     assert mfu(1000.0, 6e9, 4e12) is None
@@ -195,7 +195,7 @@ def test_mfu_above_one_is_not_reported_but_warned_once(monkeypatch, capsys):
 def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     """train.py and bench.py both divide by metrics.device_peak; on the CPU that is
     the best of CPU_PEAK_MATMULS (2048^3 among them), measured once per thread count."""
-    from nanohlat import metrics
+    from nanohlat.run import metrics
     assert max(n for n, _ in metrics.CPU_PEAK_MATMULS) >= 2048
     calls = []
     monkeypatch.setattr(metrics, "CPU_PEAK_MATMULS", ((32, 2), (64, 2)))
@@ -207,7 +207,7 @@ def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     assert first > 0 and metrics.device_peak(cpu, "bf16") == first == metrics.measure_cpu_peak()
     assert calls == [(32, 32), (32, 32), (64, 64), (64, 64)]          # measured once, both sizes
     assert "64" in metrics.describe_peak(cpu, "fp32", 2) and "2 x" in metrics.describe_peak(cpu, "fp32", 2)
-    for path in ("train.py", "nanohlat/bench.py"):   # neither has a peak of its own
+    for path in ("train.py", "nanohlat/tools/bench.py"):   # neither has a peak of its own
         with open(os.path.join(REPO, path)) as f:
             source = f.read()
         assert "measure_cpu_peak(" not in source and "peak_flops(" not in source, path
@@ -239,7 +239,7 @@ def test_resampling_the_cpu_peak_keeps_the_best(monkeypatch):
     """bench.py samples the peak again after every round: a slow first sample
     (a busy moment of a shared machine) is replaced by a better later one, and
     a worse later one changes nothing."""
-    from nanohlat import metrics
+    from nanohlat.run import metrics
     rates = iter([1e9, 3e9, 2e9])
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: next(rates))
     monkeypatch.setattr(metrics, "_cpu_peaks", {})

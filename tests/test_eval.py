@@ -12,9 +12,9 @@ import sysconfig
 import pytest
 import torch
 
-from nanohlat import evaluate
+from nanohlat.serving import evaluate
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.data import prepare_data
+from nanohlat.run.data import prepare_data
 from nanohlat.model import Transformer, init_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,9 +230,9 @@ def test_cli_rejects_bad_input_with_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_cli_evaluates_every_checkpoint_of_a_run(corpus, tmp_path, capsys):
-    checkpoint = pytest.importorskip("nanohlat.checkpoint")
+    checkpoint = pytest.importorskip("nanohlat.run.checkpoint")
     if not hasattr(checkpoint, "save_full"):
-        pytest.skip("nanohlat.checkpoint.save_full not written yet")
+        pytest.skip("nanohlat.run.checkpoint.save_full not written yet")
     ds, data_path, cache_dir = corpus
     run = str(tmp_path / "run")
     for step, seed in ((0, 0), (10, 1)):
@@ -280,7 +280,7 @@ def test_lm_eval_harness_task_from_a_local_file_matches_our_scoring(corpus, tmp_
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     from lm_eval.tasks import TaskManager
-    from nanohlat.harness import NanoHLATLM
+    from nanohlat.serving.harness import NanoHLATLM
 
     ds, _, _ = corpus
     tok = ds.tokenizer
@@ -318,7 +318,7 @@ def test_harness_command_line_bad_path_is_one_line_on_any_machine(tmp_path, monk
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pytest.importorskip("lm_eval")
-    from nanohlat import harness
+    from nanohlat.serving import harness
     monkeypatch.setattr(sys, "argv", ["harness", "--model", "nanohlat", "--model_args",
                                       f"path={tmp_path / 'none'}", "--tasks", "arc_easy"])
     assert harness.main() == 2

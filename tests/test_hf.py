@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from nanohlat import hf
+from nanohlat.serving import hf
 from nanohlat.config import ModelConfig, UserError
 from nanohlat.model import Transformer, init_weights
 
@@ -115,7 +115,7 @@ def test_files_round_trip_through_from_pretrained(tmp_path):
     # The exported tokenizer tokenises like nanohlat's (BOS first, no dummy prefix, bytes
     # for unseen characters). Converting a SentencePiece file needs protobuf on the HF side.
     if importlib.util.find_spec("google.protobuf") is not None:
-        from nanohlat.data import load_tokenizer
+        from nanohlat.run.data import load_tokenizer
         ours, theirs_tok = load_tokenizer(tokenizer), transformers.AutoTokenizer.from_pretrained(str(hf_dir))
         for text in ("def f(x):\n    return x\n", "  two spaces", "h\u00e9llo \u2713 12345", "class A:\n\tpass"):
             assert theirs_tok(text)["input_ids"] == [ours.bos_id] + ours.encode(text)
@@ -142,10 +142,10 @@ def test_unsupported_configs_are_user_errors():
 
 
 def test_cli_round_trip_through_checkpoints(tmp_path):
-    """export + import through the CLI entry point (needs nanohlat.checkpoint)."""
-    ckpt = pytest.importorskip("nanohlat.checkpoint")
+    """export + import through the CLI entry point (needs nanohlat.run.checkpoint)."""
+    ckpt = pytest.importorskip("nanohlat.run.checkpoint")
     if not hasattr(ckpt, "save_full"):
-        pytest.skip("nanohlat.checkpoint.save_full not written yet")
+        pytest.skip("nanohlat.run.checkpoint.save_full not written yet")
     tokenizer = train_tokenizer(tmp_path)
     model = nanohlat_model()
     run = str(tmp_path / "run")

@@ -50,7 +50,8 @@ def _flags(cache_dir, out_dir, extra):
 def reference(cache_dir, tmp_path_factory):
     """One process, no parallelism: the ground truth."""
     import train
-    from nanohlat import checkpoint, config, device
+    from nanohlat.run import checkpoint
+    from nanohlat import config, device
     out = tmp_path_factory.mktemp("ref")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, ["--no-progress"]))
     train.train(model_cfg, tcfg)
@@ -60,7 +61,8 @@ def reference(cache_dir, tmp_path_factory):
 
 def assert_same_as_reference(reference, out_dir, first_step: int = 1):
     """Losses and grad norms of steps first_step.. and the final weights equal the reference's."""
-    from nanohlat import checkpoint, device
+    from nanohlat.run import checkpoint
+    from nanohlat import device
     ref_metrics, ref_weights = reference[:2]
     ref_metrics = [m for m in ref_metrics if m["step"] >= first_step]
     got = read_metrics(str(out_dir))
@@ -119,7 +121,8 @@ def _ckpt(out_dir, step: int) -> str:
 @pytest.fixture(scope="module")
 def reference_kv2(cache_dir, tmp_path_factory):
     import train
-    from nanohlat import checkpoint, config, device
+    from nanohlat.run import checkpoint
+    from nanohlat import config, device
     out = tmp_path_factory.mktemp("ref_kv2")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
     train.train(model_cfg, tcfg)
@@ -173,7 +176,8 @@ def test_replicated_kv_heads_train_like_one_process(layout_runs, reference_kv2, 
     weights of one process; the replicas' gradient all-reduce moves the bytes
     the plan predicts; the checkpoint holds each kv head once (ranks 0 and 2)."""
     import torch
-    from nanohlat import config, plan
+    from nanohlat import config
+    from nanohlat.tools import plan
     from nanohlat.mesh import Mesh
     out = layout_runs["tp4_kv2_sp"]
     assert_same_as_reference(reference_kv2, out)

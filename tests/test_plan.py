@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/plan.py, the arithmetic behind `train.py --plan`.
+"""Specifications for nanohlat/tools/plan.py, the arithmetic behind `train.py --plan`.
 
 The plan is held to two standards.
 
@@ -33,7 +33,9 @@ import pytest
 import torch
 
 from dist_utils import spawn_workers
-from nanohlat import config, metrics, plan
+from nanohlat import config
+from nanohlat.run import metrics
+from nanohlat.tools import plan
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -111,7 +113,7 @@ def test_hlat_70b_tp32_pp8_zero1_on_2048_ranks_plans_in_seconds():
 
 def test_plan_flag_prints_and_returns_before_any_data_or_worker(monkeypatch, capsys):
     import train
-    from nanohlat import data, launch
+    from nanohlat.run import data, launch
 
     def refuse(*a, **k):
         raise AssertionError("--plan must not prepare data or start workers")
@@ -514,7 +516,8 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
     """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
     schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""
-    from nanohlat import pipeline, timeline
+    from nanohlat import pipeline
+    from nanohlat.tools import timeline
     for schedule in ("afab", "1f1b"):
         for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
             rows, span = timeline.ideal_timeline(schedule, pp, m)
@@ -528,7 +531,7 @@ def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
 
 
 def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch):
-    from nanohlat import timeline
+    from nanohlat.tools import timeline
     from nanohlat.device import get_device
     clock = timeline.StepClock(get_device("cpu"), synchronize=True)
     clock.start()

@@ -90,7 +90,7 @@ def test_sample_flags_out_of_range(args, message, tmp_path, capsys):
 
 
 def test_speculative_decoding_flags_out_of_range(capsys):
-    from nanohlat import serving
+    from nanohlat.serving import server as serving
     for args, message in ((["--temperature", "nan"], "--temperature must be a finite number >= 0"),
                           (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
                           (["--seed", "-1"], "--seed must be in [0, 2**63)")):
@@ -102,7 +102,7 @@ def test_a_tiny_temperature_samples_the_largest_logit():
     """logits / 1e-40 overflowed to inf (softmax: nan, and a crash); shifted by the
     row's largest logit first, the scaled logits stay <= 0."""
     import torch
-    from nanohlat import generate
+    from nanohlat.serving import generate
     logits = torch.tensor([[1.0, 3.0, 2.0, float("-inf")]])
     assert torch.equal(generate.probabilities(logits, 1e-40), torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
     assert torch.allclose(generate.probabilities(logits, 1.0), torch.softmax(logits, -1))
@@ -149,7 +149,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_partial(tmp_path):
     """files.atomic_write (checkpoints, the data cache, eval.json): a write that
     fails part-way keeps the old file whole and removes its `.partial`."""
     import errno
-    from nanohlat.files import atomic_write
+    from nanohlat.run.files import atomic_write
     target = tmp_path / "eval.json"
     target.write_text("old")
 
@@ -226,7 +226,7 @@ def small_corpus(tmp_path_factory):
 # ---------------------------------------------------------------------------
 
 def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, capsys):
-    from nanohlat import checkpoint, runlock
+    from nanohlat.run import checkpoint, runlock
     lock = runlock.acquire(str(run_copy))        # another run (an flock on another open file: it conflicts)
     try:
         code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
@@ -295,7 +295,7 @@ def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path
     """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
     out-dir the run created is gone again, so `--resume never` is not refused later."""
     import errno
-    from nanohlat import metrics
+    from nanohlat.run import metrics
     out = tmp_path / "run"
 
     def full(self, record):
@@ -313,7 +313,7 @@ def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path
 def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(run_copy, cache_dir, capsys,
                                                                               monkeypatch):
     import errno
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
 
     real = checkpoint._atomic_write
 
@@ -340,7 +340,7 @@ def test_a_run_moved_away_from_its_tokenizer_cache_still_samples(run_copy, capsy
     sample.py, eval.py and the rest load the copy."""
     import filecmp
     import sample
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     path = ckpt(run_copy, 4)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
@@ -353,7 +353,7 @@ def test_a_run_moved_away_from_its_tokenizer_cache_still_samples(run_copy, capsy
     assert capsys.readouterr().out.startswith("def ")
 
 def test_a_checkpoint_without_manifest_is_skipped_named_and_cleared(run_copy, cache_dir, capsys):
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     os.remove(os.path.join(ckpt(run_copy, 4), "manifest.json"))
     os.makedirs(os.path.join(run_copy, "checkpoints", ".tmp_step_00000005"))
     code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--save-every", 2), capsys)
@@ -368,7 +368,7 @@ def test_a_checkpoint_without_manifest_is_skipped_named_and_cleared(run_copy, ca
 def test_resume_with_another_tokenizer_is_refused(run_copy, cache_dir, small_corpus, capsys):
     """The same vocabulary size, trained on other data: another tokenizer. Refused
     (exit 2, nothing changed); the message names the three ways on, and each works."""
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     before = sorted(os.listdir(run_copy / "checkpoints"))
     code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--data", small_corpus), capsys)
     assert code == 2
@@ -390,7 +390,8 @@ def test_resume_with_another_tokenizer_is_refused(run_copy, cache_dir, small_cor
 
 def test_hf_import_into_a_run_is_refused_and_its_checkpoints_stay(run_copy, tmp_path, capsys):
     pytest.importorskip("safetensors")
-    from nanohlat import checkpoint, hf
+    from nanohlat.run import checkpoint
+    from nanohlat.serving import hf
     hf.main(["export", str(run_copy), str(tmp_path / "hf")])
     before = {p: checkpoint.read_manifest(p)["files"] for p in checkpoint.list_checkpoints(str(run_copy))}
     for argv in (["import", str(tmp_path / "hf"), str(run_copy)],             # into a run
@@ -412,7 +413,7 @@ def test_hf_import_into_a_run_is_refused_and_its_checkpoints_stay(run_copy, tmp_
 # ---------------------------------------------------------------------------
 
 def test_a_truncated_token_cache_is_rebuilt_never_used(small_corpus, tmp_path):
-    from nanohlat import data
+    from nanohlat.run import data
     from nanohlat.config import UserError
     cache = str(tmp_path / "cache")
     first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
@@ -433,7 +434,7 @@ def test_a_truncated_token_cache_is_rebuilt_never_used(small_corpus, tmp_path):
 
 
 def test_damaged_cache_that_cannot_be_rebuilt_is_one_line(small_corpus, tmp_path, monkeypatch):
-    from nanohlat import data
+    from nanohlat.run import data
     from nanohlat.config import UserError
     cache = str(tmp_path / "cache")
     first = data.prepare_data(str(small_corpus), "", 512, cache, log=lambda *a: None)
@@ -454,7 +455,7 @@ def test_damaged_cache_that_cannot_be_rebuilt_is_one_line(small_corpus, tmp_path
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "broken symlink in a folder"])
 def test_data_that_is_not_a_regular_file_is_refused(kind, small_corpus, tmp_path):
     import shutil
-    from nanohlat import data
+    from nanohlat.run import data
     from nanohlat.config import UserError
     if kind == "fifo":
         path = str(tmp_path / "pipe.txt")
@@ -500,7 +501,7 @@ def wait_for_rows(proc, out, rows: int, timeout: float = 180) -> None:
 
 
 def saved_step(out) -> int:
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     return checkpoint.step_of(checkpoint.latest(str(out)))
 
 
@@ -549,7 +550,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_di
     assert "Traceback" not in text and "stopped by SIGTERM" in text, text[-3000:]
     k = saved_step(out)
     assert sorted(losses(out)) == list(range(1, k + 1))
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     assert sorted(checkpoint.read_manifest(ckpt(out, k))["files"]) == ["shard_00000.pt", "shard_00001.pt"]
 
 
@@ -557,7 +558,7 @@ def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
     """The handler itself: a first SIGINT only asks to stop; the same press delivered
     twice (terminal and launcher) is one; a later press raises KeyboardInterrupt."""
     import signal
-    from nanohlat import preempt
+    from nanohlat.run import preempt
     before = signal.getsignal(signal.SIGINT)
     with preempt.catch_signals() as signals:
         os.kill(os.getpid(), signal.SIGINT)
@@ -572,7 +573,7 @@ def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
 
 def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,
                                                                           monkeypatch):
-    from nanohlat import checkpoint
+    from nanohlat.run import checkpoint
     real = checkpoint._atomic_write
 
     def interrupted(path, write):

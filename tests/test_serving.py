@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from nanohlat import generate as gen
-from nanohlat import serving
+from nanohlat.serving import generate as gen
+from nanohlat.serving import server as serving
 from nanohlat.config import PRESETS, UserError
 from nanohlat.model import Transformer, init_weights
 
@@ -196,7 +196,7 @@ def test_tensor_parallel_generation_equals_one_process(tp_results, case):
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory, cache_dir):
-    from nanohlat import checkpoint, data
+    from nanohlat.run import checkpoint, data
     tok = data.prepare_data("", "", CFG.vocab_size, cache_dir, log=lambda *a: None).tokenizer
     m = _model(CFG, seed=11)
     out = str(tmp_path_factory.mktemp("ckpt"))
@@ -235,7 +235,7 @@ def test_sample_py_refuses_a_tp_degree_the_model_cannot_split(checkpoint_dir):
 
 
 def test_plan_kv_cache_bytes_match_the_cache(model):
-    from nanohlat import plan
+    from nanohlat.tools import plan
     assert gen.cache_bytes(gen.new_cache(model, 3, 20)) == plan.kv_cache_bytes(CFG, 3 * 20, 4)
     assert plan.kv_cache_bytes(PRESETS["hlat-7b"][0], 4096, 2) == 2 * 2**30        # 512 KiB per token
     assert plan.kv_cache_bytes(PRESETS["hlat-70b"][0], 4096, 2) == 1.25 * 2**30    # GQA: 8 kv heads

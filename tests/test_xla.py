@@ -195,7 +195,8 @@ def test_sample_py_runs_on_xla_and_matches_cpu(measured):
 def child(mode: str, cache_dir: str, out: str) -> dict:
     sys.path.insert(0, REPO)
     import train
-    from nanohlat import checkpoint, config, optim, xla
+    from nanohlat.run import checkpoint
+    from nanohlat import config, optim, xla
     from nanohlat import device as devicelib
 
     def metrics(out_dir) -> dict:

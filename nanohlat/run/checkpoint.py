@@ -83,12 +83,12 @@ import time
 
 import torch
 
-from . import comm
-from .config import ModelConfig, UserError, model_from_dict
-from .files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
-from .files import fsync_dir, sha256_file
-from .tensor_parallel import local_part
-from .xla import extract_graphs_only, to_host
+from nanohlat import comm
+from nanohlat.config import ModelConfig, UserError, model_from_dict
+from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
+from nanohlat.run.files import fsync_dir, sha256_file
+from nanohlat.tensor_parallel import local_part
+from nanohlat.xla import extract_graphs_only, to_host
 
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
@@ -625,7 +625,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
 
 def load_for_inference(path: str, device) -> tuple:
     """(whole model on `device` in eval mode, manifest) from a run dir or checkpoint dir."""
-    from .model import Transformer
+    from nanohlat.model import Transformer
     path = resolve(path)
     shards = ShardSet(path)
     cfg = model_from_dict(shards.manifest["config"]["model"])

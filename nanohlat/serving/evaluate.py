@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import UserError
+from nanohlat.config import UserError
 
 
 # ---------------------------------------------------------------------------

@@ -56,11 +56,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanohlat import comm, config, metrics, xla
-from nanohlat import compile as compilelib
+from nanohlat import comm, config, xla
+from nanohlat.run import metrics
+from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.build import build
+from nanohlat.run.build import build
 from nanohlat.config import UserError
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
@@ -419,7 +420,7 @@ def generate_bench(model_cfg, tcfg, dev) -> int:
     """prefill and decode tokens/s for batch sizes 1, 2, 4 .. --batch-size, the
     memory-bandwidth bound of decode, and static vs continuous batching on one
     simulated request stream. Random weights: speed does not depend on them."""
-    from nanohlat import generate as gen, serving
+    from nanohlat.serving import generate as gen, server as serving
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)

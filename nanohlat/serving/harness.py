@@ -10,10 +10,10 @@ download their data sets from the Hugging Face Hub on first use; a task whose
 YAML or dict config points `dataset_path: json` at local files runs offline
 (tests/test_eval.py does exactly that). From Python:
 
-    from nanohlat.harness import NanoHLATLM
+    from nanohlat.serving.harness import NanoHLATLM
     lm_eval.simple_evaluate(model=NanoHLATLM(path="out"), tasks=[...])
 
-All scoring goes through nanohlat.evaluate (encode_pair, score_continuations),
+All scoring goes through nanohlat.serving.evaluate (encode_pair, score_continuations),
 so a harness multiple-choice task and the same examples run by eval.py agree
 to the last bit.
 """
@@ -29,9 +29,9 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as e:   # optional dependency: say what to install, not just what failed
-    raise ImportError(f"nanohlat.harness needs the lm-evaluation-harness: pip install lm_eval ({e})") from None
+    raise ImportError(f"nanohlat.serving.harness needs the lm-evaluation-harness: pip install lm_eval ({e})") from None
 
-from .evaluate import encode_pair, score_continuations
+from nanohlat.serving.evaluate import encode_pair, score_continuations
 
 
 @register_model("nanohlat")
@@ -41,9 +41,9 @@ class NanoHLATLM(LM):
     def __init__(self, path: str = "", model=None, tokenizer=None, batch_size=16, device: str = "auto", **_):
         super().__init__()
         if model is None:   # from the command line: --model_args path=RUN_OR_CHECKPOINT
-            from .checkpoint import load_for_inference
-            from .data import load_tokenizer
-            from .device import get_device
+            from nanohlat.run.checkpoint import load_for_inference
+            from nanohlat.run.data import load_tokenizer
+            from nanohlat.device import get_device
             # the harness's --device: None, "cpu", "cuda", "cuda:0", ... (nanohlat picks the index)
             model, manifest = load_for_inference(path or "out", get_device((device or "auto").split(":")[0]))
             tokenizer = load_tokenizer(manifest["tokenizer"])
@@ -101,7 +101,7 @@ class NanoHLATLM(LM):
 def main() -> int:
     from lm_eval.__main__ import cli_evaluate
 
-    from .config import UserError
+    from nanohlat.config import UserError
     sys.argv[0] = "python -m nanohlat.harness"
     # the harness's own default device is "cuda:0"; nanohlat's is auto (what this machine has)
     if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):

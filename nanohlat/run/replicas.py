@@ -26,8 +26,8 @@ import dataclasses
 
 import torch
 
-from . import comm
-from .config import UserError
+from nanohlat import comm
+from nanohlat.config import UserError
 
 _INT = {4: torch.int32, 2: torch.int16}
 

@@ -60,14 +60,14 @@ import dataclasses
 import functools
 import textwrap
 
-from . import comm
-from .config import ModelConfig, TrainConfig
-from .config import UserError
-from .mesh import Mesh, coords, kv_replicas, layout_table, rank_of, validate_layout
-from .metrics import flops_per_token, peak_flops
-from .pipeline import stage_layers, stage_order, timetable
-from .precision import master_dtype, param_dtype
-from .zero1 import padded_size
+from nanohlat import comm
+from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.config import UserError
+from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, validate_layout
+from nanohlat.run.metrics import flops_per_token, peak_flops
+from nanohlat.pipeline import stage_layers, stage_order, timetable
+from nanohlat.precision import master_dtype, param_dtype
+from nanohlat.zero1 import padded_size
 
 GiB = 2**30
 

@@ -6,10 +6,10 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 
 from __future__ import annotations
 
-from . import optim, pipeline
-from .compile import compile_stage
-from .model import Transformer, init_weights
-from .precision import param_dtype
+from nanohlat import optim, pipeline
+from nanohlat.tools.compile import compile_stage
+from nanohlat.model import Transformer, init_weights
+from nanohlat.precision import param_dtype
 
 
 def build(model_cfg, tcfg, mesh, dev):

@@ -22,11 +22,11 @@ import fcntl
 import json
 import os
 
-from .config import UserError
+from nanohlat.config import UserError
 
 LOCK_NAME = "run.lock"
 _held: list["RunLock"] = []     # this process's locks (release_all: before an abrupt exit)
-# Files and folders a nanohlat run (or eval.py, or `nanohlat.hf import`) writes into its out-dir.
+# Files and folders a nanohlat run (or eval.py, or `nanohlat.serving.hf import`) writes into its out-dir.
 RUN_FILES = {"checkpoints", "metrics.jsonl", "config.json", "summary.json", "timeline.txt", "timeline.png",
              "eval.json", "eval_curves.png", "tokenizer.model", LOCK_NAME}
 
@@ -110,7 +110,7 @@ def acquire(out_dir: str) -> RunLock:
 def forget_untrained_run(out_dir: str) -> None:
     """A run with no checkpoint and no logged step trained nothing: remove its
     config.json, summary.json and empty metrics.jsonl (nothing else)."""
-    from .checkpoint import ckpt_root
+    from nanohlat.run.checkpoint import ckpt_root
     root = ckpt_root(out_dir)
     if os.path.isdir(root) and any(n.startswith("step_") for n in os.listdir(root)):
         return

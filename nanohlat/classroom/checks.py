@@ -104,7 +104,7 @@ def spawn(fn, world: int, *args) -> str | None:
     """Run fn(rank, world, *args) on `world` gloo processes; the first failing rank's verdict."""
     import queue as queue_mod
     import torch.multiprocessing as mp
-    from nanohlat.launch import free_port, start_method
+    from nanohlat.run.launch import free_port, start_method
     ctx = mp.get_context(start_method())
     q = ctx.Queue()
     port = free_port()
@@ -344,7 +344,7 @@ def _saved_parts(full: torch.Tensor, tp_dim: int, parts: int, tp: int, optim: bo
 
 def check_reshard() -> str | None:
     from types import SimpleNamespace
-    from nanohlat.checkpoint import ShardSet
+    from nanohlat.run.checkpoint import ShardSet
     from nanohlat.config import UserError
     g = torch.Generator().manual_seed(81)
     full = torch.randn(8, 12, generator=g)

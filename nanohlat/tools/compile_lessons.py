@@ -1,8 +1,8 @@
 """Tutorial chapter 2's exercises: what a graph compiler sees, counted on a laptop.
 
-    python -m nanohlat.compile_lessons lr       # a Python-float learning rate vs a tensor
-    python -m nanohlat.compile_lessons branch   # a Python `if` on a tensor's value vs a mask
-    python -m nanohlat.compile_lessons sync     # reading a value on the host inside the step
+    python -m nanohlat.tools.compile_lessons lr       # a Python-float learning rate vs a tensor
+    python -m nanohlat.tools.compile_lessons branch   # a Python `if` on a tensor's value vs a mask
+    python -m nanohlat.tools.compile_lessons sync     # reading a value on the host inside the step
     ... --xla                                   # the same functions on torch_xla (the XLA lane)
 
 Each lesson runs two (or three) versions of one small piece of an optimizer
@@ -15,7 +15,7 @@ torch.compile runs here with backend="eager": Dynamo captures the graphs, and
 decides every recompilation and graph break, exactly as it does for Inductor
 (train.py --compile); the captured graphs then run with PyTorch's own kernels
 instead of generated C++, so each lesson takes a second, not a minute. The
-counters are Dynamo's own (`nanohlat/compile.py:stats`). To see *why* each
+counters are Dynamo's own (`nanohlat/tools/compile.py:stats`). To see *why* each
 graph was (re)compiled, run a lesson under `TORCH_LOGS=recompiles,graph_breaks`.
 """
 
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from nanohlat import compile as compilelib
+from nanohlat.tools import compile as compilelib
 from nanohlat.optim import cosine_lr
 
 STEPS = 6

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import generate as gen
-from .config import DEVICES, UserError, check_seed
+from nanohlat.serving import generate as gen
+from nanohlat.config import DEVICES, UserError, check_seed
 
 
 # ---------------------------------------------------------------------------
@@ -281,8 +281,8 @@ def _same_tokenizer(a: str, b: str) -> bool:
 
 
 def main(argv=None) -> int:
-    from . import data
-    from . import device as devicelib
+    from nanohlat.run import data
+    from nanohlat import device as devicelib
     p = argparse.ArgumentParser(description="Speculative decoding: a draft model proposes, the target checks.")
     p.add_argument("--target", required=True, help="run directory or checkpoint of the model to sample from")
     p.add_argument("--draft", required=True, help="a smaller model trained with the same tokenizer")

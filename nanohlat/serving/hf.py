@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from .config import ModelConfig, UserError
+from nanohlat.config import ModelConfig, UserError
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -194,7 +194,7 @@ def _safetensors():
 
 def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_path: str, hf_dir: str) -> None:
     """config.json, model.safetensors, tokenizer.model and tokenizer_config.json in hf_dir."""
-    from .data import load_tokenizer
+    from nanohlat.run.data import load_tokenizer
     tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer_path!r} has {tok.vocab_size} pieces, more than the model's "
@@ -259,8 +259,8 @@ def _refuse_non_empty(path: str, what: str) -> None:
 
 
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
-    from .checkpoint import load_for_inference
-    from .device import get_device
+    from nanohlat.run.checkpoint import load_for_inference
+    from nanohlat.device import get_device
     if not overwrite:
         _refuse_non_empty(hf_dir, "HF_DIR")
     model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
@@ -272,8 +272,8 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
 
 def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,
             overwrite: bool = False) -> str:
-    from .checkpoint import clear_run, save_full
-    from .runlock import acquire
+    from nanohlat.run.checkpoint import clear_run, save_full
+    from nanohlat.run.runlock import acquire
     if not overwrite:
         _refuse_non_empty(out_dir, "OUT_DIR")
     tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")
@@ -283,7 +283,7 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
                         f"pass --tokenizer PATH")
     hf_config, hf_state = read_hf_dir(hf_dir)
     cfg, state = from_hf_state(hf_config, hf_state, vocab_multiple)
-    from .data import load_tokenizer
+    from nanohlat.run.data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
     lock = acquire(out_dir)     # no training run may be writing there meanwhile
@@ -327,7 +327,7 @@ def main(argv=None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except OSError as err:
-        from .files import os_error_message
+        from nanohlat.run.files import os_error_message
         print(f"error: {os_error_message(err)}", file=sys.stderr)
         sys.exit(2)
 

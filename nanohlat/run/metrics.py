@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from nanohlat import checkpoint, config, xla
+from nanohlat.run import checkpoint
+from nanohlat import config, xla
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
 
@@ -403,7 +404,7 @@ class TrainLog:
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)
-                from nanohlat import compile as compilelib
+                from nanohlat.tools import compile as compilelib
                 st = compilelib.stats()
                 self.print(f"torch.compile on rank 0: {st['graphs']} graphs compiled, "
                            f"{st['graph_breaks']} graph breaks")

@@ -20,7 +20,7 @@ under `torchrun --max-restarts` set it yourself (`torchrun_restart_warning`).
 Nothing here may hang or speak in tracebacks: RANK / WORLD_SIZE /
 LOCAL_RANK are checked before use, joining the process group has a deadline
 (--rendezvous-timeout; a rank whose partners never come says so in one line
-and exits 2), and a job stopped by SIGTERM or Ctrl-C (nanohlat/preempt.py)
+and exits 2), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
 ends with 143 or 130 after its workers saved a checkpoint.
 """
 
@@ -38,7 +38,7 @@ import tempfile
 import threading
 import uuid
 
-from .config import UserError
+from nanohlat.config import UserError
 
 ENV_HINT = "RANK, WORLD_SIZE (and MASTER_ADDR, MASTER_PORT)"
 

@@ -39,11 +39,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import checkpoint, comm
-from . import tensor_parallel as tpl
-from .config import ModelConfig, TrainConfig, model_from_dict
-from .mesh import Group, validate_layout
-from .model import Transformer
+from nanohlat.run import checkpoint
+from nanohlat import comm
+from nanohlat import tensor_parallel as tpl
+from nanohlat.config import ModelConfig, TrainConfig, model_from_dict
+from nanohlat.mesh import Group, validate_layout
+from nanohlat.model import Transformer
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:

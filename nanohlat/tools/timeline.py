@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import comm, pipeline   # (pipeline imports this module too: use pipeline.x at call time)
+from nanohlat import comm, pipeline   # (pipeline imports this module too: use pipeline.x at call time)
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
 

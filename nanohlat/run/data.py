@@ -49,8 +49,8 @@ import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from .config import UserError
-from .files import atomic_write, sample_hash, sha256_file
+from nanohlat.config import UserError
+from nanohlat.run.files import atomic_write, sample_hash, sha256_file
 
 FORMAT_VERSION = 1                    # bump when the cache layout or packing changes
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json")

@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What a student copy leaves out: version control, run outputs, caches, virtual environments.
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "out", "runs", ".cache", "data_cache",
@@ -228,7 +228,7 @@ def cmd_check(args) -> int:
     if not ids:
         print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
-    from . import classroom_checks
+    from nanohlat.classroom import checks as classroom_checks
     failed = []
     for i in ids:
         ex = BY_ID[i]

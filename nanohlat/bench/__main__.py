@@ -1,0 +1,5 @@
+import sys
+
+from nanohlat.tools.bench import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from nanohlat.serving.harness import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from nanohlat.serving.hf import main
+
+sys.exit(main())
