@@ -20,12 +20,16 @@ terms, a relative change of that gradient moves the update by a visible
 fraction of lr (3e-3). Even one process with 4 micro-batches instead of 1
 differs from itself that way in 2 of 250k elements, by 1.1e-5; tp 4 with 2
 kv heads in 1 element of a 64-element norm gain, by 1.2e-6 (its step-2
-gradient, -3.4e-6, came out 2e-3 relative apart). So we require, per
-tensor: at most 0.1% of its elements, or one element if that is more (in a
-64-element tensor one element is already 1.6%), differ by more than 1e-6,
-and none by more than 1e-4 (3% of one step). A real bug (a missing all-reduce, a
-wrong shard, a mis-scaled loss) moves most elements of a tensor by ~lr and
-the first loss by >1e-2.
+gradient, -3.4e-6, came out 2e-3 relative apart). How many such elements a
+layout has depends on the CPU's kernels, which choose the summation order: on
+an AVX2 CPU every layout stayed within 0.1% of a tensor's elements (or one
+element); on an AVX-512 CPU (16-wide sums) tp 2 x pp 2 x dp 2 had 12 of
+11,264 elements of one MLP weight (0.11%) and tp 4 with 2 kv heads 2 of
+1,024 elements of wv. So we require, per tensor: at most 0.5% of its
+elements, or 3 elements if that is more (in a 64-element tensor one element
+is already 1.6%), differ by more than 1e-6, and none by more than 1e-4 (3%
+of one step). A real bug (a missing all-reduce, a wrong shard, a mis-scaled
+loss) moves most elements of a tensor by ~lr and the first loss by >1e-2.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import pytest
 from conftest import read_metrics
 from dist_utils import run_layouts
 
-LOSS_TOL, WEIGHT_TOL, WEIGHT_MAX, OUTLIER_SHARE = 2e-5, 1e-6, 1e-4, 1e-3
+LOSS_TOL, WEIGHT_TOL, WEIGHT_MAX, OUTLIER_SHARE, OUTLIERS_MIN = 2e-5, 1e-6, 1e-4, 5e-3, 3
 BASE = ["--preset", "tiny", "--steps", "4", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
         "--warmup-steps", "2"]
 
@@ -82,7 +86,7 @@ def assert_same_as_reference(reference, out_dir, first_step: int = 1):
         diff = (p - ref_weights[name]).abs()
         assert diff.max().item() < WEIGHT_MAX, f"{name} differs by {diff.max().item()}"
         outliers = int((diff > WEIGHT_TOL).sum())
-        assert outliers <= max(1, OUTLIER_SHARE * diff.numel()), \
+        assert outliers <= max(OUTLIERS_MIN, OUTLIER_SHARE * diff.numel()), \
             f"{name}: {outliers} of {diff.numel()} elements differ by more than {WEIGHT_TOL}"
 
 

@@ -2,4 +2,5 @@ import sys
 
 from nanohlat.tools.bench import main
 
+sys.argv[0] = "python -m nanohlat.bench"   # argparse's usage line names the command, not __main__.py
 sys.exit(main())

@@ -3,4 +3,5 @@ import sys
 
 from nanohlat.serving.server import main
 
+sys.argv[0] = "python -m nanohlat.serving"   # argparse's usage line names the command, not __main__.py
 sys.exit(main())
