@@ -273,7 +273,7 @@ def reading_order() -> list[tuple[str, int]]:
     assert section, "README.md has no '## Reading order' section"
     rows = []
     for line in section.group(1).splitlines():
-        match = re.match(r"\|\s*\d*\.?\s*`([^`]+\.py)`\s*\|\s*(\d+)\s*\|", line)
+        match = re.match(r"\|\s*(?:\d+\s*\|)?\s*`([^`]+\.py)`\s*\|\s*(\d+)\s*\|", line)
         if match:
             rows.append((match.group(1), int(match.group(2))))
     return rows
