@@ -128,3 +128,22 @@ def test_typical_mistakes_fail_their_checks(tmp_path):
     v = verdicts(r.stdout)
     assert r.returncode != 0 and v == {ex: "FAIL" for ex in WRONG}, r.stdout
     assert "not done yet" not in r.stdout and "differs" in r.stdout, r.stdout
+
+
+def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
+    """An error raised inside checks.py (an oracle's comparison) is reported at
+    the last frame outside it: the student's line that led there."""
+    oracle = {}
+    exec(compile("def compare():\n    raise ValueError('shapes differ')\n",
+                 classroom_checks.__file__, "exec"), oracle)
+
+    def students_code():
+        oracle["compare"]()   # the line the verdict names
+
+    try:
+        students_code()
+    except ValueError as e:
+        verdict = classroom_checks.explain(e)
+    line = students_code.__code__.co_firstlineno + 1
+    assert verdict.startswith("raised ValueError: shapes differ at "), verdict
+    assert verdict.endswith(f"test_classroom.py:{line}"), verdict
