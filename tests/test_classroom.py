@@ -83,12 +83,14 @@ def test_stubbed_source_is_valid_python_and_keeps_the_markers():
     assert classroom.stub_source(text, {"4b"}) == text     # other exercises untouched
 
 
+@pytest.mark.slow
 def test_the_reference_passes_every_check():
     r = run_check(ROOT, "--all")
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(verdicts(r.stdout).values()) == {"pass"} and len(verdicts(r.stdout)) == len(classroom.EXERCISES)
 
 
+@pytest.mark.slow
 def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     dest = tmp_path / "class-copy"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -110,6 +112,7 @@ def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     assert r.returncode == 2 and "not empty" in r.stderr
 
 
+@pytest.mark.slow
 def test_typical_mistakes_fail_their_checks(tmp_path):
     dest = tmp_path / "mistakes"
     classroom.make_copy(str(dest), [], ROOT)

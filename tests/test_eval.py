@@ -311,6 +311,7 @@ def test_lm_eval_harness_task_from_a_local_file_matches_our_scoring(corpus, tmp_
     assert isinstance(gen, str) and "\n" not in gen
 
 
+@pytest.mark.slow
 def test_harness_command_line_bad_path_is_one_line_on_any_machine(tmp_path, monkeypatch, capsys):
     """`python -m nanohlat.harness` without --device runs where nanohlat's auto
     device says (the harness's own default is cuda:0), and a path= without a
