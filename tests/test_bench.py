@@ -27,6 +27,7 @@ def test_spread_pairs_the_steps_of_one_round():
     assert "needs --steps 4" in bench.spread({"hf-llama": [1.0, 1.0], "nanohlat": [1.0, 2.0]}, ["nanohlat"])
 
 
+@pytest.mark.slow
 def test_bench_ends_with_the_ratio_lines(capsys):
     pytest.importorskip("transformers")
     rc = bench.main(TINY + ["--steps", "4"])

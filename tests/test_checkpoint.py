@@ -303,6 +303,7 @@ def run_main_with_fault(fault: dict, argv: list[str], monkeypatch) -> tuple[int,
     return train.main(argv), time.time() - t0
 
 
+@pytest.mark.slow
 def test_worker_killed_while_saving_is_restarted_and_finishes(one, cache_dir, tmp_path, monkeypatch, capfd):
     """--nproc 2 --tp 2 --max-restarts 1: rank 1 is SIGKILLed half-way through writing
     its shard of step 4. The launcher restarts both workers, they resume from step 2
@@ -318,6 +319,7 @@ def test_worker_killed_while_saving_is_restarted_and_finishes(one, cache_dir, tm
     assert checkpoint.latest(str(tmp_path)) == ckpt(tmp_path, STEPS)
 
 
+@pytest.mark.slow
 def test_dead_worker_stops_the_job_and_is_named(cache_dir, tmp_path, monkeypatch, capfd):
     """Without restarts, rank 1 SIGKILLed at step 2 ends the whole job promptly
     (rank 0 is left waiting in a collective: no hang) with an error naming rank 1."""

@@ -83,12 +83,14 @@ def test_stubbed_source_is_valid_python_and_keeps_the_markers():
     assert classroom.stub_source(text, {"4b"}) == text     # other exercises untouched
 
 
+@pytest.mark.slow
 def test_the_reference_passes_every_check():
     r = run_check(ROOT, "--all")
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(verdicts(r.stdout).values()) == {"pass"} and len(verdicts(r.stdout)) == len(classroom.EXERCISES)
 
 
+@pytest.mark.slow
 def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     dest = tmp_path / "class-copy"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -110,6 +112,7 @@ def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     assert r.returncode == 2 and "not empty" in r.stderr
 
 
+@pytest.mark.slow
 def test_typical_mistakes_fail_their_checks(tmp_path):
     dest = tmp_path / "mistakes"
     classroom.make_copy(str(dest), [], ROOT)
@@ -128,3 +131,22 @@ def test_typical_mistakes_fail_their_checks(tmp_path):
     v = verdicts(r.stdout)
     assert r.returncode != 0 and v == {ex: "FAIL" for ex in WRONG}, r.stdout
     assert "not done yet" not in r.stdout and "differs" in r.stdout, r.stdout
+
+
+def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
+    """An error raised inside checks.py (an oracle's comparison) is reported at
+    the last frame outside it: the student's line that led there."""
+    oracle = {}
+    exec(compile("def compare():\n    raise ValueError('shapes differ')\n",
+                 classroom_checks.__file__, "exec"), oracle)
+
+    def students_code():
+        oracle["compare"]()   # the line the verdict names
+
+    try:
+        students_code()
+    except ValueError as e:
+        verdict = classroom_checks.explain(e)
+    line = students_code.__code__.co_firstlineno + 1
+    assert verdict.startswith("raised ValueError: shapes differ at "), verdict
+    assert verdict.endswith(f"test_classroom.py:{line}"), verdict

@@ -91,6 +91,7 @@ def test_sample_streams_text_from_the_run(one_process):
 
 # -- the launchers: same losses as one process ------------------------------
 
+@pytest.mark.slow
 def test_nproc_2_tensor_parallel_equals_one_process(one_process, cache_dir, tmp_path):
     out = tmp_path / "tp2"
     p = run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "2", "--tp", "2"])
@@ -100,6 +101,7 @@ def test_nproc_2_tensor_parallel_equals_one_process(one_process, cache_dir, tmp_
     assert rows and all(r[-1] == "same" for r in rows), p.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_equals_one_process(one_process, cache_dir, tmp_path):
     out = tmp_path / "torchrun"
     run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "train.py", *TINY,
@@ -107,6 +109,7 @@ def test_torchrun_equals_one_process(one_process, cache_dir, tmp_path):
     assert losses(out) == pytest.approx(losses(one_process), abs=2e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_1f1b_with_timeline_equals_one_process(one_process, cache_dir, tmp_path):
     out = tmp_path / "pp2"
     p = run(["train.py", *TINY, "--cache-dir", cache_dir, "--out-dir", str(out), "--nproc", "2", "--pp", "2",

@@ -54,6 +54,7 @@ def _assert_losses_equal(got, ref):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
+@pytest.mark.slow
 def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path, capsys):
     from nanohlat.tools import compile as compilelib
     compilelib.reset()
@@ -73,6 +74,7 @@ def _recompile_limit_is_an_error(rank: int) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+@pytest.mark.slow
 def test_compile_tp2_pp2_and_dp2_zero1_match_eager(eager, cache_dir, tmp_path):
     """tp 2, pp 2 and dp 2 with ZeRO-1 give the eager losses, compiled all along: a guard that
     fails call after call (as one on comm.py's byte counters did) makes Dynamo

@@ -271,13 +271,16 @@ def test_cli_evaluates_every_checkpoint_of_a_run(corpus, tmp_path, capsys):
 # lm-evaluation-harness adapter (optional dependency)
 # ---------------------------------------------------------------------------
 
+# lm_eval (~80 packages) is in the `harness` extra, not in `test`; CI installs both.
+NEEDS_LM_EVAL = 'needs the lm-evaluation-harness: pip install -e ".[harness]"'
+
 def test_lm_eval_harness_task_from_a_local_file_matches_our_scoring(corpus, tmp_path, monkeypatch):
     """A harness multiple-choice task defined by a config dict over a local JSONL
     file (no download) gives the same acc / acc_norm as evaluate_task, and the
     adapter's rolling and generation requests agree with direct computations."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")      # prove it needs no network
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval = pytest.importorskip("lm_eval", reason=NEEDS_LM_EVAL)
     from lm_eval.api.instance import Instance
     from lm_eval.tasks import TaskManager
     from nanohlat.serving.harness import NanoHLATLM
@@ -311,13 +314,14 @@ def test_lm_eval_harness_task_from_a_local_file_matches_our_scoring(corpus, tmp_
     assert isinstance(gen, str) and "\n" not in gen
 
 
+@pytest.mark.slow
 def test_harness_command_line_bad_path_is_one_line_on_any_machine(tmp_path, monkeypatch, capsys):
     """`python -m nanohlat.harness` without --device runs where nanohlat's auto
     device says (the harness's own default is cuda:0), and a path= without a
     run is one line, exit 2, like every nanohlat command."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval", reason=NEEDS_LM_EVAL)
     from nanohlat.serving import harness
     monkeypatch.setattr(sys, "argv", ["harness", "--model", "nanohlat", "--model_args",
                                       f"path={tmp_path / 'none'}", "--tasks", "arc_easy"])

@@ -266,6 +266,7 @@ def four_ranks(cache_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS4))
+@pytest.mark.slow
 def test_comm_optimizer_and_in_flight_match_a_four_rank_run(four_ranks, name):
     argv = four_ranks[0][name]
     assert_run_matches_plan(argv[argv.index("--out-dir") + 1], argv, 4)
@@ -273,6 +274,7 @@ def test_comm_optimizer_and_in_flight_match_a_four_rank_run(four_ranks, name):
 
 @pytest.mark.parametrize("i", range(len(ACTIVATION_RUNS)),
                          ids=[" ".join(a[6:]).replace("--", "") for a in ACTIVATION_RUNS])
+@pytest.mark.slow
 def test_activation_bytes_match_autograd_with_tensor_and_sequence_parallel(four_ranks, i):
     """tp 2 x pp 2: ranks 0, 1 measure the first stage, ranks 2, 3 the last."""
     for rank, results in four_ranks[1].items():

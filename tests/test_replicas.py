@@ -82,6 +82,7 @@ def replica_runs(cache_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4))
+@pytest.mark.slow
 def test_every_replica_is_bitwise_identical(layout, precision, replica_runs):
     folder = replica_runs[layout, precision] / "replicas"
     ranks = [torch.load(folder / n, weights_only=True) for n in sorted(os.listdir(folder))]

@@ -505,6 +505,7 @@ def saved_step(out) -> int:
     return checkpoint.step_of(checkpoint.latest(str(out)))
 
 
+@pytest.mark.slow
 def test_second_run_refused_then_sigterm_saves_and_resume_is_exact(tmp_path, cache_dir, capsys):
     """Run A trains; run B into the same out-dir exits 2 naming A's PID and touches
     nothing. SIGTERM stops A after its current step with a checkpoint (exit 143) and
@@ -534,6 +535,7 @@ def test_second_run_refused_then_sigterm_saves_and_resume_is_exact(tmp_path, cac
     assert losses(out) == losses(ref) and sorted(losses(ref)) == list(range(1, k + 3))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_dir):
     """--nproc 2 --dp 2: SIGTERM to the launcher is forwarded to both workers; they
     agree on the step, both shards of its checkpoint are saved, exit 143."""
@@ -588,6 +590,7 @@ def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_pa
     checkpoint.ShardSet(ckpt(out, 2))
 
 
+@pytest.mark.slow
 def test_rendezvous_with_a_missing_rank_ends_within_the_timeout(tmp_path, cache_dir):
     import socket
     import time

@@ -210,6 +210,7 @@ def _sample(args) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_sample_py_tensor_parallel_and_batched_print_what_one_process_prints(checkpoint_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def \nimport os\\nimport sys\n\nclass Parser:\n")

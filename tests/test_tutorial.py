@@ -214,6 +214,7 @@ def test_a_changed_figure_is_caught():
 
 
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
+@pytest.mark.slow
 def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
     commands, transcript = runnable_blocks()[index]
     made_with = CORPUS_PYTHON.search(tutorial_text())

@@ -1,0 +1,296 @@
+"""The shape of the repository, read from the source with `ast` (nothing is imported).
+
+The teaching core sits on top of nanohlat/ and stays small; tooling lives in
+subpackages (run/, tools/, serving/, classroom/, ...) and hooks into the core
+from outside. docs/design.md 1 states the rules; these tests keep them:
+
+- the top level holds at most MAX_CORE_MODULES modules and MAX_CORE_LINES lines;
+- no top-level module imports from a subpackage, not even inside a function;
+- no import cycle among the modules of nanohlat/ (function-level imports count);
+- each subpackage says what it holds in its __init__.py's docstring;
+- README.md's reading-order table gives each core file's true length.
+
+An import here is any `import` / `from ... import` anywhere in a file (relative
+ones resolved), and `importlib.import_module("nanohlat....")` with a literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "nanohlat")
+
+MAX_CORE_MODULES = 14      # nanohlat/*.py besides __init__.py
+MAX_CORE_LINES = 3000      # those modules together
+MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 230}
+
+
+def count_lines(path: str) -> int:
+    """What `wc -l` prints: the number of newline characters."""
+    with open(path, "rb") as f:
+        return f.read().count(b"\n")
+
+
+def relpath(path: str) -> str:
+    return os.path.relpath(path, ROOT).replace(os.sep, "/")
+
+
+def core_files() -> list[str]:
+    """nanohlat/*.py besides __init__.py, sorted."""
+    return sorted(os.path.join(PACKAGE, name) for name in os.listdir(PACKAGE)
+                  if name.endswith(".py") and name != "__init__.py")
+
+
+def subpackages() -> list[str]:
+    """The folders of nanohlat/ that are packages (hold an __init__.py): 'run', 'tools', ..."""
+    return sorted(name for name in os.listdir(PACKAGE)
+                  if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py")))
+
+
+def all_modules() -> dict[str, str]:
+    """Every module under nanohlat/: dotted name -> file ('nanohlat.run' -> .../run/__init__.py)."""
+    modules = {}
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = relpath(path)[:-len(".py")].split("/")
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+class Import:
+    """One import statement: who imports what, where (file:line, enclosing function)."""
+
+    def __init__(self, source: str, target: str, path: str, line: int, where: str):
+        self.source, self.target, self.path, self.line, self.where = source, target, path, line, where
+
+    def __str__(self):
+        inside = f" (inside {self.where})" if self.where else " (at module level)"
+        return f"{relpath(self.path)}:{self.line} imports {self.target}{inside}"
+
+
+def imports_of(module: str, path: str, modules: dict[str, str]) -> list[Import]:
+    """The nanohlat modules that `module` (the file at `path`) imports, anywhere in it.
+
+    `from X import Y` imports X.Y when that is a module, else X; `import X.Y.Z`
+    imports X.Y.Z. Names outside nanohlat are dropped."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = os.path.basename(path) == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def add(target: str, node: ast.AST, where: str):
+        # the longest prefix of `target` that is a nanohlat module
+        parts = target.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        if parts:
+            found.append(Import(module, ".".join(parts), path, node.lineno, where))
+
+    def visit(node: ast.AST, where: str):
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{where}.{child.name}" if where else child.name
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    add(alias.name, child, inner)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[:len(base) - (child.level - 1)]
+                    origin = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    origin = child.module or ""
+                for alias in child.names:
+                    if f"{origin}.{alias.name}" in modules:
+                        add(f"{origin}.{alias.name}", child, inner)
+                    else:
+                        add(origin, child, inner)
+            elif (isinstance(child, ast.Call) and child.args
+                  and isinstance(child.args[0], ast.Constant)
+                  and isinstance(child.args[0].value, str)
+                  and ast.unparse(child.func) in ("importlib.import_module", "import_module",
+                                                  "__import__")):
+                add(child.args[0].value, child, inner)
+            visit(child, inner)
+
+    visit(tree, "")
+    return found
+
+
+def import_graph() -> tuple[dict[str, str], list[Import]]:
+    modules = all_modules()
+    edges = []
+    for name, path in modules.items():
+        edges += [e for e in imports_of(name, path, modules) if e.target != name]
+    return modules, edges
+
+
+def find_cycles(modules, edges: list[Import]) -> list[list[Import]]:
+    """One cycle (as its chain of imports) per strongly connected component of the graph."""
+    out: dict[str, list[Import]] = {m: [] for m in modules}
+    for e in edges:
+        out[e.source].append(e)
+    # Tarjan's strongly connected components, iteratively
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+    for root in sorted(modules):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(out[node]):
+                work.append((node, i + 1))
+                nxt = out[node][i].target
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(component)
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    cycles = []
+    for component in components:
+        # the shortest way from the component's first module back to itself
+        start = min(component)
+        paths = {start: []}
+        frontier = [start]
+        cycle = None
+        while frontier and cycle is None:
+            following = []
+            for node in frontier:
+                for e in out[node]:
+                    if e.target not in component:
+                        continue
+                    if e.target == start:
+                        cycle = paths[node] + [e]
+                        break
+                    if e.target not in paths:
+                        paths[e.target] = paths[node] + [e]
+                        following.append(e.target)
+                if cycle:
+                    break
+            frontier = following
+        cycles.append(cycle)
+    return cycles
+
+
+def test_the_core_on_top_is_small():
+    files = core_files()
+    lines = {relpath(p): count_lines(p) for p in files}
+    listing = ", ".join(f"{name} {n}" for name, n in lines.items())
+    assert len(files) <= MAX_CORE_MODULES, (
+        f"nanohlat/ holds {len(files)} modules besides __init__.py, at most {MAX_CORE_MODULES} "
+        f"allowed (tooling belongs in a subpackage): {listing}")
+    assert sum(lines.values()) <= MAX_CORE_LINES, (
+        f"nanohlat/*.py hold {sum(lines.values())} lines together, at most {MAX_CORE_LINES} "
+        f"allowed: {listing}")
+
+
+def test_entry_and_optimizer_files_stay_short():
+    too_long = [f"{name}: {count_lines(os.path.join(ROOT, name))} lines, at most {limit}"
+                for name, limit in MAX_LINES.items()
+                if count_lines(os.path.join(ROOT, name)) > limit]
+    assert not too_long, "; ".join(too_long)
+
+
+def test_the_model_does_not_generate():
+    """Generation (sampling loops, KV-cache decoding) is serving/generate.py's, not the model's."""
+    path = os.path.join(PACKAGE, "model.py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = [f"nanohlat/model.py:{item.lineno} {cls.name}.generate"
+             for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+             for item in cls.body
+             if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "generate"]
+    assert not found, f"model.py defines a method named generate: {', '.join(found)}"
+
+
+def test_no_core_module_imports_from_a_subpackage():
+    modules, edges = import_graph()
+    subs = tuple(f"nanohlat.{name}" for name in subpackages())
+    assert subs, "no subpackage found under nanohlat/"
+    core = {m for m, p in modules.items() if os.path.dirname(p) == PACKAGE}
+    bad = [e for e in edges if e.source in core
+           and any(e.target == s or e.target.startswith(s + ".") for s in subs)]
+    assert not bad, ("a top-level module of nanohlat/ imports from a subpackage "
+                     f"({', '.join(subs)}); hook the tool in from outside instead:\n  "
+                     + "\n  ".join(str(e) for e in bad))
+
+
+def test_no_import_cycles():
+    modules, edges = import_graph()
+    cycles = find_cycles(modules, edges)
+    message = []
+    for cycle in cycles:
+        chain = " -> ".join([cycle[0].source] + [e.target for e in cycle])
+        message.append(f"cycle {chain}:\n    " + "\n    ".join(str(e) for e in cycle))
+    assert not cycles, f"{len(cycles)} import cycle(s) among nanohlat's modules:\n  " + "\n  ".join(message)
+
+
+def test_each_subpackage_says_what_it_holds():
+    missing = []
+    for name in subpackages():
+        path = os.path.join(PACKAGE, name, "__init__.py")
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        if len(" ".join(doc.split())) < 60:
+            missing.append(f"nanohlat/{name}/__init__.py ({len(doc)} characters)")
+    assert not missing, ("each subpackage's __init__.py opens with a docstring paragraph "
+                         "(at least 60 characters) saying what it holds: " + ", ".join(missing))
+
+
+def reading_order() -> list[tuple[str, int]]:
+    """(file, lines) of each row of README.md's reading-order table."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = re.search(r"^## Reading order\n(.*?)(?=^## )", text, re.S | re.M)
+    assert section, "README.md has no '## Reading order' section"
+    rows = []
+    for line in section.group(1).splitlines():
+        match = re.match(r"\|\s*(?:\d+\s*\|)?\s*`([^`]+\.py)`\s*\|\s*(\d+)\s*\|", line)
+        if match:
+            rows.append((match.group(1), int(match.group(2))))
+    return rows
+
+
+def test_readme_reading_order_gives_true_line_counts():
+    rows = reading_order()
+    assert len(rows) >= 10, f"README.md's reading-order table has {len(rows)} rows"
+    wrong = []
+    for name, claimed in rows:
+        path = os.path.join(ROOT, name)
+        assert os.path.isfile(path), f"README.md's reading order names {name}, which does not exist"
+        actual = count_lines(path)
+        if abs(actual - claimed) > max(15, 0.10 * actual):
+            wrong.append(f"{name}: README says {claimed}, wc -l says {actual}")
+    assert not wrong, ("README.md's reading-order table is out of date (more than 10% or 15 "
+                       "lines off); write these numbers:\n  " + "\n  ".join(wrong))
+    core = {relpath(p) for p in core_files()} | {"train.py"}
+    unlisted = sorted(core - {name for name, _ in rows})
+    assert not unlisted, f"README.md's reading order leaves out {', '.join(unlisted)}"
