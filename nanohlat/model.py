@@ -103,35 +103,26 @@ class Attention(nn.Module):
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, positions=None, mask=None):
+    def forward(self, x, cos, sin, cache=None):
+        """x: (B, T or T/tp, C); cos/sin: the rotary angles of the T tokens.
+        Training (no cache): each token attends to itself and the tokens before
+        it in x. Serving passes this layer's `cache` (a function,
+        serving/generate.py:CachePass.attend), which stores the new keys and
+        values and returns the keys and values the new tokens attend to, with
+        the mask of which each may see."""
         x = tpl.enter(x, self.group, self.sequence_parallel)               # (B, T, C) full sequence
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        causal = mask is None
-        if positions is not None:  # serving (generate.py): row b's token at position p goes to cache column p
-            cache_k, cache_v = cache
-            rows = torch.arange(B, device=x.device).unsqueeze(1)                    # (B, 1)
-            cache_k[rows, :, positions] = k.transpose(1, 2)                          # (B, T, K, D) slots
-            cache_v[rows, :, positions] = v.transpose(1, 2)
-            k, v = cache_k[:, :, :mask.shape[-1]], cache_v[:, :, :mask.shape[-1]]    # mask: (B, 1, T, S)
-        elif cache is not None:  # generation: append to the cache, attend to all of it
-            # exercise 1c: begin
-            cache_k, cache_v = cache
-            cache_k[:, :, start_pos:start_pos + T] = k
-            cache_v[:, :, start_pos:start_pos + T] = v
-            k, v = cache_k[:, :, :start_pos + T], cache_v[:, :, :start_pos + T]
-            if start_pos > 0:  # new token t may see cache positions <= start_pos + t
-                causal = False
-                if T > 1:
-                    mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
-            # exercise 1c: end
-        if self.checkpoint_core is not None and cache is None:
-            y = self.checkpoint_core(attention_core, q, k, v, causal)
+        if cache is not None:
+            k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
+            y = attention_core(q, k, v, False, mask)
+        elif self.checkpoint_core is not None:
+            y = self.checkpoint_core(attention_core, q, k, v, True)
         else:
-            y = attention_core(q, k, v, causal, mask)                   # (B, H, T, D)
+            y = attention_core(q, k, v, True)                           # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)                                  # (B, T or T/tp, C) after the reduce
 
@@ -159,8 +150,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.mlp = MLP(cfg, group, sequence_parallel)
 
-    def forward(self, x, cos, sin, cache=None, start_pos: int = 0, positions=None, mask=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, start_pos, positions, mask)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -196,31 +187,31 @@ class Transformer(nn.Module):
             block.attn.checkpoint_core = checkpoint_fn if mode == "selective" else None
         self.block_checkpoint = checkpoint_fn if mode == "full" else None
 
-    def forward(self, x, targets=None, cache=None, start_pos: int = 0, positions=None):
+    def forward(self, x, targets=None, positions=None, cache=None):
         """x: tokens (B, T) on the first stage, else the residual stream from the
         previous stage. Returns, on the last stage, per-token losses (B, T) when
         targets are given, else this rank's logits (B, T, V/tp); on other stages
         the residual stream (B, T or T/tp, C) for the next stage.
 
-        positions (B, T), with a cache (serving, generate.py): each row's own
-        token positions; a token at position p is stored in cache column p and
-        attends to columns 0..p of its row, so rows of different lengths (and
-        padding after a row's end) share one batch."""
+        positions (B, T): each token's position in its sequence (the rotary
+        angles); 0..T-1 in every row when not given (training). cache (serving:
+        serving/generate.py:CachePass, with the same positions): where each
+        layer's attention keeps the new keys and values and finds the earlier
+        ones; `cache.layer(i)` is layer i's part."""
         T = x.shape[1] * (self.group.size if (self.sequence_parallel and not self.first) else 1)
-        cos, sin = self.cos[start_pos:start_pos + T], self.sin[start_pos:start_pos + T]
-        mask = None
-        if positions is not None:
+        if positions is None:
+            cos, sin = self.cos[:T], self.sin[:T]                                   # (T, D)
+        else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, D)
-            S = int(positions.max()) + 1                                 # cache columns anyone attends to
-            mask = (torch.arange(S, device=positions.device) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         if self.first:
             x = self.embed(x)                                  # (B, T or T/tp, C)
         for i, block in self.layers.items():
-            layer_cache = cache[int(i)] if cache is not None else None
-            if self.block_checkpoint is not None and cache is None:
+            if cache is not None:
+                x = block(x, cos, sin, cache.layer(int(i)))
+            elif self.block_checkpoint is not None:
                 x = self.block_checkpoint(block, x, cos, sin)
             else:
-                x = block(x, cos, sin, layer_cache, start_pos, positions, mask)
+                x = block(x, cos, sin)
         if not self.last:
             return x
         x = tpl.enter(self.norm(x), self.group, self.sequence_parallel)   # (B, T, C)
@@ -228,39 +219,6 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
-
-    # -- generation (single process, tp=1 and pp=1: the lm-eval harness; sample.py uses generate.py) --
-
-    def new_cache(self, batch: int, max_len: int, device, dtype):
-        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
-        return {i: (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                for i in self.layer_ids}
-
-    @torch.no_grad()
-    def generate(self, tokens, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 generator=None):
-        """Yield new token ids one at a time (B=1 or more), reusing the KV cache:
-        the prompt is processed once, then each step feeds a single token."""
-        assert self.first and self.last and self.group.size == 1, "generate needs the whole model"
-        B, T0 = tokens.shape
-        total = min(T0 + max_new_tokens, self.cfg.max_seq_len)
-        cache = self.new_cache(B, total, tokens.device, next(self.parameters()).dtype)
-        logits = self(tokens, cache=cache, start_pos=0)[:, -1]
-        pos = T0
-        while pos < total:
-            logits = logits.float()
-            logits[:, self.cfg.vocab_size:] = float("-inf")            # padded ids never win
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = (logits - logits.amax(-1, keepdim=True)) / temperature   # <= 0: cannot overflow
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
-            yield nxt
-            logits = self(nxt, cache=cache, start_pos=pos)[:, -1]
-            pos += 1
 
 
 # ---------------------------------------------------------------------------

@@ -36,9 +36,9 @@ Schedules (p stages, m micro-batches; per stage, in order):
   1F1B: warm-up: min(p-s-1, m) forwards, then alternate  holds <= p activations
         F and B (steady state), then the remaining Bs (cool-down)
 Both have the same bubble, (p-1)/(m+p-1) of the time, if each stage starts an
-op as soon as its input exists; 1F1B's gain is memory (timeline.py times a
-step and gives the bubble three ways: --timeline). With pp=1 the same code is
-plain gradient accumulation.
+op as soon as its input exists; 1F1B's gain is memory (tools/timeline.py
+times a step through the runner's clock and gives the bubble three ways:
+--timeline). With pp=1 the same code is plain gradient accumulation.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from nanohlat.tools import timeline
 
 
 def stage_layers(n_layers: int, pp: int, stage: int) -> range:
@@ -111,17 +110,39 @@ def render_ticks(ticks, pp: int) -> str:
     return "\n".join(rows)
 
 
+class NoClock:
+    """The clock a PipelineRunner has unless it is given one: it times nothing.
+
+    A clock's interface: start() before a step's first tick, op_start()
+    before each forward or backward (what it returns comes back to op_end as
+    `started`), op_end(kind, micro-batch, started) after it, stop() after the
+    last tick. `train.py --timeline` passes tools/timeline.py:StepClock,
+    which records the wall time of every op."""
+
+    def start(self) -> None:
+        pass
+
+    def op_start(self) -> float:
+        return 0.0
+
+    def op_end(self, kind: str, i: int, started: float) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
 class PipelineRunner:
     """Runs one optimizer step's forward/backward over micro-batches on this stage."""
 
-    def __init__(self, model, mesh, tcfg, act_shape, act_dtype, device):
+    def __init__(self, model, mesh, tcfg, act_shape, act_dtype, device, clock=None):
         self.model, self.mesh, self.device = model, mesh, device
         self.pp, self.stage = mesh.pp, mesh.pp_rank
         self.m = tcfg.microbatches
         self.ticks = timetable(tcfg.schedule, self.pp, self.m)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
-        self.peak_in_flight = 0
-        self.clock = timeline.StepClock(device, synchronize=tcfg.timeline)   # times each F and B
+        self.peak_in_flight = 0                                  # most micro-batches held, last step
+        self.clock = clock if clock is not None else NoClock()   # told the start and end of each F and B
 
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,
@@ -139,71 +160,97 @@ class PipelineRunner:
         FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
         this stage's scaled micro-batch losses (zero off the last stage).
 
-        On XLA every tick (pp > 1) or every micro-batch (pp = 1) ends with a
-        graph cut (device.sync): a graph then covers one op of one
+        Each tick: this stage's op of the timetable (`_forward` or
+        `_backward`), then the tick's exchanges (`_exchange`), then, on XLA, a
+        graph cut (`_cut_graph`) after every tick (pp > 1) or every
+        micro-batch's backward (pp = 1): a graph then covers one op of one
         micro-batch, whose inputs are device data of the same shapes for every
         micro-batch (each is its own tensor, never `tokens[i]` of one big
         tensor, which would bake i into the graph). So the graphs compiled do
         not grow in number or size with m (neuronx-distributed marks a step
         per micro-batch too). The gradients accumulated so far stay on the
         device across a cut; the next graph adds to them."""
-        mesh, s = self.mesh, self.stage
-        inputs, grads_in = {}, {}          # received activations / gradients, by micro-batch
-        in_flight = {}                     # mb -> (stage input, stage output) kept for backward
-        to_send = {}                       # what this stage produced in the current tick
-        total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
-        # XLA: cut here, so that what the step queued before (zero_grad's reset of
-        # the flat gradient buffers) is a graph of its own, not part of micro-batch
-        # 0's; then every micro-batch runs the same graph (no gradient exists
-        # before one: FlatAdamW's hooks move each into the fp32 buffer and free it)
-        self.device.sync()
+        self.inputs, self.grads_in = {}, {}   # received activations / gradients, by micro-batch
+        self.in_flight = {}                   # mb -> (stage input, stage output) kept for backward
         self.peak_in_flight = 0
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
+        # before micro-batch 0, so that what the step queued before (zero_grad's reset of
+        # the flat gradient buffers) is a graph of its own; then every micro-batch runs the
+        # same graph (no gradient exists before one: FlatAdamW's hooks move each into the
+        # fp32 buffer and free it)
+        self._cut_graph()
         self.clock.start()
         for t, row in enumerate(self.ticks):
-            op = row[s]
-            to_send.clear()
+            op = row[self.stage]
+            act = grad = None                 # what this stage produced in tick t, for its neighbours
             if op is not None:
                 kind, i = op
-                start = self.clock.op_start()
+                started = self.clock.op_start()
                 if kind == "F":
-                    x = tokens[i] if mesh.is_first_stage else inputs.pop(i).clone().requires_grad_()
-                    if mesh.is_last_stage:
-                        out = self.model(x, targets[i]).sum() * loss_scale
-                        total = total + out.detach()
-                    else:
-                        out = self.model(x)
-                        to_send["act"] = out.detach()
-                    in_flight[i] = (x, out)
-                    self.peak_in_flight = max(self.peak_in_flight, len(in_flight))
+                    act = self._forward(i, tokens, targets, loss_scale)
                 else:
-                    x, out = in_flight.pop(i)   # freed after this backward
-                    if mesh.is_last_stage:
-                        out.backward()
-                    else:
-                        out.backward(grads_in.pop(i))
-                    if not mesh.is_first_stage:
-                        to_send["grad"] = x.grad
-                self.clock.op_end(kind, i, start)
-            # communication phase of tick t: left boundary first, then right (see docstring)
-            if s > 0:
-                act, grad = self._exchange_plan(t, s - 1)
-                if act is not None or grad is not None:
-                    mine = to_send.get("grad") if grad is not None else None
-                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("prev"), grad is not None, act is not None)
-                    if act is not None:
-                        inputs[act] = theirs
-            if s < self.pp - 1:
-                act, grad = self._exchange_plan(t, s)
-                if act is not None or grad is not None:
-                    mine = to_send.get("act") if act is not None else None
-                    theirs = comm.exchange(self._or_zeros(mine), mesh.group("next"), act is not None, grad is not None)
-                    if grad is not None:
-                        grads_in[grad] = theirs
+                    grad = self._backward(i)
+                self.clock.op_end(kind, i, started)
+            self._exchange(t, act, grad)
             if self.pp > 1 or (op is not None and op[0] == "B"):
-                self.device.sync()   # on XLA: one graph per tick (pp = 1: per micro-batch), see run's docstring
-        assert not in_flight and not inputs and not grads_in
+                self._cut_graph()             # one graph per tick (pp = 1: per micro-batch)
+        assert not self.in_flight and not self.inputs and not self.grads_in
         self.clock.stop()
-        return total
+        return self.loss_sum
+
+    def _forward(self, i: int, tokens: list, targets: list, loss_scale: float) -> torch.Tensor | None:
+        """F of micro-batch i: its input is its tokens (first stage) or the
+        activation received for it. Returns the activation for the next
+        stage; the last stage adds its scaled loss to loss_sum instead."""
+        mesh = self.mesh
+        x = tokens[i] if mesh.is_first_stage else self.inputs.pop(i).clone().requires_grad_()
+        if mesh.is_last_stage:
+            out = self.model(x, targets[i]).sum() * loss_scale
+            self.loss_sum = self.loss_sum + out.detach()
+        else:
+            out = self.model(x)
+        self.in_flight[i] = (x, out)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        return None if mesh.is_last_stage else out.detach()
+
+    def _backward(self, i: int) -> torch.Tensor | None:
+        """B of micro-batch i, from the gradient received for its output (the
+        last stage starts from its loss). Returns the gradient of its input
+        for the previous stage (None on the first stage)."""
+        x, out = self.in_flight.pop(i)   # freed after this backward
+        if self.mesh.is_last_stage:
+            out.backward()
+        else:
+            out.backward(self.grads_in.pop(i))
+        return None if self.mesh.is_first_stage else x.grad
+
+    def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:
+        """The communication phase of tick t: the left boundary first, then the
+        right one (why this cannot deadlock: the module docstring). `act` and
+        `grad`: what this stage produced in tick t, if anything (the plan says
+        the same: it reads the same timetable); what arrives is kept in
+        inputs / grads_in for the ops of later ticks."""
+        mesh, s = self.mesh, self.stage
+        if s > 0:                                            # boundary s-1 | s
+            act_in, grad_out = self._exchange_plan(t, s - 1)
+            if act_in is not None or grad_out is not None:
+                theirs = comm.exchange(self._or_zeros(grad), mesh.group("prev"),
+                                       sends=grad_out is not None, receives=act_in is not None)
+                if act_in is not None:
+                    self.inputs[act_in] = theirs
+        if s < self.pp - 1:                                  # boundary s | s+1
+            act_out, grad_in = self._exchange_plan(t, s)
+            if act_out is not None or grad_in is not None:
+                theirs = comm.exchange(self._or_zeros(act), mesh.group("next"),
+                                       sends=act_out is not None, receives=grad_in is not None)
+                if grad_in is not None:
+                    self.grads_in[grad_in] = theirs
+
+    def _cut_graph(self) -> None:
+        """XLA: end the graph recorded so far here, compile it (once) and run
+        it; nothing elsewhere (device.py:Device.sync). These cuts decide which
+        graphs XLA compiles: docs/design.md section 3, rule 1."""
+        self.device.sync()
 
     @torch.no_grad()
     def forward_only(self, tokens, targets, loss_scale: float) -> torch.Tensor:
@@ -221,7 +268,7 @@ class PipelineRunner:
             else:
                 comm.exchange(self._or_zeros(self.model(x)), mesh.group("next"), receives=False)
             if self.pp > 1:
-                self.device.sync()
+                self._cut_graph()
         return total
 
     def _or_zeros(self, x):

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRONG = {
     "1a": ("nanohlat/model.py", "h.pow(2).mean(-1, keepdim=True) + self.eps", "h.pow(2).mean(-1, keepdim=True)"),
     "1b": ("nanohlat/model.py", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
-    "1c": ("nanohlat/model.py", ".tril(start_pos)", ".tril(0)"),
+    "1c": ("nanohlat/serving/generate.py", "cache_v[:, :, :S], mask.unsqueeze(1)", "cache_v[:, :, :S], None"),
     "3a": ("nanohlat/data_parallel.py", "flat[a:b] = comm.all_reduce(flat[a:b].contiguous(), group, inplace=True)",
             "comm.all_reduce(flat[a:b].clone(), group)"),
     "3b": ("nanohlat/zero1.py", "piece = rows[:, a:b].contiguous().view(-1)",

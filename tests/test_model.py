@@ -9,6 +9,7 @@ import torch
 from nanohlat.config import PRESETS
 from nanohlat.model import Transformer, full_init, init_weights
 from nanohlat.mesh import Group
+from nanohlat.serving import generate as gen
 from nanohlat.tensor_parallel import shard
 
 CFG = PRESETS["tiny"][0]
@@ -35,7 +36,7 @@ def test_causal_masking_later_tokens_never_change_earlier_logits():
 def test_kv_cache_generation_equals_full_forward_generation():
     m = _model().eval()
     prompt = torch.randint(0, CFG.vocab_size, (2, 5))
-    cached = torch.cat(list(m.generate(prompt, 12, temperature=0)), dim=1)
+    cached = torch.tensor(gen.generate_lists(m, prompt.tolist(), 12))        # greedy, through the KV cache
     seq = prompt
     with torch.no_grad():
         for _ in range(12):
@@ -49,10 +50,10 @@ def test_kv_cache_logits_match_full_forward():
     m = _model().eval()
     x = torch.randint(0, CFG.vocab_size, (1, 16))
     full = m(x)
-    cache = m.new_cache(1, 16, x.device, torch.float32)
+    cache = gen.new_cache(m, 1, 16)
     with torch.no_grad():
-        first = m(x[:, :9], cache=cache, start_pos=0)
-        rest = m(x[:, 9:], cache=cache, start_pos=9)           # several new tokens at once
+        first = gen.cached_forward(m, cache, x[:, :9], torch.arange(0, 9).view(1, -1))
+        rest = gen.cached_forward(m, cache, x[:, 9:], torch.arange(9, 16).view(1, -1))   # several new tokens at once
     torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -110,7 +111,7 @@ def test_padded_vocabulary_rows_start_at_zero_and_never_win():
     with torch.no_grad():
         m.head.weight[500:] = 10.0                             # even if padded logits were huge...
     x = torch.randint(0, 500, (1, 8))
-    out = list(m.generate(x, 20, temperature=1.0, generator=torch.Generator().manual_seed(0)))
+    [out] = gen.generate_lists(m, x.tolist(), 20, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert all(int(t) < 500 for t in out)                      # ...they are never sampled
     loss = m(x[:, :-1], x[:, 1:])
     assert torch.isfinite(loss).all()

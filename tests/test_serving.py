@@ -37,8 +37,13 @@ def _model(cfg=CFG, seed=0, mesh=None) -> Transformer:
 
 
 def _reference(m, prompt, n) -> list[int]:
-    """The model's own single-sequence generate (model.py), greedy."""
-    return torch.cat(list(m.generate(torch.tensor([prompt]), n, temperature=0)), dim=1)[0].tolist()
+    """Greedy decoding of one sequence the plain way: no KV cache, the whole
+    sequence through the model for every new token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(min(n, m.cfg.max_seq_len - len(prompt))):
+            seq.append(int(m(torch.tensor([seq]))[0, -1, :m.cfg.vocab_size].argmax()))
+    return seq[len(prompt):]
 
 
 def _margin(m, prompt, tokens) -> float:

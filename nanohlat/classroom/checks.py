@@ -194,6 +194,7 @@ def check_rotary() -> str | None:
 def check_kv_cache() -> str | None:
     from nanohlat.config import ModelConfig
     from nanohlat.model import Transformer, init_weights
+    from nanohlat.serving import generate as gen
     for n_kv in (4, 2):   # multi-head, then grouped-query attention
         cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=n_kv, ffn_dim=48, vocab_size=50,
                           max_seq_len=16)
@@ -202,11 +203,11 @@ def check_kv_cache() -> str | None:
         tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(13))
         with torch.no_grad():
             want = model(tokens)                               # no cache: the whole sequence at once
-            cache = model.new_cache(2, 12, torch.device("cpu"), torch.float32)
+            cache = gen.new_cache(model, 2, 12)
             # prefill 5 tokens, then a chunk of 3 (it must not see its own future), then one at a time
             pieces = [(0, 5), (5, 8)] + [(p, p + 1) for p in range(8, 12)]
             for a, b in pieces:
-                got = model(tokens[:, a:b], cache=cache, start_pos=a)
+                got = gen.cached_forward(model, cache, tokens[:, a:b], torch.arange(a, b).expand(2, b - a))
                 v = compare(f"logits of positions {a}..{b - 1} fed with the KV cache holding 0..{a - 1} "
                             f"(n_kv_heads {n_kv})", got, want[:, a:b], rtol=1e-4, atol=1e-5)
                 if v:

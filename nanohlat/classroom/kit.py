@@ -73,7 +73,7 @@ class Exercise:
 EXERCISES = [
     Exercise("1a", "RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32", "1"),
     Exercise("1b", "rotary embeddings: rotate each (x_i, x_{i+D/2}) pair by its position's angle", "1"),
-    Exercise("1c", "attention with a KV cache: write the new keys/values into the cache and attend to all of it", "1"),
+    Exercise("1c", "the KV cache: write each new key/value at its position, return what each token may attend to and the mask", "1"),
     Exercise("3a", "data parallelism: sum a flat gradient buffer over the dp group, bucket by bucket", "3"),
     Exercise("3b", "ZeRO-1: reduce-scatter the gradient buckets so each dp rank keeps its shard", "3"),
     Exercise("3c", "ZeRO-1: all-gather every rank's updated shard into the full flat buffer", "3"),

@@ -7,6 +7,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 from __future__ import annotations
 
 from nanohlat import optim, pipeline
+from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
@@ -18,7 +19,8 @@ def build(model_cfg, tcfg, mesh, dev):
     model:  this rank's pipeline stage and tensor slice, initialised
             layout-independently (every layout starts from the same weights),
             in the parameter dtype of --precision (compiled with --compile);
-    runner: the micro-batch schedule (--schedule) that runs forward/backward;
+    runner: the micro-batch schedule (--schedule) that runs forward/backward
+            (timed op by op with --timeline: tools/timeline.py:StepClock);
     opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1; its
             arithmetic compiled with --compile).
     """
@@ -33,7 +35,9 @@ def build(model_cfg, tcfg, mesh, dev):
         compile_stage(model, dev.kind)   # --compile: torch.compile the stage in place (compile.py)
     mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
     seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
-    runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
+    # --timeline: the runner tells a StepClock the start and end of every forward and backward
+    clock = timeline.StepClock(dev, synchronize=True) if tcfg.timeline else None
+    runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev, clock)
     opt = optim.FlatAdamW(model, mesh, tcfg, dev)
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FlatAdamW.compile)

@@ -12,9 +12,11 @@ Generating n tokens after a prompt of P tokens is two different workloads:
               the same for B = 1 as for B = 8 (`bench.py --generate`).
 
 The KV cache (`new_cache`): per layer, keys and values of every earlier token,
-(rows, kv heads, max length, head dim) each. A token at position p of row b
-is stored in column p of row b and attends to columns 0..p of its row
-(model.Transformer.forward's `positions`), so every row keeps its own
+(rows, kv heads, max length, head dim) each. Every forward pass goes through
+`cached_forward`: the model gets each token's position (its rotary angles,
+model.py:Transformer.forward's `positions`) and a `CachePass`, which its
+attention layers call: a token at position p of row b is stored in column p
+of row b and attends to columns 0..p of its row. So every row keeps its own
 positions and rows of different lengths share one batch:
 
   * prompts are right-padded for the batched prefill; the padding sits at
@@ -23,7 +25,7 @@ positions and rows of different lengths share one batch:
   * in decode, row b feeds its newest token at its own position.
 
 So batched greedy decoding gives every row exactly the tokens it gets alone
-(tests/test_serving.py), and the serving scheduler (serving.py) can put a new
+(tests/test_serving.py), and the serving scheduler (server.py) can put a new
 request into any free row of a running batch.
 
 Tensor parallelism uses the training layers unchanged: a tp rank holds
@@ -35,6 +37,8 @@ the same next token from the same numbers, and all feed it back.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +82,45 @@ def new_cache(model: Transformer, rows: int, length: int) -> dict:
     shape = (rows, attn.n_kv_heads, length, attn.head_dim)
     w = next(model.parameters())
     return {i: (w.new_zeros(shape), w.new_zeros(shape)) for i in model.layer_ids}
+
+
+class CachePass:
+    """The KV cache as one forward pass uses it: the pass's tokens sit at
+    `positions` (B, T) of rows 0..B-1 of `cache` ({layer: (keys, values)}).
+    model.py's Transformer.forward hands `layer(i)` to layer i's attention."""
+
+    def __init__(self, cache: dict, positions: torch.Tensor):
+        self.cache, self.positions = cache, positions
+        self.columns = int(positions.max()) + 1     # the cache columns anyone in this pass attends to
+
+    def layer(self, i: int):
+        return functools.partial(self.attend, i)
+
+    def attend(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        """Layer i's new keys and values k, v (B, K, T, D) -> (keys, values,
+        mask) for its attention: each token's k and v are written into cache
+        column p of its row (p its position), and the tokens attend to columns
+        0..S-1 of their rows, (B, K, S, D) each, S = self.columns, through a
+        mask (B, 1, T, S) that lets the token at position p see columns 0..p:
+        its row's earlier tokens and itself, never a later one (nor a row's
+        right padding, which sits after its prompt)."""
+        # exercise 1c: begin
+        cache_k, cache_v = self.cache[i]
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)             # (B, 1)
+        cache_k[rows, :, self.positions] = k.transpose(1, 2)                      # (B, T, K, D) slots
+        cache_v[rows, :, self.positions] = v.transpose(1, 2)
+        S = self.columns
+        mask = torch.arange(S, device=self.positions.device) <= self.positions.unsqueeze(-1)   # (B, T, S)
+        return cache_k[:, :, :S], cache_v[:, :, :S], mask.unsqueeze(1)
+        # exercise 1c: end
+
+
+def cached_forward(model: Transformer, cache: dict, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The model on `tokens` (B, T) at `positions` (B, T) of cache rows 0..B-1,
+    storing their keys and values: this rank's logits (B, T, V/tp). The one
+    way serving runs the model (prefill, decode, the schedulers, speculative
+    decoding)."""
+    return model(tokens, positions=positions, cache=CachePass(cache, positions))
 
 
 def cache_rows(cache: dict, start: int, stop: int) -> dict:
@@ -127,7 +170,7 @@ def prefill(model: Transformer, cache: dict, prompts: list[list[int]]) -> torch.
     T = max(len(p) for p in prompts)
     tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=device)   # right-padded
     positions = torch.arange(T, device=device).expand(len(prompts), T)
-    logits = model(tokens, cache=cache, positions=positions)                         # (B, T, V/tp)
+    logits = cached_forward(model, cache, tokens, positions)                         # (B, T, V/tp)
     last = torch.tensor([len(p) - 1 for p in prompts], device=device)
     return full_logits(logits[torch.arange(len(prompts), device=device), last], model)
 
@@ -135,7 +178,7 @@ def prefill(model: Transformer, cache: dict, prompts: list[list[int]]) -> torch.
 @torch.no_grad()
 def decode_step(model: Transformer, cache: dict, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One token per row: tokens and their positions (B,) -> next logits (B, vocab)."""
-    logits = model(tokens.view(-1, 1), cache=cache, positions=positions.view(-1, 1))
+    logits = cached_forward(model, cache, tokens.view(-1, 1), positions.view(-1, 1))
     return full_logits(logits[:, -1], model)
 
 

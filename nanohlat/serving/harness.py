@@ -32,6 +32,7 @@ except ImportError as e:   # optional dependency: say what to install, not just 
     raise ImportError(f"nanohlat.serving.harness needs the lm-evaluation-harness: pip install lm_eval ({e})") from None
 
 from nanohlat.serving.evaluate import encode_pair, score_continuations
+from nanohlat.serving.generate import generate
 
 
 @register_model("nanohlat")
@@ -84,8 +85,7 @@ class NanoHLATLM(LM):
             ids = [self.tokenizer.bos_id] + self.tokenizer.encode(context)
             ids = ids[-max(1, self.max_len - max_new):]          # leave room to generate
             new, text = [], ""
-            for nxt in self.model.generate(torch.tensor([ids], device=self.device), max_new, temperature=0):
-                token = int(nxt[0, 0])
+            for [token] in generate(self.model, [ids], max_new):     # greedy, one row, a token per step
                 if token == self.tokenizer.eos_id:
                     break
                 new.append(token)

@@ -214,7 +214,7 @@ class _Cached:
         """Write tokens at positions held.. and return their next-token logits (T, vocab)."""
         device = self.model.cos.device
         positions = torch.arange(self.held, self.held + len(tokens), device=device).view(1, -1)
-        logits = self.model(torch.tensor([tokens], device=device), cache=self.cache, positions=positions)
+        logits = gen.cached_forward(self.model, self.cache, torch.tensor([tokens], device=device), positions)
         self.held += len(tokens)
         return gen.full_logits(logits[0], self.model)
 

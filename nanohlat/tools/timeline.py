@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from nanohlat import comm, pipeline   # (pipeline imports this module too: use pipeline.x at call time)
+from nanohlat import comm, pipeline
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
 
@@ -43,9 +43,11 @@ def wait_for_device(device) -> None:
 class StepClock:
     """Start and end of every forward and backward of one step on this stage.
 
-    PipelineRunner calls start() / op_start() / op_end() / stop(); `records`
+    With --timeline, run/build.py gives the PipelineRunner this clock
+    (otherwise it has pipeline.py:NoClock, same interface, timing nothing).
+    The runner calls start() / op_start() / op_end() / stop(); `records`
     then holds (kind, micro-batch, start, end) in seconds since start().
-    With `synchronize` (--timeline) each reading first waits for the device.
+    With `synchronize` each reading first waits for the device.
     """
 
     def __init__(self, device, synchronize: bool = False):
