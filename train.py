@@ -25,6 +25,7 @@ from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.run.build import build
 from nanohlat.config import UserError
+from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run.files import os_error_message
 
 
@@ -97,29 +98,6 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         write_timeline(runner, mesh, tcfg)
     return log.close(peak_in_flight=runner.peak_in_flight, optimizer_bytes=opt.state_bytes(),
                      peak_memory=metrics.peak_memory(dev))
-
-
-def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
-    """This rank's share of a mean -> the mean over the whole global batch, on every rank.
-
-    `x` is already divided by the global token count, and only the last
-    pipeline stage holds a loss (the others hold 0), so summing over the
-    pipeline group and then over the data-parallel group gives the global mean.
-    The tensor-parallel ranks of a stage already agree on it (vocab-parallel
-    cross-entropy), so no sum over tp."""
-    return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.dp_group)
-
-
-def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:
-    """Global batch (B, T+1), on the host -> this dp rank's M micro-batches:
-    lists of M token and M target tensors (mb, T), each sent to the device on
-    its own (on XLA a micro-batch is then a graph input, not a slice of one)."""
-    per_rank = tcfg.batch_size // mesh.dp
-    mine = batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
-    mine = mine.view(tcfg.microbatches, per_rank // tcfg.microbatches, tcfg.seq_len + 1)
-    tokens = [mb[:, :-1].contiguous().to(dev.torch_device) for mb in mine]
-    targets = [mb[:, 1:].contiguous().to(dev.torch_device) for mb in mine]
-    return tokens, targets
 
 
 @torch.no_grad()
