@@ -10,11 +10,12 @@ pipeline stage and tensor slice (`pipeline.PipelineRunner.run`), the loss of
 the whole batch (`data_parallel.global_mean`), then the optimizer step
 (`optim.FlatAdamW`: gradients summed over dp, clipped, AdamW). `train()` below
 builds what a step needs (device, mesh, model, schedule and optimizer:
-`build.build`) and runs the steps. Everything else is behind two calls:
-before `train()` runs, pre-flight (nanohlat/run/preflight.py: flags, checks,
-data, what to resume from, the workers); around the steps,
-nanohlat/run/session.py (resuming, logging, evaluation, the stop vote,
-checkpoints).
+`build.build`) and runs the steps. What is not the step lives elsewhere:
+  * before `train()`, pre-flight, once (nanohlat/run/preflight.py, which
+    `main()` calls): flags, checks, data, what to resume from, the workers;
+  * around the steps, nanohlat/run/session.py: `Session(...)` resumes and
+    opens the log; `end_step` ends each step (sync, replica check, stop vote,
+    logging, evaluation, checkpoints); `close` writes the summary.
 """
 
 from __future__ import annotations
