@@ -17,6 +17,8 @@ Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
 
 `ReplicatedDP` is what FlatAdamW (optim.py) calls at the three places where
 data parallelism matters; with --zero1 it calls `zero1.ZeroOneDP` instead.
+train.py's loop calls the other two: `split_batch` (this rank's micro-batches
+of the global batch) and `global_mean` (the loss of the whole global batch).
 """
 
 from __future__ import annotations
@@ -66,3 +68,26 @@ class ReplicatedDP:
     def gather_parameters(self, full: torch.Tensor) -> torch.Tensor:
         """Every rank updated all of it: nothing to gather."""
         return full
+
+
+def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:
+    """Global batch (B, T+1), on the host -> this dp rank's M micro-batches:
+    lists of M token and M target tensors (mb, T), each sent to the device on
+    its own (on XLA a micro-batch is then a graph input, not a slice of one)."""
+    per_rank = tcfg.batch_size // mesh.dp
+    mine = batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
+    mine = mine.view(tcfg.microbatches, per_rank // tcfg.microbatches, tcfg.seq_len + 1)
+    tokens = [mb[:, :-1].contiguous().to(dev.torch_device) for mb in mine]
+    targets = [mb[:, 1:].contiguous().to(dev.torch_device) for mb in mine]
+    return tokens, targets
+
+
+def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's share of a mean -> the mean over the whole global batch, on every rank.
+
+    `x` is already divided by the global token count, and only the last
+    pipeline stage holds a loss (the others hold 0), so summing over the
+    pipeline group and then over the data-parallel group gives the global mean.
+    The tensor-parallel ranks of a stage already agree on it (vocab-parallel
+    cross-entropy), so no sum over tp."""
+    return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.dp_group)

@@ -180,8 +180,8 @@ def _cuda_name(index: int) -> str:
 
 def check_available(kind: str, workers: int = 1) -> None:
     """Refuse, as one line, a --device that this machine cannot give `workers`
-    local processes, without creating anything: train.py asks before it
-    writes into out-dir (and before --overwrite removes an old run)."""
+    local processes, without creating anything: train.py's pre-flight asks
+    before it writes into out-dir (and before --overwrite removes an old run)."""
     if kind not in DEVICES:
         raise UserError(f"--device {kind!r} is not one of {', '.join(DEVICES)}")
     if kind == "cuda":

@@ -62,8 +62,9 @@ def train_here(argv):
     """One process, in this process (no torch.distributed)."""
     import train
     from nanohlat import config
+    from nanohlat.run import preflight
     model_cfg, tcfg = config.parse_args(argv)
-    return train.train(model_cfg, tcfg)
+    return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
 def losses(out_dir) -> dict:
@@ -253,13 +254,12 @@ def test_going_back_to_an_older_checkpoint_keeps_the_newer_ones_aside(one, cache
 # Launcher: a dead worker stops the job (or restarts it) promptly
 # ---------------------------------------------------------------------------
 
-def _fault_worker(argv: list[str]):
-    """train.worker with one SIGKILL planted, in rank fault["rank"], first start only.
+def _fault_worker(*args, **kwargs):
+    """preflight.worker with one SIGKILL planted, in rank fault["rank"], first start only.
     Runs in each worker process that `launch.spawn` starts; the fault comes from
     the test through the environment (the only way into a spawned worker that
     does not touch train.py's flags)."""
-    import train
-    from nanohlat.run import checkpoint, launch
+    from nanohlat.run import checkpoint, launch, preflight
     from nanohlat import optim
     fault = json.loads(os.environ["TEST_CHECKPOINT_FAULT"])
 
@@ -290,15 +290,16 @@ def _fault_worker(argv: list[str]):
                     die()
                 return real_step(self, lr, **kw)
             optim.FlatAdamW.step = step
-    return train.worker(argv)
+    return preflight.worker(*args, **kwargs)
 
 
 def run_main_with_fault(fault: dict, argv: list[str], monkeypatch) -> tuple[int, float]:
     """train.main(argv) in this process, its launcher's workers running
-    _fault_worker (main() hands the module-level `worker` to launch.spawn)."""
+    _fault_worker (preflight.main hands the module-level `preflight.worker` to launch.spawn)."""
     import train
+    from nanohlat.run import preflight
     monkeypatch.setenv("TEST_CHECKPOINT_FAULT", json.dumps(fault))
-    monkeypatch.setattr(train, "worker", _fault_worker)
+    monkeypatch.setattr(preflight, "worker", _fault_worker)
     t0 = time.time()
     return train.main(argv), time.time() - t0
 

@@ -35,8 +35,9 @@ def _flags(cache_dir, out_dir, extra):
 def _train(flags):
     import train
     from nanohlat import config
+    from nanohlat.run import preflight
     model_cfg, tcfg = config.parse_args(flags)
-    return train.train(model_cfg, tcfg)
+    return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
 @pytest.fixture(scope="module")

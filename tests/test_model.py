@@ -122,19 +122,18 @@ def test_parameter_count_matches_config_formula():
 
 
 def test_micro_batches_reach_the_model_as_their_own_tensors():
-    """train.split_batch hands the runner one tensor per micro-batch (sent to the
+    """data_parallel.split_batch hands the runner one tensor per micro-batch (sent to the
     device on its own, not a view into one batch tensor), and the runner passes
     exactly those tensors to the model: no `tokens[i]` of a device tensor, which
     XLA would bake into the graph as a constant, one graph per i."""
-    import train
-    from nanohlat import device, pipeline
+    from nanohlat import data_parallel, device, pipeline
     from nanohlat.config import TrainConfig
     from nanohlat.mesh import Mesh
     t = dataclasses.replace(TrainConfig(), batch_size=6, seq_len=16, microbatches=3)
     mesh = Mesh(1, 1, 1).build_groups(None)
     dev = device.get_device("cpu")
     batch = torch.randint(0, CFG.vocab_size, (6, 17))
-    tokens, targets = train.split_batch(batch, mesh, t, dev)
+    tokens, targets = data_parallel.split_batch(batch, mesh, t, dev)
     assert isinstance(tokens, list) and isinstance(targets, list) and len(tokens) == len(targets) == 3
     for i, (x, y) in enumerate(zip(tokens, targets)):
         assert x._base is None and y._base is None and x.is_contiguous()     # its own storage

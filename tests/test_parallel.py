@@ -56,9 +56,10 @@ def reference(cache_dir, tmp_path_factory):
     import train
     from nanohlat.run import checkpoint
     from nanohlat import config, device
+    from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, ["--no-progress"]))
-    train.train(model_cfg, tcfg)
+    train.train(*preflight.inputs(model_cfg, tcfg))
     model, _ = checkpoint.load_for_inference(str(out), device.get_device("cpu"))
     return read_metrics(str(out)), {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -127,9 +128,10 @@ def reference_kv2(cache_dir, tmp_path_factory):
     import train
     from nanohlat.run import checkpoint
     from nanohlat import config, device
+    from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref_kv2")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
-    train.train(model_cfg, tcfg)
+    train.train(*preflight.inputs(model_cfg, tcfg))
     model, _ = checkpoint.load_for_inference(str(out), device.get_device("cpu"))
     return read_metrics(str(out)), {n: p.detach().clone() for n, p in model.named_parameters()}, out
 
@@ -205,8 +207,9 @@ def test_replicated_kv_checkpoints_continue_in_other_layouts(name, layout_runs, 
     if name == "tp1_from_tp4":
         import train
         from nanohlat import config
+        from nanohlat.run import preflight
         argv = _flags(cache_dir, tmp_path, KV2 + ["--no-progress", "--resume", _ckpt(layout_runs["tp4_kv2_sp"], 2)])
-        train.train(*config.parse_args(argv))
+        train.train(*preflight.inputs(*config.parse_args(argv)))
         out = tmp_path
     else:
         out = layout_runs[name]

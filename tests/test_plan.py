@@ -34,7 +34,7 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat import config
-from nanohlat.run import metrics
+from nanohlat.run import metrics, preflight
 from nanohlat.tools import plan
 from nanohlat.mesh import Mesh
 
@@ -238,7 +238,8 @@ def _four_rank_worker(rank, world, train_runs, activation_runs, out_dir):
     from nanohlat import comm
     from nanohlat.device import get_device
     for argv in train_runs:
-        train.train(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), rank, world, rank, world)
+        train.train(*preflight.inputs(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
+                    rank, world, rank, world)
     mesh = Mesh(2, 2, 1, rank, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     results = [forward_bytes(argv, mesh.tp_group, pp=2, stage=mesh.pp_rank) for argv in activation_runs]
     with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
@@ -366,7 +367,7 @@ def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):
 def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, extra):
     import train
     argv = BASE + ["--cache-dir", cache_dir, "--out-dir", str(tmp_path), "--no-progress"] + extra
-    train.train(*config.parse_args(argv))
+    train.train(*preflight.inputs(*config.parse_args(argv)))
     assert_run_matches_plan(tmp_path, argv, 1)
 
 

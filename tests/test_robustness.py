@@ -178,8 +178,9 @@ def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
 def train_here(argv):
     import train
     from nanohlat import config
+    from nanohlat.run import preflight
     model_cfg, tcfg = config.parse_args(argv)
-    return train.train(model_cfg, tcfg)
+    return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
 def flags(cache_dir, out_dir, *extra):

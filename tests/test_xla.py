@@ -195,7 +195,7 @@ def test_sample_py_runs_on_xla_and_matches_cpu(measured):
 def child(mode: str, cache_dir: str, out: str) -> dict:
     sys.path.insert(0, REPO)
     import train
-    from nanohlat.run import checkpoint
+    from nanohlat.run import checkpoint, preflight
     from nanohlat import config, optim, xla
     from nanohlat import device as devicelib
 
@@ -212,7 +212,7 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
         out_dir = os.path.join(out, name)
         argv = BASE + ["--cache-dir", cache_dir, "--out-dir", out_dir, "--device", device] + list(extra)
         model_cfg, tcfg = config.parse_args(argv)
-        summary = train.train(model_cfg, tcfg)
+        summary = train.train(*preflight.inputs(model_cfg, tcfg))
         return out_dir, summary
 
     result = {}
@@ -285,8 +285,9 @@ MICROBATCH_CHILD = """
 import json, sys
 import train
 from nanohlat import config
+from nanohlat.run import preflight
 import torch_xla.debug.metrics as met
-train.train(*config.parse_args(sys.argv[1:]))
+train.train(*preflight.inputs(*config.parse_args(sys.argv[1:])))
 count, total_ns = met.metric_data("CompileTime")[:2]
 print(json.dumps({"graphs": count, "compile_s": total_ns / 1e9}))
 """

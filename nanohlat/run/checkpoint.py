@@ -477,7 +477,7 @@ def _corrupt_error(path: str, name: str) -> UserError:
 
 
 def check(path: str, cfg: ModelConfig, checksums: bool = False) -> dict:
-    """Checks before workers start (train.py main), so that a bad checkpoint is one
+    """Checks before workers start (train.py's pre-flight, preflight.py), so that a bad checkpoint is one
     line from one process: manifest, files, model shape, and (reading every byte
     once) the checksums."""
     manifest = read_manifest(path)

@@ -436,6 +436,11 @@ class Dataset:
         self.train = self._open(os.path.join(directory, "train.bin"))
         self.val = self._open(os.path.join(directory, "val.bin"))
 
+    def __reduce__(self):
+        # Sent to another process (train.py --nproc hands its workers the dataset it
+        # prepared) as its two paths: the receiver maps the same files, no token is copied.
+        return _reopen, (self.tokenizer.path, self.directory)
+
     def _open(self, path: str) -> np.ndarray:
         dtype = np.dtype(self.meta["dtype"])
         if os.path.getsize(path) == 0:   # mmap refuses empty files
@@ -475,3 +480,7 @@ class Dataset:
         self._tokens(split)   # validates the name
         s = self.meta["splits"][split]
         return s["bytes"] / max(1, s["tokens"])
+
+
+def _reopen(tokenizer_path: str, directory: str) -> Dataset:
+    return Dataset(load_tokenizer(tokenizer_path), directory)

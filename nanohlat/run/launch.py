@@ -10,7 +10,7 @@ Three ways in, one worker function:
     started us; RANK / WORLD_SIZE / LOCAL_RANK come from the environment.
 
 After a restart the new workers resume from the newest complete checkpoint
-(train.py asks `restart_count()`). One PyTorch wrinkle: since torch 2.5 the
+(preflight.py asks `restart_count()`). One PyTorch wrinkle: since torch 2.5 the
 workers share the launcher's rendezvous store by default, and a restarted
 group can read the dead group's addresses from it and fail to connect
 (pytorch/pytorch#135712). `spawn` therefore gives every attempt its own store

@@ -26,13 +26,15 @@ is taken every XLA_CHECK_EVERY steps only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 import time
 
 import torch
-import torch.distributed as dist
+
+from nanohlat import comm
 
 DOUBLE_DELIVERY_S = 1.0
 XLA_CHECK_EVERY = 10
@@ -85,5 +87,5 @@ def stop_requested(mesh, dev, step: int) -> bool:
     if dev.kind == "xla" and step % XLA_CHECK_EVERY:
         return False
     flag = torch.tensor([1.0 if requested() else 0.0], device=dev.torch_device)
-    dist.all_reduce(flag, group=group.pg)       # (not comm.all_reduce: not part of the step's traffic)
+    comm.all_reduce(flag, dataclasses.replace(group, ledger=None), inplace=True)   # (no ledger: not the step's traffic)
     return bool(flag.item() > 0)

@@ -1,0 +1,143 @@
+"""Pre-flight: everything `python train.py ...` decides once, before any worker starts.
+
+`main` is train.py's command line. In order, it
+
+  1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
+     plan and stops here;
+  2. refuses a layout that cannot work (mesh.validate_layout) and a --device
+     this machine lacks, before any tokenizer work;
+  3. prepares the data: trains the tokenizer and builds the token shards if
+     the cache has none (data.prepare_data), and sets the model's vocabulary
+     to the tokenizer's (a new vocabulary must split over --tp too);
+  4. takes the run lock on out-dir (runlock.py), decides what to resume from
+     (checkpoint.find_resume), checks that checkpoint (files, model shape,
+     tokenizer and corpus), or with --resume never --overwrite clears the old run;
+  5. trains: here (one process), in --nproc local workers (launch.spawn, each
+     handed the resolved configuration, dataset and checkpoint), or, under
+     torchrun, as this process's rank.
+
+Every refusal is one line on stderr and exit code 2, before any worker starts
+and before --overwrite removes anything. Under torchrun every process runs
+`main` itself, so each does its own pre-flight once; rank 0 takes the lock and
+clears the run. A worker that the launcher restarted after a failure
+(--max-restarts) resumes from the newest checkpoint in out-dir, whatever
+--resume said (`worker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch.distributed
+
+from nanohlat import config
+from nanohlat import device as devicelib
+from nanohlat import mesh as meshlib
+from nanohlat.config import UserError
+from nanohlat.run import checkpoint, data, launch, preempt, runlock
+from nanohlat.run.files import os_error_message
+
+
+def main(train, argv: list[str]) -> int:
+    """train.py's command line; `train` is train.py:train. Returns the exit code."""
+    lock = None
+    try:
+        model_cfg, tcfg = config.parse_args(argv)
+        env = launch.torchrun_env()
+        world = env[1] if env else tcfg.nproc
+        if tcfg.plan:
+            from nanohlat.tools import plan
+            print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
+            return 0
+        meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
+        # tokenizer and token shards are built once, here, before any worker starts
+        ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
+        model_cfg = vocab_from(ds, model_cfg, tcfg, world)
+        if not env or env[0] == 0:   # one run per out-dir (nanohlat/run/runlock.py), held until we return
+            lock = runlock.acquire(tcfg.out_dir)
+        # --resume / --out-dir problems are refused here, once, as one line, not in N workers
+        restarted = launch.restart_count() > 0
+        resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+        checkpoint.warn_incomplete(tcfg.out_dir)
+        if resume_from:
+            # manifest, files, model shape; before local workers start, the checksums too
+            checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
+            checkpoint.check_identity(resume_from, ds.tokenizer.path, ds.fingerprint, tcfg.allow_tokenizer_change)
+        elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
+            checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
+        args = (train, model_cfg, tcfg, ds, resume_from)
+        if env:
+            warning = launch.torchrun_restart_warning()
+            if warning and env[0] == 0 and not restarted:
+                print(warning, file=sys.stderr)
+            worker(*args, restarts_seen=launch.restart_count())   # (this process decided, restarts and all)
+            return 0
+        if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
+            with preempt.catch_signals() as signals:
+                train(model_cfg, tcfg, ds, resume_from)
+            return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
+        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {os_error_message(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if lock:
+            lock.release()
+
+
+def vocab_from(ds, model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int) -> config.ModelConfig:
+    """The model's vocabulary is the tokenizer's (a given --tokenizer may differ from
+    --vocab-size); a changed one is checked again, and must split over --tp too."""
+    if ds.tokenizer.vocab_size == model_cfg.vocab_size:
+        return model_cfg
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=ds.tokenizer.vocab_size)
+    model_cfg.validate()
+    meshlib.validate_layout(model_cfg, tcfg, world)
+    return model_cfg
+
+
+def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: int = 0) -> dict:
+    """What each launched process runs (train.py --nproc N, or a torchrun rank
+    after its pre-flight): `train` on this rank, its errors as one line (exit 2).
+    `restarts_seen`: the launcher's restart count when `resume_from` was decided;
+    workers it restarted since (--max-restarts) go on from the newest checkpoint."""
+    rank, world, local_rank = launch.torchrun_env()
+    try:
+        if launch.restart_count() > restarts_seen:   # restarted after a failure: the newest checkpoint
+            resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted=True)
+        with preempt.catch_signals() as signals:   # SIGTERM / first Ctrl-C: finish the step, save, exit 143 / 130
+            summary = train(model_cfg, tcfg, ds, resume_from, rank, world, local_rank, launch.local_world_size())
+    except UserError as e:
+        launch.report_error(str(e))
+        sys.exit(2)
+    except OSError as e:
+        launch.report_error(os_error_message(e))
+        sys.exit(2)
+    except KeyboardInterrupt:   # the second Ctrl-C
+        sys.exit(130)
+    # Leave the job cleanly: a process group still alive at interpreter exit can abort
+    # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if signals.exit_code:
+        sys.exit(signals.exit_code)
+    return summary
+
+
+def inputs(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int = 1) -> tuple:
+    """(model_cfg, tcfg, ds, resume_from): train()'s inputs for a caller that has its
+    configuration already and calls train() itself (the tests, a notebook), in each
+    of its processes: the layout checked, the data opened (silently), what to resume
+    from. None of `main`'s other checks, and no run lock."""
+    meshlib.validate_layout(model_cfg, tcfg, world)
+    ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=lambda *a: None)
+    restarted = launch.restart_count() > 0
+    return model_cfg, tcfg, ds, checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)

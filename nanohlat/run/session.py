@@ -1,0 +1,101 @@
+"""Everything around train.py's step, behind two calls: `Session(...)` and `end_step`.
+
+train.py's loop shows the lesson: the batch, forward and backward, the
+optimizer step. What a real run needs besides, and what no step depends on,
+happens here, in this order:
+
+  * at the start (`Session(...)`): resume from a checkpoint (model, optimizer
+    and its step count, RNGs; the lr and the data follow from the step), and
+    open the run's record (metrics.TrainLog: prints, progress bar, files);
+  * after each step (`end_step`): count a non-finite step (on the device,
+    inside the step's graph), compare replicas (--check-replicas), end the
+    step (`dev.sync()`: on XLA its graph compiles once, then runs), report the
+    first step's communication beside plan.py's formula, agree with every
+    rank whether to stop (SIGTERM / Ctrl-C, preempt.py), log the step,
+    evaluate (--eval-every) and save a checkpoint (--save-every, and the last);
+  * at the end (`close`): the pipeline timeline (--timeline) and summary.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanohlat import config
+from nanohlat.data_parallel import global_mean, split_batch
+from nanohlat.run import checkpoint, metrics, preempt, replicas
+from nanohlat.tools import plan, timeline
+
+
+class Session:
+    def __init__(self, model_cfg, tcfg, mesh, dev, model, runner, opt, ds, resume_from: str | None):
+        self.model_cfg, self.tcfg, self.mesh, self.dev = model_cfg, tcfg, mesh, dev
+        self.model, self.runner, self.opt, self.ds = model, runner, opt, ds
+        self.start_step, self.tokens_seen, bad_steps = 0, 0, 0
+        if resume_from:   # model, optimizer (+ its step count), RNGs; the lr and data follow from the step
+            manifest = checkpoint.load(resume_from, model, opt, mesh, dev)
+            self.start_step, self.tokens_seen = manifest["step"], manifest["tokens"]
+            bad_steps = manifest.get("schedule", {}).get("bad_steps", 0)
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
+        # prints (rank 0), the progress bar, config.json, metrics.jsonl, summary.json, non-finite steps
+        self.log = metrics.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
+                                    bad_steps, resumed_from=resume_from)
+        mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
+
+    def end_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor, lr: float) -> bool:
+        """After the optimizer step of step `step` (counted from 1). True: the run stops here."""
+        tcfg, mesh, dev = self.tcfg, self.mesh, self.dev
+        last = step == tcfg.steps or 0 < tcfg.stop_after <= step   # --stop-after: as if interrupted
+        self.log.count(finite)   # runs of non-finite steps, counted on the device (part of the step)
+        replicas.check(self.model, mesh, step, tcfg.check_replicas)     # --check-replicas N: copies still identical?
+        dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
+        self.tokens_seen += self.tokens_per_step
+        if step == self.start_step + 1:   # what each collective moved, beside the plan's formula
+            self.log.comm(mesh.ledger.summary(), self.comm_report() if self.log.main else "")
+        last = last or preempt.stop_requested(mesh, dev, step)   # SIGTERM / Ctrl-C: all ranks stop here, saved below
+        self.log.step(step, loss, norm, lr, self.tokens_seen, last)   # the host reads values in a step closure
+        if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
+            self.log.val(step, self.evaluate_loss())
+            dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
+        if last or (tcfg.save_every and step % tcfg.save_every == 0):
+            dev.sync()   # XLA: the queued step closures (log, non-finite stop) run before anything is written
+            checkpoint.save(tcfg.out_dir, step, self.tokens_seen, self.model, self.opt, mesh, dev,
+                            config.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
+                            bad_steps=self.log.bad_steps(), data_fingerprint=self.ds.fingerprint)
+        return last
+
+    def close(self) -> dict:
+        """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
+        if self.tcfg.timeline:
+            self.write_timeline()
+        return self.log.close(peak_in_flight=self.runner.peak_in_flight, optimizer_bytes=self.opt.state_bytes(),
+                              peak_memory=metrics.peak_memory(self.dev))
+
+    @torch.no_grad()
+    def evaluate_loss(self) -> torch.Tensor:
+        """Mean held-out loss over --eval-batches fixed validation batches (same in every layout)."""
+        tcfg, mesh, dev = self.tcfg, self.mesh, self.dev
+        total = torch.zeros((), device=dev.torch_device)
+        for i in range(tcfg.eval_batches):
+            tokens, targets = split_batch(self.ds.batch(i, tcfg.batch_size, tcfg.seq_len, tcfg.seed, split="val"),
+                                          mesh, tcfg, dev)
+            total = total + self.runner.forward_only(tokens, targets, 1.0 / self.tokens_per_step)
+        return global_mean(total, mesh) / tcfg.eval_batches
+
+    def comm_report(self) -> str:
+        """The comm ledger of the first step on this rank, beside the model-shape formula."""
+        measured = self.mesh.ledger.snapshot()
+        if not measured:
+            return "communication: none (one process)"
+        predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
+        lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and plan.py's prediction"]
+        return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])
+
+    def write_timeline(self) -> None:
+        out_dir = self.tcfg.out_dir
+        text = timeline.timeline_report(self.runner, self.mesh, self.tcfg, os.path.join(out_dir, "timeline.png"))
+        if self.mesh.rank == 0 and text:
+            with open(os.path.join(out_dir, "timeline.txt"), "w") as f:
+                f.write(text + "\n")
+            print(text)
