@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from nanohlat import optim, pipeline
 from nanohlat.tools.compile import compile_stage
+from nanohlat.tools.fast_adamw import FastFlatAdamW
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
@@ -20,7 +21,7 @@ def build(model_cfg, tcfg, mesh, dev):
             in the parameter dtype of --precision (compiled with --compile);
     runner: the micro-batch schedule (--schedule) that runs forward/backward;
     opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1; its
-            arithmetic compiled with --compile).
+            passes cache-blocked on the CPU, compiled with --compile).
     """
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
@@ -34,7 +35,8 @@ def build(model_cfg, tcfg, mesh, dev):
     mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
     seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev)
-    opt = optim.FlatAdamW(model, mesh, tcfg, dev)
+    # the same AdamW, its passes cache-blocked on the CPU or compiled (tools/fast_adamw.py)
+    opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
     if tcfg.compile:
-        opt.compile()   # and the optimizer's arithmetic (FlatAdamW.compile)
+        opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
     return model, runner, opt
