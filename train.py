@@ -74,7 +74,13 @@ def train(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, rank: int = 0
         mesh.ledger.reset()
         opt.zero_grad()
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # forward + backward
-        norm, finite = opt.step(lr, loss_finite=torch.isfinite(loss))   # a non-finite step updates nothing
+        # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
+        # buffers: its hooks moved each p.grad there as autograd made it (optim.py:FlatGroup.accumulate_hook)
+        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter
+        norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO-1: dp)
+        finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
+        opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
+        opt.write_back()                                # ZeRO-1: all-gather; then into the model's parameters
         log.count(finite)   # runs of non-finite steps, counted on the device (part of the step)
         replicas.check(model, mesh, step + 1, tcfg.check_replicas)     # --check-replicas N: copies still identical?
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
