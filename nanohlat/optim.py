@@ -4,12 +4,13 @@ One optimizer serves every layout. This rank's parameters are packed into
 flat buffers, one per *group*: (weight-decayed or not) x (sharded over tp or
 replicated). Per buffer it keeps the gradients (fp32), a master copy and the
 two Adam moments, the last three whole (plain data parallel) or this dp
-rank's 1/dp shard (--zero1, zero1.py).
+rank's 1/dp shard (--zero1, zero1.py). `reference_adamw_step` is the same
+AdamW per parameter, in textbook form.
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (FlatGroup.accumulate_hook) moves each micro-batch's gradient into the flat
 fp32 buffer the moment autograd produces it, so after backward `p.grad` is
-None. A step is four phases, each a public method (`step` runs them in order):
+None. A step is four phases, each a public method (train.py calls them by name):
 
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
     2. global_grad_norm   one number over all ranks, each parameter counted once
@@ -52,6 +53,28 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
+    """AdamW per parameter in textbook torch ops, one process: what FlatAdamW computes
+    (tests/test_optim.py). Matrices are weight-decayed, vectors (the norm gains) are
+    not. `state` starts as {}, then holds the step count and moments. Returns the norm."""
+    b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
+    norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm
+    clip = min(1.0, tcfg.grad_clip / (norm.item() + 1e-6)) if tcfg.grad_clip > 0 else 1.0
+    if not state:
+        state.update(step=0, m=[torch.zeros_like(p) for p in params], v=[torch.zeros_like(p) for p in params])
+    state["step"] += 1
+    bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]      # bias corrections
+    for p, g, m, v in zip(params, grads, state["m"], state["v"]):
+        g = clip * g                                                  # clip by the global norm
+        m.copy_(b1 * m + (1 - b1) * g)                                # first moment
+        v.copy_(b2 * v + (1 - b2) * g * g)                            # second moment
+        if p.ndim >= 2:
+            p.copy_(p * (1 - lr * wd))                                # decoupled weight decay
+        p.copy_(p - lr * (m / bc1) / (torch.sqrt(v / bc2) + eps))     # the Adam step
+    return norm
 
 
 def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> torch.Tensor:
