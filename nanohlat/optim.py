@@ -202,7 +202,7 @@ class FlatAdamW:
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()
 
-    def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
+    def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:   # (tools/fast_adamw.py: chunked, compiled)
         return sum_of_squares(grad, self.exact)
 
     @torch.no_grad()
@@ -231,13 +231,15 @@ class FlatAdamW:
             if w is not g.master:                          # pure bf16: round the fp32 result back
                 round_into_master(g.master, w, g.pieces, self.precision, self.software_sr, tcfg.seed,
                                   self.step_count + 1)
+            del w                                            # (pure bf16: free its fp32 copy before the next group)
         self.step_count += finite.long()                 # a skipped step is not a step
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
         """AdamW (Loshchilov & Hutter 2019) on a flat gradient, the two moments
         m, v and the fp32 weights w, elementwise, in place (on a 7B model each
         full-size temporary would be gigabytes): the gradient buffer is the
-        scratch space. Each line's textbook form is beside it (bc = 1 - beta^step)."""
+        scratch space. Each line's textbook form is beside it (bc = 1 - beta^step).
+        (tools/fast_adamw.py runs it a cache-sized block at a time, or compiled.)"""
         grad.mul_(c["clip"]).nan_to_num_(0.0, 0.0, 0.0)     # g <- clip g (a skipped step's inf/nan: 0)
         m.lerp_(grad, c["w1"])                              # m <- m + (1 - b1)(g - m) = b1 m + (1 - b1) g
         v.lerp_(grad.mul_(grad), c["w2"])                   # v <- b2 v + (1 - b2) g^2 (grad now holds g^2)

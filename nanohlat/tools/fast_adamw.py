@@ -64,7 +64,8 @@ class FastFlatAdamW(FlatAdamW):
         self.kernel = torch.compile(self.kernel, dynamic=False)
 
     def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
-        # fp64 in chunks of a cache block (same rule, the chunks' sums added in another order)
+        # the same fp64 rule; on the CPU in cache-sized chunks (FlatAdamW's are 1 << 20 elements,
+        # so the chunks' sums add in another order: at most a last-bit difference in fp64)
         return self.squares(grad) if self.squares else sum_of_squares(grad, self.exact, self.block)
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
