@@ -67,8 +67,8 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tenso
     [0, 2^16) to the low 16 bits and then truncating them carries into the
     kept bits with probability (low bits) / 2^16: exactly the distance to the
     next bf16 value. Works for negative numbers too (sign-magnitude format).
-    `noise`: those integers (int32, x's shape; the optimizer passes
-    `rounding_noise`), else drawn from `generator`.
+    `noise`: those integers (int32, x's shape; the optimizer's
+    `round_into_master` passes `rounding_noise`), else drawn from `generator`.
     """
     # exercise 7a: begin
     x = x.float().contiguous()
