@@ -64,7 +64,13 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         tokens, targets = split_batch(ds.batch(step, tcfg.batch_size, tcfg.seq_len, tcfg.seed), mesh, tcfg, dev)
         opt.zero_grad()
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # forward + backward
-        norm, finite = opt.step(lr, loss_finite=torch.isfinite(loss))   # a non-finite step updates nothing
+        # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
+        # buffers: its hooks moved each p.grad there as autograd made it (optim.py:FlatGroup.accumulate_hook)
+        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter
+        norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO-1: dp)
+        finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
+        opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
+        opt.write_back()                                # ZeRO-1: all-gather; then into the model's parameters
         # the step ends (dev.sync); then logging, evaluation, the stop vote, checkpoints
         if session.end_step(step + 1, loss, norm, finite, lr):
             break

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -66,8 +67,8 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tenso
     [0, 2^16) to the low 16 bits and then truncating them carries into the
     kept bits with probability (low bits) / 2^16: exactly the distance to the
     next bf16 value. Works for negative numbers too (sign-magnitude format).
-    `noise`: those integers (int32, x's shape; the optimizer passes
-    `rounding_noise`), else drawn from `generator`.
+    `noise`: those integers (int32, x's shape; the optimizer's
+    `round_into_master` passes `rounding_noise`), else drawn from `generator`.
     """
     # exercise 7a: begin
     x = x.float().contiguous()
@@ -146,3 +147,58 @@ def full_index(local: torch.Tensor, shape, tp_dim, chunk: int, chunks: int) -> t
         return local
     block = math.prod(shape[tp_dim:])          # one chunk's elements per index of the leading dims
     return (local // block) * (block * chunks) + chunk * block + local % block
+
+
+# -- a flat shard, parameter by parameter: what the noise and checkpoints need --
+
+@dataclass(frozen=True)
+class Piece:
+    """One parameter's part of a rank's (shard of a) flat buffer.
+
+    [start, stop) indexes the shard; [local_start, local_stop) the same
+    elements in this rank's tp-local parameter, flattened. The rest names
+    those elements in the FULL parameter (full_index): the parameter's
+    tp-local `shape`, its `tp_dim`, and which of `chunks` chunks along it
+    this rank holds. Checkpoints store the optimizer state by these pieces too."""
+    name: str
+    name_key: int
+    start: int
+    stop: int
+    local_start: int
+    local_stop: int
+    shape: tuple
+    tp_dim: int | None
+    chunk: int
+    chunks: int
+
+
+def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp: int) -> list[Piece]:
+    """The Pieces of the parameters (at flat `offsets`) that overlap the shard [start, stop)."""
+    pieces = []
+    for name, p, off in zip(names, params, offsets):
+        lo, hi = max(off, start), min(off + p.numel(), stop)
+        if lo >= hi:
+            continue
+        full_shape = getattr(p, "full_shape", p.shape)
+        chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+        pieces.append(Piece(name, name_key(name), lo - start, hi - start, lo - off, hi - off, tuple(p.shape),
+                            p.tp_dim, tp_rank * chunks // tp, chunks))   # tp ranks sharing a chunk hold copies
+    return pieces
+
+
+def round_into_master(master: torch.Tensor, w: torch.Tensor, pieces: list[Piece], precision: str,
+                      software_sr: bool, seed: int, step: torch.Tensor) -> None:
+    """Store an optimizer step's fp32 result `w` in the bf16 `master` (same shard).
+
+    bf16-sr in software rounds each element with its own noise, a function of
+    (seed, optimizer `step`, parameter, the element's index in the full
+    parameter) and not of the rank (module docstring), so every holder of an
+    element rounds it alike. One piece at a time: small int64 temporaries."""
+    if not (precision == "bf16-sr" and software_sr):
+        master.copy_(round_update(w, master.dtype, precision, software_sr))
+        return
+    key = step_key(seed, step)
+    for p in pieces:
+        local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
+        noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))
+        master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))

@@ -281,15 +281,15 @@ def _fault_worker(*args, **kwargs):
                     die()
                 return real(path, fn)
             checkpoint._atomic_write = write
-        else:                            # at the optimizer step of step fault["step"] (1-based)
-            real_step, calls = optim.FlatAdamW.step, []
+        else:                            # at the optimizer step of step fault["step"] (1-based): its first phase
+            real_reduce, calls = optim.FlatAdamW.reduce_gradients, []
 
-            def step(self, lr, **kw):
-                calls.append(lr)
+            def reduce_gradients(self):
+                calls.append(1)
                 if len(calls) == fault["step"]:
                     die()
-                return real_step(self, lr, **kw)
-            optim.FlatAdamW.step = step
+                return real_reduce(self)
+            optim.FlatAdamW.reduce_gradients = reduce_gradients
     return preflight.worker(*args, **kwargs)
 
 
@@ -350,15 +350,15 @@ def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, 
             loss = loss * float("nan")
         return loss
 
-    real_step = optim.FlatAdamW.step
+    real_reduce = optim.FlatAdamW.reduce_gradients
 
-    def step(self, *args, **kwargs):
+    def reduce_gradients(self):   # the optimizer step's first phase
         if len(calls) == 3:   # the gradients live in the optimizer's fp32 buffers
             for g in self.groups:
                 g.grad.fill_(float("nan"))
-        return real_step(self, *args, **kwargs)
+        return real_reduce(self)
     monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
-    monkeypatch.setattr(optim.FlatAdamW, "step", step)
+    monkeypatch.setattr(optim.FlatAdamW, "reduce_gradients", reduce_gradients)
     train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2))
     assert "warning: step 3 had a non-finite loss or gradient; the update was skipped" in capsys.readouterr().err
     shard = {s: torch.load(os.path.join(ckpt(tmp_path, s), "shard_00000.pt"), weights_only=True) for s in (2, 3, 4)}

@@ -65,7 +65,7 @@ def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path, capsys):
     st = compilelib.stats()
     # one graph for the training forward (+ its backward), one for evaluation's no_grad forward, and
     # per optimizer buffer (the tiny model's two: matrices, norm gains) one for its grad norm's sum of
-    # squares and one for its AdamW update (FlatAdamW.compile: a graph per buffer size)
+    # squares and one for its AdamW update (FastFlatAdamW.compile: a graph per buffer size)
     assert st["graphs"] == 2 + 2 * 2 and st["graph_breaks"] == 0, st
     assert "torch.compile on rank 0: 6 graphs compiled, 0 graph breaks" in capsys.readouterr().out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from nanohlat import optim, pipeline
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
+from nanohlat.tools.fast_adamw import FastFlatAdamW
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
@@ -22,7 +23,7 @@ def build(model_cfg, tcfg, mesh, dev):
     runner: the micro-batch schedule (--schedule) that runs forward/backward
             (timed op by op with --timeline: tools/timeline.py:StepClock);
     opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1; its
-            arithmetic compiled with --compile).
+            passes cache-blocked on the CPU, compiled with --compile).
     """
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
@@ -38,7 +39,8 @@ def build(model_cfg, tcfg, mesh, dev):
     # --timeline: the runner tells a StepClock the start and end of every forward and backward
     clock = timeline.StepClock(dev, synchronize=True) if tcfg.timeline else None
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev, clock)
-    opt = optim.FlatAdamW(model, mesh, tcfg, dev)
+    # the same AdamW, its passes cache-blocked on the CPU or compiled (tools/fast_adamw.py)
+    opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
     if tcfg.compile:
-        opt.compile()   # and the optimizer's arithmetic (FlatAdamW.compile)
+        opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
     return model, runner, opt

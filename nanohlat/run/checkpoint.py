@@ -299,6 +299,33 @@ def _copy_tokenizer(tokenizer_path: str, ckpt_dir: str) -> dict:
     return {"file": TOKENIZER_COPY, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
 
 
+def export_state(opt) -> dict:
+    """The optimizer's state on this rank, per parameter: {name: {start, stop,
+    master, exp_avg, exp_avg_sq}} where [start, stop) indexes this rank's
+    tp-local parameter flattened (its `precision.Piece`s); ZeRO-1 ranks each
+    export the piece of every parameter that falls in their shard."""
+    out = {}
+    for g in opt.groups:
+        for p in g.pieces:
+            a, b = p.start, p.stop
+            out[p.name] = {"start": p.local_start, "stop": p.local_stop,
+                           "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
+                           "exp_avg_sq": g.exp_avg_sq[a:b]}
+    return out
+
+
+@torch.no_grad()
+def import_state(opt, local_flat, step_count: int) -> None:
+    """Fill the optimizer's (shards of) state from `local_flat(name, key)` -> the
+    tp-local parameter's full flattened state (key: master | exp_avg | exp_avg_sq)."""
+    opt.step_count.fill_(step_count)
+    for g in opt.groups:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            dst = getattr(g, key)
+            flat = g.flatten([local_flat(n, key) for n in g.names], torch.float32)
+            dst.copy_(flat[g.start:g.stop].to(dst.dtype))
+
+
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
          tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> str:
     """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
@@ -321,8 +348,8 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank,
         "meta": {n: _meta(p) for n, p in params.items()},
         "model": {n: params[n].detach() for n in mine} if mesh.dp_rank == 0 else {},
-        "optim": {n: v for n, v in opt.export_state().items() if n in mine} if (opt.zero or mesh.dp_rank == 0) else {},
-        "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: optim.py)
+        "optim": {n: v for n, v in export_state(opt).items() if n in mine} if (opt.zero or mesh.dp_rank == 0) else {},
+        "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: precision.py)
     }
     shard_state = to_host(shard_state)                 # XLA: sync, then copies on the CPU
     if extract_graphs_only():
@@ -610,7 +637,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
             p = params[name]
             return p.detach().float().reshape(-1).cpu() if key == "master" else torch.zeros(p.numel())
     step_count = shards.manifest.get("schedule", {}).get("optimizer_step", 0)
-    opt.import_state(lambda n, k: local_flat(n, k).to(device.torch_device), step_count)
+    import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), step_count)
 
     # Random generators are per rank: restore them only where ranks mean the
     # same thing as when saved. (The stochastic-rounding noise needs none: it

@@ -363,7 +363,7 @@ class TrainLog:
         loss, norm = float(loss), float(norm)
         worst, skipped_total = (int(worst), int(skipped)) if self.judge else (0, 0)
         skipped, self.skipped_logged = skipped_total - self.skipped_logged, skipped_total   # since the last log
-        if skipped and self.main:   # the optimizer already skipped their updates (optim.step)
+        if skipped and self.main:   # the optimizer already skipped their updates (optim.py:FlatAdamW.update)
             what = (f"step {step} had" if tcfg.log_every == 1 else
                     f"{skipped} step(s) since the last log (up to step {step}) had")
             print(f"warning: {what} a non-finite loss or gradient; the update was skipped", file=sys.stderr)

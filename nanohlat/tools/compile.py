@@ -21,7 +21,7 @@ collective of comm.py is a graph break (compile_stage), and with --pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
-The optimizer is compiled in part (optim.py:FlatAdamW.compile, called by build.py):
+The optimizer is compiled in part (tools/fast_adamw.py:FastFlatAdamW.compile, called by build.py):
 the arithmetic of its step, the fp64 sum of squares of the grad norm and the
 AdamW update, each a few memory-bound passes over a large flat buffer that
 Inductor fuses into one loop (eagerly, every pass streams the buffer again).
