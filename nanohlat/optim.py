@@ -135,11 +135,10 @@ class FlatGroup:
             ov = zero1.overlap(off, off + p.numel(), self.start, self.stop)
             if ov is None:
                 continue
-            full_shape = getattr(p, "full_shape", p.shape)
-            chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+            chunks = p.shard.parts
             pieces.append(SimpleNamespace(
                 name=name, name_key=name_key(name), start=ov[0] - self.start, stop=ov[1] - self.start,
-                local_start=ov[0] - off, local_stop=ov[1] - off, shape=tuple(p.shape), tp_dim=p.tp_dim,
+                local_start=ov[0] - off, local_stop=ov[1] - off, shape=tuple(p.shape), tp_dim=p.shard.dim,
                 chunks=chunks, chunk=tp_rank * chunks // tp))   # tp ranks that share a chunk hold copies
         return pieces
 
@@ -177,7 +176,7 @@ class FlatAdamW:
         mdtype = master_dtype(tcfg.precision)
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.tp_dim is None, p.tp_parts)   # (decay, tp-replicated, parts over tp)
+            key = (p.ndim >= 2, p.shard.dim is None, p.shard.parts)   # (decay, tp-replicated, parts over tp)
             by_kind.setdefault(key, ([], []))
             by_kind[key][0].append(name)
             by_kind[key][1].append(p)
@@ -245,7 +244,7 @@ class FlatAdamW:
         grads = []
         for g in self.groups:
             flat = g.grad
-            if g.tp_replicated and self.mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
+            if g.tp_replicated and self.mesh.tp > 1 and any(p.shard.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
                 flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
             grads.append(self.dp_sync.reduce_gradients(flat))
@@ -257,7 +256,7 @@ class FlatAdamW:
         sq = torch.zeros((), dtype=torch.float64 if self.exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = self.squares(grad)
-            copies = mesh.tp // g.params[0].tp_parts    # tp ranks holding this group's elements
+            copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
             sq = sq + (s / copies if copies > 1 else s)
         sq = sq.float()                                  # 4 bytes per all-reduce below
         sq = comm.all_reduce(sq, mesh.tp_group)

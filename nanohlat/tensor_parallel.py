@@ -26,16 +26,10 @@ T/tp of the sequence, cutting their activation memory by tp. Those four
 functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
 
-Parameters carry their sharding: `p.tp_dim` is the dimension split over tp
-ranks (None = replicated), `p.full_shape` the unsharded shape, and the full
-tensor is cut into `p.tp_parts` equal parts along tp_dim, of which this rank
-holds part `p.tp_part` (`local_part`). Usually tp_parts = tp and part = tp
-rank; a replicated tensor has one part; a kv-head matrix with more tp ranks
-than kv heads has n_kv_heads parts, each held by tp / n_kv_heads neighbouring
-ranks (below). Init, checkpoints and the grad norm read these. Replicated
-norm weights inside a sequence-parallel region see only their rank's tokens,
-so their gradients are partial sums: `p.sequence_parallel` marks them for an
-all-reduce over tp.
+Parameters carry their sharding as one object, `p.shard` (a `ShardSpec`:
+which dimension is cut, into how many parts, which part this rank holds, the
+full shape, and whether a sequence-parallel region makes its gradient a
+partial sum). Init, the optimizer, checkpoints and the replica checks read it.
 
 More tp ranks than kv heads (HLAT-70B: tp 32, 8 kv heads). A rank's query
 heads all use one kv head, so the rank holds a copy of that kv head's rows
@@ -49,6 +43,8 @@ and layer: 2 all-reduces of a (head_dim, d_model) gradient.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -152,6 +148,47 @@ def share(w: torch.Tensor, group) -> torch.Tensor:
     return w if group is None or group.size == 1 else _Copy.apply(w, group)
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tp ranks, attached to it as `p.shard`
+    (by `_param`). The one contract between the parallel layers that create
+    parameters and everything else that must know their layout:
+
+        full_shape         the unsharded shape: what init draws, what a checkpoint stores
+        dim                the dimension cut over tp ranks; None: replicated, every rank
+                           holds the whole tensor
+        parts              the full tensor is cut into `parts` equal contiguous chunks
+                           along `dim` (1 when replicated) ...
+        part               ... and this rank holds chunk `part` (0 when replicated);
+                           `local_part` cuts it out of a full tensor
+        sequence_parallel  a replicated weight used inside a sequence-parallel region
+                           (the norms' gains): each rank sees only its T/tp tokens, so
+                           its gradient is a partial sum to be all-reduced over tp
+
+    Usually parts = tp and part = the tp rank. The one exception is kv-head
+    replication (only when tp > n_kv_heads, module docstring): wk and wv are cut
+    into n_kv_heads parts, fewer than tp, and each part is held by
+    copies = tp // parts neighbouring ranks (part = tp_rank // copies). So
+    `tp // parts` is how many tp ranks hold each element: 1 for a split
+    weight, tp for a replicated one.
+
+    Who reads it: model.py:init_weights (full_shape, then `local_part`);
+    optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
+    sequence-parallel all-reduce, the grad norm counting each element once,
+    the stochastic-rounding index of an element in the full tensor);
+    run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
+    parts, part; which copy saves; loading through `local_part`);
+    run/replicas.py (which ranks must hold equal copies); serving/generate.py
+    (loading); device.py:Device.place (re-attaches it after a move to XLA).
+    """
+
+    full_shape: tuple
+    dim: int | None = None
+    parts: int = 1
+    part: int = 0
+    sequence_parallel: bool = False
+
+
 def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
     """This rank's slice of a full tensor (contiguous chunks, rank order)."""
     if tp_dim is None or tp == 1:
@@ -160,22 +197,20 @@ def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
 
 
 def local_part(full: torch.Tensor, p) -> torch.Tensor:
-    """The part of a full tensor that parameter `p` holds on this rank."""
-    return shard(full, p.tp_dim, p.tp_part, p.tp_parts)
+    """The part of a full tensor that parameter `p` holds on this rank (`p.shard`)."""
+    return shard(full, p.shard.dim, p.shard.part, p.shard.parts)
 
 
-def _param(full_shape, tp_dim, parts: int, part: int = 0, **attrs) -> nn.Parameter:
+def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False) -> nn.Parameter:
     """A parameter holding part `part` of `parts` equal parts of a full tensor
-    cut along tp_dim (tp_dim None: the whole tensor, one part)."""
+    cut along `dim` (dim None: the whole tensor, one part), its `ShardSpec`
+    attached as `p.shard`."""
     shape = list(full_shape)
-    if tp_dim is not None:
-        shape[tp_dim] //= parts
+    if dim is not None:
+        shape[dim] //= parts
     p = nn.Parameter(torch.empty(shape))
-    p.tp_dim, p.full_shape = tp_dim, tuple(full_shape)
-    p.tp_parts, p.tp_part = (parts, part) if tp_dim is not None else (1, 0)
-    p.sequence_parallel = False
-    for k, v in attrs.items():
-        setattr(p, k, v)
+    parts, part = (parts, part) if dim is not None else (1, 0)
+    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel)
     return p
 
 

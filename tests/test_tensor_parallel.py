@@ -116,7 +116,7 @@ def _check_kv_replicas(rank, tp):
         attn = Attention(cfg, group, sp, kv)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
-            p.data.copy_(getattr(ref, name).weight.detach().chunk(p.tp_parts, p.tp_dim)[p.tp_part])
+            p.data.copy_(getattr(ref, name).weight.detach().chunk(p.shard.parts, p.shard.dim)[p.shard.part])
         xi = (chunk(x, 1) if sp else x).clone().requires_grad_()
         y = attn(xi, cos, sin)
         torch.testing.assert_close(y, chunk(y_full, 1) if sp else y_full, **TOL)
@@ -124,7 +124,7 @@ def _check_kv_replicas(rank, tp):
         torch.testing.assert_close(xi.grad, chunk(xr.grad, 1) if sp else xr.grad, **TOL)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
-            torch.testing.assert_close(p.grad, getattr(ref, name).weight.grad.chunk(p.tp_parts, p.tp_dim)[p.tp_part],
+            torch.testing.assert_close(p.grad, getattr(ref, name).weight.grad.chunk(p.shard.parts, p.shard.dim)[p.shard.part],
                                        **TOL)
         for name in ("wk", "wv"):   # the replicas' gradients: the same bits on both ranks of a kv group
             grad = getattr(attn, name).weight.grad
