@@ -1,7 +1,8 @@
 """Each tensor-parallel layer equals the unsharded layer: outputs, input
 gradients and weight gradients, for tp = 2 and 4, with and without sequence
 parallel, and the vocab-parallel cross-entropy including padded vocabulary;
-and attention with more tp ranks than kv heads (replicated kv heads).
+and attention with more tp ranks than kv heads (replicated kv heads); and
+the ShardSpec every parameter carries.
 
 Every rank builds the same full tensors from a shared seed, runs the sharded
 layer on its slice, and checks its slice of every result against the plain
@@ -176,3 +177,31 @@ def test_single_rank_cross_entropy_ignores_padded_vocab():
     ref.sum().backward()
     torch.testing.assert_close(a.grad, b.grad)
     assert a.grad[..., 29:].abs().max() == 0
+
+
+@pytest.mark.parametrize("tp, rank, sp", [(1, 0, False), (4, 3, True), (8, 5, True)])
+def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
+    """The sharding contract: each parameter carries one ShardSpec as `p.shard`
+    and nothing else; its local shape is the full shape cut into `parts` along
+    `dim`; only replicated weights of a sequence-parallel model (the norms) are
+    marked sequence_parallel; at tp 8 > 4 kv heads wk and wv have 4 parts,
+    each held by 2 ranks."""
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.config import ModelConfig
+    from nanohlat.mesh import Group
+    from nanohlat.model import Transformer
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, max_seq_len=16)
+    r = max(tp // cfg.n_kv_heads, 1)
+    kv = Group("kv", list(range(rank - rank % r, rank - rank % r + r)), rank % r) if r > 1 else None
+    model = Transformer(cfg, Group("tp", list(range(tp)), rank), sp, kv_group=kv)
+    for name, p in model.named_parameters():
+        s = p.shard
+        assert isinstance(s, tpl.ShardSpec) and set(vars(p)) == {"shard"}, name
+        local = list(s.full_shape)
+        if s.dim is not None:
+            local[s.dim] //= s.parts
+        assert list(p.shape) == local, name
+        want = (1, 0) if s.dim is None else \
+            (tp // r, rank // r) if name.endswith(("wk.weight", "wv.weight")) else (tp, rank)
+        assert (s.parts, s.part) == want, name
+        assert s.sequence_parallel == (sp and tp > 1 and s.dim is None), name
