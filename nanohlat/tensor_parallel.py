@@ -31,15 +31,9 @@ which dimension is cut, into how many parts, which part this rank holds, the
 full shape, and whether a sequence-parallel region makes its gradient a
 partial sum). Init, the optimizer, checkpoints and the replica checks read it.
 
-More tp ranks than kv heads (HLAT-70B: tp 32, 8 kv heads). A rank's query
-heads all use one kv head, so the rank holds a copy of that kv head's rows
-of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv group" of 4 replicas.
-Each replica's gradient only covers its own query heads; the kv head's true
-gradient is their sum. `share` (the weight passes through it in forward)
-adds them up in backward with an all-reduce over the kv group, once per
-micro-batch, so every replica holds the same full gradient, takes the same
-optimizer step, and stays bitwise equal to its siblings. Cost per micro-batch
-and layer: 2 all-reduces of a (head_dim, d_model) gradient.
+More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
+heads) needs one more function, `share`, in its own section at the end of
+this file; with tp <= n_kv_heads it never acts, so skip it on a first reading.
 """
 
 from __future__ import annotations
@@ -54,6 +48,11 @@ from . import comm
 
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
+
+# ---------------------------------------------------------------------------
+# The region boundaries: four conjugate functions, and enter / leave, which
+# pick a pair (module docstring)
+# ---------------------------------------------------------------------------
 
 class _Copy(torch.autograd.Function):
     """Enter a tp region: forward identity, backward all-reduce (Megatron's f)."""
@@ -141,12 +140,9 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _Reduce.apply(x, group)
 
 
-def share(w: torch.Tensor, group) -> torch.Tensor:
-    """A weight held by every rank of `group`, each using it for other outputs
-    (the replicas of a kv head): forward identity, backward all-reduce, so
-    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
-    return w if group is None or group.size == 1 else _Copy.apply(w, group)
-
+# ---------------------------------------------------------------------------
+# How a parameter is split over tp ranks: ShardSpec, attached as p.shard
+# ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -166,7 +162,7 @@ class ShardSpec:
                            its gradient is a partial sum to be all-reduced over tp
 
     Usually parts = tp and part = the tp rank. The one exception is kv-head
-    replication (only when tp > n_kv_heads, module docstring): wk and wv are cut
+    replication (only when tp > n_kv_heads, the section at the end of this file): wk and wv are cut
     into n_kv_heads parts, fewer than tp, and each part is held by
     copies = tp // parts neighbouring ranks (part = tp_rank // copies). So
     `tp // parts` is how many tp ranks hold each element: 1 for a split
@@ -214,14 +210,19 @@ def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool =
     return p
 
 
+# ---------------------------------------------------------------------------
+# The parallel layers and the vocab-parallel loss
+# ---------------------------------------------------------------------------
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T with W split by output rows. Input: the full x, already
     inside the tp region (call `enter` once before a group of these, e.g. once
     for wq, wk and wv). Output: this rank's 1/tp of the features.
 
-    `replicas`: the kv group when tp exceeds the kv heads (module docstring):
-    W is cut into tp / replicas.size parts, and the ranks of the group hold
-    the same part; their gradients are summed by `share`."""
+    `replicas`: the kv group when tp exceeds the kv heads (the kv-head
+    section at the end of this file): W is cut into tp / replicas.size parts,
+    and the ranks of the group hold the same part; their gradients are summed
+    by `share`."""
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
@@ -315,3 +316,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     z_t = reduce_sum(torch.where(mine, picked, torch.zeros_like(picked)), group)
     return torch.log(sum_exp) + m - z_t
     # exercise 4c: end
+
+
+# ---------------------------------------------------------------------------
+# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv heads).
+# With tp <= n_kv_heads there is no kv group, `share` is the identity, and
+# this section can be skipped on a first reading.
+#
+# A rank's query heads then all use one kv head, so the rank holds a copy of
+# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
+# group" of 4 replicas (mesh.py's kv section builds the groups;
+# ColumnParallelLinear's `replicas`, ShardSpec's parts < tp). Each replica's
+# gradient only covers its own query heads; the kv head's true gradient is
+# their sum. `share` (the weight passes through it in forward) adds them up
+# in backward with an all-reduce over the kv group, once per micro-batch, so
+# every replica holds the same full gradient, takes the same optimizer step,
+# and stays bitwise equal to its siblings. Cost per micro-batch and layer: 2
+# all-reduces of a (head_dim, d_model) gradient.
+# ---------------------------------------------------------------------------
+
+def share(w: torch.Tensor, group) -> torch.Tensor:
+    """A weight held by every rank of `group`, each using it for other outputs
+    (the replicas of a kv head): forward identity, backward all-reduce, so
+    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
+    return w if group is None or group.size == 1 else _Copy.apply(w, group)
