@@ -26,6 +26,16 @@ T/tp of the sequence, cutting their activation memory by tp. Those four
 functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
 
+The same four in Megatron-LM (megatron/core/tensor_parallel/mappings.py), to
+search across codebases. Megatron's activations are (T, B, C), so its
+sequence dimension is the first; ours is the second (SEQ_DIM):
+
+    here         used by      Megatron-LM's code                           the papers' name
+    _Copy        enter        copy_to_tensor_model_parallel_region         f (Megatron-LM)
+    _Reduce      leave        reduce_from_tensor_model_parallel_region     g (Megatron-LM)
+    _GatherSeq   enter, SP    gather_from_sequence_parallel_region         g (SP paper)
+    _ScatterSeq  leave, SP    reduce_scatter_to_sequence_parallel_region   g-bar (SP paper)
+
 Parameters carry their sharding as one object, `p.shard` (a `ShardSpec`:
 which dimension is cut, into how many parts, which part this rank holds, the
 full shape, and whether a sequence-parallel region makes its gradient a
@@ -51,11 +61,12 @@ SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
 # ---------------------------------------------------------------------------
 # The region boundaries: four conjugate functions, and enter / leave, which
-# pick a pair (module docstring)
+# pick a pair (module docstring's tables)
 # ---------------------------------------------------------------------------
 
 class _Copy(torch.autograd.Function):
-    """Enter a tp region: forward identity, backward all-reduce (Megatron's f)."""
+    """Enter a tp region: forward identity, backward all-reduce (the
+    Megatron-LM paper's f; in its code `copy_to_tensor_model_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -72,7 +83,8 @@ class _Copy(torch.autograd.Function):
 
 
 class _Reduce(torch.autograd.Function):
-    """Leave a tp region: forward all-reduce, backward identity (Megatron's g)."""
+    """Leave a tp region: forward all-reduce, backward identity (the
+    Megatron-LM paper's g; in its code `reduce_from_tensor_model_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -88,7 +100,9 @@ class _Reduce(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Enter with sequence parallel: forward all-gather along T, backward reduce-scatter."""
+    """Enter with sequence parallel: forward all-gather along T, backward
+    reduce-scatter (the SP paper's g; in Megatron-LM's code
+    `gather_from_sequence_parallel_region`, whose backward reduce-scatters by default)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -105,7 +119,9 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class _ScatterSeq(torch.autograd.Function):
-    """Leave with sequence parallel: forward reduce-scatter along T, backward all-gather."""
+    """Leave with sequence parallel: forward reduce-scatter along T, backward
+    all-gather (the SP paper's g-bar; in Megatron-LM's code
+    `reduce_scatter_to_sequence_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -122,14 +138,18 @@ class _ScatterSeq(torch.autograd.Function):
 
 
 def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank."""
+    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank
+    (Megatron-LM: `gather_from_sequence_parallel_region` or
+    `copy_to_tensor_model_parallel_region`)."""
     if group.size == 1:
         return x
     return _GatherSeq.apply(x, group) if sequence_parallel else _Copy.apply(x, group)
 
 
 def leave(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)."""
+    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)
+    (Megatron-LM: `reduce_scatter_to_sequence_parallel_region` or
+    `reduce_from_tensor_model_parallel_region`)."""
     if group.size == 1:
         return x
     return _ScatterSeq.apply(x, group) if sequence_parallel else _Reduce.apply(x, group)
