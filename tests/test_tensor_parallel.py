@@ -2,7 +2,7 @@
 gradients and weight gradients, for tp = 2 and 4, with and without sequence
 parallel, and the vocab-parallel cross-entropy including padded vocabulary;
 and attention with more tp ranks than kv heads (replicated kv heads); and
-the ShardSpec every parameter carries.
+the ShardSpec every parameter carries, kept by Device.place.
 
 Every rank builds the same full tensors from a shared seed, runs the sharded
 layer on its slice, and checks its slice of every result against the plain
@@ -205,3 +205,26 @@ def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
             (tp // r, rank // r) if name.endswith(("wk.weight", "wv.weight")) else (tp, rank)
         assert (s.parts, s.part) == want, name
         assert s.sequence_parallel == (sp and tp > 1 and s.dim is None), name
+
+
+def test_place_reattaches_the_shard_spec_when_a_move_makes_new_parameters(monkeypatch):
+    """Device.place keeps `p.shard` across a move that makes new Parameter
+    objects, as a move to XLA does (simulated here on the CPU)."""
+    from nanohlat.config import ModelConfig
+    from nanohlat.device import Device
+    from nanohlat.model import Transformer
+    model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    max_seq_len=16))
+    want = {name: p.shard for name, p in model.named_parameters()}
+    real_to = torch.nn.Module.to
+
+    def to_new_parameters(self, *args, **kwargs):
+        real_to(self, *args, **kwargs)
+        for m in self.modules():
+            for name, p in list(m._parameters.items()):
+                m._parameters[name] = torch.nn.Parameter(p.detach().clone())   # no attributes
+        return self
+    monkeypatch.setattr(torch.nn.Module, "to", to_new_parameters)
+    Device("cpu", torch.device("cpu"), "gloo", "cpu").place(model, torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.shard is want[name], name
