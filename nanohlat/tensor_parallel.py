@@ -182,11 +182,11 @@ class ShardSpec:
                            its gradient is a partial sum to be all-reduced over tp
 
     Usually parts = tp and part = the tp rank. The one exception is kv-head
-    replication (only when tp > n_kv_heads, the section at the end of this file): wk and wv are cut
-    into n_kv_heads parts, fewer than tp, and each part is held by
-    copies = tp // parts neighbouring ranks (part = tp_rank // copies). So
-    `tp // parts` is how many tp ranks hold each element: 1 for a split
-    weight, tp for a replicated one.
+    replication (only when tp > n_kv_heads; the section at the end of this
+    file): wk and wv are cut into n_kv_heads parts, fewer than tp, and each
+    part is held by copies = tp // parts neighbouring ranks (part = tp_rank //
+    copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
+    split weight, tp for a replicated one.
 
     Who reads it: model.py:init_weights (full_shape, then `local_part`);
     optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
