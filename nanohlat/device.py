@@ -80,16 +80,16 @@ class Device:
 
     def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """module.to(this device, dtype), keeping what parameters carry besides
-        their values (`tp_dim`, `full_shape`, `sequence_parallel`: see
-        tensor_parallel.py). Moving to CPU or CUDA swaps the data inside the
-        same Parameter objects; moving to XLA makes *new* Parameters (an XLA
-        tensor cannot share a CPU tensor's internals), which would silently
-        drop those attributes. So copy them over, by parameter name."""
-        extras = {name: dict(vars(p)) for name, p in module.named_parameters()}
+        their values: `p.shard`, how the parameter is split over tp ranks
+        (tensor_parallel.py:ShardSpec). Moving to CPU or CUDA swaps the data
+        inside the same Parameter objects; moving to XLA makes *new* Parameters
+        (an XLA tensor cannot share a CPU tensor's internals), which would
+        silently drop that attribute. So copy it over, by parameter name."""
+        shards = {name: p.shard for name, p in module.named_parameters() if hasattr(p, "shard")}
         module.to(device=self.torch_device, dtype=dtype)
         for name, p in module.named_parameters():
-            for key, value in extras[name].items():
-                setattr(p, key, value)
+            if name in shards:
+                p.shard = shards[name]
         return module
 
     # -- the step ------------------------------------------------------------

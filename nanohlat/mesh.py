@@ -19,6 +19,10 @@ Example, tp=2, pp=2, dp=2 (8 ranks):
 
 Every rank creates every group in the same order (collective libraries require
 it), and a group of size 1 is never created: collectives on it are no-ops.
+
+Two kinds of groups are special cases, each in a labelled section at the end
+of this file, to skip on a first reading: the kv groups (only when tp >
+n_kv_heads) and the pipeline's neighbour pairs in the shape XLA wants.
 """
 
 from __future__ import annotations
@@ -71,12 +75,6 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     if tcfg.sequence_parallel and tcfg.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
     return dp
-
-
-def kv_replicas(model: ModelConfig, tp: int) -> int:
-    """How many tp ranks hold a copy of each kv head: tp / n_kv_heads when tp
-    is larger (HLAT-70B: 32 / 8 = 4), else 1 (each rank has its own kv heads)."""
-    return tp // model.n_kv_heads if tp > model.n_kv_heads else 1
 
 
 def coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
@@ -137,8 +135,11 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     def _all(self, kind: str) -> list[list[int]]:
-        """Every group of one kind, as lists of ranks, in a fixed order."""
+        """Every group of one kind, as lists of ranks, in a fixed order. 'kv' and
+        'pair_even' / 'pair_odd' are the special cases at the end of this file."""
         tp, pp, dp = self.tp, self.pp, self.dp
+        if kind == "kv":
+            return kv_groups(tp, pp, dp, self.kv_replicas)
         r = lambda d, p, t: rank_of(d, p, t, tp, dp)
         # exercise 6b: begin
         if kind == "tp":
@@ -148,21 +149,7 @@ class Mesh:
         if kind == "pp":
             return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
         # exercise 6b: end
-        if kind == "kv":   # neighbouring tp ranks sharing a kv head: [0 1] [2 3] at tp 4, 2 kv heads
-            k = self.kv_replicas
-            return [g[i:i + k] for g in self._all("tp") for i in range(0, tp, k)] if k > 1 else []
-        # Pipeline neighbour pairs, stage b <-> b+1. Even and odd boundaries are
-        # two kinds so that each kind is a set of disjoint equal-size groups
-        # (what the xla backend wants as its replica-group partition). With an
-        # even pp > 2 the odd kind also pairs the last stage with the first
-        # (b = pp-1 <-> 0, never used to send), so that, as in
-        # neuronx-distributed, every rank is in one pair of each kind. (pp = 2
-        # has one boundary; with an odd pp the ring cannot split into disjoint
-        # pairs, and the odd kind leaves the last stage out.)
-        parity = 0 if kind == "pair_even" else 1
-        last = pp if pp > 2 and pp % 2 == 0 else pp - 1
-        return [[r(d, b, t), r(d, (b + 1) % pp, t)] for b in range(parity, last, 2)
-                for d in range(dp) for t in range(tp)]
+        return pair_groups(kind, tp, pp, dp)   # 'pair_even' or 'pair_odd'
 
     def build_groups(self, device=None) -> "Mesh":
         """Create the process groups. Every rank calls this, in the same order."""
@@ -176,14 +163,9 @@ class Mesh:
                 if len(ranks) > 1 and device is not None:
                     pg = device.new_group(ranks, partition)
                 if self.rank in ranks:
-                    name = "pp" if kind.startswith("pair") else kind
-                    g = Group(name, ranks, ranks.index(self.rank), pg, self.ledger)
-                    key = kind
-                    if kind.startswith("pair"):   # the pair's first rank is the earlier stage
-                        key = "next" if ranks[0] == self.rank else "prev"
-                        if coords(ranks[1], self.tp, self.pp, self.dp)[1] == 0:
-                            key = "wrap"          # last stage <-> first: exists, carries nothing
-                    self.groups[key] = g
+                    pair = kind.startswith("pair")
+                    g = Group("pp" if pair else kind, ranks, ranks.index(self.rank), pg, self.ledger)
+                    self.groups[pair_key(ranks, self.rank, self.tp, self.pp, self.dp) if pair else kind] = g
         return self
 
     def group(self, key: str) -> Group:
@@ -204,3 +186,60 @@ class Mesh:
     @property
     def pp_group(self) -> Group:
         return self.group("pp")
+
+
+# ---------------------------------------------------------------------------
+# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv
+# heads). Then each kv head is held by tp / n_kv_heads neighbouring tp ranks,
+# a "kv group", whose gradients for it are summed (tensor_parallel.py's
+# kv-head section). With tp <= n_kv_heads there are no kv groups: skip this
+# section on a first reading.
+# ---------------------------------------------------------------------------
+
+def kv_replicas(model: ModelConfig, tp: int) -> int:
+    """How many tp ranks hold a copy of each kv head: tp / n_kv_heads when tp
+    is larger (HLAT-70B: 32 / 8 = 4), else 1 (each rank has its own kv heads)."""
+    return tp // model.n_kv_heads if tp > model.n_kv_heads else 1
+
+
+def kv_groups(tp: int, pp: int, dp: int, k: int) -> list[list[int]]:
+    """The kv groups: each tp group cut into runs of k neighbouring ranks
+    ([0 1] [2 3] at tp 4 with 2 kv heads, k = 2); none when k = 1."""
+    if k == 1:
+        return []
+    return [[rank_of(d, p, t, tp, dp) for t in range(i, i + k)]
+            for p in range(pp) for d in range(dp) for i in range(0, tp, k)]
+
+
+# ---------------------------------------------------------------------------
+# Pipeline neighbour pairs, shaped for XLA: only when pp > 1. The pipeline
+# sends activations and gradients between stages b and b+1 through a 2-rank
+# group (comm.exchange), which is all a first reading needs:
+# mesh.group("next") and mesh.group("prev"). The rest is there because the
+# xla backend wants each kind of group to be a partition of the ranks into
+# disjoint groups of one size, which the chain of pairs is not: so the pairs
+# come in two kinds, even and odd boundaries, plus an unused "wrap" pair.
+# Every backend builds them the same way.
+# ---------------------------------------------------------------------------
+
+def pair_groups(kind: str, tp: int, pp: int, dp: int) -> list[list[int]]:
+    """The pairs of stages b <-> b+1 for even (kind 'pair_even') or odd
+    ('pair_odd') boundaries b, each kind a set of disjoint equal-size groups.
+    With an even pp > 2 the odd kind also pairs the last stage with the first
+    (b = pp-1 <-> 0, never used to send), so that, as in neuronx-distributed,
+    every rank is in one pair of each kind. (pp = 2 has one boundary; with an
+    odd pp the ring cannot split into disjoint pairs, and the odd kind leaves
+    the last stage out.)"""
+    parity = 0 if kind == "pair_even" else 1
+    last = pp if pp > 2 and pp % 2 == 0 else pp - 1
+    return [[rank_of(d, b, t, tp, dp), rank_of(d, (b + 1) % pp, t, tp, dp)] for b in range(parity, last, 2)
+            for d in range(dp) for t in range(tp)]
+
+
+def pair_key(ranks: list[int], rank: int, tp: int, pp: int, dp: int) -> str:
+    """The name `rank` gives its pair `ranks` (the earlier stage first): 'next'
+    (the pair with stage + 1), 'prev' (with stage - 1), or 'wrap' (last stage
+    <-> first: exists, carries nothing)."""
+    if coords(ranks[1], tp, pp, dp)[1] == 0:
+        return "wrap"
+    return "next" if ranks[0] == rank else "prev"

@@ -255,5 +255,5 @@ def init_weights(model: Transformer, seed: int) -> None:
     one parameter at a time (a 7B model never exists in full on one rank).
     The replicas of a kv head cut the same part: equal from the start."""
     for name, p in model.named_parameters():
-        full = full_init(name, p.full_shape, model.cfg, seed)
+        full = full_init(name, p.shard.full_shape, model.cfg, seed)
         p.copy_(tpl.local_part(full, p))

@@ -144,7 +144,7 @@ class FlatAdamW:
             mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4))
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.tp_dim is None, p.tp_parts)   # (decay, tp-replicated, parts over tp)
+            key = (p.ndim >= 2, p.shard.dim is None, p.shard.parts)   # (decay, tp-replicated, parts over tp)
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
@@ -182,7 +182,7 @@ class FlatAdamW:
         grads = []
         for g in self.groups:
             flat = g.grad
-            if g.tp_replicated and self.mesh.tp > 1 and any(p.sequence_parallel for p in g.params):
+            if g.tp_replicated and self.mesh.tp > 1 and any(p.shard.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
                 flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
             grads.append(self.dp.reduce_gradients(flat))
@@ -195,7 +195,7 @@ class FlatAdamW:
         sq = torch.zeros((), dtype=torch.float64 if self.exact else torch.float32, device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = self._sum_of_squares(grad)
-            copies = mesh.tp // g.params[0].tp_parts    # tp ranks holding this group's elements
+            copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
             sq = sq + (s / copies if copies > 1 else s)
         sq = sq.float()                                  # 4 bytes per all-reduce below
         sq = comm.all_reduce(sq, mesh.tp_group)

@@ -179,10 +179,9 @@ def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp
         lo, hi = max(off, start), min(off + p.numel(), stop)
         if lo >= hi:
             continue
-        full_shape = getattr(p, "full_shape", p.shape)
-        chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+        chunks = 1 if p.shard.dim is None else p.shard.parts   # (tensor_parallel.ShardSpec)
         pieces.append(Piece(name, name_key(name), lo - start, hi - start, lo - off, hi - off, tuple(p.shape),
-                            p.tp_dim, tp_rank * chunks // tp, chunks))   # tp ranks sharing a chunk hold copies
+                            p.shard.dim, tp_rank * chunks // tp, chunks))   # tp ranks sharing a chunk hold copies
     return pieces
 
 

@@ -26,29 +26,29 @@ T/tp of the sequence, cutting their activation memory by tp. Those four
 functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
 
-Parameters carry their sharding: `p.tp_dim` is the dimension split over tp
-ranks (None = replicated), `p.full_shape` the unsharded shape, and the full
-tensor is cut into `p.tp_parts` equal parts along tp_dim, of which this rank
-holds part `p.tp_part` (`local_part`). Usually tp_parts = tp and part = tp
-rank; a replicated tensor has one part; a kv-head matrix with more tp ranks
-than kv heads has n_kv_heads parts, each held by tp / n_kv_heads neighbouring
-ranks (below). Init, checkpoints and the grad norm read these. Replicated
-norm weights inside a sequence-parallel region see only their rank's tokens,
-so their gradients are partial sums: `p.sequence_parallel` marks them for an
-all-reduce over tp.
+The same four in Megatron-LM (megatron/core/tensor_parallel/mappings.py), to
+search across codebases. Megatron's activations are (T, B, C), so its
+sequence dimension is the first; ours is the second (SEQ_DIM):
 
-More tp ranks than kv heads (HLAT-70B: tp 32, 8 kv heads). A rank's query
-heads all use one kv head, so the rank holds a copy of that kv head's rows
-of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv group" of 4 replicas.
-Each replica's gradient only covers its own query heads; the kv head's true
-gradient is their sum. `share` (the weight passes through it in forward)
-adds them up in backward with an all-reduce over the kv group, once per
-micro-batch, so every replica holds the same full gradient, takes the same
-optimizer step, and stays bitwise equal to its siblings. Cost per micro-batch
-and layer: 2 all-reduces of a (head_dim, d_model) gradient.
+    here         used by      Megatron-LM's code                           the papers' name
+    _Copy        enter        copy_to_tensor_model_parallel_region         f (Megatron-LM)
+    _Reduce      leave        reduce_from_tensor_model_parallel_region     g (Megatron-LM)
+    _GatherSeq   enter, SP    gather_from_sequence_parallel_region         g (SP paper)
+    _ScatterSeq  leave, SP    reduce_scatter_to_sequence_parallel_region   g-bar (SP paper)
+
+Parameters carry their sharding as one object, `p.shard` (a `ShardSpec`:
+which dimension is cut, into how many parts, which part this rank holds, the
+full shape, and whether a sequence-parallel region makes its gradient a
+partial sum). Init, the optimizer, checkpoints and the replica checks read it.
+
+More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
+heads) needs one more function, `share`, in its own section at the end of
+this file; with tp <= n_kv_heads it never acts, so skip it on a first reading.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -59,8 +59,14 @@ from . import comm
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
 
+# ---------------------------------------------------------------------------
+# The region boundaries: four conjugate functions, and enter / leave, which
+# pick a pair (module docstring's tables)
+# ---------------------------------------------------------------------------
+
 class _Copy(torch.autograd.Function):
-    """Enter a tp region: forward identity, backward all-reduce (Megatron's f)."""
+    """Enter a tp region: forward identity, backward all-reduce (the
+    Megatron-LM paper's f; in its code `copy_to_tensor_model_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -77,7 +83,8 @@ class _Copy(torch.autograd.Function):
 
 
 class _Reduce(torch.autograd.Function):
-    """Leave a tp region: forward all-reduce, backward identity (Megatron's g)."""
+    """Leave a tp region: forward all-reduce, backward identity (the
+    Megatron-LM paper's g; in its code `reduce_from_tensor_model_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -93,7 +100,9 @@ class _Reduce(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Enter with sequence parallel: forward all-gather along T, backward reduce-scatter."""
+    """Enter with sequence parallel: forward all-gather along T, backward
+    reduce-scatter (the SP paper's g; in Megatron-LM's code
+    `gather_from_sequence_parallel_region`, whose backward reduce-scatters by default)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -110,7 +119,9 @@ class _GatherSeq(torch.autograd.Function):
 
 
 class _ScatterSeq(torch.autograd.Function):
-    """Leave with sequence parallel: forward reduce-scatter along T, backward all-gather."""
+    """Leave with sequence parallel: forward reduce-scatter along T, backward
+    all-gather (the SP paper's g-bar; in Megatron-LM's code
+    `reduce_scatter_to_sequence_parallel_region`)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -127,14 +138,18 @@ class _ScatterSeq(torch.autograd.Function):
 
 
 def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank."""
+    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank
+    (Megatron-LM: `gather_from_sequence_parallel_region` or
+    `copy_to_tensor_model_parallel_region`)."""
     if group.size == 1:
         return x
     return _GatherSeq.apply(x, group) if sequence_parallel else _Copy.apply(x, group)
 
 
 def leave(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)."""
+    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)
+    (Megatron-LM: `reduce_scatter_to_sequence_parallel_region` or
+    `reduce_from_tensor_model_parallel_region`)."""
     if group.size == 1:
         return x
     return _ScatterSeq.apply(x, group) if sequence_parallel else _Reduce.apply(x, group)
@@ -145,11 +160,49 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _Reduce.apply(x, group)
 
 
-def share(w: torch.Tensor, group) -> torch.Tensor:
-    """A weight held by every rank of `group`, each using it for other outputs
-    (the replicas of a kv head): forward identity, backward all-reduce, so
-    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
-    return w if group is None or group.size == 1 else _Copy.apply(w, group)
+# ---------------------------------------------------------------------------
+# How a parameter is split over tp ranks: ShardSpec, attached as p.shard
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split over the tp ranks, attached to it as `p.shard`
+    (by `_param`). The one contract between the parallel layers that create
+    parameters and everything else that must know their layout:
+
+        full_shape         the unsharded shape: what init draws, what a checkpoint stores
+        dim                the dimension cut over tp ranks; None: replicated, every rank
+                           holds the whole tensor
+        parts              the full tensor is cut into `parts` equal contiguous chunks
+                           along `dim` (1 when replicated) ...
+        part               ... and this rank holds chunk `part` (0 when replicated);
+                           `local_part` cuts it out of a full tensor
+        sequence_parallel  a replicated weight used inside a sequence-parallel region
+                           (the norms' gains): each rank sees only its T/tp tokens, so
+                           its gradient is a partial sum to be all-reduced over tp
+
+    Usually parts = tp and part = the tp rank. The one exception is kv-head
+    replication (only when tp > n_kv_heads; the section at the end of this
+    file): wk and wv are cut into n_kv_heads parts, fewer than tp, and each
+    part is held by copies = tp // parts neighbouring ranks (part = tp_rank //
+    copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
+    split weight, tp for a replicated one.
+
+    Who reads it: model.py:init_weights (full_shape, then `local_part`);
+    optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
+    sequence-parallel all-reduce, the grad norm counting each element once,
+    the stochastic-rounding index of an element in the full tensor);
+    run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
+    parts, part; which copy saves; loading through `local_part`);
+    run/replicas.py (which ranks must hold equal copies); serving/generate.py
+    (loading); device.py:Device.place (re-attaches it after a move to XLA).
+    """
+
+    full_shape: tuple
+    dim: int | None = None
+    parts: int = 1
+    part: int = 0
+    sequence_parallel: bool = False
 
 
 def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
@@ -160,33 +213,36 @@ def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
 
 
 def local_part(full: torch.Tensor, p) -> torch.Tensor:
-    """The part of a full tensor that parameter `p` holds on this rank."""
-    return shard(full, p.tp_dim, p.tp_part, p.tp_parts)
+    """The part of a full tensor that parameter `p` holds on this rank (`p.shard`)."""
+    return shard(full, p.shard.dim, p.shard.part, p.shard.parts)
 
 
-def _param(full_shape, tp_dim, parts: int, part: int = 0, **attrs) -> nn.Parameter:
+def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False) -> nn.Parameter:
     """A parameter holding part `part` of `parts` equal parts of a full tensor
-    cut along tp_dim (tp_dim None: the whole tensor, one part)."""
+    cut along `dim` (dim None: the whole tensor, one part), its `ShardSpec`
+    attached as `p.shard`."""
     shape = list(full_shape)
-    if tp_dim is not None:
-        shape[tp_dim] //= parts
+    if dim is not None:
+        shape[dim] //= parts
     p = nn.Parameter(torch.empty(shape))
-    p.tp_dim, p.full_shape = tp_dim, tuple(full_shape)
-    p.tp_parts, p.tp_part = (parts, part) if tp_dim is not None else (1, 0)
-    p.sequence_parallel = False
-    for k, v in attrs.items():
-        setattr(p, k, v)
+    parts, part = (parts, part) if dim is not None else (1, 0)
+    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel)
     return p
 
+
+# ---------------------------------------------------------------------------
+# The parallel layers and the vocab-parallel loss
+# ---------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T with W split by output rows. Input: the full x, already
     inside the tp region (call `enter` once before a group of these, e.g. once
     for wq, wk and wv). Output: this rank's 1/tp of the features.
 
-    `replicas`: the kv group when tp exceeds the kv heads (module docstring):
-    W is cut into tp / replicas.size parts, and the ranks of the group hold
-    the same part; their gradients are summed by `share`."""
+    `replicas`: the kv group when tp exceeds the kv heads (the kv-head
+    section at the end of this file): W is cut into tp / replicas.size parts,
+    and the ranks of the group hold the same part; their gradients are summed
+    by `share`."""
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
@@ -280,3 +336,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     z_t = reduce_sum(torch.where(mine, picked, torch.zeros_like(picked)), group)
     return torch.log(sum_exp) + m - z_t
     # exercise 4c: end
+
+
+# ---------------------------------------------------------------------------
+# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv heads).
+# With tp <= n_kv_heads there is no kv group, `share` is the identity, and
+# this section can be skipped on a first reading.
+#
+# A rank's query heads then all use one kv head, so the rank holds a copy of
+# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
+# group" of 4 replicas (mesh.py's kv section builds the groups;
+# ColumnParallelLinear's `replicas`, ShardSpec's parts < tp). Each replica's
+# gradient only covers its own query heads; the kv head's true gradient is
+# their sum. `share` (the weight passes through it in forward) adds them up
+# in backward with an all-reduce over the kv group, once per micro-batch, so
+# every replica holds the same full gradient, takes the same optimizer step,
+# and stays bitwise equal to its siblings. Cost per micro-batch and layer: 2
+# all-reduces of a (head_dim, d_model) gradient.
+# ---------------------------------------------------------------------------
+
+def share(w: torch.Tensor, group) -> torch.Tensor:
+    """A weight held by every rank of `group`, each using it for other outputs
+    (the replicas of a kv head): forward identity, backward all-reduce, so
+    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
+    return w if group is None or group.size == 1 else _Copy.apply(w, group)

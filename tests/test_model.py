@@ -73,14 +73,14 @@ def test_initialisation_is_independent_of_creation_order_and_layout():
     for n, p in stage1.named_parameters():
         assert torch.equal(p, full[n]), n
     for n, p in reversed(list(full.items())):
-        assert torch.equal(full_init(n, p.full_shape, CFG, 5), p.detach()), n
+        assert torch.equal(full_init(n, p.shard.full_shape, CFG, 5), p.detach()), n
     for tp in (2, 4):
         for r in range(tp):
             g = Group("tp", list(range(tp)), r)   # no process group: only shapes and slicing
             m = Transformer(CFG, group=g)
             init_weights(m, 5)
             for n, p in m.named_parameters():
-                assert torch.equal(p, shard(full[n].detach(), p.tp_dim, r, tp)), n
+                assert torch.equal(p, shard(full[n].detach(), p.shard.dim, r, tp)), n
 
 
 def test_kv_head_replicas_get_the_kv_head_of_their_query_heads():
@@ -96,7 +96,7 @@ def test_kv_head_replicas_get_the_kv_head_of_their_query_heads():
         assert (attn.n_heads, attn.n_kv_heads) == (1, 1)
         for w in ("wk", "wv"):
             p = getattr(attn, w).weight
-            assert (p.tp_parts, p.tp_part) == (4, r // 2)
+            assert (p.shard.parts, p.shard.part) == (4, r // 2)
             assert torch.equal(p, full[f"layers.1.attn.{w}.weight"][r // 2 * D:(r // 2 + 1) * D]), (w, r)
         assert torch.equal(attn.wq.weight, full["layers.1.attn.wq.weight"][r * D:(r + 1) * D])
 

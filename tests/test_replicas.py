@@ -53,8 +53,7 @@ def _dump_replicas(rank: int) -> None:
         model, mesh = latest["model"], latest["mesh"]
         params = {}
         for name, p in model.named_parameters():
-            full_shape = getattr(p, "full_shape", p.shape)
-            chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+            chunks = p.shard.parts
             params[name] = (p.detach().clone(), mesh.tp_rank * chunks // mesh.tp)   # (copy, which slice)
         os.makedirs(os.path.join(tcfg.out_dir, "replicas"), exist_ok=True)
         torch.save({"dp": mesh.dp_rank, "pp": mesh.pp_rank, "tp": mesh.tp_rank, "params": params},

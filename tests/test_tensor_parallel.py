@@ -1,7 +1,8 @@
 """Each tensor-parallel layer equals the unsharded layer: outputs, input
 gradients and weight gradients, for tp = 2 and 4, with and without sequence
 parallel, and the vocab-parallel cross-entropy including padded vocabulary;
-and attention with more tp ranks than kv heads (replicated kv heads).
+and attention with more tp ranks than kv heads (replicated kv heads); and
+the ShardSpec every parameter carries, kept by Device.place.
 
 Every rank builds the same full tensors from a shared seed, runs the sharded
 layer on its slice, and checks its slice of every result against the plain
@@ -127,7 +128,7 @@ def _check_kv_replicas(rank, tp):
         attn = Attention(cfg, group, sp, kv)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
-            p.data.copy_(getattr(ref, name).weight.detach().chunk(p.tp_parts, p.tp_dim)[p.tp_part])
+            p.data.copy_(getattr(ref, name).weight.detach().chunk(p.shard.parts, p.shard.dim)[p.shard.part])
         xi = (chunk(x, 1) if sp else x).clone().requires_grad_()
         y = attn(xi, cos, sin)
         close(y, chunk(y_full, 1) if sp else y_full)
@@ -135,7 +136,7 @@ def _check_kv_replicas(rank, tp):
         close(xi.grad, chunk(xr.grad, 1) if sp else xr.grad)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
-            close(p.grad, getattr(ref, name).weight.grad.chunk(p.tp_parts, p.tp_dim)[p.tp_part])
+            close(p.grad, getattr(ref, name).weight.grad.chunk(p.shard.parts, p.shard.dim)[p.shard.part])
         for name in ("wk", "wv"):   # the replicas' gradients: the same bits on both ranks of a kv group
             grad = getattr(attn, name).weight.grad
             both = comm.all_gather(grad.unsqueeze(0), kv, dim=0)
@@ -186,3 +187,54 @@ def test_single_rank_cross_entropy_ignores_padded_vocab():
     ref.sum().backward()
     torch.testing.assert_close(a.grad, b.grad)
     assert a.grad[..., 29:].abs().max() == 0
+
+
+@pytest.mark.parametrize("tp, rank, sp", [(1, 0, False), (4, 3, True), (8, 5, True)])
+def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
+    """The sharding contract: each parameter carries one ShardSpec as `p.shard`
+    and nothing else; its local shape is the full shape cut into `parts` along
+    `dim`; only replicated weights of a sequence-parallel model (the norms) are
+    marked sequence_parallel; at tp 8 > 4 kv heads wk and wv have 4 parts,
+    each held by 2 ranks."""
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.config import ModelConfig
+    from nanohlat.mesh import Group
+    from nanohlat.model import Transformer
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, max_seq_len=16)
+    r = max(tp // cfg.n_kv_heads, 1)
+    kv = Group("kv", list(range(rank - rank % r, rank - rank % r + r)), rank % r) if r > 1 else None
+    model = Transformer(cfg, Group("tp", list(range(tp)), rank), sp, kv_group=kv)
+    for name, p in model.named_parameters():
+        s = p.shard
+        assert isinstance(s, tpl.ShardSpec) and set(vars(p)) == {"shard"}, name
+        local = list(s.full_shape)
+        if s.dim is not None:
+            local[s.dim] //= s.parts
+        assert list(p.shape) == local, name
+        want = (1, 0) if s.dim is None else \
+            (tp // r, rank // r) if name.endswith(("wk.weight", "wv.weight")) else (tp, rank)
+        assert (s.parts, s.part) == want, name
+        assert s.sequence_parallel == (sp and tp > 1 and s.dim is None), name
+
+
+def test_place_reattaches_the_shard_spec_when_a_move_makes_new_parameters(monkeypatch):
+    """Device.place keeps `p.shard` across a move that makes new Parameter
+    objects, as a move to XLA does (simulated here on the CPU)."""
+    from nanohlat.config import ModelConfig
+    from nanohlat.device import Device
+    from nanohlat.model import Transformer
+    model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    max_seq_len=16))
+    want = {name: p.shard for name, p in model.named_parameters()}
+    real_to = torch.nn.Module.to
+
+    def to_new_parameters(self, *args, **kwargs):
+        real_to(self, *args, **kwargs)
+        for m in self.modules():
+            for name, p in list(m._parameters.items()):
+                m._parameters[name] = torch.nn.Parameter(p.detach().clone())   # no attributes
+        return self
+    monkeypatch.setattr(torch.nn.Module, "to", to_new_parameters)
+    Device("cpu", torch.device("cpu"), "gloo", "cpu").place(model, torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.shard is want[name], name

@@ -30,7 +30,7 @@ def build(model_cfg, tcfg, mesh, dev):
                         first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"))
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
-    dev.place(model, dtype)   # = model.to(device, dtype), keeping the parameters' sharding attributes
+    dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)
     model.set_activation_checkpointing(tcfg.activation_checkpointing, dev.checkpoint)
     if tcfg.compile:
         compile_stage(model, dev.kind)   # --compile: torch.compile the stage in place (compile.py)

@@ -249,14 +249,15 @@ def truncate_metrics(path: str, step: int) -> None:
 # -- save ------------------------------------------------------------------
 
 def _meta(p) -> dict:
-    return {"full_shape": list(p.full_shape), "tp_dim": -1 if p.tp_dim is None else p.tp_dim,
-            "parts": p.tp_parts, "part": p.tp_part}
+    s = p.shard   # the file keeps its own names: tp_dim (-1: replicated), parts, part
+    return {"full_shape": list(s.full_shape), "tp_dim": -1 if s.dim is None else s.dim,
+            "parts": s.parts, "part": s.part}
 
 
 def _first_copy(p, mesh) -> bool:
     """Whether this tp rank is the first of those holding p's part (they save it)."""
-    copies = mesh.tp // p.tp_parts
-    return mesh.tp_rank == p.tp_part * copies
+    copies = mesh.tp // p.shard.parts
+    return mesh.tp_rank == p.shard.part * copies
 
 
 def _begin(out_dir: str, step: int) -> str:
@@ -626,12 +627,12 @@ def load(path: str, model, opt, mesh, device) -> dict:
     check_model(path, shards.manifest, model.cfg)
     params = dict(model.named_parameters())
     for name, p in params.items():   # one full tensor at a time, cut to this rank's part
-        p.copy_(local_part(shards.tensor(name, p.full_shape), p))
+        p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):
             p = params[name]
-            return local_part(shards.tensor(name, p.full_shape, "optim", key), p).reshape(-1)
+            return local_part(shards.tensor(name, p.shard.full_shape, "optim", key), p).reshape(-1)
     else:   # weights only (e.g. imported from Hugging Face): master = weights, fresh moments
         def local_flat(name, key):
             p = params[name]

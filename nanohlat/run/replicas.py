@@ -47,8 +47,7 @@ def holders(p: torch.Tensor, kind: str, size: int) -> list[list[int]]:
     if kind == "dp":
         return [list(range(size))]
     # tp: ranks r with the same chunk r * chunks // tp hold the same slice (chunks 1: replicated)
-    full_shape = getattr(p, "full_shape", p.shape)
-    chunks = 1 if p.tp_dim is None else full_shape[p.tp_dim] // p.shape[p.tp_dim]
+    chunks = p.shard.parts
     sets: dict = {}
     for r in range(size):
         sets.setdefault(r * chunks // size, []).append(r)

@@ -71,7 +71,7 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
     check_tp(cfg, group.size)
     model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
     for name, p in model.named_parameters():
-        p.copy_(tpl.local_part(shards.tensor(name, p.full_shape), p))
+        p.copy_(tpl.local_part(shards.tensor(name, p.shard.full_shape), p))
     return model.to(dev.torch_device).eval(), shards.manifest
 
 
