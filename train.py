@@ -7,15 +7,17 @@
 A step is one optimizer update from one global batch: this rank's share of the
 batch (`data_parallel.split_batch`), forward and backward through this rank's
 pipeline stage and tensor slice (`pipeline.PipelineRunner.run`), the loss of
-the whole batch (`data_parallel.global_mean`), then the optimizer step
-(`optim.FlatAdamW`: gradients summed over dp, clipped, AdamW). `train()` below
-builds what a step needs (device, mesh, model, schedule and optimizer:
-`build.build`) and runs the steps. What is not the step lives elsewhere:
+the whole batch (`data_parallel.global_mean`), then the optimizer's four phases
+(`optim.FlatAdamW`; on the CPU and with --compile its subclass
+`tools/fast_adamw.py:FastFlatAdamW`, the same numbers sooner). `train()` below
+builds what a step needs (device, mesh, and `run/build.py:build` for the
+model, schedule and optimizer) and runs the steps. The rest lives elsewhere:
   * before `train()`, pre-flight, once (nanohlat/run/preflight.py, which
     `main()` calls): flags, checks, data, what to resume from, the workers;
   * around the steps, nanohlat/run/session.py: `Session(...)` resumes and
-    opens the log; `end_step` ends each step (sync, replica check, stop vote,
-    logging, evaluation, checkpoints); `close` writes the summary.
+    opens the log; `end_step` ends each step (count a non-finite step, check
+    replicas, `dev.sync()`, report the first step's traffic, the stop vote: one
+    all-reduce of a flag, log, evaluate, save); `close` writes the summary.
 """
 
 from __future__ import annotations
@@ -63,15 +65,17 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         lr = optim.cosine_lr(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
         tokens, targets = split_batch(ds.batch(step, tcfg.batch_size, tcfg.seq_len, tcfg.seed), mesh, tcfg, dev)
         opt.zero_grad()
-        loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # forward + backward
+        # forward + backward of every micro-batch; each loss is scaled by 1 / the GLOBAL token count,
+        # so gradients summed over micro-batches and dp ranks are the gradient of the batch's mean loss
+        loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (+ all-reduces over pp, dp)
         # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
         # buffers: its hooks moved each p.grad there as autograd made it (optim.py:FlatGroup.accumulate_hook)
-        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter
+        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (SP norms: + tp)
         norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO-1: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
         opt.write_back()                                # ZeRO-1: all-gather; then into the model's parameters
-        # the step ends (dev.sync); then logging, evaluation, the stop vote, checkpoints
+        # the step ends (dev.sync); then the stop vote, logging, evaluation, checkpoints (run/session.py)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break
     return session.close()

@@ -99,7 +99,8 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     microbatches: int = 1
-    # optimizer and schedule (HLAT-7B's recipe, docs/design.md section 2)
+    # optimizer and schedule: HLAT-7B's betas, eps, weight decay and clipping (docs/design.md
+    # section 2); lr and warm-up sized for the small CPU runs (the hlat-7b preset has HLAT's)
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30

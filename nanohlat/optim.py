@@ -1,10 +1,10 @@
 """AdamW over flat buffers, the learning-rate schedule, and the global grad norm.
 
 One optimizer serves every layout. This rank's parameters are packed into flat
-buffers, one per *group*: (weight-decayed or not) x (tp-sharded or replicated),
-each with fp32 gradients, a master copy and the two Adam moments (the last
-three whole, or this dp rank's 1/dp shard with --zero1). `reference_adamw_step`
-is the same AdamW per parameter, in textbook form.
+buffers, one per *group*: weight-decayed or not x tp-sharded, replicated, or
+in fewer parts than tp (replicated kv heads), each with fp32 gradients, a master
+copy and the two Adam moments (the last three whole, or this dp rank's 1/dp
+shard with --zero1). `reference_adamw_step` is AdamW per parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (FlatGroup.accumulate_hook) adds each micro-batch's gradient into the flat

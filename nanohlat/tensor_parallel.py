@@ -21,7 +21,7 @@ What moves, per block, for activations of shape (B, T, C) in dtype of s bytes:
     leave: all-reduce| bwd identity        leave: reduce-scatter T| bwd all-gather
 
 Both move the same bytes (an all-reduce is a reduce-scatter + all-gather), but
-with sequence parallel the norms, residual adds and dropout regions hold only
+with sequence parallel the norms and residual adds hold only
 T/tp of the sequence, cutting their activation memory by tp. Those four
 functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
@@ -190,8 +190,9 @@ class ShardSpec:
 
     Who reads it: model.py:init_weights (full_shape, then `local_part`);
     optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
-    sequence-parallel all-reduce, the grad norm counting each element once,
-    the stochastic-rounding index of an element in the full tensor);
+    sequence-parallel all-reduce, the grad norm counting each element once);
+    precision.py:shard_pieces (the stochastic-rounding index of an element in
+    the full tensor);
     run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
     parts, part; which copy saves; loading through `local_part`);
     run/replicas.py (which ranks must hold equal copies); serving/generate.py
@@ -205,11 +206,13 @@ class ShardSpec:
     sequence_parallel: bool = False
 
 
-def shard(full: torch.Tensor, tp_dim, tp_rank: int, tp: int) -> torch.Tensor:
-    """This rank's slice of a full tensor (contiguous chunks, rank order)."""
-    if tp_dim is None or tp == 1:
+def shard(full: torch.Tensor, dim, part: int, parts: int) -> torch.Tensor:
+    """Chunk `part` of `parts` contiguous chunks of a full tensor along `dim` (None: the
+    whole tensor). A tp rank's slice is chunk tp_rank of tp, or, for replicated kv
+    heads, chunk p.shard.part of p.shard.parts (`local_part`)."""
+    if dim is None or parts == 1:
         return full
-    return full.chunk(tp, dim=tp_dim)[tp_rank]
+    return full.chunk(parts, dim=dim)[part]
 
 
 def local_part(full: torch.Tensor, p) -> torch.Tensor:

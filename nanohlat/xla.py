@@ -2,9 +2,10 @@
 
 `device.py:Device` says *what* happens at each point of a step (place, sync,
 step closures, checkpointing, process groups); on `--device xla` it calls the
-functions here for *how*. Nothing else in nanohlat imports torch_xla, and this
-module imports it only inside its functions: a CPU or CUDA run never loads it,
-and never needs it installed.
+functions here for *how*. Apart from one seeding call in
+`device.py:Device.manual_seed`, nothing else in nanohlat imports torch_xla, and
+both import it only inside functions: a CPU or CUDA run never loads it, and
+never needs it installed.
 
 Why XLA is different: torch_xla is *lazy*. Tensor ops only record a graph;
 `torch_xla.sync()` compiles it (once per distinct graph, minutes on Neuron)
