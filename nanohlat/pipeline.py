@@ -116,8 +116,8 @@ class NoClock:
     A clock's interface: start() before a step's first tick, op_start()
     before each forward or backward (what it returns comes back to op_end as
     `started`), op_end(kind, micro-batch, started) after it, stop() after the
-    last tick. `train.py --timeline` passes tools/timeline.py:StepClock,
-    which records the wall time of every op."""
+    last tick. With `train.py --timeline`, run/build.py passes
+    tools/timeline.py:StepClock, which records the wall time of every op."""
 
     def start(self) -> None:
         pass
