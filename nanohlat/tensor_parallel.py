@@ -191,8 +191,8 @@ class ShardSpec:
     Who reads it: model.py:init_weights (full_shape, then `local_part`);
     optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
     sequence-parallel all-reduce, the grad norm counting each element once);
-    precision.py:shard_pieces (the stochastic-rounding index of an element in
-    the full tensor);
+    precision.py:shard_pieces (an element's index in the full tensor, for
+    the stochastic-rounding noise and the checkpoint's optimizer pieces);
     run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
     parts, part; which copy saves; loading through `local_part`);
     run/replicas.py (which ranks must hold equal copies); serving/generate.py

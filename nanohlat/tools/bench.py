@@ -389,7 +389,7 @@ def spread(times: dict, names: list) -> str:
 
 
 # ---------------------------------------------------------------------------
-# --generate: serving speed (generate.py, serving.py; tutorial chapter 9)
+# --generate: serving speed (serving/generate.py, serving/server.py; tutorial chapter 9)
 # ---------------------------------------------------------------------------
 
 def read_bandwidth(dev, mib: int = 256, repeats: int = 5) -> float:
