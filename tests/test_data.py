@@ -356,3 +356,16 @@ def test_training_on_a_damaged_builtin_cache_gives_the_undamaged_losses(cache_di
     out = capsys.readouterr().out
     assert out.count("rebuilding them") == 1 and "damaged (train.bin does not match its hash" in out
     assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_a_cached_tokenizer_that_no_longer_loads_is_trained_again(corpus, dataset, tmp_path):
+    import shutil
+    root = os.path.dirname(os.path.dirname(dataset.tokenizer.path))   # <cache>/tokenizer-<key>/tokenizer.model
+    cache = shutil.copytree(root, tmp_path / "cache")
+    model = os.path.join(cache, os.path.relpath(dataset.tokenizer.path, root))
+    with open(model, "wb") as f:
+        f.write(b"not a model")
+    notes = []
+    again = prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=notes.append)
+    assert sum("is damaged; training it again" in n for n in notes) == 1, notes
+    assert np.array_equal(again.train, dataset.train)
