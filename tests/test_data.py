@@ -228,3 +228,144 @@ def test_builtin_corpus_is_the_stdlib(tmp_path):
     ds = prepare_data("", "", VOCAB, cache_dir=str(tmp_path), log=lambda m: None)
     assert ds.num_windows("val", 256) > 10 and 1.5 < ds.bytes_per_token() < 3
     assert ds.tokenizer.decode(ds.val) == "".join(ds.val_documents)
+
+
+# ---------------------------------------------------------------------------
+# A damaged token cache is never trained on (issue 25)
+# ---------------------------------------------------------------------------
+
+def unsampled_ranges(size: int, blocks: int = 64, block: int = 4096) -> list[tuple[int, int]]:
+    """The byte ranges of a file that the old check (files.sample_hash) never read."""
+    starts = [i * (size - block) // (blocks - 1) for i in range(blocks)]
+    return [(a + block, b) for a, b in zip(starts, starts[1:]) if b > a + block]
+
+
+def zero_a_third_unsampled(path: str) -> None:
+    size, done = os.path.getsize(path), 0
+    with open(path, "r+b") as f:
+        for a, b in unsampled_ranges(size):
+            f.seek(a)
+            f.write(bytes(b - a))
+            done += b - a
+            if done >= size // 3:
+                return
+    raise AssertionError("the file is too small to zero a third of it outside the sampled blocks")
+
+
+def put_token(path: str, dtype: str, value: int) -> None:
+    """One token id written in the middle of an unsampled range."""
+    a, b = unsampled_ranges(os.path.getsize(path))[10]
+    itemsize = np.dtype(dtype).itemsize
+    with open(path, "r+b") as f:
+        f.seek((a + b) // 2 // itemsize * itemsize)
+        f.write(np.array([value], dtype=dtype).tobytes())
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A corpus whose train.bin (~1 MB) is large enough to be sampled, not hashed whole, by the old check."""
+    corpus = str(write_corpus(tmp_path_factory.mktemp("big"), n_files=400))
+    cache = str(tmp_path_factory.mktemp("bigcache"))
+    return corpus, cache, prepare_data(corpus, "", VOCAB, cache_dir=cache, log=lambda m: None)
+
+
+@pytest.mark.parametrize("damage", ["zeros", "token id = vocab", "token id = 65535", "old-format meta.json"])
+def test_a_damaged_cache_is_rebuilt_with_one_note(damage, big, tmp_path):
+    from nanohlat.run.files import sample_hash
+    import shutil
+    corpus, cache, good = big
+    cache = shutil.copytree(cache, tmp_path / "cache")
+    train_bin = os.path.join(cache, os.path.basename(good.directory), "train.bin")
+    meta_path = os.path.join(os.path.dirname(train_bin), "meta.json")
+    old = sample_hash(train_bin)
+    if damage == "zeros":
+        zero_a_third_unsampled(train_bin)
+    elif damage == "old-format meta.json":   # as the previous version wrote it: sampled hashes only
+        meta = json.load(open(meta_path))
+        for split in meta["splits"].values():
+            split["sample_hash"] = split.pop("sha256")
+        meta["val_documents_hash"] = meta.pop("val_documents_sha256")
+        open(meta_path, "w").write(json.dumps(meta))
+    else:
+        put_token(train_bin, good.meta["dtype"], int(damage.split()[-1].replace("vocab", str(VOCAB))))
+    assert sample_hash(train_bin) == old                                # what the old check would have seen
+    with pytest.raises(UserError, match="damaged"):                     # a reopened one (a worker): refused
+        Dataset(good.tokenizer, os.path.dirname(train_bin))
+    notes = []
+    again = prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=notes.append)
+    rebuilt = [n for n in notes if "rebuilding" in n]
+    assert len(rebuilt) == 1 and "\n" not in rebuilt[0], notes
+    assert ("older nanohlat" if damage.startswith("old") else "damaged") in rebuilt[0]
+    assert np.array_equal(again.train, good.train) and np.array_equal(again.val, good.val)
+    notes.clear()
+    prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=notes.append)   # once: now it is whole
+    assert not any("rebuilding" in n for n in notes), notes
+
+
+def test_the_range_check_catches_what_the_hash_cannot(big, tmp_path):
+    """An out-of-range id under a matching hash (a build gone wrong, a hand-edited meta.json)."""
+    import shutil
+    from nanohlat.run.data import verify_shards
+    from nanohlat.run.files import sha256_file
+    corpus, cache, good = big
+    entry = shutil.copytree(good.directory, tmp_path / "entry")
+    put_token(str(entry / "train.bin"), good.meta["dtype"], VOCAB)
+    meta = json.load(open(entry / "meta.json"))
+    meta["splits"]["train"]["sha256"] = sha256_file(str(entry / "train.bin"))
+    (entry / "meta.json").write_text(json.dumps(meta))
+    assert verify_shards(str(entry), VOCAB) == f"train.bin holds token id {VOCAB}, outside the vocabulary of {VOCAB}"
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        Dataset(good.tokenizer, str(entry))
+
+
+def test_a_link_at_a_cache_name_is_not_followed(big, tmp_path):
+    import shutil
+    corpus, cache, good = big
+    cache = shutil.copytree(cache, tmp_path / "cache")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine")
+    entry = os.path.join(cache, os.path.basename(good.directory))
+    os.remove(os.path.join(entry, "train.bin"))
+    os.symlink(victim, os.path.join(entry, "train.bin"))               # a link inside the entry
+    again = prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=lambda m: None)
+    assert victim.read_bytes() == b"mine" and not os.path.islink(os.path.join(entry, "train.bin"))
+    assert np.array_equal(again.train, good.train)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_bytes(b"mine")
+    shutil.rmtree(entry)
+    os.symlink(elsewhere, entry)                                       # a link at the entry's name
+    again = prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=lambda m: None)
+    assert os.listdir(elsewhere) == ["keep"] and (elsewhere / "keep").read_bytes() == b"mine"
+    assert not os.path.islink(entry) and np.array_equal(again.train, good.train)
+
+
+def test_training_on_a_damaged_builtin_cache_gives_the_undamaged_losses(cache_dir, tmp_path, capsys):
+    """The issue's case: a third of the stdlib train.bin zeroed outside the sampled blocks, then train.py."""
+    import glob
+    import shutil
+    import train
+    from conftest import read_metrics
+    copy = shutil.copytree(cache_dir, tmp_path / "cache")              # the session cache stays read-only
+    zero_a_third_unsampled(glob.glob(os.path.join(copy, "tokens-*", "train.bin"))[0])
+    losses = []
+    for cache, out in ((cache_dir, tmp_path / "good"), (copy, tmp_path / "damaged")):
+        assert train.main(["--preset", "tiny", "--steps", "3", "--eval-every", "0", "--no-progress", "--threads", "1",
+                           "--cache-dir", str(cache), "--out-dir", str(out)]) == 0
+        losses.append([m["loss"] for m in read_metrics(str(out))])
+    out = capsys.readouterr().out
+    assert out.count("rebuilding them") == 1 and "damaged (train.bin does not match its hash" in out
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+def test_a_cached_tokenizer_that_no_longer_loads_is_trained_again(corpus, dataset, tmp_path):
+    import shutil
+    root = os.path.dirname(os.path.dirname(dataset.tokenizer.path))   # <cache>/tokenizer-<key>/tokenizer.model
+    cache = shutil.copytree(root, tmp_path / "cache")
+    model = os.path.join(cache, os.path.relpath(dataset.tokenizer.path, root))
+    with open(model, "wb") as f:
+        f.write(b"not a model")
+    notes = []
+    again = prepare_data(corpus, "", VOCAB, cache_dir=str(cache), log=notes.append)
+    assert sum("is damaged; training it again" in n for n in notes) == 1, notes
+    assert np.array_equal(again.train, dataset.train)

@@ -19,10 +19,14 @@ the first build while the others wait, and a cache entry becomes visible only
 by an atomic rename after its manifest is written, so a crash mid-build never
 leaves something that later loads.
 
-Every cache entry is checked when it is opened: each shard's size and a
-cheap sampled hash (files.sample_hash) against meta.json. A damaged entry is
+Every cache entry is checked when it is opened: each shard's size and its
+full SHA-256 against meta.json, and every token id below the vocabulary size
+(verify_shards). Reading it all is cheap: the built-in corpus's shards are
+7-11 MB (the `default` preset's cache and tiny's), hashed in 10-30 ms and
+range-checked in 1-3 ms (measured on a 2-core machine). A damaged entry is
 rebuilt with a one-line note (or, if it cannot be, refused with a one-line
-error), never silently trained on.
+error), never trained on: a byte changed anywhere changes the hash, and a bad
+id never reaches the device.
 
 Batches are drawn by window index from an RNG seeded by (seed, step, split)
 only, so the global batch of a step is the same under every parallel layout;
@@ -50,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from nanohlat.config import UserError
-from nanohlat.run.files import atomic_write, sample_hash, sha256_file
+from nanohlat.run.files import atomic_write, sha256_file
 
 FORMAT_VERSION = 1                    # bump when the cache layout or packing changes
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json")
@@ -64,6 +68,7 @@ MIN_DOCS_FOR_DOC_SPLIT = 20           # ... when there are at least this many
 MIN_VAL_CHARS = 16_384                # else the last 5% of the text, at least this much
 ENCODE_BATCH = 256                    # documents per call into SentencePiece's threaded encoder
 SPLIT_CODES = {"train": 0, "val": 1}  # third word of the batch RNG seed
+OLD_CACHE = "built by an older nanohlat, without full checksums"   # (they had sampled hashes only)
 
 
 # ---------------------------------------------------------------------------
@@ -327,12 +332,14 @@ def _build_shards(docs: list[str], tok: Tokenizer, out_dir: str, corpus_key: str
         # Token counts include BOS/EOS because the loss averages over those targets too.
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         meta["splits"][split] = {"documents": len(split_docs), "tokens": n_tokens, "bytes": n_bytes,
-                                 "sample_hash": sample_hash(os.path.join(tmp, f"{split}.bin"))}
+                                 "sha256": sha256_file(os.path.join(tmp, f"{split}.bin"))}
     bar.close()
     atomic_write(os.path.join(tmp, "val_documents.json"), lambda f: f.write(json.dumps(val_docs).encode()))
-    meta["val_documents_hash"] = sample_hash(os.path.join(tmp, "val_documents.json"))
+    meta["val_documents_sha256"] = sha256_file(os.path.join(tmp, "val_documents.json"))
     atomic_write(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))   # last: marks "complete"
-    shutil.rmtree(out_dir, ignore_errors=True)   # an entry without meta.json is debris (we hold the lock)
+    if os.path.islink(out_dir):   # a link planted at the entry's name is removed, never followed
+        os.remove(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)   # debris or a damaged entry (we hold the lock; links inside unfollowed)
     os.rename(tmp, out_dir)   # the entry appears whole, or not at all
     s = meta["splits"]
     log(f"data: tokenised {len(docs)} documents in {time.time() - t0:.1f}s: "
@@ -380,28 +387,41 @@ def _prepare_locked(data: str, tokenizer: str, vocab_size: int, cache_dir: str, 
             _train_tokenizer(docs, vocab_size, tok_path, log)
     tok = load_tokenizer(tok_path)
     shard_dir = os.path.join(cache_dir, f"tokens-{_key(corpus, sha256_file(tok_path))}")
-    damage = verify_shards(shard_dir) if os.path.exists(os.path.join(shard_dir, "meta.json")) else "missing"
+    damage = verify_shards(shard_dir, tok.vocab_size) if os.path.exists(os.path.join(shard_dir, "meta.json")) \
+        else "missing"
     if damage is None:
         log(f"data: using cached tokens in {shard_dir}")
     else:
-        if damage != "missing":
+        if damage == OLD_CACHE:   # once: the rebuilt entry has them
+            log(f"data: the cached tokens in {shard_dir} were {damage}; rebuilding them")
+        elif damage != "missing":
             log(f"data: the cached tokens in {shard_dir} are damaged ({damage}); rebuilding them")
         _build_shards(docs if docs is not None else read_documents(data), tok, shard_dir, _key(corpus), log)
-    return Dataset(tok, shard_dir)
+        damage = verify_shards(shard_dir, tok.vocab_size)
+        if damage:   # only a build that went wrong: never train on it
+            raise UserError(f"the token cache {shard_dir} was rebuilt but is still damaged ({damage}); "
+                            f"remove it or give another --cache-dir")
+    return Dataset(tok, shard_dir, verified=True)
 
 
-def verify_shards(directory: str) -> str | None:
+def verify_shards(directory: str, vocab_size: int | None = None) -> str | None:
     """What is wrong with a token cache entry (None: nothing): meta.json readable
-    and complete, every shard of the recorded size and sample hash."""
+    and complete, of this vocabulary (None: the one it records), every file of its
+    recorded size and SHA-256, and every token id in [0, vocab_size) (unsigned, so >= 0)."""
     try:
         with open(os.path.join(directory, "meta.json")) as f:
             meta = json.load(f)
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        checks = [(f"{split}.bin", meta["splits"][split]["tokens"] * itemsize, meta["splits"][split]["sample_hash"])
+        dtype = np.dtype(meta["dtype"])
+        checks = [(f"{split}.bin", meta["splits"][split]["tokens"] * dtype.itemsize, meta["splits"][split]["sha256"])
                   for split in SPLIT_CODES]
-        checks.append(("val_documents.json", None, meta["val_documents_hash"]))
+        checks.append(("val_documents.json", None, meta["val_documents_sha256"]))
         meta["corpus"]
+        vocab_size = meta["vocab_size"] if vocab_size is None else vocab_size
+        if meta["vocab_size"] != vocab_size or dtype not in (np.uint16, np.uint32):
+            return f"meta.json records vocabulary {meta['vocab_size']} as {dtype}, the tokenizer has {vocab_size}"
     except KeyError as e:
+        if e.args and e.args[0] in ("sha256", "val_documents_sha256"):
+            return OLD_CACHE
         return f"meta.json has no {e} record (an older nanohlat's cache, or a damaged one)"
     except (OSError, ValueError, TypeError) as e:
         return f"meta.json is unreadable ({e.__class__.__name__})"
@@ -411,8 +431,13 @@ def verify_shards(directory: str) -> str | None:
             return f"{name} is missing"
         if size is not None and os.path.getsize(path) != size:
             return f"{name} has {os.path.getsize(path):,} bytes, meta.json says {size:,}"
-        if sample_hash(path) != digest:
-            return f"{name} does not match its hash in meta.json"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its hash (SHA-256) in meta.json"
+        if name.endswith(".bin") and size:
+            # Whole-shard, vectorised: a bad id would otherwise end in a cross-entropy error mid-run.
+            top = int(np.memmap(path, dtype=dtype, mode="r").max())
+            if top >= vocab_size:
+                return f"{name} holds token id {top}, outside the vocabulary of {vocab_size}"
     return None
 
 
@@ -421,10 +446,12 @@ def verify_shards(directory: str) -> str | None:
 # ---------------------------------------------------------------------------
 
 class Dataset:
-    def __init__(self, tokenizer: Tokenizer, directory: str):
+    def __init__(self, tokenizer: Tokenizer, directory: str, verified: bool = False):
         self.tokenizer = tokenizer
         self.directory = directory
-        damage = verify_shards(directory)   # (prepare_data rebuilt a damaged entry; this is a later change)
+        # prepare_data has just verified (or rebuilt) the entry. A reopened one (a worker of
+        # --nproc N) checks it again but never rebuilds: N workers would race to; the pre-flight did it.
+        damage = None if verified else verify_shards(directory, tokenizer.vocab_size)
         if damage:
             raise UserError(f"the token cache {directory} is damaged ({damage}); run again to rebuild it")
         with open(os.path.join(directory, "meta.json")) as f:
