@@ -266,7 +266,11 @@ def _begin(out_dir: str, step: int) -> str:
     os.makedirs(root, exist_ok=True)
     for debris in os.listdir(root):
         if debris.startswith((".tmp_", ".trash_")):
-            shutil.rmtree(os.path.join(root, debris), ignore_errors=True)
+            path = os.path.join(root, debris)
+            if os.path.islink(path):    # a link is removed, never followed (nanohlat makes none)
+                os.unlink(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     tmp = os.path.join(root, f".tmp_step_{step:08d}")
     os.makedirs(tmp)
     return tmp
