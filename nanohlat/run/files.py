@@ -1,4 +1,5 @@
-"""Crash-safe file writing and file hashes, shared by the data cache and checkpoints."""
+"""Crash-safe, link-refusing file writing (every file a run, an eval or an export
+writes goes through atomic_write or open_append) and file hashes."""
 
 from __future__ import annotations
 
