@@ -50,7 +50,8 @@ def test_train_never_writes_through_a_link(cache_dir, tmp_path, capsys):
     # every file a run writes into its out-dir, and a checkpoint's names
     before = plant(tmp_path, out, ["config.json", "metrics.jsonl", "summary.json", "timeline.txt",
                                    "timeline.png", "run.lock", "checkpoints/latest",
-                                   "checkpoints/.tmp_step_00000002/", "checkpoints/.tmp_step_00000004/"])
+                                   "checkpoints/.tmp_step_00000002/", "checkpoints/.tmp_step_00000004/",
+                                   "checkpoints/step_00000004/"])
     # a dangling link at a temporary's name: following it would create its target
     os.symlink(tmp_path / "victims" / "metrics_created", out / "config.json.partial")
     code = train.main(TINY + ["--steps", "4", "--save-every", "2", "--timeline", "--cache-dir", cache_dir,
@@ -59,6 +60,7 @@ def test_train_never_writes_through_a_link(cache_dir, tmp_path, capsys):
     assert_untouched(tmp_path, before)
     for name in ("config.json", "metrics.jsonl", "summary.json", "run.lock", "checkpoints/latest"):
         assert not os.path.islink(out / name), name          # replaced by the run's own file
+    assert not any(os.path.islink(p) for p in (out / "checkpoints").iterdir())
     assert (out / "config.json").read_text().startswith("{")
     assert checkpoint.latest(str(out)) == str(out / "checkpoints" / "step_00000004")
     assert '"loss"' in (out / "metrics.jsonl").read_text()
@@ -133,3 +135,15 @@ def test_files_helpers_replace_links_and_never_follow_them(tmp_path):
     with files.open_append(str(out / "c.jsonl")) as f:    # a regular file of ours is continued
         f.write("y\n")
     assert (out / "c.jsonl").read_text() == "x\ny\n"
+
+
+def test_removing_a_linked_checkpoint_folder_removes_the_link_only(tmp_path):
+    from nanohlat.run import checkpoint
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "inside").write_bytes(b"mine\n")
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    os.symlink(victim, root / "step_00000002")     # e.g. an incomplete checkpoint to clear
+    checkpoint._remove(str(root / "step_00000002"))
+    assert os.listdir(root) == [] and (victim / "inside").read_bytes() == b"mine\n"

@@ -98,7 +98,11 @@ REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files"
 
 def _remove(path: str) -> None:
     """Delete a checkpoint directory crash-safely: rename it out of sight
-    (atomic), then delete. A crash in between leaves only `.trash_` debris."""
+    (atomic), then delete. A crash in between leaves only `.trash_` debris.
+    A symbolic link there (nanohlat makes none) is removed, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     trash = os.path.join(os.path.dirname(path), ".trash_" + os.path.basename(path))
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
