@@ -17,6 +17,7 @@ atomically); with --all-checkpoints and matplotlib installed, also
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -148,9 +149,9 @@ def plot_curves(rows: list[dict], path: str) -> bool:
             ax.axhline(chance, color="grey", linestyle=":", label="chance")
             ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    atomic_write(path, lambda f: f.write(buffer.getvalue()))   # whole or absent, never through a link
     return True
 
 

@@ -44,6 +44,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from nanohlat.run import files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What a student copy leaves out: version control, run outputs, caches, virtual environments.
@@ -166,8 +168,7 @@ def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
         path = os.path.join(dest, rel)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(stub_source(text, set(ids)))
+        files.write_text(path, stub_source(text, set(ids)))   # a fresh file: a link there is not followed
     for path in _source_files(dest):   # a copy that does not even compile would blame the student
         with open(path, encoding="utf-8") as f:
             source = f.read()

@@ -98,7 +98,11 @@ REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files"
 
 def _remove(path: str) -> None:
     """Delete a checkpoint directory crash-safely: rename it out of sight
-    (atomic), then delete. A crash in between leaves only `.trash_` debris."""
+    (atomic), then delete. A crash in between leaves only `.trash_` debris.
+    A symbolic link there (nanohlat makes none) is removed, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+        return
     trash = os.path.join(os.path.dirname(path), ".trash_" + os.path.basename(path))
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
@@ -266,7 +270,11 @@ def _begin(out_dir: str, step: int) -> str:
     os.makedirs(root, exist_ok=True)
     for debris in os.listdir(root):
         if debris.startswith((".tmp_", ".trash_")):
-            shutil.rmtree(os.path.join(root, debris), ignore_errors=True)
+            path = os.path.join(root, debris)
+            if os.path.islink(path):    # a link is removed, never followed (nanohlat makes none)
+                os.unlink(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     tmp = os.path.join(root, f".tmp_step_{step:08d}")
     os.makedirs(tmp)
     return tmp

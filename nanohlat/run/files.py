@@ -1,9 +1,12 @@
-"""Crash-safe file writing and file hashes, shared by the data cache and checkpoints."""
+"""Crash-safe, link-refusing file writing (every file a run, an eval or an export
+writes goes through atomic_write or open_append) and file hashes."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 
 
 def fsync_dir(path: str) -> None:
@@ -15,22 +18,63 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _create_new(path: str, flags: int) -> int:
+    """Open `path` as a new regular file of ours: O_CREAT|O_EXCL|O_NOFOLLOW never
+    follows a link there (nor any file made by someone else meanwhile). Whatever
+    stands at `path` already (a `.partial` a killed run left, or a symbolic link)
+    is removed first: unlink removes a link itself, never its target."""
+    flags |= os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        os.unlink(path)
+    return os.open(path, flags, 0o644)
+
+
 def atomic_write(path: str, write) -> None:
     """write(f) into `path + '.partial'`, flush + fsync, then rename over `path`:
     readers see the old file or the whole new one, never a prefix. A write
     that fails (disk full, Ctrl-C) removes its `.partial`; only a killed
-    process leaves one behind."""
+    process leaves one behind.
+
+    Every file a run writes goes through here (or open_append), so none is ever
+    written through a symbolic link: the temporary is created anew, refusing to
+    follow a link (_create_new), and the rename replaces a link at `path` by the
+    file itself, leaving the link's target untouched."""
     tmp = path + ".partial"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(_create_new(tmp, os.O_WRONLY), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
             os.remove(tmp)
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_text(path: str, text: str) -> None:
+    """atomic_write of a UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def copy_file(source: str, path: str) -> None:
+    """Copy `source` to `path` through atomic_write (never through a link at `path`)."""
+    with open(source, "rb") as src:
+        atomic_write(path, lambda f: shutil.copyfileobj(src, f, 1 << 24))
+
+
+def open_append(path: str):
+    """`path` opened for appending text (metrics.jsonl), never through a link:
+    O_NOFOLLOW refuses one, which is then removed (not its target) and the file
+    created anew. A regular file already there is continued."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        fd = _create_new(path, os.O_WRONLY | os.O_APPEND)
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def sha256_file(path: str) -> str:

@@ -39,6 +39,7 @@ import threading
 import uuid
 
 from nanohlat.config import UserError
+from nanohlat.run import files
 
 ENV_HINT = "RANK, WORLD_SIZE (and MASTER_ADDR, MASTER_PORT)"
 
@@ -220,8 +221,7 @@ def report_error(message: str) -> None:
     when `spawn` started us, else to stderr."""
     folder = os.environ.get(ERRORS_ENV)
     if folder and os.path.isdir(folder):
-        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
-            f.write(message)
+        files.write_text(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), message)
     else:
         print(f"error: {message}", file=sys.stderr)
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from nanohlat.run import checkpoint
+from nanohlat.run import checkpoint, files
 from nanohlat import config, xla
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
@@ -213,7 +213,7 @@ class MetricsWriter:
             path = os.path.join(path, "metrics.jsonl")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = files.open_append(path)    # never through a link at the name
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record, default=_to_python) + "\n")
@@ -299,8 +299,7 @@ class TrainLog:
             os.makedirs(tcfg.out_dir, exist_ok=True)
             run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
                                                           "tokenizer_path": tokenizer_path}
-            with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
-                json.dump(run_cfg, f, indent=2)
+            files.write_text(os.path.join(tcfg.out_dir, "config.json"), json.dumps(run_cfg, indent=2))
             checkpoint.truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
@@ -399,8 +398,8 @@ class TrainLog:
         if self.main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
             keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "optimizer_bytes",
                     "peak_in_flight", "peak_memory", "step")
-            with open(os.path.join(self.tcfg.out_dir, "summary.json"), "w") as f:
-                json.dump({k: self.summary.get(k) for k in keys}, f, indent=2)
+            files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
+                             json.dumps({k: self.summary.get(k) for k in keys}, indent=2))
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)

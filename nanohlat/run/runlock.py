@@ -18,6 +18,7 @@ that a retry with `--resume never` is not refused as "already holds a run".
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -50,6 +51,20 @@ def _is_run_config(path: str) -> bool:
         return False
 
 
+def _open_lock(path: str) -> int:
+    """The lock file, opened (made if missing) but never through a symbolic link:
+    O_NOFOLLOW refuses one, which nanohlat never makes, so it is removed (not its
+    target) and the file made anew (O_EXCL: ours)."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+    os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o644)
+
+
 class RunLock:
     """The held lock (see the module docstring); release() ends it."""
 
@@ -64,7 +79,7 @@ class RunLock:
         self.path = os.path.join(out_dir, LOCK_NAME)
         try:
             os.makedirs(out_dir, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = _open_lock(self.path)
         except OSError as e:
             raise UserError(f"cannot use --out-dir {out_dir!r}: {e.strerror} ({e.filename}); "
                             f"choose a writable folder") from None

@@ -24,7 +24,7 @@ import torch
 
 from nanohlat import config
 from nanohlat.data_parallel import global_mean, split_batch
-from nanohlat.run import checkpoint, metrics, preempt, replicas
+from nanohlat.run import checkpoint, files, metrics, preempt, replicas
 from nanohlat.tools import plan, timeline
 
 
@@ -96,6 +96,5 @@ class Session:
         out_dir = self.tcfg.out_dir
         text = timeline.timeline_report(self.runner, self.mesh, self.tcfg, os.path.join(out_dir, "timeline.png"))
         if self.mesh.rank == 0 and text:
-            with open(os.path.join(out_dir, "timeline.txt"), "w") as f:
-                f.write(text + "\n")
+            files.write_text(os.path.join(out_dir, "timeline.txt"), text + "\n")
             print(text)

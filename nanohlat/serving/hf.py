@@ -34,12 +34,12 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import sys
 
 import torch
 
 from nanohlat.config import ModelConfig, UserError
+from nanohlat.run import files
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -201,11 +201,13 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
                         f"vocab_size {cfg.vocab_size}")
     st = _safetensors()
     os.makedirs(hf_dir, exist_ok=True)
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        dtype = str(state["embed.weight"].dtype).removeprefix("torch.")     # float32, or bfloat16 (pure bf16)
-        json.dump(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), f, indent=2)
-    st.save_file(to_hf_state(cfg, state), os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
+    # Each file through files.atomic_write: whole or absent, and never written through a link.
+    dtype = str(state["embed.weight"].dtype).removeprefix("torch.")     # float32, or bfloat16 (pure bf16)
+    files.write_text(os.path.join(hf_dir, "config.json"),
+                     json.dumps(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), indent=2))
+    weights = st.save(to_hf_state(cfg, state), metadata={"format": "pt"})
+    files.atomic_write(os.path.join(hf_dir, "model.safetensors"), lambda f: f.write(weights))
+    files.copy_file(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
     piece = tok.sp.id_to_piece
     tok_config = {
         "tokenizer_class": "LlamaTokenizer",
@@ -216,8 +218,7 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
         "add_prefix_space": False, "legacy": False,
         "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len,
     }
-    with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tok_config, f, indent=2)
+    files.write_text(os.path.join(hf_dir, "tokenizer_config.json"), json.dumps(tok_config, indent=2))
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -294,7 +295,7 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
         # outlives (and does not depend on) the Hugging Face directory.
         kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
         if os.path.abspath(tokenizer) != kept:
-            shutil.copyfile(tokenizer, kept)
+            files.copy_file(tokenizer, kept)
         path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
     finally:
         lock.release()

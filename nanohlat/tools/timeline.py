@@ -23,12 +23,14 @@ graph, so the measured timeline shows tracing, not device time.
 
 from __future__ import annotations
 
+import io
 import os
 import time
 
 import torch
 
 from nanohlat import comm, pipeline
+from nanohlat.run import files
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
 
@@ -230,5 +232,7 @@ def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str
         ax.set_xlabel(label)
     axes[0].set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    files.atomic_write(path, lambda f: f.write(buffer.getvalue()))   # never through a link at `path`
     plt.close(fig)
