@@ -256,7 +256,7 @@ def test_going_back_to_an_older_checkpoint_keeps_the_newer_ones_aside(one, cache
 # ---------------------------------------------------------------------------
 
 def _fault_worker(*args, **kwargs):
-    """preflight.worker with one SIGKILL planted, in rank fault["rank"], first start only.
+    """preflight.worker with one SIGKILL (or a full disk, or a crash) planted, in rank fault["rank"], first start only.
     Runs in each worker process that `launch.spawn` starts; the fault comes from
     the test through the environment (the only way into a spawned worker that
     does not touch train.py's flags)."""
@@ -282,6 +282,18 @@ def _fault_worker(*args, **kwargs):
                     die()
                 return real(path, fn)
             checkpoint._atomic_write = write
+        elif fault["at"] == "full disk":     # the disk fills while this rank writes its shard of a save
+            real = checkpoint._atomic_write
+
+            def write(path, fn):
+                if f".tmp_step_{fault['step']:08d}" in path and "shard_" in path:
+                    return real(path, lambda f: fn(_FullDisk(f, 100)))
+                return real(path, fn)
+            checkpoint._atomic_write = write
+        elif fault["at"] == "crash":         # a bug: an unexpected exception at the first optimizer step
+            def reduce_gradients(self):
+                raise ZeroDivisionError("planted by the test")
+            optim.FlatAdamW.reduce_gradients = reduce_gradients
         else:                            # at the optimizer step of step fault["step"] (1-based): its first phase
             real_reduce, calls = optim.FlatAdamW.reduce_gradients, []
 
@@ -557,3 +569,35 @@ def test_a_runtime_error_that_is_not_io_is_not_disguised():
     except RuntimeError as e:
         line = str(checkpoint._io_error(e, "/x/shard.pt", 3 * 2**20))
     assert "'/x/shard.pt'" in line and "No space left on device" in line and "\n" not in line
+
+
+@pytest.mark.slow
+def test_full_disk_in_one_rank_is_named_by_the_launcher(one, cache_dir, tmp_path, monkeypatch, capfd):
+    """--nproc 2 --dp 2: rank 1's disk fills while it writes its shard of step 4. Both
+    ranks leave the save (rank 0 is not left waiting), the launcher prints rank 1's
+    cause in one line and exits 2, no `.tmp_step_*` is left, and --resume auto goes
+    on from step 2."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2, "--save-every", 2)
+    code, seconds = run_main_with_fault({"rank": 1, "at": "full disk", "step": 4}, argv, monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert any(line.startswith("error: rank 1: cannot write checkpoint file ") and "shard_00001.pt" in line
+               and "No space left on device" in line for line in lines), err[-3000:]
+    assert "Traceback" not in err and "exit code" not in err, err[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]
+    monkeypatch.undo()
+    import train
+    assert train.main(flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2, "--save-every", 2)) == 0
+    assert "resumed from" in capfd.readouterr().out
+    assert_close_after(tmp_path, one / "full", 0)
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_is_named_with_its_cause(cache_dir, tmp_path, monkeypatch, capfd):
+    """An unexpected exception in rank 1: the launcher says `error: rank 1: <type>: <message>`, exit 1."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2)
+    code, _ = run_main_with_fault({"rank": 1, "at": "crash", "step": 1}, argv, monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "error: rank 1: ZeroDivisionError: planted by the test" in err, err[-3000:]

@@ -123,6 +123,9 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
         sys.exit(2)
     except KeyboardInterrupt:   # the second Ctrl-C
         sys.exit(130)
+    except Exception as e:      # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
+        launch.report_error(launch.crash_line(e))
+        raise
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
     # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
     if torch.distributed.is_initialized():
