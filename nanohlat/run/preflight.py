@@ -4,8 +4,9 @@
 
   1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
      plan and stops here;
-  2. refuses a layout that cannot work (mesh.validate_layout) and a --device
-     this machine lacks, before any tokenizer work;
+  2. refuses a layout that cannot work (mesh.validate_layout), a --device
+     this machine lacks, and a model or sequence too large for its memory
+     (check_memory), before any tokenizer work;
   3. prepares the data: trains the tokenizer and builds the token shards if
      the cache has none (data.prepare_data), and sets the model's vocabulary
      to the tokenizer's (a new vocabulary must split over --tp too);
