@@ -672,3 +672,19 @@ def test_memory_check_counts_every_local_rank(monkeypatch):
     preflight.check_memory(model_cfg, tcfg, 4, 1, spawns=False)        # one local rank: fits
     with pytest.raises(config.UserError, match=r"\(4 ranks of"):
         preflight.check_memory(model_cfg, tcfg, 4, 4, spawns=True)      # four: does not
+
+
+def test_a_full_disk_at_the_start_names_the_lock_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """The disk is full when the run lock records its PID: one line naming run.lock,
+    exit 2, and the out-dir it created is gone (no 0-byte run.lock left behind)."""
+    import errno
+    from nanohlat.run import runlock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(runlock.os, "pwrite", full)
+    out = tmp_path / "run"
+    code, err = main_in_process([*TINY, "--cache-dir", cache_dir, "--out-dir", str(out)], capsys)
+    assert code == 2
+    one_line_error(err, str(out / "run.lock"), "No space left on device", "--out-dir")
+    assert not out.exists()
