@@ -27,6 +27,7 @@ set of 8 gloo workers, and only the two launcher tests start workers of their ow
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -255,7 +256,7 @@ def test_going_back_to_an_older_checkpoint_keeps_the_newer_ones_aside(one, cache
 # ---------------------------------------------------------------------------
 
 def _fault_worker(*args, **kwargs):
-    """preflight.worker with one SIGKILL planted, in rank fault["rank"], first start only.
+    """preflight.worker with one SIGKILL (or a full disk, or a crash) planted, in rank fault["rank"], first start only.
     Runs in each worker process that `launch.spawn` starts; the fault comes from
     the test through the environment (the only way into a spawned worker that
     does not touch train.py's flags)."""
@@ -281,6 +282,18 @@ def _fault_worker(*args, **kwargs):
                     die()
                 return real(path, fn)
             checkpoint._atomic_write = write
+        elif fault["at"] == "full disk":     # the disk fills while this rank writes its shard of a save
+            real = checkpoint._atomic_write
+
+            def write(path, fn):
+                if f".tmp_step_{fault['step']:08d}" in path and "shard_" in path:
+                    return real(path, lambda f: fn(_FullDisk(f, 100)))
+                return real(path, fn)
+            checkpoint._atomic_write = write
+        elif fault["at"] == "crash":         # a bug: an unexpected exception at the first optimizer step
+            def reduce_gradients(self):
+                raise ZeroDivisionError("planted by the test")
+            optim.FlatAdamW.reduce_gradients = reduce_gradients
         else:                            # at the optimizer step of step fault["step"] (1-based): its first phase
             real_reduce, calls = optim.FlatAdamW.reduce_gradients, []
 
@@ -488,3 +501,103 @@ def test_checkpoint_of_another_model_shape_is_refused(one, cache_dir, tmp_path, 
     with pytest.raises(UserError, match="different model shape"):
         checkpoint.load(ckpt(run, STEPS), model, FlatAdamW(model, Mesh(1, 1, 1), tcfg, device.get_device("cpu")),
                         Mesh(1, 1, 1), device.get_device("cpu"))
+
+
+# ---------------------------------------------------------------------------
+# A full disk during a save
+# ---------------------------------------------------------------------------
+
+class _FullDisk:
+    """A file whose disk fills after `room` bytes: write raises ENOSPC, as the OS does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device", getattr(self.f, "name", None))
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _fill_disk_at(monkeypatch, step: int, file: str = "shard_"):
+    """checkpoint._atomic_write: the disk fills half-way through `file` of step `step`'s save."""
+    from nanohlat.run import checkpoint
+    real = checkpoint._atomic_write
+
+    def write(path, fn):
+        if f".tmp_step_{step:08d}" in path and os.path.basename(path).startswith(file):
+            return real(path, lambda f: fn(_FullDisk(f, 100)))
+        return real(path, fn)
+    monkeypatch.setattr(checkpoint, "_atomic_write", write)
+
+
+@pytest.mark.parametrize("file", ["shard_", "manifest"])
+def test_full_disk_during_save_is_one_line_and_resume_is_exact(one, cache_dir, tmp_path, monkeypatch, capfd, file):
+    """The disk fills while step 4's shard (torch.save wraps the ENOSPC in a RuntimeError)
+    or its manifest is written: exit 2, one line naming the file and the space it needs,
+    no `.tmp_step_*` left, step 2 intact; `--resume auto` then continues exactly."""
+    import train
+    _fill_disk_at(monkeypatch, 4, file)
+    code = train.main(flags(cache_dir, tmp_path, "--save-every", 2))
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("error: cannot write checkpoint file "), err
+    assert "No space left on device" in err[0] and "--out-dir" in err[0] and "Traceback" not in err[0]
+    if file == "shard_":
+        assert "shard_00000.pt" in err[0] and " MB" in err[0], err
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"], os.listdir(root)
+    monkeypatch.undo()
+    assert train.main(flags(cache_dir, tmp_path, "--save-every", 2, "--resume", "auto")) == 0
+    assert_bit_identical(tmp_path, one / "full")
+
+
+def test_a_runtime_error_that_is_not_io_is_not_disguised():
+    """Only torch.save's wrapped I/O errors become a disk-full line; another RuntimeError stays itself."""
+    from nanohlat.run import checkpoint
+    with pytest.raises(RuntimeError, match="something else"):
+        checkpoint._io_error(RuntimeError("something else"), "/x/shard.pt", 10)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
+    except RuntimeError as e:
+        line = str(checkpoint._io_error(e, "/x/shard.pt", 3 * 2**20))
+    assert "'/x/shard.pt'" in line and "No space left on device" in line and "\n" not in line
+
+
+@pytest.mark.slow
+def test_full_disk_in_one_rank_is_named_by_the_launcher(one, cache_dir, tmp_path, monkeypatch, capfd):
+    """--nproc 2 --dp 2: rank 1's disk fills while it writes its shard of step 4. Both
+    ranks leave the save (rank 0 is not left waiting), the launcher prints rank 1's
+    cause in one line and exits 2, no `.tmp_step_*` is left, and --resume auto goes
+    on from step 2."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2, "--save-every", 2)
+    code, seconds = run_main_with_fault({"rank": 1, "at": "full disk", "step": 4}, argv, monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert any(line.startswith("error: rank 1: cannot write checkpoint file ") and "shard_00001.pt" in line
+               and "No space left on device" in line for line in lines), err[-3000:]
+    assert "Traceback" not in err and "exit code" not in err, err[-3000:]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]
+    monkeypatch.undo()
+    import train
+    assert train.main(flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2, "--save-every", 2)) == 0
+    assert "resumed from" in capfd.readouterr().out
+    assert_close_after(tmp_path, one / "full", 0)
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_is_named_with_its_cause(cache_dir, tmp_path, monkeypatch, capfd):
+    """An unexpected exception in rank 1: the launcher says `error: rank 1: <type>: <message>`, exit 1."""
+    argv = flags(cache_dir, tmp_path, "--nproc", 2, "--dp", 2)
+    code, _ = run_main_with_fault({"rank": 1, "at": "crash", "step": 1}, argv, monkeypatch)
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "error: rank 1: ZeroDivisionError: planted by the test" in err, err[-3000:]

@@ -642,3 +642,49 @@ def test_max_new_tokens_beyond_the_context_says_where_it_stops(base, capsys):
     assert sample.main(["--out-dir", str(base), "--prompt", "def ", "--max-new-tokens", "500", "--seed", "0"]) == 0
     err = capsys.readouterr().err
     assert "note: the model's context is 64 tokens" in err and "not --max-new-tokens 500" in err, err
+
+
+# ---------------------------------------------------------------------------
+# Sizes checked before allocation (preflight.check_memory)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, why", [
+    (["--max-seq-len", "10000000000"], "--max-seq-len 10,000,000,000"),   # the rotary tables alone
+    (["--d-model", "65536", "--n-heads", "4", "--n-kv-heads", "4"], "GiB"),   # weights and optimizer
+])
+def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys, args, why):
+    """One line with the estimate and this machine's memory, exit 2, nothing written
+    (and no allocation: a 10^10-position rotary table would take 1 TiB)."""
+    code, err = main_in_process([*TINY, "--device", "cpu", "--out-dir", str(tmp_path / "run"), *args], capsys)
+    assert code == 2
+    one_line_error(err, "this model does not fit: it needs about", "this machine has", why)
+    assert not (tmp_path / "run").exists()
+
+
+def test_memory_check_counts_every_local_rank(monkeypatch):
+    """--nproc N on the CPU: N ranks share the RAM; what fits once may not fit N times."""
+    from nanohlat import config
+    from nanohlat.run import preflight
+    from nanohlat.tools import plan
+    model_cfg, tcfg = config.parse_args([*TINY, "--device", "cpu", "--nproc", "4", "--dp", "4"])
+    per_rank = plan.peak_memory_per_rank(model_cfg, tcfg, 4) + preflight.rotary_bytes(model_cfg)
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1}.get(name, 2 * per_rank))
+    preflight.check_memory(model_cfg, tcfg, 4, 1, spawns=False)        # one local rank: fits
+    with pytest.raises(config.UserError, match=r"\(4 ranks of"):
+        preflight.check_memory(model_cfg, tcfg, 4, 4, spawns=True)      # four: does not
+
+
+def test_a_full_disk_at_the_start_names_the_lock_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """The disk is full when the run lock records its PID: one line naming run.lock,
+    exit 2, and the out-dir it created is gone (no 0-byte run.lock left behind)."""
+    import errno
+    from nanohlat.run import runlock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(runlock.os, "pwrite", full)
+    out = tmp_path / "run"
+    code, err = main_in_process([*TINY, "--cache-dir", cache_dir, "--out-dir", str(out)], capsys)
+    assert code == 2
+    one_line_error(err, str(out / "run.lock"), "No space left on device", "--out-dir")
+    assert not out.exists()

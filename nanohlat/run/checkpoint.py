@@ -73,7 +73,9 @@ never a silently wrong model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -369,34 +371,105 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
     shard_path = os.path.join(tmp, f"shard_{mesh.rank:05d}.pt")
-    _atomic_write(shard_path, lambda f: torch.save(shard_state, f))
+    failed = None    # a full disk or an I/O error: said by every rank after the all-gather below
+    try:
+        _atomic_write(shard_path, lambda f: torch.save(shard_state, f))
+        digest = torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64)
+    except (OSError, RuntimeError) as e:
+        failed = _io_error(e, shard_path, _state_bytes(shard_state))
+        digest = torch.zeros(4, dtype=torch.int64)
 
     # 2. rank 0 learns that every shard is on disk, and its checksum: one all-gather
-    #    of each rank's sha256 (32 bytes as 4 int64) doubles as the barrier
-    digest = torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64)
-    digests = comm.all_gather(digest.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 4)
+    #    of each rank's sha256 (32 bytes as 4 int64) and a failure flag doubles as the barrier
+    row = torch.cat([digest, torch.tensor([int(failed is not None)])])
+    rows = comm.all_gather(row.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 5)
+    digests = rows[:, :4]
+    if failed is not None or rows[:, 4].any():   # every rank leaves: no rank waits for a checkpoint that is not coming
+        _abandon(tmp, mesh)
+        raise failed or UserError(f"checkpoint step {step} not saved: another rank could not write its shard "
+                                  f"(its line says why); {final} was not written, the previous checkpoint is intact")
 
     # 3. rank 0: the tokenizer's copy, manifest, rename into place, update `latest`, prune
+    failed = None
     if mesh.rank == 0:
-        tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
-        files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
-                                       "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
-        _publish(out_dir, tmp, {
-            "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
-            # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
-            "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
-            # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
-            "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
-            "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
-            "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
-            "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, data_fingerprint),
-        })
-        if keep_last > 0:
+        try:
+            tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
+            files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
+                                           "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
+            _publish(out_dir, tmp, {
+                "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
+                # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
+                "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
+                # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
+                "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
+                "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
+                "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
+                "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, data_fingerprint),
+            })
+        except (OSError, RuntimeError) as e:
+            failed = _io_error(e, tmp, 0)
+        if failed is None and keep_last > 0:
             for old in list_checkpoints(out_dir)[:-keep_last]:
                 _remove(old)
-    _barrier(mesh, device)    # no rank goes on (or reports success) before the checkpoint is visible
+    # no rank goes on (or reports success) before the checkpoint is visible; a failure reaches every rank
+    flag = torch.tensor([float(failed is not None)], device=device.torch_device)
+    if mesh.group("world").size > 1:
+        comm.all_reduce(flag, mesh.group("world"))
+        device.sync()
+    if flag.item():
+        _abandon(tmp, mesh)
+        raise failed or UserError(f"checkpoint step {step} not saved: rank 0 could not write it (its line says "
+                                  f"why); {final} was not written, the previous checkpoint is intact")
     return final
+
+
+def _state_bytes(state) -> int:
+    """Roughly what torch.save writes for `state`: its tensors' bytes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _io_error(e: Exception, path: str, need: int) -> UserError:
+    """A failed write as one line naming the path and what is needed. torch.save
+    wraps the file's OSError (disk full, ...) in a RuntimeError ("enforce fail at
+    inline_container.cc"): the OSError is found in its chain; a RuntimeError
+    without one is not an I/O error and is raised as it is."""
+    cause = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        if "inline_container" not in str(e) and "file write failed" not in str(e):
+            raise e
+        cause = OSError(errno.EIO, (str(e).strip().splitlines() or ["write failed"])[0])
+    where = cause.filename or path
+    what = cause.strerror or str(cause) or cause.__class__.__name__
+    try:
+        free = shutil.disk_usage(os.path.dirname(path)).free
+    except OSError:
+        free = None
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT) and need:
+        more = f"free at least {max(1, -(-(need - (free or 0)) // 2**20))} MB" if free is not None else "free space"
+        advice = f"this shard needs ~{need / 2**20:.1f} MB, {(free or 0) / 2**20:.1f} MB are free: {more}"
+    else:
+        advice = "free space or fix the permissions"
+    return UserError(f"cannot write checkpoint file {where!r}: {what}; {advice}, or choose another --out-dir "
+                     f"(the checkpoint was not saved; the previous one is intact)")
+
+
+def _abandon(tmp: str, mesh) -> None:
+    """A failed save: every rank removes what it wrote, rank 0 the whole `.tmp_step_N`."""
+    shard = os.path.join(tmp, f"shard_{mesh.rank:05d}.pt")
+    for path in (shard, shard + ".partial"):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    if mesh.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_path: str,

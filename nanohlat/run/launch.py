@@ -197,20 +197,26 @@ def start_method() -> str:
 
 
 def _report_failures(failures: dict, errors: str) -> int:
-    """One line per distinct error the workers reported (usually one), else one per
-    failed rank; returns the job's exit code."""
+    """One line per distinct cause the workers reported (report_error: usually one),
+    `error: rank R: <cause>`, and one per failed rank that said nothing (killed);
+    returns the job's exit code: 2 when every failed rank exited 2 (a user error)."""
     codes = [f.exitcode for f in failures.values()]
     if codes and all(c in (128 + signal.SIGTERM, 128 + signal.SIGINT) for c in codes):
         print("stopped by a signal; --resume auto continues from the checkpoint just saved", file=sys.stderr)
         return codes[0]
-    reported = []
-    for name in sorted(os.listdir(errors)):
-        with open(os.path.join(errors, name)) as f:
-            reported.append(f.read().strip())
-    for line in dict.fromkeys(reported):     # the same error from every rank: said once
-        print(f"error: {line}", file=sys.stderr)
-    if not reported:
-        for rank, failure in sorted(failures.items()):
+    reported = {}    # rank -> its one-line cause (report_error)
+    for name in os.listdir(errors):
+        if name.startswith("rank") and name.endswith(".txt") and name[4:-4].isdigit():
+            with open(os.path.join(errors, name), errors="replace") as f:
+                reported[int(name[4:-4])] = f.read().strip()
+    by_cause = {}
+    for rank in sorted(reported):           # the same cause from every rank: said once
+        by_cause.setdefault(reported[rank], []).append(rank)
+    for cause, ranks in by_cause.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        print(f"error: {who}: {cause}", file=sys.stderr)
+    for rank, failure in sorted(failures.items()):
+        if rank not in reported:            # killed, or died before it could say why
             how = f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
             print(f"error: rank {rank} failed with exit code {failure.exitcode}{how}", file=sys.stderr)
     return 2 if codes and all(c == 2 for c in codes) else 1
@@ -221,9 +227,18 @@ def report_error(message: str) -> None:
     when `spawn` started us, else to stderr."""
     folder = os.environ.get(ERRORS_ENV)
     if folder and os.path.isdir(folder):
-        files.write_text(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), message)
-    else:
-        print(f"error: {message}", file=sys.stderr)
+        try:   # the launcher's temporary folder (a full disk must not hide the cause: stderr then)
+            files.write_text(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), message)
+            return
+        except OSError:
+            pass
+    print(f"error: {message}", file=sys.stderr)
+
+
+def crash_line(e: BaseException) -> str:
+    """An unexpected exception as one line: its type and the first line of its message."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

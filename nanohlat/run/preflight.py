@@ -4,8 +4,9 @@
 
   1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
      plan and stops here;
-  2. refuses a layout that cannot work (mesh.validate_layout) and a --device
-     this machine lacks, before any tokenizer work;
+  2. refuses a layout that cannot work (mesh.validate_layout), a --device
+     this machine lacks, and a model or sequence too large for its memory
+     (check_memory), before any tokenizer work;
   3. prepares the data: trains the tokenizer and builds the token shards if
      the cache has none (data.prepare_data), and sets the model's vocabulary
      to the tokenizer's (a new vocabulary must split over --tp too);
@@ -52,6 +53,7 @@ def main(train, argv: list[str]) -> int:
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
+        check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
         # tokenizer and token shards are built once, here, before any worker starts
         ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
         model_cfg = vocab_from(ds, model_cfg, tcfg, world)
@@ -93,6 +95,51 @@ def main(train, argv: list[str]) -> int:
             lock.release()
 
 
+def rotary_bytes(model_cfg: config.ModelConfig) -> int:
+    """model.rotary_tables's peak: cos, sin and the angles they come from, (max_seq_len,
+    head_dim) fp32 each, about four copies; every rank builds its own."""
+    return 4 * 4 * model_cfg.max_seq_len * model_cfg.head_dim
+
+
+def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int, local: int,
+                 spawns: bool) -> None:
+    """Refuse, before anything is allocated, a model or sequence that cannot fit:
+    the plan's peak per rank (tools/plan.py: weights, optimizer, gradient buffers,
+    activations) plus the rotary tables, against this machine's memory (cpu: all
+    `local` ranks share the RAM) or one GPU's (cuda). Only what truly cannot fit is
+    refused (the estimate is of what must be held at once, not an upper bound).
+    Not checked: xla (memory is the compiler's to plan; --plan shows it), and a cuda
+    launcher that spawns workers (asking a GPU its size would make a CUDA context
+    in this process, held for the whole run)."""
+    import os
+    import torch
+    from nanohlat import xla
+    from nanohlat.tools import plan
+    kind = tcfg.device
+    if kind == "auto":
+        kind = "xla" if xla.preferred() else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
+        return
+    per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
+        + rotary_bytes(model_cfg)
+    if kind == "cuda":
+        ranks, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "this GPU has"
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):   # (not every system says)
+            return
+        ranks, where = max(1, min(local, world)), "this machine has"
+    need = ranks * per_rank
+    if need > have:
+        each = f" ({ranks} ranks of {per_rank / plan.GiB:,.1f} GiB)" if ranks > 1 else ""
+        raise UserError(f"this model does not fit: it needs about {need / plan.GiB:,.1f} GiB{each} (weights, "
+                        f"optimizer, activations and the rotary tables of --max-seq-len "
+                        f"{model_cfg.max_seq_len:,}), {where} {have / plan.GiB:,.1f} GiB; choose a smaller "
+                        f"--d-model / --n-layers / --max-seq-len / --batch-size, or split it with --tp / --pp "
+                        f"over more machines (python train.py --plan ... shows the estimate)")
+
+
 def vocab_from(ds, model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int) -> config.ModelConfig:
     """The model's vocabulary is the tokenizer's (a given --tokenizer may differ from
     --vocab-size); a changed one is checked again, and must split over --tp too."""
@@ -123,6 +170,9 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
         sys.exit(2)
     except KeyboardInterrupt:   # the second Ctrl-C
         sys.exit(130)
+    except Exception as e:      # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
+        launch.report_error(launch.crash_line(e))
+        raise
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
     # it (gloo: "terminate called without an active exception", SIGABRT, ~1 run in 5)
     if torch.distributed.is_initialized():

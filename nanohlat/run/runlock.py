@@ -18,6 +18,7 @@ that a retry with `--resume never` is not refused as "already holds a run".
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -90,8 +91,19 @@ class RunLock:
             os.close(self.fd)
             raise UserError(f"--out-dir {out_dir!r} is in use by another run (PID {holder}); wait for it to "
                             f"end or stop it, or choose another --out-dir") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:    # a full disk (or quota): leave nothing behind, name the path
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+                if self.created:
+                    os.rmdir(out_dir)
+            raise UserError(f"cannot write {self.path!r}: {e.strerror}; free some space on that disk "
+                            f"(a few KB are needed to start; checkpoints need more) or choose another "
+                            f"--out-dir") from None
         _held.append(self)
 
     def release(self) -> None:
