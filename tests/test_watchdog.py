@@ -80,3 +80,28 @@ def test_collective_timeout_out_of_range_is_refused(value):
     from nanohlat import config
     with pytest.raises(config.UserError, match="--collective-timeout must be a finite number > 0"):
         config.parse_args(["--collective-timeout", value])
+
+
+def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_path):
+    """What each waiting rank does (under torchrun this is all there is): the
+    process group's timeout error becomes one line and exit 1, and its run lock is
+    released. Here train() raises gloo's error itself, in a process of its own
+    (the worker leaves with os._exit)."""
+    import subprocess
+    import sys
+    code = (
+        "from nanohlat import config\n"
+        "from nanohlat.run import preflight, runlock\n"
+        "def train(*a):\n"
+        "    raise RuntimeError('[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv '\n"
+        "                       'operation to complete')\n"
+        f"lock = runlock.acquire({str(tmp_path / 'run')!r})\n"
+        "preflight.worker(train, None, config.TrainConfig(collective_timeout=7), None, None)\n"
+    )
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.pop("NANOHLAT_WORKER_ERRORS", None)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.stderr.strip() == "error: " + launch.collective_timeout_message(0, 2, 7), p.stderr[-2000:]
+    from nanohlat.run import runlock
+    runlock.acquire(str(tmp_path / "run")).release()   # released on the way out
