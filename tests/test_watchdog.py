@@ -98,7 +98,8 @@ def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_p
         f"lock = runlock.acquire({str(tmp_path / 'run')!r})\n"
         "preflight.worker(train, None, config.TrainConfig(collective_timeout=7), None, None)\n"
     )
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=repo)
     env.pop("NANOHLAT_WORKER_ERRORS", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]

@@ -20,7 +20,8 @@ under `torchrun --max-restarts` set it yourself (`torchrun_restart_warning`).
 Nothing here may hang or speak in tracebacks: RANK / WORLD_SIZE /
 LOCAL_RANK are checked before use, joining the process group has a deadline
 (--rendezvous-timeout; a rank whose partners never come says so in one line
-and exits 2), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
+and exits 2), a rank stopped or stuck mid-run ends the job after
+--collective-timeout (`StuckRankWatch` below), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
 ends with 143 or 130 after its workers saved a checkpoint.
 """
 
@@ -343,7 +344,7 @@ class StuckRankWatch:
                     since.pop(pid, None)
                     continue
                 stopped = now - since.setdefault(pid, now)
-                if stopped >= self.timeout and rank not in self.stuck:
+                if stopped >= self.timeout and self.stuck.get(rank, (None,))[0] != pid:
                     self.stuck[rank] = (pid, stopped)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
