@@ -48,7 +48,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1 and not torch.distributed.is_initialized():
         with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
-            dev.init_process_group(rank, world)
+            dev.init_process_group(rank, world, tcfg.collective_timeout)
     mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, world // (tcfg.tp * tcfg.pp), rank, ledger=comm.CommLedger(),
                         kv_replicas=meshlib.kv_replicas(model_cfg, tcfg.tp))
     mesh.build_groups(dev if world > 1 else None)

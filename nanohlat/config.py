@@ -137,6 +137,7 @@ class TrainConfig:
     check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
     allow_tokenizer_change: bool = False   # resume a run whose tokenizer differs from this one's
     rendezvous_timeout: float = 300.0      # seconds to wait for every rank to join the job
+    collective_timeout: float = 300.0      # seconds a collective may wait for a peer before the job ends
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
     timeline: bool = False
     plan: bool = False
@@ -173,6 +174,7 @@ class TrainConfig:
         _finite_in("grad_clip", self.grad_clip, 0, math.inf, ">= 0 (0 = no clipping)")
         _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.eval_every and not self.eval_batches:
@@ -283,6 +285,8 @@ HELP = {
     "overwrite": "with --resume never: replace an existing run in --out-dir",
     "allow_tokenizer_change": "resume a checkpoint trained with another tokenizer (its token ids change meaning)",
     "rendezvous_timeout": "seconds every rank waits for the others to join before giving up with an error",
+    "collective_timeout": "seconds a collective (all-reduce, send, ...) waits for a stuck or stopped rank before "
+                          "the job ends with an error naming it (XLA compiles happen outside collectives)",
     "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",

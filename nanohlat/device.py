@@ -22,6 +22,8 @@ runtime's rounding mode (--precision bf16-sr) is also fixed at start-up, so
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
@@ -123,10 +125,16 @@ class Device:
 
     # -- processes and groups ------------------------------------------------
 
-    def init_process_group(self, rank: int, world_size: int) -> None:
+    def init_process_group(self, rank: int, world_size: int, timeout_s: float | None = None) -> None:
         """Join the job. gloo/nccl rendezvous through env:// (MASTER_ADDR and
         MASTER_PORT, set by the launcher). xla takes rank and world size from
-        its own runtime (xla://; under torchrun on trn1)."""
+        its own runtime (xla://; under torchrun on trn1).
+
+        `timeout_s` (--collective-timeout): on gloo and nccl a collective
+        that waits longer than this for a peer raises instead of waiting
+        forever (torch's default is 30 minutes; `new_group` passes it on to
+        every group). Not applied on xla, whose runtime has its own."""
+        self._timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         if self.kind == "xla":
             xla.init_process_group()
         else:
@@ -134,7 +142,7 @@ class Device:
                 # nccl binds each process to "the current device": make it ours
                 # before the first communicator is created.
                 torch.cuda.set_device(self.torch_device)
-            dist.init_process_group(self.backend, rank=rank, world_size=world_size)
+            dist.init_process_group(self.backend, rank=rank, world_size=world_size, timeout=self._timeout)
         # torch_xla on CPU (and xla runs not started by torchrun) silently
         # form a world of 1: every rank would then train alone on the whole
         # batch and never communicate. Refuse rather than mislead.
@@ -156,7 +164,7 @@ class Device:
             raise ValueError(f"groups in a partition must have equal sizes, got {partition}")
         if self.kind == "xla":
             return xla.new_group(ranks, partition)
-        return dist.new_group(ranks)
+        return dist.new_group(ranks, timeout=getattr(self, "_timeout", None))
 
     # -- randomness --------------------------------------------------------------
 

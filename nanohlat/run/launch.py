@@ -20,7 +20,8 @@ under `torchrun --max-restarts` set it yourself (`torchrun_restart_warning`).
 Nothing here may hang or speak in tracebacks: RANK / WORLD_SIZE /
 LOCAL_RANK are checked before use, joining the process group has a deadline
 (--rendezvous-timeout; a rank whose partners never come says so in one line
-and exits 2), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
+and exits 2), a rank stopped or stuck mid-run ends the job after
+--collective-timeout (`StuckRankWatch` below), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
 ends with 143 or 130 after its workers saved a checkpoint.
 """
 
@@ -36,6 +37,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 
 from nanohlat.config import UserError
@@ -127,12 +129,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
+def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None) -> int:
     """Run entry(*args) in nproc local workers; returns an exit code.
 
     A worker that dies (exception, exit code, SIGKILL) makes the launcher stop
     all the others promptly, then restart the group (up to max_restarts) or
-    report which rank failed and why.
+    report which rank failed and why. A worker stopped (SIGSTOP) for longer
+    than `collective_timeout` is killed and named (`StuckRankWatch`).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -148,12 +151,17 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn", **extra,
     )
-    saved = {k: os.environ.get(k) for k in (_OWN_STORE, ERRORS_ENV)}
+    saved = {k: os.environ.get(k) for k in (_OWN_STORE, ERRORS_ENV, PIDS_ENV)}
     os.environ[_OWN_STORE] = "1"    # a fresh store per attempt (see the module docstring)
     errors = tempfile.mkdtemp(prefix="nanohlat-errors-")
     os.environ[ERRORS_ENV] = errors  # workers leave their one-line errors here (report_error)
+    pids = tempfile.mkdtemp(prefix="nanohlat-pids-")
+    os.environ[PIDS_ENV] = pids      # workers note their pids here (note_worker_pid), for the watch
+    watch = StuckRankWatch(pids, collective_timeout) if collective_timeout else None
     logging.disable(logging.ERROR)   # torch's launcher logs each failure as a traceback: we say it in one line
     try:
+        if watch:
+            watch.start()
         elastic_launch(config, entry)(*args)
         return 0
     except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
@@ -161,10 +169,15 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0) -> int:
               file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if watch and watch.stuck:
+            return watch.report()
         return _report_failures(e.failures, errors)
     finally:
+        if watch:
+            watch.stop()
         logging.disable(logging.NOTSET)
         shutil.rmtree(errors, ignore_errors=True)
+        shutil.rmtree(pids, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -243,6 +256,7 @@ def crash_line(e: BaseException) -> str:
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERRORS_ENV = "NANOHLAT_WORKER_ERRORS"
+PIDS_ENV = "NANOHLAT_WORKER_PIDS"
 SHUTDOWN_TIMEOUT_S = 300
 
 
@@ -255,3 +269,106 @@ def torchrun_restart_warning() -> str | None:
                 f"may fail to connect (pytorch/pytorch#135712); start torchrun with "
                 f"{_OWN_STORE}=1 in its environment")
     return None
+
+
+# ---------------------------------------------------------------------------
+# Stuck ranks (--collective-timeout)
+# ---------------------------------------------------------------------------
+#
+# Two parts. Every rank's process group is made with --collective-timeout
+# (device.init_process_group): on gloo and nccl a collective that waits longer
+# than that for a peer raises, and `preflight.worker` turns the error into one
+# line (`collective_timeout_message`) and exit 1. That part works anywhere,
+# torchrun included, but it can only say "a peer of rank r stopped", not which.
+# Under `train.py --nproc N` the launcher also watches its workers: one that
+# the kernel reports stopped (SIGSTOP, a debugger: state T in /proc/PID/stat)
+# for longer than the timeout is killed (a stopped process does not act on SIGTERM, so
+# torch's shutdown would wait 30 s for it) and named in the job's one line.
+
+def note_worker_pid(rank: int) -> None:
+    """A worker started by `spawn` tells the launcher its pid (a file per rank)."""
+    folder = os.environ.get(PIDS_ENV)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    """gloo's "Timed out waiting 5000ms for recv operation to complete" (or send),
+    nccl's watchdog "... ran for 5000 milliseconds before timing out"."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("Timed out waiting" in text or "before timing out" in text)
+
+
+def collective_timeout_message(rank: int, world: int, seconds: float) -> str:
+    return (f"rank {rank} of {world} waited {seconds:g}s (--collective-timeout) in a collective for a peer "
+            f"rank that made no progress (stopped, hung, or stuck outside the collectives); the job ends; "
+            f"--resume auto continues from the last complete checkpoint")
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (R running, S sleeping, T stopped, ...),
+    if it is a child of this process; None otherwise or without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # "pid (name) state ppid ...": name may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields[0] if len(fields) > 1 and fields[1] == str(os.getpid()) else None
+
+
+class StuckRankWatch:
+    """A launcher thread: every second, the state of each worker; a worker stopped
+    for `timeout` seconds in a row is killed and remembered in `stuck`
+    ({rank: (pid, seconds stopped)}). If the launcher itself was paused (Ctrl-Z
+    stops the whole job), the count starts again."""
+
+    POLL_S = 1.0
+
+    def __init__(self, pid_folder: str, timeout: float):
+        self.folder, self.timeout, self.stuck = pid_folder, timeout, {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stuck-rank-watch")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def workers(self) -> dict[int, int]:
+        found = {}
+        for name in os.listdir(self.folder):
+            try:
+                with open(os.path.join(self.folder, name)) as f:
+                    found[int(name.removeprefix("rank"))] = int(f.read())
+            except (OSError, ValueError):    # being written
+                continue
+        return found
+
+    def _run(self) -> None:
+        since, last = {}, time.monotonic()
+        while not self._done.wait(self.POLL_S):
+            now = time.monotonic()
+            if now - last > 5 * self.POLL_S:   # we were not running: nothing we saw is current
+                since.clear()
+            last = now
+            for rank, pid in self.workers().items():
+                if process_state(pid) not in ("T", "t"):
+                    since.pop(pid, None)
+                    continue
+                stopped = now - since.setdefault(pid, now)
+                if stopped >= self.timeout and self.stuck.get(rank, (None,))[0] != pid:
+                    self.stuck[rank] = (pid, stopped)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+
+    def report(self) -> int:
+        """The job's one line (exit 1: a run-time failure; 2 is for inputs the user can fix)."""
+        names = ", ".join(f"rank {r} (pid {pid})" for r, (pid, _) in sorted(self.stuck.items()))
+        longest = max(s for _, s in self.stuck.values())
+        print(f"error: {names} stopped (SIGSTOP or a debugger) for {longest:.0f}s, longer than "
+              f"--collective-timeout {self.timeout:g}s, so the other ranks could not go on: the job was ended; "
+              f"--resume auto continues from the last complete checkpoint", file=sys.stderr)
+        return 1

@@ -28,6 +28,7 @@ clears the run. A worker that the launcher restarted after a failure
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import torch.distributed
@@ -80,7 +81,7 @@ def main(train, argv: list[str]) -> int:
             with preempt.catch_signals() as signals:
                 train(model_cfg, tcfg, ds, resume_from)
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
-        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts)
+        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -157,6 +158,7 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     `restarts_seen`: the launcher's restart count when `resume_from` was decided;
     workers it restarted since (--max-restarts) go on from the newest checkpoint."""
     rank, world, local_rank = launch.torchrun_env()
+    launch.note_worker_pid(rank)   # for the launcher's stuck-rank watch
     try:
         if launch.restart_count() > restarts_seen:   # restarted after a failure: the newest checkpoint
             resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted=True)
@@ -170,7 +172,17 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
         sys.exit(2)
     except KeyboardInterrupt:   # the second Ctrl-C
         sys.exit(130)
-    except Exception as e:      # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
+    except Exception as e:
+        if isinstance(e, RuntimeError) and launch.is_collective_timeout(e):
+            # a peer made no progress for --collective-timeout seconds: one line, exit 1 (a run-time
+            # failure; 2 is for inputs the user can fix). os._exit: tearing down a process group that
+            # is still waiting on a stuck peer can hang or abort, and there is nothing left to save.
+            launch.report_error(launch.collective_timeout_message(rank, world, tcfg.collective_timeout))
+            runlock.release_all()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
         launch.report_error(launch.crash_line(e))
         raise
     # Leave the job cleanly: a process group still alive at interpreter exit can abort
