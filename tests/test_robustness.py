@@ -642,3 +642,50 @@ def test_max_new_tokens_beyond_the_context_says_where_it_stops(base, capsys):
     assert sample.main(["--out-dir", str(base), "--prompt", "def ", "--max-new-tokens", "500", "--seed", "0"]) == 0
     err = capsys.readouterr().err
     assert "note: the model's context is 64 tokens" in err and "not --max-new-tokens 500" in err, err
+
+
+# ---------------------------------------------------------------------------
+# Run files parsed defensively: damaged manifests, damaged metrics lines
+# ---------------------------------------------------------------------------
+
+DAMAGED_MANIFESTS = {
+    "step": lambda m: m.update(step="4"),
+    "tokens": lambda m: m.update(tokens=-1),
+    "layout": lambda m: m["layout"].update(tp=0),
+    "world": lambda m: m["layout"].update(world=3),
+    "model": lambda m: m["config"]["model"].update(d_model="big"),
+    "config": lambda m: m.update(config=[1, 2]),
+    "files": lambda m: m.update(files={"../x.pt": {"bytes": 1, "sha256": "0" * 64}}),
+    "checksum": lambda m: next(iter(m["files"].values())).update(sha256=5),
+    "schedule": lambda m: m.update(schedule={"optimizer_step": "x"}),
+    "tokenizer": lambda m: m.update(tokenizer=7),
+}
+
+
+@pytest.mark.parametrize("field", sorted(DAMAGED_MANIFESTS))
+def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_copy, cache_dir, capsys):
+    import eval as evalpy
+    import sample
+    path = os.path.join(ckpt(run_copy, 4), "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    DAMAGED_MANIFESTS[field](m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 2
+    one_line_error(err, path, "is damaged")
+    for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, path, "is damaged")
+
+
+def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache_dir, capsys):
+    path = run_copy / "metrics.jsonl"
+    good = path.read_bytes()
+    path.write_bytes(good + b'{"step": 3, "loss": \xff\xfe}\n[1, 2]\n{"step": "x"}\n{"step": 3, "los')
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert f"note: {path}" in err and "4 damaged line(s)" in err, err
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
