@@ -95,13 +95,9 @@ def sample(args, dev, mesh=None) -> None:
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
         ids = []
-        for _, _, text in batch:
-            x = [tok.bos_id] + tok.encode(text)
-            ids.append(x if len(x) < limit else [tok.bos_id] + x[-(limit // 2):])   # keep a long prompt's end
-            if len(ids[-1]) + args.max_new_tokens > limit and (mesh is None or mesh.rank == 0):
-                print(f"note: the model's context is {limit} tokens and a prompt uses {len(ids[-1])}: its "
-                      f"sample stops after {limit - len(ids[-1])} new tokens, not --max-new-tokens "
-                      f"{args.max_new_tokens}", file=sys.stderr)
+        note = (lambda line: print(line, file=sys.stderr)) if mesh is None or mesh.rank == 0 else None
+        for _, _, text in batch:     # a prompt too long for the context keeps its end, with a note
+            ids.append(generate.fit_prompt([tok.bos_id] + tok.encode(text), limit, args.max_new_tokens, note))
         outs: list[list[int]] = [[] for _ in batch]
         stream, shown = len(jobs) == 1, ""
         if stream:
