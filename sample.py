@@ -80,7 +80,7 @@ def check_args(args, world: int) -> None:
     if args.tp != world:
         raise UserError(f"--tp {args.tp} but {world} process(es): sampling splits the model over every "
                         f"process, so use --nproc {args.tp} (or torchrun --nproc_per_node {args.tp})")
-    manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir))
+    manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir, say_skipped=True))
     generate.check_tp(model_from_dict(manifest["config"]["model"]), args.tp)
 
 
@@ -164,11 +164,12 @@ def main(argv=None) -> int:
     try:
         read_prompts(args)
         env = launch.torchrun_env()
+        launch.check_nproc(args.nproc, env)
         check_args(args, env[1] if env else args.nproc)
         if env:
             worker(argv)
         elif args.nproc > 1:
-            return launch.spawn(worker, (argv,), args.nproc)
+            return launch.spawn(worker, (argv,), args.nproc, stop_hint="")   # (nothing to resume)
         else:
             sample(args, devicelib.get_device(args.device))
         return 0

@@ -91,6 +91,8 @@ from nanohlat.run.files import fsync_dir, sha256_file
 from nanohlat.tensor_parallel import local_part
 from nanohlat.xla import extract_graphs_only, to_host
 
+# how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
+PICK_ANOTHER = "pick another checkpoint (a step_* folder: train.py --resume PATH, sample.py or eval.py --checkpoint PATH)"
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
 
@@ -157,14 +159,22 @@ def latest(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def resolve(path: str) -> str:
-    """A checkpoint directory, or a run directory -> its latest checkpoint."""
+def resolve(path: str, say_skipped: bool = False) -> str:
+    """A checkpoint directory, or a run directory -> its latest checkpoint.
+    `say_skipped`: a newer step_* folder without its manifest (a save that did
+    not finish, or damage) is named in one line, not passed over in silence."""
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     found = latest(path) if os.path.isdir(path) else None
     if not found:
         raise UserError(f"no complete checkpoint in {path!r}; train first (python train.py --out-dir {path}) "
                         f"or pass a checkpoint directory")
+    newer = [p for p in incomplete_checkpoints(path)
+             if os.path.basename(p)[len("step_"):].isdigit() and os.path.basename(p).startswith("step_")
+             and step_of(p) > step_of(found)]
+    if say_skipped and newer:
+        print(f"warning: the newest checkpoint {newer[-1]} has no manifest.json (a save that did not finish, or "
+              f"damage): using {found}, the newest complete one", file=sys.stderr)
     return found
 
 
@@ -461,8 +471,8 @@ def _check_fields(mpath: str, m: dict) -> None:
     """Types and ranges of every field a reader uses (a manifest edited by hand,
     or damaged, is named in one line instead of failing deep inside a load)."""
     def bad(what: str) -> UserError:
-        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); pick another checkpoint "
-                         f"(--resume <its step_ folder>) or restore this one")
+        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} "
+                         f"or restore this one")
     for k in ("step", "tokens"):
         if not _count(m[k]):
             raise bad(f"{k} is {m[k]!r}, not a whole number >= 0")
@@ -515,7 +525,7 @@ def check_files(path: str, manifest: dict) -> None:
                             f"checksum for {name}: it is corrupt; pick another checkpoint")
         if not os.path.isfile(fpath):
             raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
-                            f"pick another one (--resume PATH)")
+                            f"{PICK_ANOTHER}")
         if os.path.getsize(fpath) != info["bytes"]:
             raise UserError(f"checkpoint shard {fpath} has {os.path.getsize(fpath)} bytes, the manifest "
                             f"says {info['bytes']}: the file is truncated or corrupt")
@@ -569,7 +579,7 @@ def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> l
 
 def _corrupt_error(path: str, name: str) -> UserError:
     return UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its manifest: "
-                     f"the file is corrupt; pick another checkpoint (--resume PATH)")
+                     f"the file is corrupt; {PICK_ANOTHER}")
 
 
 def check(path: str, cfg: ModelConfig, checksums: bool = False) -> dict:

@@ -74,7 +74,7 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
         full = shards.tensor(name, p.shard.full_shape)
         if not bool(torch.isfinite(full).all()):   # every rank sees the full tensor: all refuse together
             raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: nothing "
-                            f"can be sampled from it; use an earlier checkpoint (--checkpoint <its step_ folder>)")
+                            f"can be sampled from it; use an earlier checkpoint (a step_* folder)")
         p.copy_(tpl.local_part(full, p))
     return model.to(dev.torch_device).eval(), shards.manifest
 
