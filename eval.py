@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                 raise UserError(f"--out-dir {args.out_dir!r} has no saved checkpoints; train first, or give "
                                 f"the run directory that holds checkpoints/")
         else:
-            paths = [args.checkpoint or args.out_dir]
+            paths = [checkpoint.resolve(args.checkpoint or args.out_dir, say_skipped=True)]
         cache: dict = {}
         rows = []
         for p in paths:

@@ -80,7 +80,7 @@ def check_args(args, world: int) -> None:
     if args.tp != world:
         raise UserError(f"--tp {args.tp} but {world} process(es): sampling splits the model over every "
                         f"process, so use --nproc {args.tp} (or torchrun --nproc_per_node {args.tp})")
-    manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir))
+    manifest = checkpoint.read_manifest(checkpoint.resolve(args.checkpoint or args.out_dir, say_skipped=True))
     generate.check_tp(model_from_dict(manifest["config"]["model"]), args.tp)
 
 
@@ -95,13 +95,9 @@ def sample(args, dev, mesh=None) -> None:
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start:start + args.batch_size]
         ids = []
-        for _, _, text in batch:
-            x = [tok.bos_id] + tok.encode(text)
-            ids.append(x if len(x) < limit else [tok.bos_id] + x[-(limit // 2):])   # keep a long prompt's end
-            if len(ids[-1]) + args.max_new_tokens > limit and (mesh is None or mesh.rank == 0):
-                print(f"note: the model's context is {limit} tokens and a prompt uses {len(ids[-1])}: its "
-                      f"sample stops after {limit - len(ids[-1])} new tokens, not --max-new-tokens "
-                      f"{args.max_new_tokens}", file=sys.stderr)
+        note = (lambda line: print(line, file=sys.stderr)) if mesh is None or mesh.rank == 0 else None
+        for _, _, text in batch:     # a prompt too long for the context keeps its end, with a note
+            ids.append(generate.fit_prompt([tok.bos_id] + tok.encode(text), limit, args.max_new_tokens, note))
         outs: list[list[int]] = [[] for _ in batch]
         stream, shown = len(jobs) == 1, ""
         if stream:
@@ -168,11 +164,12 @@ def main(argv=None) -> int:
     try:
         read_prompts(args)
         env = launch.torchrun_env()
+        launch.check_nproc(args.nproc, env)
         check_args(args, env[1] if env else args.nproc)
         if env:
             worker(argv)
         elif args.nproc > 1:
-            return launch.spawn(worker, (argv,), args.nproc)
+            return launch.spawn(worker, (argv,), args.nproc, stop_hint="")   # (nothing to resume)
         else:
             sample(args, devicelib.get_device(args.device))
         return 0

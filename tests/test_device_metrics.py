@@ -246,3 +246,36 @@ def test_resampling_the_cpu_peak_keeps_the_best(monkeypatch):
     assert metrics.measure_cpu_peak() == 1e9
     assert metrics.resample_cpu_peak() == 3e9 == metrics.measure_cpu_peak()
     assert metrics.resample_cpu_peak() == 3e9
+
+
+def test_a_stale_cpu_peak_is_measured_again_when_beaten_and_unknown_mfu_prints_as_unknown(monkeypatch):
+    """A peak sampled while the machine was busy: the run's rate beats it, so
+    the peak is measured again (once a minute at most) and MFU is read against
+    the new one; the CPU generator is left as it was (training numerics)."""
+    import types
+    from nanohlat.run import metrics
+    rates = iter([4e9, 4e9])
+    monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: (torch.randn(3), next(rates))[1])
+    monkeypatch.setattr(metrics, "_cpu_peaks", {torch.get_num_threads(): 1e9})   # the stale, busy sample
+    log = types.SimpleNamespace(peak_total=1e9, dev=types.SimpleNamespace(kind="cpu"), flops_tok=1e6,
+                                world=1, resampled_at=None)
+    state = torch.get_rng_state()
+    assert metrics.TrainLog._mfu(log, 2000.0) == pytest.approx(0.5)     # 2 GFLOP/s over the new 4
+    assert torch.equal(torch.get_rng_state(), state) and log.peak_total == 4e9
+    again = log.resampled_at
+    assert metrics.TrainLog._mfu(log, 3000.0) == pytest.approx(0.75) and log.resampled_at == again   # not beaten
+
+
+def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, cache_dir, tmp_path, capsys):
+    import train
+    from nanohlat import config
+    from nanohlat.run import metrics, preflight
+    monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1.0)       # a peak every rate beats
+    monkeypatch.setattr(metrics, "_cpu_peaks", {})
+    monkeypatch.setattr(metrics, "_mfu_warned", False)
+    argv = ["--preset", "tiny", "--steps", "2", "--eval-every", "0", "--threads", "1", "--cache-dir", cache_dir,
+            "--out-dir", str(tmp_path / "run")]
+    train.train(*preflight.inputs(*config.parse_args(argv)))
+    err = capsys.readouterr().err
+    assert "mfu=?" in err and "mfu=0.0%" not in err, err
+    assert err.count("MFU is not reported") == 1

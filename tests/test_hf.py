@@ -141,7 +141,7 @@ def test_unsupported_configs_are_user_errors():
         hf.read_hf_dir("/nonexistent")
 
 
-def test_cli_round_trip_through_checkpoints(tmp_path):
+def test_cli_round_trip_through_checkpoints(tmp_path, capsys):
     """export + import through the CLI entry point (needs nanohlat.run.checkpoint)."""
     ckpt = pytest.importorskip("nanohlat.run.checkpoint")
     if not hasattr(ckpt, "save_full"):
@@ -155,6 +155,8 @@ def test_cli_round_trip_through_checkpoints(tmp_path):
     with pytest.raises(SystemExit) as e:                      # bad input: one line, exit code 2
         hf.main(["import", str(tmp_path / "nothing"), str(tmp_path / "back2")])
     assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "nothing' does not exist" in err and "tokenizer.model" not in err.split(";")[0], err
     from nanohlat.device import get_device
     back, manifest = ckpt.load_for_inference(str(tmp_path / "back"), get_device("cpu"))
     assert os.path.isfile(manifest["tokenizer"]) and back.cfg.vocab_size == 300

@@ -688,3 +688,106 @@ def test_a_full_disk_at_the_start_names_the_lock_and_leaves_nothing(tmp_path, ca
     assert code == 2
     one_line_error(err, str(out / "run.lock"), "No space left on device", "--out-dir")
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------
+# Run files parsed defensively: damaged manifests, damaged metrics lines
+# ---------------------------------------------------------------------------
+
+DAMAGED_MANIFESTS = {
+    "step": lambda m: m.update(step="4"),
+    "tokens": lambda m: m.update(tokens=-1),
+    "layout": lambda m: m["layout"].update(tp=0),
+    "world": lambda m: m["layout"].update(world=3),
+    "model": lambda m: m["config"]["model"].update(d_model="big"),
+    "config": lambda m: m.update(config=[1, 2]),
+    "files": lambda m: m.update(files={"../x.pt": {"bytes": 1, "sha256": "0" * 64}}),
+    "checksum": lambda m: next(iter(m["files"].values())).update(sha256=5),
+    "schedule": lambda m: m.update(schedule={"optimizer_step": "x"}),
+    "tokenizer": lambda m: m.update(tokenizer=7),
+}
+
+
+@pytest.mark.parametrize("field", sorted(DAMAGED_MANIFESTS))
+def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_copy, cache_dir, capsys):
+    import eval as evalpy
+    import sample
+    path = os.path.join(ckpt(run_copy, 4), "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    DAMAGED_MANIFESTS[field](m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 2
+    one_line_error(err, path, "is damaged")
+    for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, path, "is damaged")
+
+
+def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache_dir, capsys):
+    path = run_copy / "metrics.jsonl"
+    good = path.read_bytes()
+    path.write_bytes(good + b'{"step": 3, "loss": \xff\xfe}\n[1, 2]\n{"step": "x"}\n{"step": 3, "los')
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert f"note: {path}" in err and "4 damaged line(s)" in err, err
+    assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------------
+# Messages that name the right thing
+# ---------------------------------------------------------------------------
+
+def test_nproc_under_a_launcher_of_another_world_size_is_refused(base, cache_dir, tmp_path, capsys, monkeypatch):
+    import sample
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, err = main_in_process(flags(cache_dir, tmp_path / "run", "--nproc", 2), capsys)
+    assert code == 2
+    one_line_error(err, "--nproc 2", "WORLD_SIZE=1")
+    assert not (tmp_path / "run").exists()
+    assert sample.main(["--out-dir", str(base), "--nproc", "2"]) == 2
+    one_line_error(capsys.readouterr().err, "--nproc 2", "WORLD_SIZE=1")
+
+
+def test_sample_and_eval_say_when_the_newest_checkpoint_has_no_manifest(run_copy, capsys):
+    import eval as evalpy
+    import sample
+    os.remove(os.path.join(ckpt(run_copy, 4), "manifest.json"))
+    assert sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"the newest checkpoint {ckpt(run_copy, 4)} has no manifest.json" in err and ckpt(run_copy, 2) in err
+    assert evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"]) == 0
+    assert f"the newest checkpoint {ckpt(run_copy, 4)} has no manifest.json" in capsys.readouterr().err
+
+
+def test_a_folder_given_as_tokenizer_is_named_a_folder(tmp_path, cache_dir, capsys):
+    code, err = main_in_process(flags(cache_dir, tmp_path / "run", "--tokenizer", tmp_path), capsys)
+    assert code == 2
+    one_line_error(err, "is a folder", "tokenizer.model")
+
+
+def test_corrupt_shard_messages_suggest_flags_the_reader_has(run_copy, capsys):
+    import sample
+    shard = os.path.join(ckpt(run_copy, 4), "shard_00000.pt")
+    with open(shard, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 8)
+    assert sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    one_line_error(err, shard, "sample.py or eval.py --checkpoint PATH")
+
+
+def test_a_signal_under_sample_nproc_does_not_suggest_resume(tmp_path, capsys):
+    import signal
+    import types
+    from nanohlat.run import launch
+    failures = {0: types.SimpleNamespace(exitcode=128 + signal.SIGINT)}
+    assert launch._report_failures(failures, str(tmp_path), stop_hint="") == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "stopped by a signal", err
+    launch._report_failures(failures, str(tmp_path))
+    assert "--resume auto" in capsys.readouterr().err     # train.py's workers saved a checkpoint

@@ -249,3 +249,64 @@ def test_plan_kv_cache_bytes_match_the_cache(model):
     text = plan.report(*config.parse_args(["--preset", "hlat-70b"]), 2048)
     assert "x 80 layers = 320.00 KiB per token" in text and "8x larger (10.00 GiB per sequence)" in text
     assert "  8                      32,768    10.00 GiB             1.25 GiB" in text   # batch 8 at 4096, tp 32
+
+
+# -- serving checks its inputs: contexts, long prompts, non-finite weights ----
+
+@pytest.fixture(scope="module")
+def short_draft_dir(tmp_path_factory, cache_dir):
+    """A 1-layer draft whose context (32) is shorter than the target's (tiny: 64)."""
+    from nanohlat.run import checkpoint, data
+    tok = data.prepare_data("", "", CFG.vocab_size, cache_dir, log=lambda *a: None).tokenizer
+    cfg = dataclasses.replace(CFG, n_layers=1, max_seq_len=32)
+    out = str(tmp_path_factory.mktemp("draft"))
+    checkpoint.save_full(out, cfg, _model(cfg, seed=3).state_dict(), tok.path)
+    return out
+
+
+def test_a_draft_with_a_shorter_context_is_refused_not_cut_short(model, checkpoint_dir, short_draft_dir, capsys):
+    draft = _model(dataclasses.replace(CFG, n_layers=1, max_seq_len=32), seed=3)
+    with pytest.raises(UserError, match="the draft's context is 32 tokens"):
+        serving.speculative_generate(model, draft, [1, 5, 9], 40)
+    out, _ = serving.speculative_generate(model, draft, [1, 5, 9], 20)    # within both contexts: fine
+    assert out == _reference(model, [1, 5, 9], 20)
+    code = serving.main(["--target", checkpoint_dir, "--draft", short_draft_dir, "--max-new-tokens", "40",
+                         "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: the draft's context is 32") and "\n" not in err, err
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_end_with_a_note(checkpoint_dir, capsys):
+    import sample
+    long = "x = 1\n" * 200
+    code = serving.main(["--target", checkpoint_dir, "--draft", checkpoint_dir, "--prompt", long,
+                         "--max-new-tokens", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0 and "does not fit the model's context of 64: its first token and its last 32 are kept" in err
+    assert "Traceback" not in err
+    assert sample.main(["--checkpoint", checkpoint_dir, "--prompt", long, "--max-new-tokens", "4",
+                        "--device", "cpu"]) == 0
+    assert "does not fit the model's context of 64" in capsys.readouterr().err
+    assert len(gen.fit_prompt(list(range(100)), 64, 4)) == 33
+
+
+def test_max_new_tokens_beyond_the_context_is_noted_in_speculative_decoding(checkpoint_dir, capsys):
+    assert serving.main(["--target", checkpoint_dir, "--draft", checkpoint_dir, "--max-new-tokens", "500",
+                         "--device", "cpu"]) == 0
+    assert "not --max-new-tokens 500" in capsys.readouterr().err
+
+
+def test_a_checkpoint_with_nan_weights_is_one_line_naming_it(tmp_path, cache_dir, capsys):
+    import sample
+    from nanohlat.run import checkpoint, data
+    tok = data.prepare_data("", "", CFG.vocab_size, cache_dir, log=lambda *a: None).tokenizer
+    state = _model(CFG, seed=2).state_dict()
+    next(iter(state.values()))[0] = float("nan")
+    checkpoint.save_full(str(tmp_path), CFG, state, tok.path)
+    assert sample.main(["--checkpoint", str(tmp_path), "--max-new-tokens", "4", "--temperature", "1",
+                        "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: checkpoint ") and str(tmp_path) in err and "non-finite weights" in err, err
+    assert "\n" not in err
+    with pytest.raises(UserError, match="logits are not finite"):
+        gen.pick(torch.tensor([[0.0, float("nan")]]), temperature=1.0)

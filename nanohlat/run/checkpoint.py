@@ -78,6 +78,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -92,6 +93,8 @@ from nanohlat.run.files import fsync_dir, sha256_file
 from nanohlat.tensor_parallel import local_part
 from nanohlat.xla import extract_graphs_only, to_host
 
+# how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
+PICK_ANOTHER = "pick another checkpoint (a step_* folder: train.py --resume PATH, sample.py or eval.py --checkpoint PATH)"
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
 
@@ -162,14 +165,22 @@ def latest(out_dir: str) -> str | None:
     return found[-1] if found else None
 
 
-def resolve(path: str) -> str:
-    """A checkpoint directory, or a run directory -> its latest checkpoint."""
+def resolve(path: str, say_skipped: bool = False) -> str:
+    """A checkpoint directory, or a run directory -> its latest checkpoint.
+    `say_skipped`: a newer step_* folder without its manifest (a save that did
+    not finish, or damage) is named in one line, not passed over in silence."""
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     found = latest(path) if os.path.isdir(path) else None
     if not found:
         raise UserError(f"no complete checkpoint in {path!r}; train first (python train.py --out-dir {path}) "
                         f"or pass a checkpoint directory")
+    newer = [p for p in incomplete_checkpoints(path)
+             if os.path.basename(p)[len("step_"):].isdigit() and os.path.basename(p).startswith("step_")
+             and step_of(p) > step_of(found)]
+    if say_skipped and newer:
+        print(f"warning: the newest checkpoint {newer[-1]} has no manifest.json (a save that did not finish, or "
+              f"damage): using {found}, the newest complete one", file=sys.stderr)
     return found
 
 
@@ -241,14 +252,27 @@ def truncate_metrics(path: str, step: int) -> None:
     set_aside_newer(os.path.dirname(path) or ".", step + 1)
     if not os.path.isfile(path):
         return
-    keep = []
-    with open(path) as f:
-        for line in f:
+    keep, damaged = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            # Policy: a line that is not a JSON record with a whole-number step
+            # (cut short by a crash, or damaged: not UTF-8, not an object) is dropped
+            # with a note. It is a log, not state: training resumes from the
+            # checkpoint either way, and no step of a damaged line can be trusted.
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-            except json.JSONDecodeError:
-                pass  # a line cut short by a crash
+                line = raw.decode()
+                record = json.loads(line)
+                rec_step = record.get("step", 0) if isinstance(record, dict) else None
+                if not isinstance(rec_step, int) or isinstance(rec_step, bool):
+                    raise ValueError("no step")
+            except ValueError:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                damaged += raw.strip() != b""
+                continue
+            if rec_step <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    if damaged:
+        print(f"note: {path}: {damaged} damaged line(s) (cut short by a crash, or not JSON records) dropped "
+              f"on resume; the checkpoint holds the training state", file=sys.stderr)
     _atomic_write(path, lambda f: f.write("".join(keep).encode()))
 
 
@@ -511,12 +535,66 @@ def read_manifest(path: str) -> dict:
     if missing:
         raise UserError(f"checkpoint manifest {mpath} lacks {', '.join(missing)}: it is corrupt; "
                         f"pick another checkpoint")
+    _check_fields(mpath, manifest)
     copy = manifest.get("tokenizer_copy")   # the tokenizer saved with the checkpoint, when whole
     if isinstance(copy, dict) and copy.get("file") == TOKENIZER_COPY:
         cpath = os.path.join(path, TOKENIZER_COPY)
         if os.path.isfile(cpath) and sha256_file(cpath) == copy.get("sha256"):
             manifest["tokenizer"] = cpath
     return manifest
+
+
+def _count(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _check_fields(mpath: str, m: dict) -> None:
+    """Types and ranges of every field a reader uses (a manifest edited by hand,
+    or damaged, is named in one line instead of failing deep inside a load)."""
+    def bad(what: str) -> UserError:
+        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} "
+                         f"or restore this one")
+    for k in ("step", "tokens"):
+        if not _count(m[k]):
+            raise bad(f"{k} is {m[k]!r}, not a whole number >= 0")
+    lay = m["layout"]
+    if not isinstance(lay, dict) or not all(_count(lay.get(k), 1) for k in ("tp", "pp", "dp", "world")):
+        raise bad(f"layout is {lay!r}, not tp, pp, dp and world >= 1")
+    if lay["world"] != lay["tp"] * lay["pp"] * lay["dp"]:
+        raise bad(f"layout world {lay['world']} is not tp*pp*dp = {lay['tp'] * lay['pp'] * lay['dp']}")
+    cfg = m["config"]
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
+        raise bad("config is not {'model': {...}, 'train': {...}}")
+    for f in dataclasses.fields(ModelConfig):   # ints whole, floats finite numbers (no strings, no bools)
+        v = cfg["model"].get(f.name, f.default)
+        ok = _count(v, 1) if isinstance(f.default, int) and not isinstance(f.default, bool) else \
+            isinstance(v, type(f.default)) if isinstance(f.default, bool) else \
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 \
+            if isinstance(f.default, float) else True
+        if not ok:
+            raise bad(f"config.model.{f.name} is {v!r}")
+    try:
+        model_from_dict(cfg["model"]).validate()
+    except (TypeError, ValueError, UserError) as e:
+        raise bad(f"config.model: {str(e).splitlines()[0] if str(e) else e.__class__.__name__}") from None
+    if not isinstance(m["tokenizer"], str):
+        raise bad(f"tokenizer is {m['tokenizer']!r}, not a path")
+    files = m["files"]
+    if not isinstance(files, dict) or not files:
+        raise bad("files is not a non-empty {name: {bytes, sha256}}")
+    for name, info in files.items():
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise bad(f"file name {name!r} is not a plain name inside the checkpoint")
+        if not isinstance(info, dict) or not _count(info.get("bytes")) or not isinstance(info.get("sha256"), str) \
+                or len(info["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in info["sha256"]):
+            raise bad(f"files[{name!r}] is not {{bytes: n >= 0, sha256: 64 hex digits}}")
+    for k, fields_ in (("schedule", ("optimizer_step", "bad_steps")), ("data", ())):
+        v = m.get(k, {})
+        if not isinstance(v, dict) or not all(_count(v.get(f, 0)) for f in fields_):
+            raise bad(f"{k} is {v!r}")
+    for k in ("identity", "tokenizer_copy"):
+        if not isinstance(m.get(k) or {}, dict):
+            raise bad(f"{k} is {m[k]!r}, not a record")
 
 
 def check_files(path: str, manifest: dict) -> None:
@@ -528,7 +606,7 @@ def check_files(path: str, manifest: dict) -> None:
                             f"checksum for {name}: it is corrupt; pick another checkpoint")
         if not os.path.isfile(fpath):
             raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
-                            f"pick another one (--resume PATH)")
+                            f"{PICK_ANOTHER}")
         if os.path.getsize(fpath) != info["bytes"]:
             raise UserError(f"checkpoint shard {fpath} has {os.path.getsize(fpath)} bytes, the manifest "
                             f"says {info['bytes']}: the file is truncated or corrupt")
@@ -582,7 +660,7 @@ def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> l
 
 def _corrupt_error(path: str, name: str) -> UserError:
     return UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its manifest: "
-                     f"the file is corrupt; pick another checkpoint (--resume PATH)")
+                     f"the file is corrupt; {PICK_ANOTHER}")
 
 
 def check(path: str, cfg: ModelConfig, checksums: bool = False) -> dict:

@@ -98,6 +98,9 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
+    if os.path.isdir(path):
+        raise UserError(f"--tokenizer {path!r} is a folder; give the SentencePiece tokenizer.model file "
+                        f"inside it (e.g. {os.path.join(path, 'tokenizer.model')!r})")
     if not os.path.isfile(path):
         raise UserError(f"--tokenizer {path!r} does not exist; give a SentencePiece tokenizer.model file "
                         f"or leave --tokenizer empty to train one on --data")

@@ -76,6 +76,16 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return rank, world, _env_int("LOCAL_RANK", 0)
 
 
+def check_nproc(nproc: int, env) -> None:
+    """--nproc N in a process a launcher started (`env`: torchrun_env()) with
+    another world size: refused, not silently ignored (the launcher, not
+    --nproc, decides how many processes there are)."""
+    if env and nproc > 1 and nproc != env[1]:
+        raise UserError(f"--nproc {nproc}, but a launcher started this process as one of WORLD_SIZE={env[1]} "
+                        f"(RANK and WORLD_SIZE are set): drop --nproc and start {nproc} with the launcher "
+                        f"(torchrun --nproc_per_node {nproc}), or unset RANK and WORLD_SIZE")
+
+
 def local_world_size() -> int:
     return _env_int("LOCAL_WORLD_SIZE", 1, low=1)
 
@@ -129,8 +139,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None) -> int:
-    """Run entry(*args) in nproc local workers; returns an exit code.
+RESUME_HINT = "; --resume auto continues from the checkpoint just saved"   # (train.py's workers save on a signal)
+
+
+def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None,
+          stop_hint: str = RESUME_HINT) -> int:
+    """Run entry(*args) in nproc local workers; returns an exit code. `stop_hint`
+    follows "stopped by a signal" (sample.py, which saves nothing, gives "").
 
     A worker that dies (exception, exit code, SIGKILL) makes the launcher stop
     all the others promptly, then restart the group (up to max_restarts) or
@@ -165,13 +180,12 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
         elastic_launch(config, entry)(*args)
         return 0
     except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
-        print(f"stopped by {e.sigval.name}; --resume auto continues from the checkpoint just saved",
-              file=sys.stderr)
+        print(f"stopped by {e.sigval.name}{stop_hint}", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         if watch and watch.stuck:
             return watch.report()
-        return _report_failures(e.failures, errors)
+        return _report_failures(e.failures, errors, stop_hint)
     finally:
         if watch:
             watch.stop()
@@ -209,13 +223,13 @@ def start_method() -> str:
     return "forkserver"
 
 
-def _report_failures(failures: dict, errors: str) -> int:
+def _report_failures(failures: dict, errors: str, stop_hint: str = RESUME_HINT) -> int:
     """One line per distinct cause the workers reported (report_error: usually one),
     `error: rank R: <cause>`, and one per failed rank that said nothing (killed);
     returns the job's exit code: 2 when every failed rank exited 2 (a user error)."""
     codes = [f.exitcode for f in failures.values()]
     if codes and all(c in (128 + signal.SIGTERM, 128 + signal.SIGINT) for c in codes):
-        print("stopped by a signal; --resume auto continues from the checkpoint just saved", file=sys.stderr)
+        print(f"stopped by a signal{stop_hint}", file=sys.stderr)
         return codes[0]
     reported = {}    # rank -> its one-line cause (report_error)
     for name in os.listdir(errors):

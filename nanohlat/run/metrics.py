@@ -150,7 +150,8 @@ def resample_cpu_peak() -> float:
     may be a slow one, and every MFU would then be read against too low a
     peak (the same code read 50% and 86% in two runs before this)."""
     threads = torch.get_num_threads()
-    _cpu_peaks[threads] = max(measure_cpu_peak(), _best_matmul_rate())
+    with torch.random.fork_rng(devices=[]):   # its random matrices leave a run's CPU generator as it was
+        _cpu_peaks[threads] = max(measure_cpu_peak(), _best_matmul_rate())
     return _cpu_peaks[threads]
 
 
@@ -312,6 +313,7 @@ class TrainLog:
         # CPUs: the matmul rate measured on this process's threads (device_peak)
         peak = device_peak(dev, tcfg.precision)
         self.peak_total = peak * mesh.world if peak else None
+        self.world, self.resampled_at = mesh.world, None   # (of the CPU peak: _mfu)
         self.meter = Throughput()
         # neuron_parallel_compile runs the script on zeros, not values: nothing to judge then
         self.judge = not xla.extract_graphs_only()
@@ -367,19 +369,33 @@ class TrainLog:
                     f"{skipped} step(s) since the last log (up to step {step}) had")
             print(f"warning: {what} a non-finite loss or gradient; the update was skipped", file=sys.stderr)
         tps = self.meter.update(self.tokens_per_step)
-        mfu_ = mfu(tps, self.flops_tok, self.peak_total)
+        mfu_ = self._mfu(tps) if self.main else None
         self.summary["losses"].append(loss)
         if self.writer:
             self.writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
                                "tokens_per_s": tps, "mfu": mfu_})
         if self.bar:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", mfu=f"{(mfu_ or 0) * 100:.1f}%")
+            # unknown is "?", never 0%: no rate yet (the first step is not timed: Throughput), or no
+            # peak to divide by (the reason is printed once: describe_peak, or mfu's warning)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}" if tps else "?",
+                                 mfu="?" if mfu_ is None or not tps else f"{mfu_ * 100:.1f}%")
             if last:   # before anything else is printed (the timeline, the last line)
                 self.bar.close()
         if 0 < tcfg.max_bad_steps <= worst:   # (0: never stop) every rank sees the same counts: all stop together
             raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
                             f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr or check the "
                             f"data, then resume from a checkpoint saved before the trouble (--resume PATH)")
+
+    def _mfu(self, tps: float) -> float | None:
+        """MFU of a logged step. A CPU peak measured once at the start, while the
+        machine was busy, can be too low for the rest of the run: when the
+        model's rate beats it, the peak is measured again (resample_cpu_peak:
+        a few matmuls, ~0.1 s) and the best kept. Only then, and at most once a
+        minute, so a quiet machine's run pays nothing and a noisy one little."""
+        beaten = self.peak_total and self.dev.kind == "cpu" and tps * self.flops_tok > self.peak_total
+        if beaten and (self.resampled_at is None or time.perf_counter() - self.resampled_at > 60):
+            self.peak_total, self.resampled_at = resample_cpu_peak() * self.world, time.perf_counter()
+        return mfu(tps, self.flops_tok, self.peak_total)
 
     def val(self, step: int, val_loss: torch.Tensor) -> None:
         """A validation loss, read on the host once it exists."""

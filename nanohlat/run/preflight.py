@@ -48,6 +48,7 @@ def main(train, argv: list[str]) -> int:
         model_cfg, tcfg = config.parse_args(argv)
         env = launch.torchrun_env()
         world = env[1] if env else tcfg.nproc
+        launch.check_nproc(tcfg.nproc, env)
         if tcfg.plan:
             from nanohlat.tools import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))

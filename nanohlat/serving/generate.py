@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from nanohlat.run import checkpoint
 from nanohlat import comm
 from nanohlat import tensor_parallel as tpl
-from nanohlat.config import ModelConfig, TrainConfig, model_from_dict
+from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
 from nanohlat.mesh import Group, validate_layout
 from nanohlat.model import Transformer
 
@@ -71,7 +71,11 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
     check_tp(cfg, group.size)
     model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
     for name, p in model.named_parameters():
-        p.copy_(tpl.local_part(shards.tensor(name, p.shard.full_shape), p))
+        full = shards.tensor(name, p.shard.full_shape)
+        if not bool(torch.isfinite(full).all()):   # every rank sees the full tensor: all refuse together
+            raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: nothing "
+                            f"can be sampled from it; use an earlier checkpoint (a step_* folder)")
+        p.copy_(tpl.local_part(full, p))
     return model.to(dev.torch_device).eval(), shards.manifest
 
 
@@ -151,10 +155,30 @@ def probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0) -> t
     return F.softmax(logits, dim=-1)
 
 
+def fit_prompt(ids: list[int], limit: int, max_new_tokens: int, note=None) -> list[int]:
+    """One policy for every prompt (sample.py, speculative decoding): a prompt that
+    does not fit the model's context of `limit` tokens keeps its first token
+    (BOS) and its last limit // 2, so there is room to generate; `note` (if
+    given) is called with one line when the prompt is cut, and when the sample
+    will stop before `max_new_tokens` because the context is full."""
+    if len(ids) >= limit:
+        if note:
+            note(f"note: a prompt of {len(ids)} tokens does not fit the model's context of {limit}: its first "
+                 f"token and its last {limit // 2} are kept")
+        ids = ids[:1] + ids[-(limit // 2):]
+    if len(ids) + max_new_tokens > limit and note:
+        note(f"note: the model's context is {limit} tokens and a prompt uses {len(ids)}: its sample stops "
+             f"after {limit - len(ids)} new tokens, not --max-new-tokens {max_new_tokens}")
+    return ids
+
+
 def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, generator=None) -> torch.Tensor:
     """The next token of each row, (B,): the argmax when temperature <= 0, else a
     draw from `probabilities`. Draws happen on the CPU with `generator`, so a
     seed gives the same tokens on every device and every tp rank."""
+    if not bool(torch.isfinite(logits).all()):   # (the weights were checked at load: an overflow)
+        raise UserError("the model's logits are not finite (NaN or inf): its weights or activations "
+                        "overflowed; use an earlier checkpoint")
     if temperature <= 0:
         return logits.argmax(-1)
     probs = probabilities(logits, temperature, top_k).cpu()

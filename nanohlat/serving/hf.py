@@ -275,6 +275,9 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
             overwrite: bool = False) -> str:
     from nanohlat.run.checkpoint import clear_run, save_full
     from nanohlat.run.runlock import acquire
+    if not os.path.isdir(hf_dir):
+        raise UserError(f"{hf_dir!r} {'is not a folder' if os.path.exists(hf_dir) else 'does not exist'}; give "
+                        f"the folder of a Hugging Face LLaMA checkpoint (config.json, *.safetensors, tokenizer.model)")
     if not overwrite:
         _refuse_non_empty(out_dir, "OUT_DIR")
     tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")

@@ -220,11 +220,25 @@ class _Cached:
 
 
 @torch.no_grad()
+def check_contexts(target, draft, prompt_len: int, max_new_tokens: int) -> int:
+    """The sequence length speculative decoding reaches (the target's answer's),
+    or UserError when the draft's context is too short for it. Refused rather
+    than cut short: the answer must be the target's, and the draft cannot
+    propose past its own context."""
+    total = min(prompt_len + max_new_tokens, target.cfg.max_seq_len)
+    if total > draft.cfg.max_seq_len:
+        raise UserError(f"the draft's context is {draft.cfg.max_seq_len} tokens, shorter than the {total} this "
+                        f"prompt and --max-new-tokens need (the target's is {target.cfg.max_seq_len}); lower "
+                        f"--max-new-tokens to {max(0, draft.cfg.max_seq_len - prompt_len)} or use a draft "
+                        f"trained with --max-seq-len {target.cfg.max_seq_len}")
+    return total
+
+
 def speculative_generate(target, draft, prompt: list[int], max_new_tokens: int, k: int = 4,
                          temperature: float = 0.0, top_k: int = 0, generator=None) -> tuple[list[int], dict]:
     """New tokens for `prompt` from `target`, with `draft` proposing k at a time.
     Returns (tokens, stats: proposed, accepted, target_passes, draft_passes)."""
-    total = min(len(prompt) + max_new_tokens, target.cfg.max_seq_len, draft.cfg.max_seq_len)
+    total = check_contexts(target, draft, len(prompt), max_new_tokens)
     tgt, drf = _Cached(target, total), _Cached(draft, total)
     tokens = list(prompt)
     stats = {"proposed": 0, "accepted": 0, "target_passes": 0, "draft_passes": 0}
@@ -310,6 +324,9 @@ def main(argv=None) -> int:
         return 2
     try:
         return compare(args, target, draft, data.load_tokenizer(tm["tokenizer"]))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -317,7 +334,10 @@ def main(argv=None) -> int:
 
 def compare(args, target, draft, tok) -> int:
     """main's measurement: the target alone, then speculative decoding, same seed."""
-    ids = [tok.bos_id] + tok.encode(args.prompt)
+    note = lambda line: print(line, file=sys.stderr)
+    ids = gen.fit_prompt([tok.bos_id] + tok.encode(args.prompt), target.cfg.max_seq_len, args.max_new_tokens,
+                         note)     # sample.py's policy: a long prompt keeps its end, said in a note
+    check_contexts(target, draft, len(ids), args.max_new_tokens)     # before any pass
     seeded = lambda: torch.Generator().manual_seed(args.seed)
     gen.generate_lists(target, [ids], 2), gen.generate_lists(draft, [ids], 2)    # warm up both, untimed
     start = time.perf_counter()
