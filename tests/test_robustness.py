@@ -428,7 +428,7 @@ def test_a_truncated_token_cache_is_rebuilt_never_used(small_corpus, tmp_path):
     again = data.prepare_data(str(small_corpus), "", 512, cache, log=notes.append)
     assert any("damaged" in n and "train.bin has 4,096 bytes" in n and "rebuilding" in n for n in notes), notes
     assert (again.train == tokens).all() and len(again.train) == len(tokens)
-    # same size, one changed block: the sampled hash notices
+    # same size, one changed block: the full hash notices
     with open(train_bin, "r+b") as f:
         f.write(b"\xff\xff" * 8)
     assert "does not match its hash" in data.verify_shards(again.directory)

@@ -471,7 +471,7 @@ def _io_error(e: Exception, path: str, need: int) -> UserError:
         if "inline_container" not in str(e) and "file write failed" not in str(e):
             raise e
         cause = OSError(errno.EIO, (str(e).strip().splitlines() or ["write failed"])[0])
-    where = cause.filename or path
+    where = cause.filename if isinstance(cause.filename, str) else path   # (a file opened by descriptor: its number)
     what = cause.strerror or str(cause) or cause.__class__.__name__
     try:
         free = shutil.disk_usage(os.path.dirname(path)).free

@@ -46,6 +46,10 @@ def atomic_write(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:   # (a full disk): name the file being written, not the temporary's descriptor
+        if not isinstance(e.filename, str):
+            e.filename = path
+        raise
     finally:
         if os.path.lexists(tmp) and not os.path.isdir(tmp):
             os.remove(tmp)

@@ -303,8 +303,7 @@ def note_worker_pid(rank: int) -> None:
     """A worker started by `spawn` tells the launcher its pid (a file per rank)."""
     folder = os.environ.get(PIDS_ENV)
     if folder and os.path.isdir(folder):
-        with open(os.path.join(folder, f"rank{rank}"), "w") as f:
-            f.write(str(os.getpid()))
+        files.write_text(os.path.join(folder, f"rank{rank}"), str(os.getpid()))
 
 
 def is_collective_timeout(e: BaseException) -> bool:
