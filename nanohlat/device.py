@@ -203,20 +203,23 @@ def check_available(kind: str, workers: int = 1) -> None:
         xla.require_installed()
 
 
+def resolve_kind(kind: str) -> str:
+    """--device as a kind: 'auto' prefers Trainium (torch-neuronx installed, or
+    PJRT_DEVICE set with torch_xla installed), then CUDA, then CPU."""
+    if kind != "auto":
+        return kind
+    if xla.preferred():
+        return "xla"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def get_device(kind: str = "auto", local_rank: int = 0, precision: str | None = None) -> Device:
-    """The device for this process. 'auto' prefers Trainium (torch-neuronx
-    installed, or PJRT_DEVICE set with torch_xla installed), then CUDA, then CPU.
+    """The device for this process (`resolve_kind` decides what 'auto' means).
 
     `precision` (the --precision of a training run) matters on Trainium only:
     it decides the Neuron runtime's rounding mode, which must be set before
     the runtime starts (see `xla.set_neuron_rounding`)."""
-    if kind == "auto":
-        if xla.preferred():
-            kind = "xla"
-        elif torch.cuda.is_available():
-            kind = "cuda"
-        else:
-            kind = "cpu"
+    kind = resolve_kind(kind)
     check_available(kind, local_rank + 1)   # an unknown name, no GPU, no torch_xla: one line
 
     if kind == "cpu":

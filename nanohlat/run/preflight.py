@@ -31,6 +31,7 @@ import dataclasses
 import os
 import sys
 
+import torch
 import torch.distributed
 
 from nanohlat import config
@@ -113,13 +114,8 @@ def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world:
     Not checked: xla (memory is the compiler's to plan; --plan shows it), and a cuda
     launcher that spawns workers (asking a GPU its size would make a CUDA context
     in this process, held for the whole run)."""
-    import os
-    import torch
-    from nanohlat import xla
     from nanohlat.tools import plan
-    kind = tcfg.device
-    if kind == "auto":
-        kind = "xla" if xla.preferred() else "cuda" if torch.cuda.is_available() else "cpu"
+    kind = devicelib.resolve_kind(tcfg.device)
     if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
         return
     per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
