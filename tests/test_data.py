@@ -234,8 +234,24 @@ def test_builtin_corpus_is_the_stdlib(tmp_path):
 # A damaged token cache is never trained on (issue 25)
 # ---------------------------------------------------------------------------
 
+def old_sample_hash(path: str, blocks: int = 64, block: int = 4096) -> str:
+    """The previous version's cache check, kept here to show what it missed: the
+    file's size and `blocks` evenly spaced blocks (a small file hashed whole)."""
+    import hashlib
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        if size <= blocks * block:
+            h.update(f.read())
+        else:
+            for i in range(blocks):
+                f.seek(i * (size - block) // (blocks - 1))
+                h.update(f.read(block))
+    return h.hexdigest()
+
+
 def unsampled_ranges(size: int, blocks: int = 64, block: int = 4096) -> list[tuple[int, int]]:
-    """The byte ranges of a file that the old check (files.sample_hash) never read."""
+    """The byte ranges of a file that the old check (old_sample_hash) never read."""
     starts = [i * (size - block) // (blocks - 1) for i in range(blocks)]
     return [(a + block, b) for a, b in zip(starts, starts[1:]) if b > a + block]
 
@@ -271,13 +287,12 @@ def big(tmp_path_factory):
 
 @pytest.mark.parametrize("damage", ["zeros", "token id = vocab", "token id = 65535", "old-format meta.json"])
 def test_a_damaged_cache_is_rebuilt_with_one_note(damage, big, tmp_path):
-    from nanohlat.run.files import sample_hash
     import shutil
     corpus, cache, good = big
     cache = shutil.copytree(cache, tmp_path / "cache")
     train_bin = os.path.join(cache, os.path.basename(good.directory), "train.bin")
     meta_path = os.path.join(os.path.dirname(train_bin), "meta.json")
-    old = sample_hash(train_bin)
+    old = old_sample_hash(train_bin)
     if damage == "zeros":
         zero_a_third_unsampled(train_bin)
     elif damage == "old-format meta.json":   # as the previous version wrote it: sampled hashes only
@@ -288,7 +303,7 @@ def test_a_damaged_cache_is_rebuilt_with_one_note(damage, big, tmp_path):
         open(meta_path, "w").write(json.dumps(meta))
     else:
         put_token(train_bin, good.meta["dtype"], int(damage.split()[-1].replace("vocab", str(VOCAB))))
-    assert sample_hash(train_bin) == old                                # what the old check would have seen
+    assert old_sample_hash(train_bin) == old                                # what the old check would have seen
     with pytest.raises(UserError, match="damaged"):                     # a reopened one (a worker): refused
         Dataset(good.tokenizer, os.path.dirname(train_bin))
     notes = []

@@ -96,18 +96,3 @@ def os_error_message(e: OSError) -> str:
     what = e.strerror or e.__class__.__name__
     return f"cannot write or read{path}: {what}; free space, fix the permissions or choose another path"
 
-
-def sample_hash(path: str, blocks: int = 64, block: int = 4096) -> str:
-    """A cheap fingerprint of a large file: its size and `blocks` evenly spaced
-    blocks (the first and last included; a small file is hashed whole). Catches
-    truncation, extension and damage to any sampled block, reading ~256 KiB."""
-    size = os.path.getsize(path)
-    h = hashlib.blake2b(str(size).encode(), digest_size=16)
-    with open(path, "rb") as f:
-        if size <= blocks * block:
-            h.update(f.read())
-        else:
-            for i in range(blocks):
-                f.seek(i * (size - block) // (blocks - 1))
-                h.update(f.read(block))
-    return h.hexdigest()
