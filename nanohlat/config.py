@@ -121,6 +121,7 @@ class TrainConfig:
     zero1: bool = False
     bucket_mb: float = 25.0
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
+    moments: str = "fp32"        # fp32 | bf16 (Adam's moments, stochastically rounded; bf16-sr only)
     activation_checkpointing: str = "none"  # none | selective | full
     threads: int = 0             # CPU threads per worker (0 = cores / workers)
     compile: bool = False        # torch.compile the model stage (nanohlat/tools/compile.py)
@@ -158,6 +159,7 @@ class TrainConfig:
             "device": DEVICES,
             "schedule": ("afab", "1f1b"),
             "precision": PRECISIONS,
+            "moments": ("fp32", "bf16"),
             "activation_checkpointing": ("none", "selective", "full"),
         }
         for name, allowed in choices.items():
@@ -175,6 +177,9 @@ class TrainConfig:
         _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        if self.moments == "bf16" and self.precision != "bf16-sr":
+            raise UserError(f"--moments bf16 rounds Adam's moments stochastically and needs --precision bf16-sr "
+                            f"(got {self.precision}); drop --moments or use --precision bf16-sr")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.eval_every and not self.eval_batches:
@@ -247,7 +252,8 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
              # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
              tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
-             precision="bf16-sr"),
+             # pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
+             precision="bf16-sr", moments="bf16"),
     ),
     "hlat-70b": (
         ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
@@ -290,6 +296,8 @@ HELP = {
     "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
+    "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
+               "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }

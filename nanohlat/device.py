@@ -73,13 +73,6 @@ class Device:
         where = self._torch_device if self._torch_device is not None else "xla (not started)"
         return f"Device({where}, backend={self.backend}, name={self.name})"
 
-    @property
-    def hardware_stochastic_rounding(self) -> bool:
-        """True on Trainium, whose runtime rounds fp32 -> bf16 stochastically
-        for --precision bf16-sr (see `xla.set_neuron_rounding`). Elsewhere, including
-        torch_xla on the CPU, bf16-sr is done in software (precision.py)."""
-        return self.kind == "xla" and self.name == xla.NEURON
-
     def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """module.to(this device, dtype), keeping what parameters carry besides
         their values: `p.shard`, how the parameter is split over tp ranks

@@ -1,10 +1,11 @@
 """AdamW over flat buffers, the learning-rate schedule, and the global grad norm.
 
-One optimizer serves every layout. This rank's parameters are packed into flat
-buffers, one per *group*: weight-decayed or not x tp-sharded, replicated, or
-in fewer parts than tp (replicated kv heads), each with fp32 gradients, a master
-copy and the two Adam moments (the last three whole, or this dp rank's 1/dp
-shard with --zero1). `reference_adamw_step` is AdamW per parameter, textbook.
+One optimizer serves every layout. Each parameter is a view of a flat buffer,
+one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer
+parts than tp: replicated kv heads), with fp32 gradients, Adam's moments and
+master weights (all, or this dp rank's 1/dp with --zero1): the parameters
+themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
+is AdamW per parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (FlatGroup.accumulate_hook) adds each micro-batch's gradient into the flat
@@ -14,7 +15,7 @@ four phases, each a public method (train.py calls them by name):
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
-    4. write_back         (ZeRO-1 all-gather) -> copy into the model's parameters
+    4. write_back         (ZeRO-1 all-gather) -> the model's parameters (if not written already)
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
 `data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` with --zero1.
@@ -29,10 +30,10 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
     except under ZeRO-1, where each dp rank holds a different shard -> sum over dp.
 Get any of these wrong and clipping silently differs between layouts.
 
-Every holder of an element (dp replicas, tp-replicated norms) computes the
-same update for it, bit for bit, bf16-sr rounding noise included
-(precision.round_into_master). On XLA the graph is the same every step: lr and
-the step count are tensors; a non-finite step is multiplied by 0.0, not skipped.
+Every holder of an element (dp replicas, tp-replicated norms) computes the same
+update for it, bit for bit, rounding noise included (precision.round_into_master).
+On XLA the graph is the same every step: lr and the step count are tensors; a
+non-finite step is multiplied by 0.0, not skipped.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import math
 import torch
 
 from . import comm, data_parallel, zero1
-from .precision import master_dtype, round_into_master, shard_pieces
+from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
@@ -90,20 +91,25 @@ def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> to
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, device, tp_rank=0, tp=1):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device,
+                 tp_rank=0, tp=1):
         self.names, self.params = names, params
         self.decay, self.tp_replicated = decay, tp_replicated
         self.numel = sum(p.numel() for p in params)
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
-        flat = self.flatten([p.detach() for p in params], torch.float32)
-        self.master = flat[self.start:self.stop].to(mdtype).clone()
-        self.exp_avg = torch.zeros(self.stop - self.start, dtype=torch.float32, device=device)
+        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it
+        self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
+        mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters
+        self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
+        self.master = mine if self.master_is_params else mine.to(mdtype)
+        self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         # fp32 gradients, added micro-batch by micro-batch (accumulate_hook); later AdamW's scratch space
         self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for p, off in zip(params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view_as(p)
             p.register_post_accumulate_grad_hook(self.accumulate_hook(off, p.numel()))
 
     def accumulate_hook(self, off: int, numel: int):
@@ -130,7 +136,6 @@ class FlatAdamW:
     def __init__(self, model, mesh, tcfg, device):
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
         self.zero, self.precision = tcfg.zero1, tcfg.precision
-        self.software_sr = not device.hardware_stochastic_rounding   # trn1 rounds stochastically in hardware
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
         self.dp = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(
@@ -141,7 +146,7 @@ class FlatAdamW:
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
-                                 device.torch_device, mesh.tp_rank, mesh.tp)
+                                 moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
                        for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
@@ -209,13 +214,13 @@ class FlatAdamW:
              "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
              "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
              "decay": 1 - lr_t * keep * tcfg.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
-        for g, grad in zip(self.groups, grads):
-            w = g.master if g.master.dtype == torch.float32 else g.master.float()
-            self._adamw(grad, g.exp_avg, g.exp_avg_sq, w, c, g.decay and tcfg.weight_decay != 0)
-            if w is not g.master:                          # pure bf16: round the fp32 result back
-                round_into_master(g.master, w, g.pieces, self.precision, self.software_sr, tcfg.seed,
-                                  self.step_count + 1)
-            del w                                            # (pure bf16: free the fp32 copy before the next group)
+        for g, grad in zip(self.groups, grads):   # AdamW in fp32 (.float() of an fp32 tensor is itself)
+            w, m, v = g.master.float(), g.exp_avg.float(), g.exp_avg_sq.float()
+            self._adamw(grad, m, v, w, c, g.decay and tcfg.weight_decay != 0)
+            for stored, new, salt in ((g.master, w, 0), (g.exp_avg, m, 1), (g.exp_avg_sq, v, 2)):
+                if new is not stored:                  # bf16: round the fp32 result back (noise salted per buffer)
+                    round_into_master(stored, new, g.pieces, self.precision, tcfg.seed, self.step_count + 1, salt)
+            del w, m, v                                  # (free the fp32 copies before the next group)
         self.step_count += finite.long()                 # a skipped step is not a step
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
@@ -233,8 +238,8 @@ class FlatAdamW:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first)."""
+        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first).
+        Without ZeRO-1 a master that is the parameter buffer was already written by `update`."""
         for g in self.groups:
-            full = self.dp.gather_parameters(g.master.to(g.params[0].dtype))
-            for p, off in zip(g.params, g.offsets):
-                p.copy_(full[off:off + p.numel()].view_as(p))
+            if self.zero or not g.master_is_params:
+                g.flat.copy_(self.dp.gather_parameters(g.master.to(g.flat.dtype)))

@@ -11,16 +11,26 @@ hardware's stochastic rounding (NEURON_RT_STOCHASTIC_ROUNDING_EN=1); HLAT-70B
 kept fp32 master weights in ZeRO-1 instead.
 
     --precision   parameters/compute   optimizer master weights      rounding of the update
-    fp32          fp32                 fp32 copy                     -
-    bf16-mixed    bf16                 fp32 copy                     fp32 master, copy -> bf16
-    bf16-sr       bf16                 bf16 copy of the bf16 weights stochastic (software; hardware on trn1)
-    bf16          bf16                 bf16 copy of the bf16 weights round-to-nearest-even
+    fp32          fp32                 the parameters themselves     -
+    bf16-mixed    bf16                 a separate fp32 copy          fp32 master, copy -> bf16
+    bf16-sr       bf16                 the parameters themselves     stochastic (software, counter-based)
+    bf16          bf16                 the parameters themselves     round-to-nearest-even
 
-The optimizer (optim.FlatAdamW) keeps its master weights in a flat buffer of
-`master_dtype` beside the model's parameters: all of them, or this dp rank's
-1/dp with ZeRO-1. In the pure bf16 modes that copy holds the same bf16 values
-as the parameters (2 bytes each). Adam's moments stay fp32 in every mode, and
-gradients always accumulate in fp32 (optim.FlatGroup.accumulate_hook).
+The model's parameters live in one flat buffer per optimizer group
+(optim.FlatGroup: each parameter is a view of it). Where the master dtype is
+the parameter dtype, the master weights ARE that buffer (this dp rank's 1/dp
+slice of it with ZeRO-1): no second copy, the update is written straight into
+the parameters. Only bf16-mixed keeps a separate fp32 master (4 more bytes per
+parameter, 1/dp with ZeRO-1). Gradients always accumulate in fp32
+(optim.FlatGroup.accumulate_hook). Adam's moments are fp32, or with
+`--moments bf16` (bf16-sr only: what HLAT's pure-bf16 stack did) bf16, updated
+in fp32 and stored with stochastic rounding like the weights (2 + 2 bytes
+instead of 4 + 4 per parameter).
+
+The update's rounding is always this file's counter-based software rounding,
+on trn1 too: its result is already a bf16 value when it is cast, so the
+hardware's stochastic rounding (xla.set_neuron_rounding) cannot change it, and
+replicas stay identical however each NeuronCore's random bits fall.
 
 Stochastic rounding noise: one rule for every holder of an element
 ------------------------------------------------------------------
@@ -60,6 +70,11 @@ def master_dtype(precision: str) -> torch.dtype:
     return torch.float32 if precision in ("fp32", "bf16-mixed") else torch.bfloat16
 
 
+def moment_dtype(moments: str) -> torch.dtype:
+    """Adam's two moments: fp32, or bf16 with stochastic rounding (--moments)."""
+    return torch.bfloat16 if moments == "bf16" else torch.float32
+
+
 def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Round fp32 -> bf16 up or down at random, unbiased.
 
@@ -82,16 +97,14 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tenso
     # exercise 7a: end
 
 
-def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str, software_sr: bool,
+def round_update(x: torch.Tensor, dtype: torch.dtype, precision: str,
                  noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Store the fp32 result of an optimizer step in the master dtype."""
+    """Store the fp32 result of an optimizer step in `dtype` (the master's, or the moments')."""
     if dtype == torch.float32:
         return x
-    if precision == "bf16-sr" and software_sr:
+    if precision == "bf16-sr":
         return stochastic_round_to_bf16(x, noise=noise)
-    # round-to-nearest-even; on trn1 with NEURON_RT_STOCHASTIC_ROUNDING_EN=1 the
-    # hardware rounds this very cast stochastically instead
-    return x.to(dtype)
+    return x.to(dtype)          # round-to-nearest-even
 
 
 # -- the noise: SplitMix64 (Steele, Lea, Flood 2014) on int64 tensors ---------
@@ -186,17 +199,18 @@ def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp
 
 
 def round_into_master(master: torch.Tensor, w: torch.Tensor, pieces: list[Piece], precision: str,
-                      software_sr: bool, seed: int, step: torch.Tensor) -> None:
-    """Store an optimizer step's fp32 result `w` in the bf16 `master` (same shard).
+                      seed: int, step: torch.Tensor, salt: int = 0) -> None:
+    """Store an optimizer step's fp32 result `w` in the bf16 `master` (same shard);
+    also the bf16 moments (--moments bf16), each with its own `salt`.
 
-    bf16-sr in software rounds each element with its own noise, a function of
-    (seed, optimizer `step`, parameter, the element's index in the full
-    parameter) and not of the rank (module docstring), so every holder of an
-    element rounds it alike. One piece at a time: small int64 temporaries."""
-    if not (precision == "bf16-sr" and software_sr):
-        master.copy_(round_update(w, master.dtype, precision, software_sr))
+    bf16-sr rounds each element with its own noise, a function of (seed,
+    optimizer `step`, parameter, the element's index in the full parameter)
+    and not of the rank (module docstring), so every holder of an element
+    rounds it alike. One piece at a time: small int64 temporaries."""
+    if precision != "bf16-sr":
+        master.copy_(round_update(w, master.dtype, precision))
         return
-    key = step_key(seed, step)
+    key = step_key(seed, step) if not salt else mix64(step_key(seed, step) ^ salt)
     for p in pieces:
         local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
         noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))

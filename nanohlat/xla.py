@@ -73,10 +73,13 @@ def set_neuron_rounding(precision: str) -> None:
     """Make the Neuron runtime round the way --precision says.
 
     NeuronCore-v2 can round every fp32 -> bf16 conversion stochastically
-    (the runtime variable NEURON_RT_STOCHASTIC_ROUNDING_EN=1). That is what
-    `bf16-sr` means on trn1, as in HLAT-7B's pure-bf16 run: the optimizer's
-    plain `.to(bfloat16)` becomes unbiased in hardware. Every other precision
-    wants round-to-nearest (0, the runtime's default). The runtime reads the
+    (the runtime variable NEURON_RT_STOCHASTIC_ROUNDING_EN=1), as in HLAT-7B's
+    pure-bf16 run; `bf16-sr` turns it on for the casts inside the model's
+    forward and backward. The optimizer's update does not depend on it: it is
+    rounded in software with noise that every replica shares
+    (precision.round_into_master), so its cast to bf16 is exact and replicas
+    cannot drift apart. Every other precision wants round-to-nearest (0, the
+    runtime's default). The runtime reads the
     variable when it starts, so it is set before the first XLA tensor. A value
     the user set that contradicts --precision is an error, not silently
     overridden."""

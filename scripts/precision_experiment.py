@@ -36,11 +36,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = ("fp32", "bf16", "bf16-sr", "bf16-mixed")
+# a mode is a --precision, or one of these: a precision with more flags
+VARIANTS = {"bf16-sr-m16": ["--precision", "bf16-sr", "--moments", "bf16"]}   # HLAT's pure bf16: bf16 moments too
 
 
 def run(precision: str, steps: int, out_dir: str, extra: list[str]) -> float:
     """One training run; returns its wall time in seconds."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "small", "--precision", precision,
+    flags = VARIANTS.get(precision, ["--precision", precision])
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--preset", "small", *flags,
            "--out-dir", out_dir, "--steps", str(steps), "--no-progress", "--resume", "never", "--overwrite",
            *extra]
     print("$ python " + " ".join([os.path.relpath(cmd[1], ROOT)] + cmd[2:]), flush=True)
@@ -179,7 +182,7 @@ def frozen_report(root: str, precisions) -> str:
         same = {1: [0, 0], 2: [0, 0]}
         for name in sorted(next(iter(shards.shards.values()))["meta"]):
             w = shards.full(name)
-            init = full_init(name, w.shape, model_cfg, seed).to(param_dtype(prec)).float()
+            init = full_init(name, w.shape, model_cfg, seed).to(param_dtype(cfg["train"]["precision"])).float()
             live = init != 0 if name in ("embed.weight", "head.weight") else torch.ones_like(w, dtype=torch.bool)
             same[min(w.ndim, 2)][0] += int(((w == init) & live).sum())
             same[min(w.ndim, 2)][1] += int(live.sum())
@@ -193,7 +196,8 @@ def plot(experiments: list[tuple[str, dict]], window: int, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colors = {"fp32": "black", "bf16": "tab:red", "bf16-sr": "tab:blue", "bf16-mixed": "tab:green"}
+    colors = {"fp32": "black", "bf16": "tab:red", "bf16-sr": "tab:blue", "bf16-mixed": "tab:green",
+              "bf16-sr-m16": "tab:purple"}
     fig, axes = plt.subplots(len(experiments), 2, figsize=(12, 4.2 * len(experiments)), squeeze=False)
     for row, (root, runs) in zip(axes, experiments):
         cfg = next(iter(runs.values()))["config"].get("train", {})
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="arguments after -- go to every train.py run (e.g. -- --device cuda --lr 3e-4)")
     p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40: CPU-sized)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated (default: all four)")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help="comma-separated (default: all four; also " + ", ".join(VARIANTS) + ")")
     p.add_argument("--out-root", action="append", default=None,
                    help="runs go to OUT_ROOT/<precision> (default runs/precision); with --report-only it "
                         "may be given several times, one picture row each")

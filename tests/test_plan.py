@@ -76,8 +76,10 @@ def test_hlat_7b_on_2048_neuroncores_plans_in_seconds():
     mem = plan.memory_per_rank(model, train, 8, 1, 256, 0)
     assert mem["params"] == per_rank == 842_534_912
     assert mem["weights"] == 2 * per_rank and mem["grads"] == 0   # bf16; gradients go straight to fp32
-    # bf16-sr: two fp32 moments + a bf16 master copy, not sharded (no ZeRO-1)
-    assert mem["optimizer"] == mem["optimizer_replicated"] == 10 * per_rank
+    # bf16-sr with bf16 moments (HLAT's pure bf16): two 2-byte moments, the master weights are the
+    # parameters themselves; not sharded (no ZeRO-1); the whole rank fits a 16 GiB NeuronCore
+    assert mem["optimizer"] == mem["optimizer_replicated"] == 4 * per_rank
+    assert mem["peak"] <= 14.0 * 2**30
 
     comm = plan.comm_bytes_per_step(model, train, Mesh(8, 1, 256, 0))
     assert comm["dp.all_reduce"] == 4 * per_rank + 4                         # fp32 grads + the loss
@@ -104,7 +106,7 @@ def test_hlat_70b_tp32_pp8_zero1_on_2048_ranks_plans_in_seconds():
     sharded = 10 * layer + 32000 * 8192 // 32
     mem = plan.memory_per_rank(model, train, 32, 8, 8, 0)
     assert mem["params"] == sharded + 20 * 8192
-    # ZeRO-1 with fp32 master weights: 12 B per parameter, 1/8 each
+    # ZeRO-1 with fp32 master weights beside the bf16 parameters: 12 B per parameter, 1/8 each
     assert mem["optimizer"] == mem["optimizer_zero1"] == 12 * (sharded // 8 + 20 * 8192 // 8)
     assert mem["optimizer_replicated"] == 12 * mem["params"]
     # 1F1B: stage s holds min(pp - s, m) micro-batches
@@ -213,6 +215,9 @@ LAYOUTS4 = {   # 4 ranks; rank 0 is tp 0, dp 0 of stage 0
                                 "--activation-checkpointing", "selective", "--bucket-mb", "0.01"],
     "pp2_dp2_afab_bf16sr": ["--pp", "2", "--dp", "2", "--schedule", "afab", "--microbatches", "4",
                             "--precision", "bf16-sr"],
+    # a replicated kv head (tp 2 > 1 kv head) in its own flat group; ZeRO-1 with bf16 moments
+    "tp2_dp2_kv1_zero1_bf16sr_moments": ["--tp", "2", "--dp", "2", "--n-kv-heads", "1", "--zero1",
+                                         "--precision", "bf16-sr", "--moments", "bf16"],
 }
 
 
@@ -226,7 +231,10 @@ def assert_run_matches_plan(out_dir, argv, world):
     for figure, name in (("payload", "comm_bytes"), ("wire", "comm_wire_bytes"),
                          ("padding", "comm_padding_bytes"), ("calls", "comm_calls")):
         assert measured[name] == {k: v[figure] for k, v in predicted.items()}, figure
-    assert measured["optimizer_bytes"] == plan.optimizer_bytes(model, train, train.tp, train.pp, dp)
+    # what the rank keeps between steps, by kind, to the byte (padding to a multiple of dp included)
+    mem = plan.memory_per_rank(model, train, train.tp, train.pp, dp, 0)
+    assert (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"]) == \
+        (mem["weights"], mem["flat_grads"], mem["optimizer"])
     assert measured["peak_in_flight"] == plan.microbatches_in_flight(train.schedule, train.pp,
                                                                      train.microbatches, 0)
 
@@ -363,7 +371,8 @@ def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):
 # 2c. One process: optimizer state and micro-batches in flight
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra", [["--microbatches", "2"], ["--precision", "bf16-sr"]])
+@pytest.mark.parametrize("extra", [["--microbatches", "2"], ["--precision", "bf16-sr"], ["--precision", "bf16"],
+                                   ["--precision", "bf16-mixed"], ["--precision", "bf16-sr", "--moments", "bf16"]])
 def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, extra):
     import train
     argv = BASE + ["--cache-dir", cache_dir, "--out-dir", str(tmp_path), "--no-progress"] + extra

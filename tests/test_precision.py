@@ -179,13 +179,13 @@ def test_small_updates_vanish_with_round_to_nearest_and_survive_with_stochastic_
 
 def test_round_update_dispatch():
     x = torch.full((4096,), 1.0 + 2.0 ** -9)     # a quarter of the way from 1.0 to the next bf16
-    assert round_update(x, torch.float32, "fp32", True) is x
-    assert (round_update(x, torch.bfloat16, "bf16", True) == 1.0).all()             # nearest
+    assert round_update(x, torch.float32, "fp32") is x
+    assert (round_update(x, torch.bfloat16, "bf16") == 1.0).all()             # nearest
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    sr = round_update(x, torch.bfloat16, "bf16-sr", True, noise)
-    assert 0.15 < (sr > 1.0).float().mean().item() < 0.35                            # ~1/4 round up
-    # on trn1 (software_sr=False) the cast is left to the hardware's stochastic rounding
-    assert (round_update(x, torch.bfloat16, "bf16-sr", False) == 1.0).all()
+    sr = round_update(x, torch.bfloat16, "bf16-sr", noise)
+    assert 0.15 < (sr > 1.0).float().mean().item() < 0.35                     # ~1/4 round up
+    # what the cast receives is already a bf16 value, so trn1's hardware rounding cannot change it
+    assert torch.equal(sr.float().to(torch.bfloat16), sr) and torch.equal(stochastic_round_to_bf16(x, noise=noise), sr)
     assert [param_dtype(p) for p in ("fp32", "bf16-mixed", "bf16-sr", "bf16")] == [torch.float32] + [torch.bfloat16] * 3
     assert [master_dtype(p) for p in ("fp32", "bf16-mixed", "bf16-sr", "bf16")] == \
         [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
@@ -291,3 +291,55 @@ def test_the_noise_and_the_rounding_are_the_same_on_xla_as_on_the_cpu():
     x = torch.randn(200, generator=torch.Generator().manual_seed(5))
     assert torch.equal(stochastic_round_to_bf16(x, noise=noise),
                        stochastic_round_to_bf16(x.to(dev), noise=noise_x).cpu())
+
+
+@pytest.mark.parametrize("precision, moments", [("fp32", "fp32"), ("bf16-mixed", "fp32"), ("bf16", "fp32"),
+                                                ("bf16-sr", "fp32"), ("bf16-sr", "bf16")])
+def test_master_weights_are_the_parameters_unless_bf16_mixed(precision, moments):
+    """HLAT's memory: where the master dtype is the parameters' own, the optimizer keeps no
+    second copy: every parameter is a view of its group's flat buffer, and the master is that
+    buffer, so a step writes straight into the weights. bf16-mixed alone keeps fp32 master
+    weights beside the bf16 parameters. --moments bf16 stores the moments in 2 bytes."""
+    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", precision, "--moments", moments,
+                                         "--n-layers", "2"])
+    model = Transformer(model_cfg)
+    init_weights(model, tcfg.seed)
+    model.to(dtype=param_dtype(precision))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = optim.FlatAdamW(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg, devicelib.get_device("cpu"))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())     # packing changed no value
+    for g in opt.groups:
+        base = g.flat.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == base for p in g.params)        # views of the flat buffer
+        assert (g.master.untyped_storage().data_ptr() == base) == (precision != "bf16-mixed") == g.master_is_params
+        assert g.exp_avg.dtype == g.exp_avg_sq.dtype == (torch.bfloat16 if moments == "bf16" else torch.float32)
+    batch = torch.randint(0, model_cfg.vocab_size, (2, tcfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
+    opt.zero_grad()
+    model(batch[:, :-1], batch[:, 1:]).mean().backward()
+    opt.step(tcfg.lr)
+    moved = sum(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert moved == len(before)                               # the step reached every parameter
+    assert all((g.exp_avg_sq.float() > 0).any() for g in opt.groups)
+
+
+def test_bf16_moments_need_stochastic_rounding():
+    with pytest.raises(config.UserError, match="--moments bf16 .* needs --precision bf16-sr"):
+        config.parse_args(["--preset", "tiny", "--precision", "bf16-mixed", "--moments", "bf16"])
+    assert config.parse_args(["--preset", "hlat-7b"])[1].moments == "bf16"      # HLAT's pure bf16
+
+
+def test_bf16_moments_round_alike_in_every_holder_and_stay_unbiased():
+    """The moments' noise is the master's rule with a salt: a function of the element, not of
+    the rank, and independent of the weights' noise (salts 1, 2 vs 0)."""
+    from nanohlat.precision import Piece, round_into_master
+    w = torch.full((4096,), 1.0 + 2.0 ** -9)
+    piece = [Piece("x", name_key("x"), 0, 4096, 0, 4096, (4096,), None, 0, 1)]
+    out = {salt: torch.empty(4096, dtype=torch.bfloat16) for salt in (0, 1, 2)}
+    for salt, o in out.items():
+        round_into_master(o, w, piece, "bf16-sr", 1337, torch.tensor(5), salt)
+    again = torch.empty(4096, dtype=torch.bfloat16)
+    round_into_master(again, w, piece, "bf16-sr", 1337, torch.tensor(5), 1)
+    assert torch.equal(again, out[1])                                   # same element, same bits
+    assert not torch.equal(out[0], out[1]) and not torch.equal(out[1], out[2])   # independent noise
+    for o in out.values():
+        assert 0.15 < (o > 1.0).float().mean().item() < 0.35            # ~1/4 round up: unbiased

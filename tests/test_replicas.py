@@ -21,7 +21,12 @@ from dist_utils import run_layouts
 
 BASE = ["--preset", "tiny", "--steps", "10", "--eval-every", "0", "--batch-size", "4", "--seq-len", "16",
         "--n-layers", "2", "--warmup-steps", "2", "--lr", "3e-3"]
-PRECISIONS = ("fp32", "bf16", "bf16-sr", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16", "bf16-sr", "bf16-mixed", "bf16-sr+moments")   # +moments: --moments bf16 too
+
+
+def precision_flags(precision: str) -> list[str]:
+    name, _, moments = precision.partition("+")
+    return ["--precision", name] + (["--moments", "bf16"] if moments else [])
 WORLD2 = {"dp2": ["--dp", "2"], "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
           "tp2_sp": ["--tp", "2", "--sequence-parallel"]}
 WORLD4 = {"tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"],
@@ -73,8 +78,8 @@ def replica_runs(cache_dir, tmp_path_factory):
             for precision in PRECISIONS:
                 out = root / f"{name}_{precision}"
                 outs[name, precision] = out
-                runs.append(BASE + extra + ["--precision", precision, "--cache-dir", cache_dir,
-                                            "--out-dir", str(out)])
+                runs.append(BASE + extra + precision_flags(precision) + ["--cache-dir", cache_dir,
+                                                                         "--out-dir", str(out)])
         run_layouts(world, runs, str(root / f"errors{world}"), setup=_dump_replicas)
     return outs
 
@@ -118,8 +123,8 @@ def _plant_divergence(rank: int) -> None:
         calls.append(1)
         if len(calls) == 3 and rank == 1:
             group = next(g for g in self.groups if g.tp_replicated == (self.mesh.tp > 1))
-            # the master copy (what the next steps update) and the weight it was written to
-            for t in (group.master, group.params[0]):
+            # the weight, and the master copy (what the next steps update) where it is a separate one
+            for t in [group.params[0]] + ([] if group.master_is_params else [group.master]):
                 bits = t.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
                 bits[0] ^= 8
         return out

@@ -412,8 +412,8 @@ class TrainLog:
             self.bar.close()
         self.summary.update(measured, step=self.last_step)
         if self.main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
-            keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "optimizer_bytes",
-                    "peak_in_flight", "peak_memory", "step")
+            keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "param_bytes",
+                    "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
                              json.dumps({k: self.summary.get(k) for k in keys}, indent=2))
         if self.writer:
@@ -433,9 +433,21 @@ class TrainLog:
         return self.summary
 
 
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
 def optimizer_bytes(opt) -> int:
-    """Optimizer memory on this rank (optim.FlatAdamW): master weights (if separate) + two moments."""
-    return sum(t.numel() * t.element_size() for g in opt.groups for t in (g.master, g.exp_avg, g.exp_avg_sq))
+    """Optimizer state on this rank (optim.FlatAdamW): two moments + master weights if a separate copy."""
+    return sum(_nbytes(g.exp_avg) + _nbytes(g.exp_avg_sq) + (0 if g.master_is_params else _nbytes(g.master))
+               for g in opt.groups)
+
+
+def resident_bytes(opt) -> dict:
+    """What this rank keeps between steps, by kind (summary.json; tools/plan.py predicts each):
+    the parameters' flat buffers, the fp32 gradient buffers, the optimizer state."""
+    return {"param_bytes": sum(_nbytes(g.flat) for g in opt.groups),
+            "grad_bytes": sum(_nbytes(g.grad) for g in opt.groups), "optimizer_bytes": optimizer_bytes(opt)}
 
 
 def peak_memory(device) -> int | None:

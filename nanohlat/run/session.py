@@ -69,7 +69,7 @@ class Session:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
         if self.tcfg.timeline:
             self.write_timeline()
-        return self.log.close(peak_in_flight=self.runner.peak_in_flight, optimizer_bytes=metrics.optimizer_bytes(self.opt),
+        return self.log.close(peak_in_flight=self.runner.peak_in_flight, **metrics.resident_bytes(self.opt),
                               peak_memory=metrics.peak_memory(self.dev))
 
     @torch.no_grad()

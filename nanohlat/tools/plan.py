@@ -16,9 +16,10 @@ Memory per rank, at its peak, the larger of the step's two phases:
     weights       parameters x 2 B (bf16) or 4 B (fp32)
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
                   the fp32 buffer (below) as autograd makes it, and free it
-    optimizer     Adam moments (2 x 4 B) + master weights, a separate copy in
-                  precision.master_dtype: fp32 (4 B; fp32, bf16-mixed: 12 B in all)
-                  or bf16 (2 B; bf16-sr, bf16: 10 B); 1/dp of all that with ZeRO-1
+    optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
+                  weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
+                  in fp32, bf16-sr and bf16 they are the parameters (0 B);
+                  1/dp of all that with ZeRO-1
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
@@ -66,7 +67,7 @@ from nanohlat.config import UserError
 from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, validate_layout
 from nanohlat.run.metrics import flops_per_token, peak_flops
 from nanohlat.pipeline import stage_layers, stage_order, timetable
-from nanohlat.precision import master_dtype, param_dtype
+from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.zero1 import padded_size
 
 GiB = 2**30
@@ -91,16 +92,26 @@ def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
 
 
 def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
-    """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms."""
+    """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms;
+    "kv": of the matrices, the wk and wv rows replicated over a kv group (tp > n_kv_heads)."""
     d, layers = cfg.d_model, cfg.n_layers // pp
     sharded = layers * cfg.layer_matrix_params(tp)
     norms = layers * 2 * d
+    kv = layers * 2 * d * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
     if stage == 0:
         sharded += cfg.padded_vocab * d // tp
     if stage == pp - 1:
         sharded += cfg.padded_vocab * d // tp
         norms += d
-    return {"sharded": sharded, "replicated": norms, "total": sharded + norms}
+    return {"sharded": sharded, "replicated": norms, "kv": kv, "total": sharded + norms}
+
+
+def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int) -> list[int]:
+    """Elements of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
+    matrices, the replicated kv heads' (if any), the norms. Each is padded to a
+    multiple of dp under ZeRO-1, so the plan sums them group by group."""
+    c = stage_param_counts(cfg, tp, pp, stage)
+    return [n for n in (c["sharded"] - c["kv"], c["kv"], c["replicated"]) if n]
 
 
 # ---------------------------------------------------------------------------
@@ -179,13 +190,36 @@ def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int) -> int:
     return peak
 
 
+def state_bytes_per_param(tcfg: TrainConfig) -> int:
+    """Optimizer state per parameter: two Adam moments (4 B each, 2 B with --moments bf16), plus
+    4 B of fp32 master weights only where they differ from the parameters' dtype (bf16-mixed);
+    elsewhere the master weights are the parameters themselves (precision.py)."""
+    master = master_dtype(tcfg.precision)
+    return 2 * moment_dtype(tcfg.moments).itemsize + (master.itemsize if master != param_dtype(tcfg.precision) else 0)
+
+
 def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
                     dp_rank: int = 0) -> int:
-    """Adam moments (fp32) + master weights, on one rank (1/dp of them with ZeRO-1)."""
-    counts = stage_param_counts(cfg, tp, pp, stage)
-    master = master_dtype(tcfg.precision).itemsize      # optim.FlatGroup's separate master copy
+    """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1)."""
     shards = dp if tcfg.zero1 else 1
-    return sum(padded_size(n, shards) // shards * (8 + master) for n in (counts["sharded"], counts["replicated"]))
+    return sum(padded_size(n, shards) // shards for n in flat_groups(cfg, tp, pp, stage)) * state_bytes_per_param(tcfg)
+
+
+def bytes_per_param_line(tcfg: TrainConfig) -> str:
+    """What --precision and --moments keep per parameter, before any ZeRO-1 sharding."""
+    s, m = dtype_bytes(tcfg.precision), moment_dtype(tcfg.moments).itemsize
+    sep = state_bytes_per_param(tcfg) - 2 * m
+    weights = f"weights {s} ({'fp32' if s == 4 else 'bf16'}" + (", also the master weights)" if not sep else ")")
+    master = f" + fp32 master weights {sep}" if sep else ""
+    moments = f"Adam moments 2 x {m} ({'fp32' if m == 4 else 'bf16, stochastically rounded'})"
+    return (f"bytes per parameter: {weights}{master} + {moments} + fp32 gradient buffer 4 (micro-batches and "
+            f"the dp sum added exactly) = {s + sep + 2 * m + 4}")
+
+
+def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
+    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO-1."""
+    shards = dp if tcfg.zero1 else 1
+    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) for n in flat_groups(cfg, tp, pp, stage))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -194,8 +228,12 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
 # half an fp32 copy); pure bf16 works on an fp32 copy of its bf16 master (1.5
 # copies with the rounding); software stochastic rounding adds its int32 noise
 # and bit buffers (4.5 copies). Counted in fp32-sized copies of the largest
-# group's shard. XLA fuses the update into one kernel and needs none of them.
+# group's shard (measured on CUDA: tests/test_plan.py). --moments bf16 adds the
+# fp32 copies of the two moments, alive beside the master's while each is
+# rounded back: 2 more (derived from the above, not measured). XLA fuses the
+# update into one kernel and needs none of them.
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
+EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
 
 
 def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -206,8 +244,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     multiple of dp under ZeRO-1. During the step ZeRO-1 also holds the
     reduce-scattered 1/dp gradient shards and, one group at a time, the
     all-gathered new weights in the parameter dtype."""
-    counts = stage_param_counts(cfg, tp, pp, stage)
-    groups = [counts["sharded"], counts["replicated"]]
+    groups = flat_groups(cfg, tp, pp, stage)
     shards = dp if tcfg.zero1 else 1
     buffers = 4 * sum(padded_size(n, shards) for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
@@ -216,7 +253,8 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
         during += 4 * sum(padded_size(n, shards) // shards for n in groups)
         during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups)
     if eager:
-        during += int(4 * EAGER_STEP_COPIES[tcfg.precision] * largest_shard)
+        copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
+        during += int(4 * copies * largest_shard)
     return buffers, during
 
 
@@ -228,7 +266,8 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     s = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
-    out = {"params": params, "weights": s * params, "grads": 0,   # accumulated in the fp32 buffers
+    out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
+           "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
            "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=True), tp, pp, dp, stage),
            "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=False), tp, pp, dp, stage),
@@ -351,7 +390,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
-        for n in (counts["sharded"], counts["replicated"]):
+        for n in flat_groups(cfg, tp, pp, stage):   # one flat buffer after the other (optim.FlatGroup)
             if tcfg.zero1:   # buckets cut the (dp, shard) view by columns
                 cols = padded_size(n, dp) // dp
                 _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
@@ -435,6 +474,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
          f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
          f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
+    L.append("  " + bytes_per_param_line(tcfg))
     L += ["  " + n for n in notes]
     L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
           layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
