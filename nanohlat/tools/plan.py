@@ -548,6 +548,8 @@ class Network:
     per_node: int            # devices (processes) in one node
     inside: float            # B/s a device sends to devices of its own node
     across: float            # B/s a device sends to other nodes: its share of the node's network
+                             # (tp, pp); the dp ring instead divides the whole, across x per_node,
+                             # by the hops that leave the node at once (dp_ring)
     latency_inside: float    # s per collective call, inside a node  (assumption)
     latency_across: float    # s per collective call, across nodes   (assumption)
     note: str                # printed with the estimate: what is stated and what is assumed
