@@ -475,6 +475,47 @@ def test_step_time_estimate_by_hand():
     assert e["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
 
 
+def test_dp_ring_is_modelled_hop_by_hop():
+    """hlat-7b on 64 trn1.32xlarge: tp 8 leaves 4 dp ranks per 32-core node, so
+    rank 0's dp ring 0 -> 8 -> 16 -> 24 -> 32 -> ... leaves its node on one hop
+    in 4 (24 -> 32, ..., 2040 -> 0): 64 hops off node, 192 on NeuronLink. The 8
+    rings (one per tp rank) each leave a node once, so 8 hops share its 800 Gbps
+    of EFA: 12.5 GB/s each, not the 1/32 share (3.125 GB/s) of a network split
+    evenly over every core. The ring goes at its slowest hop's pace."""
+    net = plan.NETWORKS["NeuronCore-v2"]
+    hops = plan.ring_hops(list(range(0, 2048, 8)), 32)
+    assert hops[:4] == [(0, 8, False), (8, 16, False), (16, 24, False), (24, 32, True)]
+    assert hops[-1] == (2040, 0, True)
+    ring = plan.dp_ring(8, 1, 256, net)
+    assert (ring.ranks_per_node, ring.on_node, ring.off_node, ring.sharing) == (4, 192, 64, 8)
+    assert ring.off_node_bw == ring.bandwidth == 800e9 / 8 / 8
+    assert ring.latency == net.latency_across
+
+    model, train = config.parse_args(["--preset", "hlat-7b"])
+    e = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
+    wire = plan.comm_per_step(model, train, Mesh(8, 1, 256, 0))["dp.all_reduce"]
+    assert e["dp_bytes"] == wire["wire"]
+    assert e["comm"]["dp"] == pytest.approx(wire["wire"] / 12.5e9 + wire["calls"] * 30e-6, rel=1e-12)
+
+    # one dp rank per node (tp 32): every hop leaves it, 32 rings share it, as before
+    ring = plan.dp_ring(32, 1, 64, net)
+    assert (ring.on_node, ring.off_node, ring.sharing) == (0, 64, 32) and ring.bandwidth == net.across
+    # the whole ring in one node: NeuronLink only
+    ring = plan.dp_ring(8, 1, 4, net)
+    assert (ring.on_node, ring.off_node, ring.bandwidth, ring.latency) == (4, 0, net.inside, net.latency_inside)
+    # with pipeline stages, more rings run at once: pp 2 x tp 4 = 8 rings; 8 dp ranks per node
+    ring = plan.dp_ring(4, 2, 256, net)
+    assert (ring.ranks_per_node, ring.off_node, ring.sharing) == (8, 32, 4)
+
+
+def test_plan_says_where_the_dp_bytes_go():
+    _, _, text = plan_in_seconds("hlat-7b")
+    block = text[text.index("where the dp bytes go"):]
+    assert "rank 0's dp ring 0 -> 8 -> 16 -> 24 -> ... -> 2040 -> 0 (256 hops)" in block
+    row = next(line.split() for line in block.splitlines() if line.strip().startswith("NeuronCore-v2 "))
+    assert row[1:6] == ["4", "192", "64", "8", "12.5"]
+
+
 def test_recomputation_costs_a_third_with_full_checkpointing():
     model, train = config.parse_args(["--preset", "hlat-7b"])
     f = metrics.flops_per_token(model, 4096)

@@ -548,6 +548,8 @@ class Network:
     per_node: int            # devices (processes) in one node
     inside: float            # B/s a device sends to devices of its own node
     across: float            # B/s a device sends to other nodes: its share of the node's network
+                             # (tp, pp); the dp ring instead divides the whole, across x per_node,
+                             # by the hops that leave the node at once (dp_ring)
     latency_inside: float    # s per collective call, inside a node  (assumption)
     latency_across: float    # s per collective call, across nodes   (assumption)
     note: str                # printed with the estimate: what is stated and what is assumed
@@ -594,6 +596,67 @@ def group_inside_node(ranks: list[int], per_node: int) -> bool:
     return len({r // per_node for r in ranks}) == 1
 
 
+# ---------------------------------------------------------------------------
+# The dp ring, hop by hop
+#
+# A ring collective over n ranks in rank order sends, at every one of its
+# steps, one chunk from each rank to the next (the last to the first), all
+# hops at once; the step ends when the slowest hop has delivered. With 4 dp
+# ranks per node (hlat-7b: tp 8 on a 32-core trn1.32xlarge) the dp ring
+# 0 -> 8 -> 16 -> 24 -> 32 -> ... stays on NeuronLink for 3 hops of 4 and
+# leaves the node on the 4th. The hops that leave a node at the same time,
+# one per ring that runs then (8 rings: one per tp rank), share its EFA.
+# ---------------------------------------------------------------------------
+
+def ring_hops(ranks: list[int], per_node: int) -> list[tuple[int, int, bool]]:
+    """The hops of a ring over `ranks` in their order: (sender, receiver, leaves the node)."""
+    n = len(ranks)
+    return [(ranks[i], ranks[(i + 1) % n], ranks[i] // per_node != ranks[(i + 1) % n] // per_node)
+            for i in range(n)] if n > 1 else []
+
+
+def dp_groups(tp: int, pp: int, dp: int) -> list[list[int]]:
+    """Every dp group, ranks in ring order: one per (stage, tp rank); all reduce at the same time."""
+    return [[rank_of(d, s, t, tp, dp) for d in range(dp)] for s in range(pp) for t in range(tp)]
+
+
+def rings_leaving_a_node(groups: list[list[int]], per_node: int) -> int:
+    """The most hops, over all nodes, that leave one node at the same time when
+    every ring in `groups` runs at once: the ways its network is shared."""
+    leaving: dict[int, int] = {}
+    for ranks in groups:
+        for sender, _, off in ring_hops(ranks, per_node):
+            if off:
+                leaving[sender // per_node] = leaving.get(sender // per_node, 0) + 1
+    return max(leaving.values(), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Rank 0's dp ring on a network: its hops, and what sets its pace."""
+    ranks_per_node: int      # ranks of the ring in rank 0's node
+    on_node: int             # hops that stay inside a node (NeuronLink / NVLink)
+    off_node: int            # hops over the network (EFA / InfiniBand)
+    sharing: int             # hops leaving one node at once, all rings together
+    off_node_bw: float       # B/s of one off-node hop: the node's network / sharing
+    bandwidth: float         # B/s of the slowest hop: the ring's pace
+    latency: float           # s per collective call (across, if any hop leaves the node)
+
+
+@functools.lru_cache(maxsize=4096)
+def dp_ring(tp: int, pp: int, dp: int, net: Network) -> Ring:
+    """Rank 0's dp ring, hop by hop, on `net` (every dp ring has the same shape)."""
+    hops = ring_hops(dp_groups(tp, 1, dp)[0], net.per_node)
+    off = sum(1 for *_, o in hops if o)
+    sharing = rings_leaving_a_node(dp_groups(tp, pp, dp), net.per_node) if off else 0
+    off_bw = net.across * net.per_node / sharing if off else 0.0   # the node's whole network, shared
+    on_node = len(hops) - off
+    bandwidth = min([net.inside] * (on_node > 0) + [off_bw] * (off > 0), default=net.inside)
+    per_node = sum(1 for d in range(dp) if rank_of(d, 0, 0, tp, dp) // net.per_node == 0)
+    return Ring(per_node, on_node, off, sharing, off_bw, bandwidth,
+                net.latency_across if off else net.latency_inside)
+
+
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> float:
     """FLOPs activation checkpointing repeats in backward, per token: the whole
     forward (a third of the training FLOPs) with full, the attention core's two
@@ -624,12 +687,18 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
               "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))],
               "kv": [rank_of(0, 0, r, tp, dp) for r in range(kv_replicas(cfg, tp))]}   # copies of one kv head
     inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
+    ring = dp_ring(tp, pp, dp, net)
+    links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
+    links["dp"] = (ring.bandwidth, ring.latency)     # the dp ring goes at its slowest hop's pace
     comm_s = dict.fromkeys(groups, 0.0)
+    dp_wire = 0
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
-        for key, e in comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp))).items():
+        entries = comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp)))
+        dp_wire = max(dp_wire, sum(e["wire"] + e["padding"] for k, e in entries.items() if k.startswith("dp.")))
+        for key, e in entries.items():
             g = key.split(".")[0]
-            bw, lat = (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across)
+            bw, lat = links[g]
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sums run inside the tp group's backward
@@ -641,7 +710,8 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     # a framework that overlaps the dp reduction with the backward hides up to
     # the backward's time (two thirds of the compute)
     overlapped = pipeline + max(0.0, comm_s["dp"] - 2 / 3 * compute)
-    return {"device": device, "network": net, "peak": peak, "utilisation": utilisation,
+    return {"device": device, "network": net, "peak": peak, "utilisation": utilisation, "dp_ring": ring,
+            "dp_bytes": dp_wire,
             "model_flops": model_flops, "hardware_flops": hardware_flops, "compute": compute,
             "comm": comm_s, "inside": inside, "bubble": bubble, "pipeline": pipeline, "step": step,
             "step_overlapped": overlapped, "tokens_per_s": tokens / step,
@@ -660,8 +730,8 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     for dev in devices:
         e = estimate_step(cfg, tcfg, world, dev)
         sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp)}
-        comm_cells = [f"{fmt_seconds(e['comm'][g])} ({'in' if e['inside'][g] else 'across'})" if sizes[g] > 1
-                      else "-" for g in ("tp", "pp", "dp")]
+        comm_cells = [f"{fmt_seconds(e['comm'][g])} ({_where(e, g)})" if sizes[g] > 1 else "-"
+                      for g in ("tp", "pp", "dp")]
         rows.append([dev, fmt_flop(e["peak"], "FLOP/s"), fmt_seconds(e["compute"])] + comm_cells
                     + [fmt_seconds(e["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(e["step"]),
                        f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}", fmt_seconds(e["step_overlapped"]),
@@ -675,8 +745,9 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
           f"MFU counts the model's FLOPs only",
           "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
-          "the group: 'in' = all its ranks in one node, 'across' = over the network; all devices of a node "
-          "share its network equally",
+          "the group: 'in' = all its ranks in one node, 'across' = over the network, 'mixed' = a ring with hops "
+          "of both kinds; tp and pp: all devices of a node share its network equally; dp: hop by hop, at the "
+          "pace of the ring's slowest hop (below)",
           "  - " + "\n  - ".join(net_notes),
           "  - per-call latency: 10 us inside a node, 20-30 us across (accelerators), 50 us (cpu): assumptions",
           "  - stages take equal time; the bubble is (p-1)/(m+p-1) of the pipeline's time, an op starting as soon "
@@ -684,6 +755,40 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           "  - overlap: none in nanohlat: the tp collectives sit between the matmuls, pipeline exchanges between "
           "ticks, the dp reduction after the backward; 'dp overlapped' hides it behind the backward (2/3 of the "
           "compute), as Megatron-LM does (an XLA compiler may schedule it so inside one step graph)"]
+    return L + _dp_ring_section(cfg, tcfg, world, devices)
+
+
+def _where(e: dict, group: str) -> str:
+    """'in', 'across' or (a dp ring with hops of both kinds) 'mixed'."""
+    if group == "dp" and e["dp_ring"].on_node and e["dp_ring"].off_node:
+        return "mixed"
+    return "in" if e["inside"][group] else "across"
+
+
+def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: list[str]) -> list[str]:
+    """"where the dp bytes go": rank 0's dp ring, hop by hop, on each device's network."""
+    tp, pp = tcfg.tp, tcfg.pp
+    dp = world // (tp * pp)
+    if dp == 1:
+        return []
+    ranks = dp_groups(tp, 1, dp)[0]
+    shown = " -> ".join(map(str, ranks[:4])) + (" -> ... -> " + str(ranks[-1]) if dp > 4 else "") + f" -> {ranks[0]}"
+    L = ["", f"where the dp bytes go: rank 0's dp ring {shown} ({dp} hops); {tp * pp} such rings reduce at "
+             f"once, one per (stage, tp rank)"]
+    rows = []
+    for dev in devices:
+        e = estimate_step(cfg, tcfg, world, dev)
+        r, b = e["dp_ring"], e["dp_bytes"]
+        net = e["network"]
+        rows.append([dev, r.ranks_per_node, r.on_node, r.off_node, r.sharing if r.off_node else "-",
+                     f"{r.off_node_bw / 1e9:.3g} GB/s" if r.off_node else "-", fmt_bytes(b),
+                     fmt_seconds(b / net.inside) if r.on_node else "-",
+                     fmt_seconds(b / r.off_node_bw) if r.off_node else "-", fmt_seconds(e["comm"]["dp"])])
+    L += _table(["device", "ring ranks per node", "hops on node", "off node", "hops leaving a node at once",
+                 "off-node hop gets", "bytes per hop", "on-node hop", "off-node hop", "dp comm"], rows)
+    L += ["  every hop carries the same bytes (each rank's wire bytes of the dp collectives); the ring moves at "
+          "its slowest hop's pace, so dp comm = bytes / the slowest hop + calls x latency. An off-node hop gets "
+          "the node's network divided by the hops that leave that node at the same time (all rings together)"]
     return L
 
 
