@@ -101,7 +101,9 @@ def _check_layers(rank, tp):
 def _check_kv_replicas(rank, tp):
     """Attention at tp 4 with 2 kv heads: ranks [0 1] hold kv head 0, [2 3] kv
     head 1. Output, input gradient and every weight gradient equal one
-    process's; the two replicas of a kv head get bitwise equal gradients."""
+    process's, wk's and wv's once summed over the kv group (as
+    optim.FlatAdamW.reduce_gradients sums them, once per step); after that sum
+    the two replicas of a kv head hold bitwise equal gradients."""
     import dataclasses
     import torch.distributed as dist
     from nanohlat import comm
@@ -134,10 +136,13 @@ def _check_kv_replicas(rank, tp):
         close(y, chunk(y_full, 1) if sp else y_full)
         (y * (chunk(G, 1) if sp else G)).sum().backward()
         close(xi.grad, chunk(xr.grad, 1) if sp else xr.grad)
+        for name in ("wk", "wv"):   # each replica's gradient covers its own query heads: add them up
+            p = getattr(attn, name).weight
+            p.grad = comm.all_reduce(p.grad, kv)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
             close(p.grad, getattr(ref, name).weight.grad.chunk(p.shard.parts, p.shard.dim)[p.shard.part])
-        for name in ("wk", "wv"):   # the replicas' gradients: the same bits on both ranks of a kv group
+        for name in ("wk", "wv"):   # the replicas' summed gradients: the same bits on both ranks of a kv group
             grad = getattr(attn, name).weight.grad
             both = comm.all_gather(grad.unsqueeze(0), kv, dim=0)
             assert torch.equal(both[0], both[1]), name

@@ -356,8 +356,6 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
             _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
             _add(out, "tp.all_gather", act, m if sp else 0, tp)
-        if tp > cfg.n_kv_heads:   # kv heads shared by tp/n_kv ranks: wk and wv gradients summed over them
-            _add(out, "kv.all_reduce", cfg.head_dim * C * s, m * layers * 2, tp // cfg.n_kv_heads)
         if stage == pp - 1:
             # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
             if sp:
@@ -385,6 +383,8 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     shards = dp if tcfg.zero1 else 1
     if sp:
         _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
+    if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
+        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) * 4, 1, tp // cfg.n_kv_heads)
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
@@ -458,7 +458,7 @@ def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tup
         return dp, []
     return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
                 f"its query heads use (each shared by {tcfg.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
-                f"wv gradients are summed over those ranks (kv.all_reduce below)."]
+                f"wv gradients are summed over those ranks once per step, in fp32 (kv.all_reduce below)."]
 
 
 def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
@@ -632,7 +632,7 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
             bw, lat = (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across)
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
-    comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sums run inside the tp group's backward
+    comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
