@@ -161,6 +161,63 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _Reduce.apply(x, group)
 
 
+def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, regather: bool = True) -> tuple:
+    """`enter`, then each column-parallel linear of `linears` on the full sequence
+    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each.
+
+    With sequence parallel and `regather` (--sp-regather, the default), both
+    steps are one function, `_GatherLinears`, that keeps only this rank's T/tp
+    tokens for backward and all-gathers them again there (Megatron-LM's way;
+    the section below). Otherwise `enter`'s gathered (B, T, C) is what each
+    F.linear keeps. The two ways compute the same bits."""
+    if sequence_parallel and regather and group.size > 1:
+        return _GatherLinears.apply(x, group, *(lin.weight for lin in linears))
+    x = enter(x, group, sequence_parallel)
+    return tuple(lin(x) for lin in linears)
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallel, gathering again in backward. F.linear keeps its input for
+# the weight gradient (dW = g^T x), so after `enter` each matmul group keeps
+# the all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the
+# largest activation of a sequence-parallel block (at hlat-70b, 2 of them are
+# 268 MB of a layer's 365 MB). Megatron-LM keeps the T/tp shard instead and
+# gathers it once more in backward (its LinearWithGradAccumulationAndAsync-
+# Communication, sequence_parallel=True): one more all-gather per matmul group
+# per micro-batch, for tp times less kept.
+# ---------------------------------------------------------------------------
+
+class _GatherLinears(torch.autograd.Function):
+    """y_i = all_gather_T(x) W_i^T for each weight W_i, keeping x (B, T/tp, C), not
+    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x, sums
+    dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
+
+    The backward does exactly F.linear's backward ops (an mm of the flattened
+    (B*T, .) tensors each way), and adds the dx terms last linear first, the
+    order autograd's engine adds them when `enter` and the linears are separate
+    nodes: so losses and gradients are bitwise those of --no-sp-regather
+    (tests/test_tensor_parallel.py)."""
+
+    @staticmethod
+    def forward(ctx, x, group, *weights):
+        ctx.group = group
+        ctx.save_for_backward(x, *weights)                   # the shard, not the gathered sequence
+        full = comm.all_gather(x, group, dim=SEQ_DIM)        # (B, T, C), freed when forward returns
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.group, dim=SEQ_DIM)    # again: the forward's (B, T, C), bit for bit
+        x2 = full.reshape(-1, full.shape[-1])                # (B*T, C)
+        dx, dws = None, []
+        for g, w in zip(reversed(grads), reversed(weights)):
+            g2 = g.reshape(-1, g.shape[-1])                  # (B*T, out/tp)
+            dws.append(g2.t().mm(x2))                        # dW = g^T x
+            d = g2.mm(w).view_as(full)                       # this linear's part of dx = g W
+            dx = d if dx is None else dx + d
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *reversed(dws))
+
 
 # ---------------------------------------------------------------------------
 # How a parameter is split over tp ranks: ShardSpec, attached as p.shard
