@@ -180,11 +180,12 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
 # Sequence parallel, gathering again in backward. F.linear keeps its input for
 # the weight gradient (dW = g^T x), so after `enter` each matmul group keeps
 # the all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the
-# largest activation of a sequence-parallel block (at hlat-70b, 2 of them are
-# 268 MB of a layer's 365 MB). Megatron-LM keeps the T/tp shard instead and
-# gathers it once more in backward (its LinearWithGradAccumulationAndAsync-
-# Communication, sequence_parallel=True): one more all-gather per matmul group
-# per micro-batch, for tp times less kept.
+# largest activation of a sequence-parallel block (hlat-70b's plan, one
+# micro-batch: 2 x 67 MB of a layer's 182 MB; 52 MB keeping the shards).
+# Megatron-LM keeps the T/tp shard instead and gathers it once more in
+# backward (LinearWithGradAccumulationAndAsyncCommunication with
+# sequence_parallel=True): one more all-gather per matmul group per
+# micro-batch, for tp times less kept.
 # ---------------------------------------------------------------------------
 
 class _GatherLinears(torch.autograd.Function):
