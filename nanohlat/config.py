@@ -117,6 +117,7 @@ class TrainConfig:
     pp: int = 1
     dp: int = 0                  # 0 = world / (tp * pp)
     sequence_parallel: bool = False
+    sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b
     zero1: bool = False
     bucket_mb: float = 25.0
@@ -295,6 +296,8 @@ HELP = {
                           "the job ends with an error naming it (XLA compiles happen outside collectives)",
     "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
+    "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
+                   "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
     "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
     "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
                "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",

@@ -89,13 +89,14 @@ class Attention(nn.Module):
     the one kv head its query heads share (the kv group `kv_group` holds the
     tp/n_kv_heads replicas; tensor_parallel.py's docstring)."""
 
-    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
+                 regather: bool = True):
         super().__init__()
         tp = group.size
         replicas = kv_group.size if kv_group is not None else 1
         assert replicas == max(tp // cfg.n_kv_heads, 1), \
             f"tp {tp} with {cfg.n_kv_heads} kv heads needs kv groups of {max(tp // cfg.n_kv_heads, 1)} ranks"
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads * replicas // tp, cfg.head_dim
         self.wq = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_heads * cfg.head_dim, group)
         self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
@@ -110,11 +111,12 @@ class Attention(nn.Module):
         serving/generate.py:CachePass.attend), which stores the new keys and
         values and returns the keys and values the new tokens attend to, with
         the mask of which each may see."""
-        x = tpl.enter(x, self.group, self.sequence_parallel)               # (B, T, C) full sequence
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        # enter the tp region (full sequence T), then wq, wk, wv: (B, T, H*D), (B, T, K*D) x 2
+        q, k, v = tpl.enter_linears(x, self.group, self.sequence_parallel, (self.wq, self.wk, self.wv), self.regather)
+        B, T, _ = q.shape
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, K, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, K, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
@@ -130,25 +132,26 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, regather: bool = True):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
         self.gate = tpl.ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
         self.up = tpl.ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, group)
         self.down = tpl.RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
 
     def forward(self, x):
-        x = tpl.enter(x, self.group, self.sequence_parallel)              # (B, T, C)
-        return self.down(F.silu(self.gate(x)) * self.up(x))              # (B, T(/tp), C)
+        gate, up = tpl.enter_linears(x, self.group, self.sequence_parallel, (self.gate, self.up), self.regather)
+        return self.down(F.silu(gate) * up)                              # (B, T(/tp), C)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None):
+    def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
+                 regather: bool = True):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.attn = Attention(cfg, group, sequence_parallel, kv_group)
+        self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.mlp = MLP(cfg, group, sequence_parallel)
+        self.mlp = MLP(cfg, group, sequence_parallel, regather)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
@@ -158,11 +161,13 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """One pipeline stage of the decoder (the whole model when pp=1). `group`:
     the tp group; `kv_group`: the ranks sharing a kv head when tp > n_kv_heads
-    (mesh.group("kv"))."""
+    (mesh.group("kv")); `sp_regather`: with sequence parallel, keep only each
+    rank's T/tp tokens for the column-parallel matmuls' backward and gather
+    them again there (--sp-regather; tensor_parallel.enter_linears)."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
                  layers: range | None = None, first: bool = True, last: bool = True,
-                 kv_group: Group | None = None):
+                 kv_group: Group | None = None, sp_regather: bool = True):
         super().__init__()
         group = group or Group("tp", [0], 0)
         self.cfg, self.group = cfg, group
@@ -172,7 +177,8 @@ class Transformer(nn.Module):
         sp = self.sequence_parallel
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group) for i in self.layer_ids})
+        self.sp_regather = sp_regather
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -214,8 +220,8 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin)
         if not self.last:
             return x
-        x = tpl.enter(self.norm(x), self.group, self.sequence_parallel)   # (B, T, C)
-        logits = self.head(x)                                            # (B, T, V/tp)
+        logits, = tpl.enter_linears(self.norm(x), self.group, self.sequence_parallel, (self.head,),
+                                    self.sp_regather)                    # (B, T, V/tp)
         if targets is None:
             return logits
         return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)

@@ -202,6 +202,8 @@ class FlatAdamW:
             if g.tp_replicated and self.mesh.tp > 1 and any(p.shard.sequence_parallel for p in g.params):
                 # sequence-parallel norms saw only their rank's tokens: add the partial grads
                 flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
+            if not g.tp_replicated and self.mesh.tp // g.params[0].shard.parts > 1:   # kv heads' copies saw
+                flat = comm.all_reduce(flat, self.mesh.group("kv"), inplace=True)   # their query heads: add up
             grads.append(self.dp.reduce_gradients(flat))
         return grads
 

@@ -42,8 +42,9 @@ full shape, and whether a sequence-parallel region makes its gradient a
 partial sum). Init, the optimizer, checkpoints and the replica checks read it.
 
 More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
-heads) needs one more function, `share`, in its own section at the end of
-this file; with tp <= n_kv_heads it never acts, so skip it on a first reading.
+heads) makes several ranks hold copies of one kv head, whose gradients the
+optimizer adds up once per step (the section at the end of this file); with
+tp <= n_kv_heads there are no copies, so skip it on a first reading.
 """
 
 from __future__ import annotations
@@ -160,6 +161,65 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _Reduce.apply(x, group)
 
 
+def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, regather: bool = True) -> tuple:
+    """`enter`, then each column-parallel linear of `linears` on the full sequence
+    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each.
+
+    With sequence parallel and `regather` (--sp-regather, the default), both
+    steps are one function, `_GatherLinears`, that keeps only this rank's T/tp
+    tokens for backward and all-gathers them again there (Megatron-LM's way;
+    the section below). Otherwise `enter`'s gathered (B, T, C) is what each
+    F.linear keeps. The two ways compute the same bits."""
+    if sequence_parallel and regather and group.size > 1:
+        return _GatherLinears.apply(x, group, *(lin.weight for lin in linears))
+    x = enter(x, group, sequence_parallel)
+    return tuple(lin(x) for lin in linears)
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallel, gathering again in backward. F.linear keeps its input for
+# the weight gradient (dW = g^T x), so after `enter` each matmul group keeps
+# the all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the
+# largest activation of a sequence-parallel block (hlat-70b's plan, one
+# micro-batch: 2 x 67 MB of a layer's 182 MB; 52 MB keeping the shards).
+# Megatron-LM keeps the T/tp shard instead and gathers it once more in
+# backward (LinearWithGradAccumulationAndAsyncCommunication with
+# sequence_parallel=True): one more all-gather per matmul group per
+# micro-batch, for tp times less kept.
+# ---------------------------------------------------------------------------
+
+class _GatherLinears(torch.autograd.Function):
+    """y_i = all_gather_T(x) W_i^T for each weight W_i, keeping x (B, T/tp, C), not
+    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x, sums
+    dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
+
+    The backward does exactly F.linear's backward ops (an mm of the flattened
+    (B*T, .) tensors each way), and adds the dx terms last linear first, the
+    order autograd's engine adds them when `enter` and the linears are separate
+    nodes: so losses and gradients are bitwise those of --no-sp-regather
+    (tests/test_tensor_parallel.py)."""
+
+    @staticmethod
+    def forward(ctx, x, group, *weights):
+        ctx.group = group
+        ctx.save_for_backward(x, *weights)                   # the shard, not the gathered sequence
+        full = comm.all_gather(x, group, dim=SEQ_DIM)        # (B, T, C), freed when forward returns
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.group, dim=SEQ_DIM)    # again: the forward's (B, T, C), bit for bit
+        x2 = full.reshape(-1, full.shape[-1])                # (B*T, C)
+        dx, dws = None, []
+        for g, w in zip(reversed(grads), reversed(weights)):
+            g2 = g.reshape(-1, g.shape[-1])                  # (B*T, out/tp)
+            dws.append(g2.t().mm(x2))                        # dW = g^T x
+            d = g2.mm(w).view_as(full)                       # this linear's part of dx = g W
+            dx = d if dx is None else dx + d
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *reversed(dws))
+
+
 # ---------------------------------------------------------------------------
 # How a parameter is split over tp ranks: ShardSpec, attached as p.shard
 # ---------------------------------------------------------------------------
@@ -244,18 +304,17 @@ class ColumnParallelLinear(nn.Module):
 
     `replicas`: the kv group when tp exceeds the kv heads (the kv-head
     section at the end of this file): W is cut into tp / replicas.size parts,
-    and the ranks of the group hold the same part; their gradients are summed
-    by `share`."""
+    and the ranks of the group hold the same part; the optimizer adds up
+    their gradients (optim.py:FlatAdamW.reduce_gradients)."""
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
         r = replicas.size if replicas is not None else 1
-        self.replicas = replicas if r > 1 else None
         self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
 
     def forward(self, x):
         # exercise 4b: begin
-        return F.linear(x, share(self.weight, self.replicas))  # (B, T, out/tp), or out*replicas/tp
+        return F.linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
         # exercise 4b: end
 
 
@@ -343,23 +402,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 # ---------------------------------------------------------------------------
 # Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv heads).
-# With tp <= n_kv_heads there is no kv group, `share` is the identity, and
-# this section can be skipped on a first reading.
+# With tp <= n_kv_heads there is no kv group and nothing here acts: skip it on
+# a first reading.
 #
 # A rank's query heads then all use one kv head, so the rank holds a copy of
 # that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
 # group" of 4 replicas (mesh.py's kv section builds the groups;
 # ColumnParallelLinear's `replicas`, ShardSpec's parts < tp). Each replica's
 # gradient only covers its own query heads; the kv head's true gradient is
-# their sum. `share` (the weight passes through it in forward) adds them up
-# in backward with an all-reduce over the kv group, once per micro-batch, so
-# every replica holds the same full gradient, takes the same optimizer step,
-# and stays bitwise equal to its siblings. Cost per micro-batch and layer: 2
-# all-reduces of a (head_dim, d_model) gradient.
+# their sum. No code in this file adds them: each replica's micro-batch
+# gradients accumulate in its own fp32 flat buffer (wk and wv of every layer
+# form one flat group, parts < tp), and once per step, before the dp
+# reduction, optim.py:FlatAdamW.reduce_gradients all-reduces that buffer over
+# the kv group, as it does the sequence-parallel norm gains' over tp. Every
+# replica then holds the same full gradient, takes the same optimizer step,
+# and stays bitwise equal to its siblings. Cost per step: one all-reduce of
+# the group's fp32 buffer, 2 x layers x (head_dim, d_model) elements, however
+# many micro-batches the step has.
 # ---------------------------------------------------------------------------
-
-def share(w: torch.Tensor, group) -> torch.Tensor:
-    """A weight held by every rank of `group`, each using it for other outputs
-    (the replicas of a kv head): forward identity, backward all-reduce, so
-    each copy's gradient is the sum over all copies (Megatron's f, on a weight)."""
-    return w if group is None or group.size == 1 else _Copy.apply(w, group)

@@ -175,7 +175,8 @@ def forward_bytes(argv, group=None, pp=1, stage=0) -> tuple[int, int]:
     cfg, t = config.parse_args(argv)
     tp = group.size if group is not None else 1
     first, last = stage == 0, stage == pp - 1
-    model = Transformer(cfg, group, t.sequence_parallel, stage_layers(cfg.n_layers, pp, stage), first, last)
+    model = Transformer(cfg, group, t.sequence_parallel, stage_layers(cfg.n_layers, pp, stage), first, last,
+                        sp_regather=t.sp_regather)
     init_weights(model, t.seed)
     dtype = param_dtype(t.precision)
     model.to(dtype=dtype)
@@ -256,7 +257,7 @@ def _four_rank_worker(rank, world, train_runs, activation_runs, out_dir):
 
 ACTIVATION_RUNS = [TINY + ["--tp", "2", "--pp", "2", "--precision", p, "--activation-checkpointing", m] + sp
                    for p in ("fp32", "bf16-mixed") for m in ("none", "selective", "full")
-                   for sp in ([], ["--sequence-parallel"])]
+                   for sp in ([], ["--sequence-parallel"], ["--sequence-parallel", "--no-sp-regather"])]
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +298,7 @@ def test_activation_bytes_match_autograd_with_tensor_and_sequence_parallel(four_
 
 LAYOUTS2 = {"dp": ["--dp", "2"], "dp_zero1": ["--dp", "2", "--zero1"],
             "tp": ["--tp", "2"], "tp_sp": ["--tp", "2", "--sequence-parallel"],
+            "tp_sp_kept": ["--tp", "2", "--sequence-parallel", "--no-sp-regather"],
             "pp_afab": ["--pp", "2", "--microbatches", "4", "--schedule", "afab"],
             "pp_1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"]}
 
@@ -338,9 +340,12 @@ def test_zero1_puts_on_the_wire_what_data_parallel_does(two_ranks):
 
 def test_sequence_parallel_puts_on_the_wire_what_tensor_parallel_does(two_ranks):
     """Each all-reduce becomes an all-gather + a reduce-scatter of the same tensor:
-    8 collectives per layer instead of 4, each moving half as much. SP adds only
-    the all-reduce of the norm weights' gradients (each rank saw its own tokens)."""
-    tp, sp = two_ranks["tp"], two_ranks["tp_sp"]
+    8 collectives per layer instead of 4, each moving half as much. SP keeping
+    its gathers (--no-sp-regather) adds only the all-reduce of the norm
+    weights' gradients (each rank saw its own tokens); re-gathering in backward
+    (--sp-regather, the default) adds one all-gather per norm: 2 per layer and
+    the head's."""
+    tp, sp, regather = two_ranks["tp"], two_ranks["tp_sp_kept"], two_ranks["tp_sp"]
     act = 8 * 32 * 64 * 4                  # (mb, T, C) fp32
     layers = 4
     assert tp["comm_calls"]["tp.all_reduce"] - sp["comm_calls"]["tp.all_reduce"] == 4 * layers + 2 - 1
@@ -351,6 +356,8 @@ def test_sequence_parallel_puts_on_the_wire_what_tensor_parallel_does(two_ranks)
     maxima = 2 * 8 * 32 * 4
     assert sp["comm_wire_bytes"]["tp.all_gather"] + sp["comm_wire_bytes"]["tp.reduce_scatter"] \
         == 2 * (4 * layers + 2) * act // 2 + maxima // 2
+    assert regather["comm_calls"]["tp.all_gather"] - sp["comm_calls"]["tp.all_gather"] == 2 * layers + 1
+    assert wire_total(regather) == wire_total(sp) + (2 * layers + 1) * act // 2
 
 
 def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):

@@ -101,7 +101,9 @@ def _check_layers(rank, tp):
 def _check_kv_replicas(rank, tp):
     """Attention at tp 4 with 2 kv heads: ranks [0 1] hold kv head 0, [2 3] kv
     head 1. Output, input gradient and every weight gradient equal one
-    process's; the two replicas of a kv head get bitwise equal gradients."""
+    process's, wk's and wv's once summed over the kv group (as
+    optim.FlatAdamW.reduce_gradients sums them, once per step); after that sum
+    the two replicas of a kv head hold bitwise equal gradients."""
     import dataclasses
     import torch.distributed as dist
     from nanohlat import comm
@@ -134,10 +136,13 @@ def _check_kv_replicas(rank, tp):
         close(y, chunk(y_full, 1) if sp else y_full)
         (y * (chunk(G, 1) if sp else G)).sum().backward()
         close(xi.grad, chunk(xr.grad, 1) if sp else xr.grad)
+        for name in ("wk", "wv"):   # each replica's gradient covers its own query heads: add them up
+            p = getattr(attn, name).weight
+            p.grad = comm.all_reduce(p.grad, kv)
         for name in ("wq", "wk", "wv", "wo"):
             p = getattr(attn, name).weight
             close(p.grad, getattr(ref, name).weight.grad.chunk(p.shard.parts, p.shard.dim)[p.shard.part])
-        for name in ("wk", "wv"):   # the replicas' gradients: the same bits on both ranks of a kv group
+        for name in ("wk", "wv"):   # the replicas' summed gradients: the same bits on both ranks of a kv group
             grad = getattr(attn, name).weight.grad
             both = comm.all_gather(grad.unsqueeze(0), kv, dim=0)
             assert torch.equal(both[0], both[1]), name
@@ -238,3 +243,49 @@ def test_place_reattaches_the_shard_spec_when_a_move_makes_new_parameters(monkey
     Device("cpu", torch.device("cpu"), "gloo", "cpu").place(model, torch.bfloat16)
     for name, p in model.named_parameters():
         assert p.dtype == torch.bfloat16 and p.shard is want[name], name
+
+
+def _check_sp_regather(rank, tp):
+    """A sequence-parallel model (tiny, 2 layers) with --sp-regather (keep the
+    T/tp shard, gather again in backward) and without (keep the gathered
+    sequence): the same losses and the same gradients, bit for bit, in fp32 and
+    bf16, with and without selective / full activation checkpointing."""
+    import dataclasses
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+    from nanohlat.config import PRESETS
+    from nanohlat.mesh import Group
+    from nanohlat.model import Transformer, init_weights
+    cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
+    group = Group("tp", list(range(tp)), rank, dist.group.WORLD)
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+    ckpt = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("none", "selective", "full"):
+            results = []
+            for regather in (True, False):
+                model = Transformer(cfg, group, sequence_parallel=True, sp_regather=regather)
+                init_weights(model, 0)
+                model.to(dtype).set_activation_checkpointing(mode, ckpt)
+                loss = model(tokens, targets).float().mean()
+                loss.backward()
+                results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+            (a, ga), (b, gb) = results
+            assert torch.equal(a, b), (dtype, mode, a, b)
+            for name in ga:
+                assert torch.equal(ga[name], gb[name]), (dtype, mode, name)
+
+
+def _regather_worker(rank, tp):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        _check_sp_regather(rank, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sp_regather_is_bitwise_the_kept_gather(tmp_path):
+    spawn_workers(_regather_worker, 2, (), str(tmp_path))

@@ -36,8 +36,9 @@ Per layer and micro-batch of mb sequences of T tokens, e bytes per activation
 
     each RMSNorm (x2)  fp32 copy of its input 4n, normalised input e*n, and its output
                        as the input of the next matmuls: e*n; with sequence parallel
-                       the all-gathered full sequence instead, once per matmul
-                       (SP_SAVED_GATHERS e*N, shared by the matmuls). Megatron keeps N/tp, gathers again.
+                       that is the T/tp shard too, all-gathered again in backward
+                       (--sp-regather, Megatron's way); with --no-sp-regather the
+                       all-gathered full sequence instead (SP_SAVED_GATHERS e*N).
     attention          q after rotary, k and v after repeating kv heads, the kernel's
                        output: 4 * e*N/tp, plus
                          fused kernel (SDPA flash/efficient on cpu/cuda): fp32 log-sum-exp
@@ -122,15 +123,17 @@ def micro_batch_size(tcfg: TrainConfig, dp: int) -> int:
     return tcfg.batch_size // (dp * tcfg.microbatches)
 
 
-# With sequence parallel, comm.all_gather returns the gathered (mb, T, C)
-# sequence as one contiguous tensor that the matmuls after each norm (wq, wk,
-# wv; gate, up) all save for backward: 2 full-sequence tensors per layer.
-# Megatron-LM keeps only the 1/tp shard and gathers again in backward.
+# With sequence parallel and --no-sp-regather, comm.all_gather returns the
+# gathered (mb, T, C) sequence as one contiguous tensor that the matmuls after
+# each norm (wq, wk, wv; gate, up) all save for backward: 2 full-sequence
+# tensors per layer. With --sp-regather (the default, Megatron-LM's way) they
+# keep only the 1/tp shard and gather it again in backward
+# (tensor_parallel._GatherLinears): one more all-gather per norm.
 SP_SAVED_GATHERS = 2
 
 
 def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, mode: str, sp: bool,
-                           fused: bool) -> int:
+                           fused: bool, regather: bool = True) -> int:
     """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
     C, D = cfg.d_model, cfg.head_dim
     sp = sp and tp > 1
@@ -143,8 +146,9 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     heads = cfg.n_heads // tp
     norms = 2 * (4 * n + e * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
     # the column-parallel matmuls after each norm keep their input: the norm's
-    # output (one tensor for wq, wk, wv, another for gate, up), or the gathered sequence
-    inputs = SP_SAVED_GATHERS * e * N if sp else 2 * e * n
+    # output (one tensor for wq, wk, wv, another for gate, up; with sequence
+    # parallel its T/tp shard), or, with --no-sp-regather, the gathered sequence
+    inputs = SP_SAVED_GATHERS * e * N if sp and not regather else 2 * e * n
     if mode == "selective":
         core = e * (q + 2 * kv) + e * q
     elif fused:
@@ -163,7 +167,8 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
     e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
     n = mb * (T // tp if sp else T) * C
-    total = cfg.n_layers // pp * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused)
+    regather = tcfg.sp_regather
+    total = cfg.n_layers // pp * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused, regather)
     first, last = stage == 0, stage == pp - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + e * mb * T
@@ -173,7 +178,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
         total += e * n  # the stage's output, kept by the runner until its backward
     else:           # final norm, then the loss
         V = cfg.padded_vocab // tp
-        total += 4 * n + e * n + (e * mb * T * C if sp else e * n) + 4 * (n // C)
+        total += 4 * n + e * n + (e * mb * T * C if sp and not regather else e * n) + 4 * (n // C)
         if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
             total += 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
         else:         # vocab-parallel: masked fp32 logits and their exp, and per-token scalars
@@ -344,24 +349,24 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         # stops replaying once it has recomputed all that backward needs, i.e.
         # before the MLP's leave (nothing after it keeps a tensor); torch_xla's
         # replays the whole block.
+        # With --sp-regather each enter all-gathers once more in backward.
         full = tcfg.activation_checkpointing == "full"
         enters_fwd = 2 * (1 + full)
+        regathers = 2 if tcfg.sp_regather else 0
         leaves_fwd = 2 + full + (full and whole_block_replay)
         per_layer = m * layers                 # calls per collective per block
         if sp:
-            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2), tp)      # + the leaves' backward
+            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2 + regathers), tp)   # + leaves' backward
             _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2), tp)  # + the enters' backward
         else:
             _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2), tp)
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
             _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
             _add(out, "tp.all_gather", act, m if sp else 0, tp)
-        if tp > cfg.n_kv_heads:   # kv heads shared by tp/n_kv ranks: wk and wv gradients summed over them
-            _add(out, "kv.all_reduce", cfg.head_dim * C * s, m * layers * 2, tp // cfg.n_kv_heads)
         if stage == pp - 1:
             # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
             if sp:
-                _add(out, "tp.all_gather", act, m, tp)
+                _add(out, "tp.all_gather", act, m * (1 + (regathers > 0)), tp)
                 _add(out, "tp.reduce_scatter", act, m, tp)
             else:
                 _add(out, "tp.all_reduce", act, m, tp)
@@ -385,6 +390,8 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     shards = dp if tcfg.zero1 else 1
     if sp:
         _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
+    if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
+        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) * 4, 1, tp // cfg.n_kv_heads)
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
@@ -458,7 +465,7 @@ def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tup
         return dp, []
     return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
                 f"its query heads use (each shared by {tcfg.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
-                f"wv gradients are summed over those ranks (kv.all_reduce below)."]
+                f"wv gradients are summed over those ranks once per step, in fp32 (kv.all_reduce below)."]
 
 
 def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
@@ -469,7 +476,8 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     tokens = tcfg.batch_size * tcfg.seq_len
     L = [f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters "
          f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
-         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel {'on' if sp else 'off'}; "
+         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
+         f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
          f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
@@ -520,18 +528,22 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     flight = mems[largest]["in_flight"]
     L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({flight} of {m} micro-batch(es) "
               f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
-    rows = []
+    rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
     for mode in ("none", "selective", "full"):
         for sp in ((False, True) if tp > 1 else (False,)):
             kept = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=False)
             fused = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=True)
             this = (mode, sp) == (tcfg.activation_checkpointing, tcfg.sequence_parallel and tp > 1)
-            rows.append([mode, "on" if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
+            rows.append([mode, sp_label if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
                          fmt_bytes(fused), fmt_bytes(flight * fused), "<- this run" if this else ""])
     L += _table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
                  "fused attn: 1 mb", "in flight", ""], rows)
     L.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
              "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+    if tp > 1:
+        L.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
+                         "all-gather it again in backward" if tcfg.sp_regather else
+                         "'kept' (--no-sp-regather): the matmuls after each norm keep the all-gathered sequence"))
     return L
 
 
@@ -701,7 +713,7 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
             bw, lat = links[g]
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
-    comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sums run inside the tp group's backward
+    comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
