@@ -142,6 +142,7 @@ def layout_runs(cache_dir, tmp_path_factory, reference_kv2):
     World 4 first: the world-2 group continues one of its checkpoints."""
     root = tmp_path_factory.mktemp("layouts")
     world4 = WORLD4 | {"tp4_kv2_sp": KV2 + ["--tp", "4", "--sequence-parallel", "--save-every", "2"],
+                       "tp4_kv2_m4": KV2 + ["--tp", "4", "--microbatches", "4"],
                        "tp4_kv2_sp_from_tp1": KV2 + ["--tp", "4", "--sequence-parallel",
                                                      "--resume", _ckpt(reference_kv2[2], 2)]}
     world2 = WORLD2 | {"tp2_kv2_from_tp4": KV2 + ["--tp", "2", "--resume", _ckpt(root / "tp4_kv2_sp", 2)]}
@@ -199,6 +200,18 @@ def test_replicated_kv_heads_train_like_one_process(layout_runs, reference_kv2, 
             holders.setdefault(name, []).append(r)
     assert holders["layers.0.attn.wk.weight"] == [0, 2] and holders["layers.0.attn.wq.weight"] == [0, 1, 2, 3]
     assert holders["layers.0.attn_norm.weight"] == [0]
+
+
+def test_kv_replicas_sum_their_gradients_once_per_step_whatever_the_micro_batches(layout_runs, reference_kv2):
+    """The kv copies' gradients are summed on the fp32 buffer once per step (optim.py:
+    FlatAdamW.reduce_gradients), not once per micro-batch: 4 micro-batches make the calls
+    and bytes of 1, and still train like one process."""
+    out = layout_runs["tp4_kv2_m4"]
+    assert_same_as_reference(reference_kv2, out)
+    m4 = json.load(open(out / "summary.json"))
+    m1 = json.load(open(layout_runs["tp4_kv2_sp"] / "summary.json"))
+    assert m4["comm_calls"]["kv.all_reduce"] == m1["comm_calls"]["kv.all_reduce"] == 1
+    assert m4["comm_bytes"]["kv.all_reduce"] == m1["comm_bytes"]["kv.all_reduce"]
 
 
 @pytest.mark.parametrize("name", ["tp4_kv2_sp_from_tp1", "tp2_kv2_from_tp4", "tp1_from_tp4"])
