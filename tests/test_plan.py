@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import time
 
 import pytest
@@ -111,6 +112,19 @@ def test_hlat_70b_tp32_pp8_zero1_on_2048_ranks_plans_in_seconds():
     assert mem["optimizer_replicated"] == 12 * mem["params"]
     # 1F1B: stage s holds min(pp - s, m) micro-batches
     assert [plan.microbatches_in_flight("1f1b", 8, 128, s) for s in range(8)] == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("argv, world", [(["--preset", "hlat-7b"], 2048), (["--preset", "hlat-70b"], 2048),
+                                         (["--preset", "hlat-7b", "--batch-size", "16", "--microbatches", "4"], 32)])
+def test_hlats_layouts_leave_two_gib_of_a_neuroncore(argv, world):
+    """HLAT's own layouts (the 7B without ZeRO-1, as HLAT ran it; the one-instance layout of
+    docs/trn1.md section 4) peak at most 14 of a NeuronCore's 16 GiB: the runtime and the
+    compiler's scratch need the rest."""
+    model, train = config.parse_args(argv)
+    assert train.zero1 == (argv[1] == "hlat-70b")
+    text = plan.report(model, train, world)
+    peak = re.search(r"largest stage \d+: ([\d.]+) GiB of 16.00 GiB on one NeuronCore-v2: fits", text)
+    assert peak and float(peak.group(1)) <= 14.0, text[-3000:]
 
 
 def test_plan_flag_prints_and_returns_before_any_data_or_worker(monkeypatch, capsys):
