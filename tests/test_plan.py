@@ -86,9 +86,10 @@ def test_hlat_7b_on_2048_neuroncores_plans_in_seconds():
     assert comm["dp.all_reduce"] == 4 * per_rank + 4                         # fp32 grads + the loss
     # sequence parallel: per layer 2 all-gathers forward + 2 backward (the
     # reduce-scatters' conjugates) of the (4, 4096, 4096) bf16 residual stream,
-    # plus the embedding's and the head's
+    # plus the embedding's and the head's; --sp-regather gathers the inputs of
+    # the layer's 2 matmul groups and the head's once more in backward
     act = 4 * 4096 * 4096 * 2
-    assert comm["tp.all_gather"] == (32 * 2 * 2 + 2) * act + 8 * 4 * 4096 * 4
+    assert comm["tp.all_gather"] == (32 * 2 * 2 + 2 + 32 * 2 + 1) * act + 8 * 4 * 4096 * 4
 
     # 46 GFLOP per token: 6 x matmul params + 12 L d T
     n_matmul = matrices - 32000 * 4096
