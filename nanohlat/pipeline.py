@@ -101,15 +101,6 @@ def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | Non
     return ticks
 
 
-def render_ticks(ticks, pp: int) -> str:
-    """The timetable as text, one row per stage: 'F3' forward of micro-batch 3, '..' idle."""
-    rows = []
-    for s in range(pp):
-        cells = [(f"{row[s][0]}{row[s][1]}" if row[s] else "..").rjust(3) for row in ticks]
-        rows.append(f"stage {s} |" + "".join(cells))
-    return "\n".join(rows)
-
-
 class NoClock:
     """The clock a PipelineRunner has unless it is given one: it times nothing.
 

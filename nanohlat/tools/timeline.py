@@ -132,6 +132,15 @@ def lockstep_bubble(ticks, m: int, f: float = F_UNITS, b: float = B_UNITS) -> fl
 # The report
 # ---------------------------------------------------------------------------
 
+def render_ticks(ticks, pp: int) -> str:
+    """The timetable as text, one row per stage: 'F3' forward of micro-batch 3, '..' idle."""
+    rows = []
+    for s in range(pp):
+        cells = [(f"{row[s][0]}{row[s][1]}" if row[s] else "..").rjust(3) for row in ticks]
+        rows.append(f"stage {s} |" + "".join(cells))
+    return "\n".join(rows)
+
+
 def _draw(rows, total: float, width: int = 72) -> list[str]:
     """Each stage's ops drawn to scale in `width` characters: F, B, or . for idle."""
     lines = []
@@ -186,7 +195,7 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     measured = 1.0 - sum(busy) / len(busy)
     lines = [f"pipeline schedule {tcfg.schedule}: pp={pp} stages, m={m} micro-batches",
              "timetable (ticks; Fi/Bi = forward/backward of micro-batch i, .. = idle):",
-             pipeline.render_ticks(runner.ticks, pp), "",
+             render_ticks(runner.ticks, pp), "",
              f"ideal, F = {F_UNITS:g} unit, B = {B_UNITS:g} units, no communication ({ideal_span:g} units):"]
     lines += _draw(ideal, ideal_span)
     lines += ["", f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle):"]
