@@ -101,28 +101,6 @@ def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | Non
     return ticks
 
 
-class NoClock:
-    """The clock a PipelineRunner has unless it is given one: it times nothing.
-
-    A clock's interface: start() before a step's first tick, op_start()
-    before each forward or backward (what it returns comes back to op_end as
-    `started`), op_end(kind, micro-batch, started) after it, stop() after the
-    last tick. With --timeline, run/build.py passes tools/timeline.py:StepClock,
-    which records the wall time of every op."""
-
-    def start(self) -> None:
-        pass
-
-    def op_start(self) -> float:
-        return 0.0
-
-    def op_end(self, kind: str, i: int, started: float) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-
 class PipelineRunner:
     """Runs one optimizer step's forward/backward over micro-batches on this stage."""
 
@@ -133,7 +111,7 @@ class PipelineRunner:
         self.ticks = timetable(tcfg.schedule, self.pp, self.m)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0                                  # most micro-batches held, last step
-        self.clock = clock if clock is not None else NoClock()   # told the start and end of each F and B
+        self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)
 
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,
@@ -170,23 +148,26 @@ class PipelineRunner:
         # same graph (no gradient exists before one: FlatAdamW's hooks move each into the
         # fp32 buffer and free it)
         self._cut_graph()
-        self.clock.start()
+        if self.clock:
+            self.clock.start()
         for t, row in enumerate(self.ticks):
             op = row[self.stage]
             act = grad = None                 # what this stage produced in tick t, for its neighbours
             if op is not None:
                 kind, i = op
-                started = self.clock.op_start()
+                started = self.clock.op_start() if self.clock else 0.0
                 if kind == "F":
                     act = self._forward(i, tokens, targets, loss_scale)
                 else:
                     grad = self._backward(i)
-                self.clock.op_end(kind, i, started)
+                if self.clock:
+                    self.clock.op_end(kind, i, started)
             self._exchange(t, act, grad)
             if self.pp > 1 or (op is not None and op[0] == "B"):
                 self._cut_graph()             # one graph per tick (pp = 1: per micro-batch)
         assert not self.in_flight and not self.inputs and not self.grads_in
-        self.clock.stop()
+        if self.clock:
+            self.clock.stop()
         return self.loss_sum
 
     def _forward(self, i: int, tokens: list, targets: list, loss_scale: float) -> torch.Tensor | None:

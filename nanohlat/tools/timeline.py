@@ -46,8 +46,10 @@ class StepClock:
     """Start and end of every forward and backward of one step on this stage.
 
     With --timeline, run/build.py gives the PipelineRunner this clock
-    (otherwise it has pipeline.py:NoClock, same interface, timing nothing).
-    The runner calls start() / op_start() / op_end() / stop(); `records`
+    (otherwise it has none and times nothing). The runner calls start()
+    before a step's first tick, op_start() before each forward or backward
+    (what it returns comes back to op_end as `started`), op_end(kind,
+    micro-batch, started) after it and stop() after the last tick; `records`
     then holds (kind, micro-batch, start, end) in seconds since start().
     With `synchronize` each reading first waits for the device.
     """
