@@ -582,7 +582,7 @@ def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
         for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
             rows, span = timeline.ideal_timeline(schedule, pp, m)
             assert span == 3 * (m + pp - 1)
-            assert all(sum(e - b for _, _, b, e in ops) == 3 * m for ops in rows)
+            assert all(sum(e - b for _, _, b, e, _ in ops) == 3 * m for ops in rows)
             assert timeline.ideal_bubble(schedule, pp, m) == pytest.approx(timeline.formula_bubble(pp, m))
     # pp 4, m 8: AFAB's ticks are all-F then all-B, 11 + 11 x 2 = 33 units; 1F1B's 22 ticks
     # hold a B in 16 of them: 6 x 1 + 16 x 2 = 40 units for the same 24 units of work per stage
@@ -597,10 +597,10 @@ def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch)
     clock.start()
     t = clock.op_start()
     sum(range(10000))
-    clock.op_end("F", 0, t)
+    clock.op_end("F", 0, t, 1)
     clock.stop()
-    (kind, i, b, e), = clock.records
-    assert (kind, i) == ("F", 0) and 0 <= b <= e <= clock.t1 - clock.t0
+    (kind, i, b, e, c), = clock.records
+    assert (kind, i, c) == ("F", 0, 1) and 0 <= b <= e <= clock.t1 - clock.t0
     assert 0 < clock.busy_fraction() <= 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * (os.cpu_count() or 1)))
     assert "share" in timeline.oversubscription(get_device("cpu"))
