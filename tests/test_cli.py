@@ -115,9 +115,13 @@ def test_interleaved_pp4_v2_with_timeline_equals_one_process(cache_dir, tmp_path
     chunk activations in flight that the schedule's formula says."""
     one, four = tmp_path / "one", tmp_path / "pp4"
     run(["train.py", *INTERLEAVED, "--cache-dir", cache_dir, "--out-dir", str(one)])
-    run(["train.py", *INTERLEAVED, "--cache-dir", cache_dir, "--out-dir", str(four), "--nproc", "4", "--pp", "4",
-         "--schedule", "interleaved", "--virtual-stages", "2", "--timeline"])
+    p = run(["train.py", *INTERLEAVED, "--cache-dir", cache_dir, "--out-dir", str(four), "--nproc", "4", "--pp", "4",
+             "--schedule", "interleaved", "--virtual-stages", "2", "--timeline"])
     assert losses(four) == pytest.approx(losses(one), abs=2e-5)
+    # rank 0's exchanges (boundary 0|1 and the wrap 3|0), as the comm ledger counted them: plan.py's prediction
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  pp.")]
+    assert rows and all(r[-1] == "same" for r in rows), p.stdout
+    assert "   0   0   0   0  0-0,4-4  +embedding" in p.stdout
     text = (four / "timeline.txt").read_text()
     assert "bubble: ideal 0.16 = formula (p-1)/(v*m+p-1) = 0.16" in text
     # 2(p-1-s) + (v-1)p + 1 = 11 9 7 5: ideal (the order) and measured (the runner's dict of kept activations)

@@ -563,7 +563,9 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
 
     flight = mems[largest]["in_flight"]
-    L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({flight} of {m} micro-batch(es) "
+    held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
+            if tcfg.virtual_stages > 1 else f"{flight} of {m} micro-batch(es)")
+    L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({held} "
               f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
     rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
     for mode in ("none", "selective", "full"):
