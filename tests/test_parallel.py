@@ -189,6 +189,7 @@ def test_interleaved_with_dp2_zero1_trains_like_one_process_and_its_checkpoints_
     from nanohlat.run import preflight
     assert_same_as_reference(reference_kv2, layout_runs["dp2_pp2_interleaved_zero1"])
     ckpt = _ckpt(layout_runs["dp2_pp2_interleaved_zero1"], 2)
+    assert json.load(open(f"{ckpt}/manifest.json"))["layout"]["virtual_stages"] == 2
     train.train(*preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path, KV2 + ["--no-progress",
                                                                                          "--resume", ckpt]))))
     for out in (layout_runs["pp2_1f1b_from_interleaved"], tmp_path, layout_runs["dp2_pp2_interleaved_from_tp1"]):
