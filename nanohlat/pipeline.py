@@ -203,9 +203,9 @@ class PipelineRunner:
         micro-batch, whose inputs are device data of the same shapes for every
         micro-batch (each is its own tensor, never `tokens[i]` of one big
         tensor, which would bake i into the graph). So the graphs compiled do
-        not grow in number or size with m (neuronx-distributed marks a step
-        per micro-batch too). The gradients accumulated so far stay on the
-        device across a cut; the next graph adds to them."""
+        not grow in number or size with m: a tick's graph is set by its op's
+        kind and chunk and by what crosses (tests/test_schedule.py). Gradients
+        accumulated so far stay on the device; the next graph adds to them."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
         self.peak_in_flight = 0

@@ -132,3 +132,32 @@ def test_chunks_of_an_interleaved_stage():
     assert [list(chunk_layers(8, 4, 1, c, 2)) for c in range(2)] == [[1], [5]]
     assert stage_layers(8, 4, 1, 2) == [1, 5] and stage_layers(8, 2, 0, 2) == [0, 1, 4, 5]
     assert stage_layers(8, 4, 1) == [2, 3]
+
+
+def tick_kinds(schedule: str, pp: int, m: int, v: int, stage: int) -> set:
+    """What decides the graph XLA compiles for one tick of `stage` (the runner
+    cuts a graph per tick): its op's kind and chunk (the chunk's layers, the
+    embedding or the loss), and on each boundary it uses whether an
+    activation and a gradient cross. The micro-batch index is not in it: each
+    micro-batch is its own device tensor (PipelineRunner.run's docstring)."""
+    from nanohlat.pipeline import timetable
+    kinds = set()
+    for row in timetable(schedule, pp, m, v):
+        op = row[stage]
+        sends = lambda o, kind, chunk_ok=lambda c: True: o is not None and o[0] == kind and chunk_ok(o[2])
+        left = (sends(row[stage - 1], "F"), sends(op, "B")) if stage > 0 else None
+        right = (sends(op, "F"), sends(row[stage + 1], "B")) if stage < pp - 1 else None
+        wrap = ((sends(row[-1], "F", lambda c: c < v - 1), sends(row[0], "B", lambda c: c > 0))
+                if v > 1 and stage in (0, pp - 1) else None)
+        kinds.add(((op[0], op[2]) if op else None, left, right, wrap))
+    return kinds
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_distinct_tick_graphs_do_not_grow_with_the_micro_batches(schedule, v):
+    """pp 4: from m = 2pp on (the steady state reached) every stage has the same
+    set of distinct ticks for m = 8, 16 and 32, so XLA compiles as many tick
+    graphs for 32 micro-batches as for 8 (interleaved v = 2: 13 to 14 per stage)."""
+    for stage in range(4):
+        assert tick_kinds(schedule, 4, 8, v, stage) == tick_kinds(schedule, 4, 16, v, stage) \
+            == tick_kinds(schedule, 4, 32, v, stage)
