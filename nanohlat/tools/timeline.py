@@ -158,7 +158,7 @@ def in_flight_formula(schedule: str, pp: int, m: int, stage: int, v: int = 1) ->
     if schedule == "afab":
         return m, "m"
     if schedule == "interleaved":
-        return min(2 * (pp - 1 - stage) + (v - 1) * pp + 1, v * m), "min(2(p-1-s)+(v-1)p+1, v*m) chunks"
+        return min(2 * (pp - 1 - stage) + (v - 1) * pp + 1, v * m), "min(2(p-1-s)+(v-1)p+1, v*m)"
     return min(pp - stage, m), "min(p-s, m)"
 
 
