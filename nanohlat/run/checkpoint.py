@@ -529,7 +529,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
     tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
     return _publish(out_dir, tmp, {
         "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1, "virtual_stages": 1},
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
