@@ -17,6 +17,7 @@ from .precision import PRECISIONS
 
 DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
+SCHEDULES = ("afab", "1f1b", "interleaved")   # --schedule (pipeline.py:stage_ops)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
@@ -118,7 +119,8 @@ class TrainConfig:
     dp: int = 0                  # 0 = world / (tp * pp)
     sequence_parallel: bool = False
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
-    schedule: str = "1f1b"       # afab | 1f1b
+    schedule: str = "1f1b"       # afab | 1f1b | interleaved
+    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
     zero1: bool = False
     bucket_mb: float = 25.0
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
@@ -158,7 +160,7 @@ class TrainConfig:
             raise UserError(f"--log-every must be positive, got {self.log_every}")
         choices = {
             "device": DEVICES,
-            "schedule": ("afab", "1f1b"),
+            "schedule": SCHEDULES,
             "precision": PRECISIONS,
             "moments": ("fp32", "bf16"),
             "activation_checkpointing": ("none", "selective", "full"),
@@ -178,6 +180,11 @@ class TrainConfig:
         _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        if self.virtual_stages < 1:
+            raise UserError(f"--virtual-stages must be positive, got {self.virtual_stages}")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise UserError(f"--schedule {self.schedule} with --virtual-stages {self.virtual_stages}: the interleaved "
+                            f"schedule needs --virtual-stages >= 2 (with 1 it is 1f1b), and only it uses them")
         if self.moments == "bf16" and self.precision != "bf16-sr":
             raise UserError(f"--moments bf16 rounds Adam's moments stochastically and needs --precision bf16-sr "
                             f"(got {self.precision}); drop --moments or use --precision bf16-sr")
@@ -302,6 +309,8 @@ HELP = {
     "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
                "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
+    "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
+    "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }
 

@@ -68,6 +68,11 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     if pp > model.n_layers or model.n_layers % pp:
         raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
                         f"choose {_choices(divisors(model.n_layers))}")
+    v = tcfg.virtual_stages   # > 1: interleaved (config.py checked that the schedule is)
+    if v > 1 and (pp < 2 or model.n_layers % (pp * v) or tcfg.microbatches % pp):
+        raise UserError(f"--schedule interleaved needs --pp >= 2 (got {pp}), --pp x --virtual-stages = {pp * v} chunks "
+                        f"of equal size (--n-layers {model.n_layers}) and --microbatches {tcfg.microbatches} a "
+                        f"multiple of --pp (micro-batches go through the chunks in groups of pp)")
     per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
     if not per_rank or per_rank % tcfg.microbatches:
         raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "
@@ -90,10 +95,17 @@ def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, tp: int, dp: int) -> int:
     # exercise 6a: end
 
 
-def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64) -> str:
-    """The printable rank -> (dp, pp, tp) table (`--plan` and the run's log)."""
+def stage_layer_text(n_layers: int, pp: int, stage: int, v: int = 1) -> str:
+    """A stage's layers as text: '2-3', or with v chunks each chunk's run, '2-3,10-11'."""
+    per = n_layers // (pp * v)
+    return ",".join(f"{k * per}-{(k + 1) * per - 1}" for k in range(stage, pp * v, pp))
+
+
+def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64, v: int = 1) -> str:
+    """The printable rank -> (dp, pp, tp) table (`--plan` and the run's log);
+    v: model chunks per stage (interleaved schedule)."""
     world = tp * pp * dp
-    per = n_layers // pp if n_layers else None
+    per = bool(n_layers)
     lines = [f"world {world} = dp {dp} x pp {pp} x tp {tp}", "rank  dp  pp  tp" + ("  layers" if per else "")]
     shown = list(range(world)) if world <= max_rows else list(range(max_rows // 2)) + list(range(world - max_rows // 2, world))
     for i, r in enumerate(shown):
@@ -102,7 +114,7 @@ def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_row
         d, p, t = coords(r, tp, pp, dp)
         row = f"{r:4d} {d:3d} {p:3d} {t:3d}"
         if per:
-            row += f"  {p * per}-{(p + 1) * per - 1}" + ("  +embedding" if p == 0 else "") + ("  +norm,head,loss" if p == pp - 1 else "")
+            row += f"  {stage_layer_text(n_layers, pp, p, v)}" + ("  +embedding" if p == 0 else "") + ("  +norm,head,loss" if p == pp - 1 else "")
         lines.append(row)
     return "\n".join(lines)
 
@@ -118,6 +130,7 @@ class Mesh:
     ledger: object = None
     groups: dict = field(default_factory=dict)
     kv_replicas: int = 1        # tp ranks per kv head when tp > n_kv_heads (kv_replicas())
+    virtual_stages: int = 1     # interleaved: chunks per stage; > 1 needs the wrap pair (last -> first stage)
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)
@@ -149,6 +162,9 @@ class Mesh:
         if kind == "pp":
             return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
         # exercise 6b: end
+        if kind == "pair_wrap":   # interleaved, odd pp >= 3: last stage <-> first, which pair_odd lacks
+            odd = self.virtual_stages > 1 and pp > 2 and pp % 2
+            return [[r(d, 0, t), r(d, pp - 1, t)] for d in range(dp) for t in range(tp)] if odd else []
         return pair_groups(kind, tp, pp, dp)   # 'pair_even' or 'pair_odd'
 
     def build_groups(self, device=None) -> "Mesh":
@@ -156,7 +172,7 @@ class Mesh:
         if device is not None and self.world > 1:
             import torch.distributed as dist
             self.groups["world"] = Group("world", list(range(self.world)), self.rank, dist.group.WORLD, self.ledger)
-        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv"):
+        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv", "pair_wrap"):
             partition = self._all(kind)
             for ranks in partition:
                 pg = None
@@ -170,7 +186,10 @@ class Mesh:
 
     def group(self, key: str) -> Group:
         """'tp', 'dp', 'pp', 'world', 'next' (pair with stage+1), 'prev' (pair
-        with stage-1), 'kv' (the ranks sharing this rank's kv head)."""
+        with stage-1), 'kv' (the ranks sharing this rank's kv head), 'wrap'
+        (last stage <-> first stage: with pp = 2 the one pair of neighbours)."""
+        if key == "wrap" and self.pp == 2:
+            return self.group("next" if self.is_first_stage else "prev")
         if key not in self.groups:  # single process, or no such neighbour
             self.groups[key] = Group(key, [self.rank], 0, None, self.ledger)
         return self.groups[key]
@@ -226,20 +245,23 @@ def pair_groups(kind: str, tp: int, pp: int, dp: int) -> list[list[int]]:
     """The pairs of stages b <-> b+1 for even (kind 'pair_even') or odd
     ('pair_odd') boundaries b, each kind a set of disjoint equal-size groups.
     With an even pp > 2 the odd kind also pairs the last stage with the first
-    (b = pp-1 <-> 0, never used to send), so that, as in neuronx-distributed,
-    every rank is in one pair of each kind. (pp = 2 has one boundary; with an
-    odd pp the ring cannot split into disjoint pairs, and the odd kind leaves
-    the last stage out.)"""
+    (b = pp-1 <-> 0, the 'wrap' pair: only the interleaved schedule sends on
+    it), so that, as in neuronx-distributed, every rank is in one pair of each
+    kind. (pp = 2 has one boundary; with an odd pp the ring cannot split into
+    disjoint pairs, and the odd kind leaves the last stage out.) Each pair
+    lists its ranks in increasing order, the order in which torch.distributed
+    numbers a group's members (the wrap pair too: [first stage, last stage])."""
     parity = 0 if kind == "pair_even" else 1
     last = pp if pp > 2 and pp % 2 == 0 else pp - 1
-    return [[rank_of(d, b, t, tp, dp), rank_of(d, (b + 1) % pp, t, tp, dp)] for b in range(parity, last, 2)
+    return [sorted([rank_of(d, b, t, tp, dp), rank_of(d, (b + 1) % pp, t, tp, dp)]) for b in range(parity, last, 2)
             for d in range(dp) for t in range(tp)]
 
 
 def pair_key(ranks: list[int], rank: int, tp: int, pp: int, dp: int) -> str:
-    """The name `rank` gives its pair `ranks` (the earlier stage first): 'next'
-    (the pair with stage + 1), 'prev' (with stage - 1), or 'wrap' (last stage
-    <-> first: exists, carries nothing)."""
-    if coords(ranks[1], tp, pp, dp)[1] == 0:
+    """The name `rank` gives its pair `ranks`: 'next' (the pair with stage + 1),
+    'prev' (with stage - 1), or 'wrap' (last stage <-> first, pp > 2: carries
+    the interleaved schedule's wrap-around, else nothing)."""
+    mine, theirs = (coords(r, tp, pp, dp)[1] for r in sorted(ranks, key=lambda r: r != rank))
+    if pp > 2 and {mine, theirs} == {0, pp - 1}:
         return "wrap"
-    return "next" if ranks[0] == rank else "prev"
+    return "next" if theirs == mine + 1 else "prev"

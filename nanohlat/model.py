@@ -166,7 +166,7 @@ class Transformer(nn.Module):
     them again there (--sp-regather; tensor_parallel.enter_linears)."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
-                 layers: range | None = None, first: bool = True, last: bool = True,
+                 layers: range | list[int] | None = None, first: bool = True, last: bool = True,
                  kv_group: Group | None = None, sp_regather: bool = True):
         super().__init__()
         group = group or Group("tp", [0], 0)
@@ -193,7 +193,7 @@ class Transformer(nn.Module):
             block.attn.checkpoint_core = checkpoint_fn if mode == "selective" else None
         self.block_checkpoint = checkpoint_fn if mode == "full" else None
 
-    def forward(self, x, targets=None, positions=None, cache=None):
+    def forward(self, x, targets=None, positions=None, cache=None, layers=None):
         """x: tokens (B, T) on the first stage, else the residual stream from the
         previous stage. Returns, on the last stage, per-token losses (B, T) when
         targets are given, else this rank's logits (B, T, V/tp); on other stages
@@ -203,22 +203,31 @@ class Transformer(nn.Module):
         angles); 0..T-1 in every row when not given (training). cache (serving:
         serving/generate.py:CachePass, with the same positions): where each
         layer's attention keeps the new keys and values and finds the earlier
-        ones; `cache.layer(i)` is layer i's part."""
-        T = x.shape[1] * (self.group.size if (self.sequence_parallel and not self.first) else 1)
+        ones; `cache.layer(i)` is layer i's part.
+
+        layers: run only these of this stage's layers (a chunk of an
+        interleaved pipeline stage: pipeline.py:chunk_layers); the embedding
+        runs only before layer 0 and the head only after the last layer.
+        None: all of them, embedding and head included where held."""
+        ids = self.layer_ids if layers is None else list(layers)
+        embeds = self.first and ids[0] == 0
+        ends = self.last and ids[-1] == self.cfg.n_layers - 1
+        T = x.shape[1] * (self.group.size if (self.sequence_parallel and not embeds) else 1)
         if positions is None:
             cos, sin = self.cos[:T], self.sin[:T]                                   # (T, D)
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, D)
-        if self.first:
+        if embeds:
             x = self.embed(x)                                  # (B, T or T/tp, C)
-        for i, block in self.layers.items():
+        for i in ids:
+            block = self.layers[str(i)]
             if cache is not None:
-                x = block(x, cos, sin, cache.layer(int(i)))
+                x = block(x, cos, sin, cache.layer(i))
             elif self.block_checkpoint is not None:
                 x = self.block_checkpoint(block, x, cos, sin)
             else:
                 x = block(x, cos, sin)
-        if not self.last:
+        if not ends:
             return x
         logits, = tpl.enter_linears(self.norm(x), self.group, self.sequence_parallel, (self.head,),
                                     self.sp_regather)                    # (B, T, V/tp)

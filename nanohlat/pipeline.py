@@ -1,9 +1,9 @@
-"""Pipeline parallelism: stages of layers, micro-batches, AFAB and 1F1B.
+"""Pipeline parallelism: stages of layers, micro-batches, AFAB, 1F1B, interleaved.
 
 Papers: Huang et al. 2019, "GPipe" (arXiv 1811.06965) for all-forward-all-
 backward (AFAB); Narayanan et al. 2019/2021, "PipeDream" / "Efficient
 Large-Scale Language Model Training on GPU Clusters" (arXiv 2104.04473) for
-one-forward-one-backward (1F1B, "PipeDream-flush").
+one-forward-one-backward (1F1B, "PipeDream-flush") and its interleaved form.
 
 What is split: the layers. Stage s of pp holds layers [s*L/pp, (s+1)*L/pp);
 the first also holds the embedding, the last the final norm, head and loss.
@@ -29,7 +29,10 @@ again the first exchange of stage 2, and so on: by induction the exchanges
 of a tick complete in the order 0|1, 1|2, ..., (p-2)|(p-1), and no stage
 ever waits for a neighbour that is itself waiting on something else.
 (Both sides skip a boundary in a tick where the shared timetable says
-nothing crosses it.)
+nothing crosses it.) Interleaved adds the wrap boundary (p-1)|0, which
+stage 0 and stage p-1 take last: each reaches it after its chain exchange
+completed, so neither waits on a rank that waits on it. (pp = 2: the same
+pair of ranks, two exchanges in the same order on both.)
 
 Schedules (p stages, m micro-batches; per stage, in order):
   AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
@@ -39,6 +42,10 @@ Both have the same bubble, (p-1)/(m+p-1) of the time, if each stage starts an
 op as soon as its input exists; 1F1B's gain is memory (tools/timeline.py
 times a step through the runner's clock and gives the bubble three ways:
 --timeline). With pp=1 the same code is plain gradient accumulation.
+Interleaved (--virtual-stages v): the layers are cut into p*v chunks and
+stage s holds chunks s, s+p, ... (chunk_layers); a micro-batch visits every
+stage v times, so filling and draining the pipeline takes chunk-sized ops:
+bubble (p-1)/(v*m+p-1), for v times the exchanges (interleaved_order).
 """
 
 from __future__ import annotations
@@ -48,9 +55,18 @@ import torch
 from . import comm
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    per = n_layers // pp
-    return range(stage * per, (stage + 1) * per)
+def chunk_layers(n_layers: int, pp: int, stage: int, chunk: int = 0, v: int = 1) -> range:
+    """The layers of one model chunk. With v chunks per stage the model is cut
+    into pp*v equal pieces, the virtual stages k = chunk*pp + stage: stage s
+    holds pieces s, s+pp, s+2pp, ... (v = 1: one contiguous piece per stage)."""
+    per = n_layers // (pp * v)
+    k = chunk * pp + stage
+    return range(k * per, (k + 1) * per)
+
+
+def stage_layers(n_layers: int, pp: int, stage: int, v: int = 1) -> list[int]:
+    """Every layer stage `stage` holds: its v chunks, in order."""
+    return [i for c in range(v) for i in chunk_layers(n_layers, pp, stage, c, v)]
 
 
 def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, int]]:
@@ -71,15 +87,64 @@ def stage_order(schedule: str, pp: int, m: int, stage: int) -> list[tuple[str, i
     # exercise 5a: end
 
 
-def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | None]]:
-    """ticks[t][s] = the op stage s runs in tick t (None = idle, the bubble).
+def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B (Megatron-LM): the ops (kind, micro-batch, chunk) of one
+    stage. Micro-batches go through the chunks in groups of pp (m a multiple
+    of pp): forwards take 0..pp-1 through chunk 0, then through chunk 1, ...,
+    then the next group; backwards the same, last chunk first. Warm-up:
+    2(pp-1-stage) + (v-1)pp forwards, then 1F1B, then the remaining backwards."""
+    total = v * m
 
-    An op runs as soon as its input arrived in an earlier tick: F(s, i) needs
-    F(s-1, i); B(s, i) needs B(s+1, i) (the last stage needs its own F).
-    """
-    orders = [stage_order(schedule, pp, m, s) for s in range(pp)]
+    def unit(j: int, kind: str) -> tuple[str, int, int]:
+        group, pos = divmod(j, pp * v)
+        chunk = pos // pp
+        return kind, group * pp + pos % pp, (chunk if kind == "F" else v - 1 - chunk)
+
+    warmup = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)
+    ops = [unit(j, "F") for j in range(warmup)]
+    f, b = warmup, 0
+    while b < total:
+        if f < total:
+            ops.append(unit(f, "F"))
+            f += 1
+        ops.append(unit(b, "B"))
+        b += 1
+    return ops
+
+
+def stage_ops(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> list[tuple[str, int, int]]:
+    """Every schedule's order for one stage as (kind, micro-batch, chunk):
+    stage_order's ops on chunk 0 for AFAB and 1F1B, interleaved_order's for
+    interleaved (v chunks)."""
+    if schedule == "interleaved":
+        return interleaved_order(pp, m, v, stage)
+    return [(kind, i, 0) for kind, i in stage_order(schedule, pp, m, stage)]
+
+
+def depends_on(op: tuple[str, int, int], stage: int, pp: int, v: int = 1) -> tuple | None:
+    """The op (kind, stage, micro-batch, chunk) that must finish before `op` of
+    `stage` starts, or None. In virtual stages k = chunk*pp + stage: F(k, i)
+    needs F(k-1, i) (on the last stage when k is a multiple of pp: the wrap),
+    B(k, i) needs B(k+1, i), and the very last virtual stage its own F."""
+    kind, i, c = op
+    k = c * pp + stage
+    if kind == "F":
+        return None if k == 0 else ("F", (k - 1) % pp, i, (k - 1) // pp)
+    if k == pp * v - 1:
+        return ("F", stage, i, c)
+    return ("B", (k + 1) % pp, i, (k + 1) // pp)
+
+
+def timetable(schedule: str, pp: int, m: int, v: int = 1) -> list[list[tuple[str, int, int] | None]]:
+    """ticks[t][s] = the op (kind, micro-batch, chunk) stage s runs in tick t
+    (None = idle, the bubble).
+
+    An op runs as soon as its input arrived in an earlier tick (depends_on).
+    A tick in which no stage can run has nothing to wait for: the orders
+    deadlock, which is a bug in them, and raises."""
+    orders = [stage_ops(schedule, pp, m, s, v) for s in range(pp)]
     nxt = [0] * pp
-    done: dict = {}              # (kind, stage, mb) -> tick it finished in
+    done: dict = {}              # (kind, stage, mb, chunk) -> tick it finished in
     ticks = []
     while any(nxt[s] < len(orders[s]) for s in range(pp)):
         t = len(ticks)
@@ -87,49 +152,18 @@ def timetable(schedule: str, pp: int, m: int) -> list[list[tuple[str, int] | Non
         for s in range(pp):
             op = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
             if op is not None:
-                kind, i = op
-                dep = (("F", s - 1, i) if s > 0 else None) if kind == "F" else \
-                      (("B", s + 1, i) if s < pp - 1 else ("F", s, i))
+                dep = depends_on(op, s, pp, v)
                 if dep is not None and done.get(dep, t) >= t:
                     op = None
             row.append(op)
+        if not any(row):
+            raise RuntimeError(f"schedule {schedule} deadlocks at tick {t} (pp {pp}, m {m}, v {v})")
         for s, op in enumerate(row):
             if op is not None:
-                done[(op[0], s, op[1])] = t
+                done[(op[0], s, op[1], op[2])] = t
                 nxt[s] += 1
         ticks.append(row)
     return ticks
-
-
-def render_ticks(ticks, pp: int) -> str:
-    """The timetable as text, one row per stage: 'F3' forward of micro-batch 3, '..' idle."""
-    rows = []
-    for s in range(pp):
-        cells = [(f"{row[s][0]}{row[s][1]}" if row[s] else "..").rjust(3) for row in ticks]
-        rows.append(f"stage {s} |" + "".join(cells))
-    return "\n".join(rows)
-
-
-class NoClock:
-    """The clock a PipelineRunner has unless it is given one: it times nothing.
-
-    A clock's interface: start() before a step's first tick, op_start()
-    before each forward or backward (what it returns comes back to op_end as
-    `started`), op_end(kind, micro-batch, started) after it, stop() after the
-    last tick. With --timeline, run/build.py passes tools/timeline.py:StepClock,
-    which records the wall time of every op."""
-
-    def start(self) -> None:
-        pass
-
-    def op_start(self) -> float:
-        return 0.0
-
-    def op_end(self, kind: str, i: int, started: float) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 class PipelineRunner:
@@ -139,10 +173,12 @@ class PipelineRunner:
         self.model, self.mesh, self.device = model, mesh, device
         self.pp, self.stage = mesh.pp, mesh.pp_rank
         self.m = tcfg.microbatches
-        self.ticks = timetable(tcfg.schedule, self.pp, self.m)
+        self.v = tcfg.virtual_stages                              # model chunks on this stage
+        self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)]
+        self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
-        self.peak_in_flight = 0                                  # most micro-batches held, last step
-        self.clock = clock if clock is not None else NoClock()   # told the start and end of each F and B
+        self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
+        self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)
 
     def _exchange_plan(self, t: int, boundary: int) -> tuple[int | None, int | None]:
         """(micro-batch whose activation crosses boundary b->b+1 after tick t,
@@ -167,11 +203,11 @@ class PipelineRunner:
         micro-batch, whose inputs are device data of the same shapes for every
         micro-batch (each is its own tensor, never `tokens[i]` of one big
         tensor, which would bake i into the graph). So the graphs compiled do
-        not grow in number or size with m (neuronx-distributed marks a step
-        per micro-batch too). The gradients accumulated so far stay on the
-        device across a cut; the next graph adds to them."""
-        self.inputs, self.grads_in = {}, {}   # received activations / gradients, by micro-batch
-        self.in_flight = {}                   # mb -> (stage input, stage output) kept for backward
+        not grow in number or size with m: a tick's graph is set by its op's
+        kind and chunk and by what crosses (tests/test_schedule.py). Gradients
+        accumulated so far stay on the device; the next graph adds to them."""
+        self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
+        self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0, so that what the step queued before (zero_grad's reset of
@@ -179,72 +215,104 @@ class PipelineRunner:
         # same graph (no gradient exists before one: FlatAdamW's hooks move each into the
         # fp32 buffer and free it)
         self._cut_graph()
-        self.clock.start()
+        if self.clock:
+            self.clock.start()
         for t, row in enumerate(self.ticks):
             op = row[self.stage]
             act = grad = None                 # what this stage produced in tick t, for its neighbours
             if op is not None:
-                kind, i = op
-                started = self.clock.op_start()
+                kind, i, c = op
+                started = self.clock.op_start() if self.clock else 0.0
                 if kind == "F":
-                    act = self._forward(i, tokens, targets, loss_scale)
+                    act = self._forward(i, c, tokens, targets, loss_scale)
                 else:
-                    grad = self._backward(i)
-                self.clock.op_end(kind, i, started)
+                    grad = self._backward(i, c)
+                if self.clock:
+                    self.clock.op_end(kind, i, started, c)
             self._exchange(t, act, grad)
             if self.pp > 1 or (op is not None and op[0] == "B"):
                 self._cut_graph()             # one graph per tick (pp = 1: per micro-batch)
         assert not self.in_flight and not self.inputs and not self.grads_in
-        self.clock.stop()
+        if self.clock:
+            self.clock.stop()
         return self.loss_sum
 
-    def _forward(self, i: int, tokens: list, targets: list, loss_scale: float) -> torch.Tensor | None:
-        """F of micro-batch i: its input is its tokens (first stage) or the
-        activation received for it. Returns the activation for the next
-        stage; the last stage adds its scaled loss to loss_sum instead."""
-        mesh = self.mesh
-        x = tokens[i] if mesh.is_first_stage else self.inputs.pop(i).clone().requires_grad_()
-        if mesh.is_last_stage:
-            out = self.model(x, targets[i]).sum() * loss_scale
+    def _first(self, c: int) -> bool:   # does chunk c start the model (embedding, tokens in)?
+        return self.mesh.is_first_stage and c == 0
+
+    def _last(self, c: int) -> bool:    # does chunk c end the model (norm, head, loss)?
+        return self.mesh.is_last_stage and c == self.v - 1
+
+    def _forward(self, i: int, c: int, tokens: list, targets: list, loss_scale: float) -> torch.Tensor | None:
+        """F of micro-batch i through chunk c: its input is its tokens (first
+        chunk of the model) or the activation received for it. Returns the
+        activation for the next chunk; the model's last chunk adds its scaled
+        loss to loss_sum instead."""
+        layers = self.chunks[c]
+        x = tokens[i] if self._first(c) else self.inputs.pop((i, c)).clone().requires_grad_()
+        if self._last(c):
+            out = self.model(x, targets[i], layers=layers).sum() * loss_scale
             self.loss_sum = self.loss_sum + out.detach()
         else:
-            out = self.model(x)
-        self.in_flight[i] = (x, out)
+            out = self.model(x, layers=layers)
+        self.in_flight[(i, c)] = (x, out)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
-        return None if mesh.is_last_stage else out.detach()
+        return None if self._last(c) else out.detach()
 
-    def _backward(self, i: int) -> torch.Tensor | None:
-        """B of micro-batch i, from the gradient received for its output (the
-        last stage starts from its loss). Returns the gradient of its input
-        for the previous stage (None on the first stage)."""
-        x, out = self.in_flight.pop(i)   # freed after this backward
-        if self.mesh.is_last_stage:
+    def _backward(self, i: int, c: int) -> torch.Tensor | None:
+        """B of micro-batch i through chunk c, from the gradient received for
+        its output (the model's last chunk starts from its loss). Returns the
+        gradient of its input for the previous chunk (None for the first)."""
+        x, out = self.in_flight.pop((i, c))   # freed after this backward
+        if self._last(c):
             out.backward()
         else:
-            out.backward(self.grads_in.pop(i))
-        return None if self.mesh.is_first_stage else x.grad
+            out.backward(self.grads_in.pop((i, c)))
+        return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:
         """The communication phase of tick t: the left boundary first, then the
-        right one (why this cannot deadlock: the module docstring). `act` and
-        `grad`: what this stage produced in tick t, if anything (the plan says
-        the same: it reads the same timetable); what arrives is kept in
-        inputs / grads_in for the ops of later ticks."""
-        mesh, s = self.mesh, self.stage
+        right one, then (interleaved) the wrap-around boundary (why this cannot
+        deadlock: the module docstring). `act` and `grad`: what this stage
+        produced in tick t, if anything (the plan says the same: it reads the
+        same timetable); what arrives is kept in inputs / grads_in, under the
+        micro-batch and the chunk it is for, for the ops of later ticks."""
+        mesh, s, row = self.mesh, self.stage, self.ticks[t]
         if s > 0:                                            # boundary s-1 | s
             act_in, grad_out = self._exchange_plan(t, s - 1)
             if act_in is not None or grad_out is not None:
                 theirs = comm.exchange(self._or_zeros(grad), mesh.group("prev"),
                                        sends=grad_out is not None, receives=act_in is not None)
                 if act_in is not None:
-                    self.inputs[act_in] = theirs
+                    self.inputs[(act_in, row[s - 1][2])] = theirs       # same chunk as the sender's
         if s < self.pp - 1:                                  # boundary s | s+1
             act_out, grad_in = self._exchange_plan(t, s)
             if act_out is not None or grad_in is not None:
                 theirs = comm.exchange(self._or_zeros(act), mesh.group("next"),
                                        sends=act_out is not None, receives=grad_in is not None)
                 if grad_in is not None:
-                    self.grads_in[grad_in] = theirs
+                    self.grads_in[(grad_in, row[s + 1][2])] = theirs
+        if self.v > 1 and (mesh.is_first_stage or mesh.is_last_stage):   # wrap: last stage | first stage
+            act_wrap, grad_wrap = self._wrap_plan(t)
+            if act_wrap is not None or grad_wrap is not None:
+                mine, sends, receives = ((act, act_wrap, grad_wrap) if mesh.is_last_stage
+                                         else (grad, grad_wrap, act_wrap))
+                theirs = comm.exchange(self._or_zeros(mine), mesh.group("wrap"),
+                                       sends=sends is not None, receives=receives is not None)
+                if receives is not None and mesh.is_first_stage:
+                    self.inputs[(act_wrap, row[-1][2] + 1)] = theirs    # chunk c of the last stage feeds c+1
+                elif receives is not None:
+                    self.grads_in[(grad_wrap, row[0][2] - 1)] = theirs
+
+    def _wrap_plan(self, t: int) -> tuple[int | None, int | None]:
+        """Interleaved only: (micro-batch whose activation crosses from the last
+        stage's chunk c to the first stage's chunk c+1 after tick t, micro-batch
+        whose gradient crosses back from chunk c+1 to chunk c), None where
+        nothing moves."""
+        last, first = self.ticks[t][-1], self.ticks[t][0]
+        act = last[1] if last is not None and last[0] == "F" and last[2] < self.v - 1 else None
+        grad = first[1] if first is not None and first[0] == "B" and first[2] > 0 else None
+        return act, grad
 
     def _cut_graph(self) -> None:
         """XLA: end the graph recorded so far here, compile it (once) and run
@@ -254,21 +322,29 @@ class PipelineRunner:
 
     @torch.no_grad()
     def forward_only(self, tokens, targets, loss_scale: float) -> torch.Tensor:
-        """Evaluation: forwards only, micro-batch by micro-batch down the chain.
-        Stage s receives from s-1, computes, sends to s+1; each exchange pairs
-        a stage that just computed with one waiting for its input, so the
-        chain cannot deadlock. Returns the scaled loss sum (zero off the last stage)."""
+        """Evaluation: forwards only, micro-batch by micro-batch down the chain
+        of chunks (virtual stages 0, 1, ..., pp*v - 1). Each chunk receives
+        from the one before (the previous stage, or for the first stage's
+        chunk c > 0 the last stage's chunk c-1, across the wrap pair),
+        computes, sends to the next; each exchange pairs a stage that just
+        computed with one waiting for its input, so the chain cannot
+        deadlock. Returns the scaled loss sum (zero off the last stage)."""
         mesh = self.mesh
         total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for i in range(self.m):
-            x = tokens[i] if mesh.is_first_stage else \
-                comm.exchange(self._or_zeros(None), mesh.group("prev"), sends=False)
-            if mesh.is_last_stage:
-                total = total + self.model(x, targets[i]).sum() * loss_scale
-            else:
-                comm.exchange(self._or_zeros(self.model(x)), mesh.group("next"), receives=False)
-            if self.pp > 1:
-                self._cut_graph()
+            for c in range(self.v):
+                if self._first(c):
+                    x = tokens[i]
+                else:
+                    src = mesh.group("prev") if not mesh.is_first_stage else mesh.group("wrap")
+                    x = comm.exchange(self._or_zeros(None), src, sends=False)
+                if self._last(c):
+                    total = total + self.model(x, targets[i], layers=self.chunks[c]).sum() * loss_scale
+                else:
+                    dst = mesh.group("next") if not mesh.is_last_stage else mesh.group("wrap")
+                    comm.exchange(self._or_zeros(self.model(x, layers=self.chunks[c])), dst, receives=False)
+                if self.pp > 1:
+                    self._cut_graph()
         return total
 
     def _or_zeros(self, x):

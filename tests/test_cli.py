@@ -46,6 +46,9 @@ def one_process(cache_dir, tmp_path_factory):
     (["--batch-size", "-1"], "--batch-size must be positive, got -1"),
     (["--precision", "fp8"], "--precision 'fp8' is not one of"),
     (["--nproc", "2", "--tp", "3"], "--tp 3"),
+    (["--schedule", "interleaved"], "the interleaved schedule needs --virtual-stages >= 2"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "4", "--microbatches", "2"],
+     "--pp x --virtual-stages = 8 chunks of equal size (--n-layers 4)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys, cache_dir):
     import train
@@ -99,6 +102,38 @@ def test_nproc_2_tensor_parallel_equals_one_process(one_process, cache_dir, tmp_
     # the comm ledger of the first step is printed once, beside the prediction from the model shape
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  tp.")]
     assert rows and all(r[-1] == "same" for r in rows), p.stdout
+
+
+INTERLEAVED = ["--preset", "tiny", "--n-layers", "8", "--microbatches", "8", "--steps", "3", "--eval-every", "3",
+               "--eval-batches", "1", "--no-progress"]
+
+
+def val_losses(out_dir):
+    with open(out_dir / "metrics.jsonl") as f:
+        return [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+
+
+@pytest.mark.slow
+def test_interleaved_pp4_v2_with_timeline_equals_one_process(cache_dir, tmp_path):
+    """The issue's command: 8 layers in 8 chunks, stage s holding layers s and s+4;
+    the losses of one process (evaluation's forward_only chain too), the ideal
+    bubble 0.16 and, on every stage, the chunk activations in flight that the
+    schedule's formula says."""
+    one, four = tmp_path / "one", tmp_path / "pp4"
+    run(["train.py", *INTERLEAVED, "--cache-dir", cache_dir, "--out-dir", str(one)])
+    p = run(["train.py", *INTERLEAVED, "--cache-dir", cache_dir, "--out-dir", str(four), "--nproc", "4", "--pp", "4",
+             "--schedule", "interleaved", "--virtual-stages", "2", "--timeline"])
+    assert losses(four) == pytest.approx(losses(one), abs=2e-5)
+    assert len(val_losses(four)) == 1 and val_losses(four) == pytest.approx(val_losses(one), abs=2e-5)
+    # rank 0's exchanges (boundary 0|1 and the wrap 3|0), as the comm ledger counted them: plan.py's prediction
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  pp.")]
+    assert rows and all(r[-1] == "same" for r in rows), p.stdout
+    assert "   0   0   0   0  0-0,4-4  +embedding" in p.stdout
+    text = (four / "timeline.txt").read_text()
+    assert "bubble: ideal 0.16 = formula (p-1)/(v*m+p-1) = 0.16" in text
+    # 2(p-1-s) + (v-1)p + 1 = 11 9 7 5: ideal (the order) and measured (the runner's dict of kept activations)
+    assert "= 11 9 7 5; ideal 11 9 7 5; measured 11 9 7 5" in text
+    assert json.load(open(four / "summary.json"))["peak_in_flight"] == 11
 
 
 @pytest.mark.slow

@@ -44,7 +44,10 @@ def test_kv_groups_are_neighbouring_tp_ranks_sharing_a_kv_head():
 def test_pair_groups_wrap_around_so_every_rank_is_in_each_partition():
     m = Mesh(1, 4, 1)
     assert m._all("pair_even") == [[0, 1], [2, 3]]
-    assert m._all("pair_odd") == [[1, 2], [3, 0]]          # stage 3 <-> 0: never carries data
+    assert m._all("pair_odd") == [[1, 2], [0, 3]]          # stage 3 <-> 0: the wrap pair (interleaved)
+    for r in (0, 3):   # a group's ranks in increasing order, as torch.distributed numbers them
+        wrap = Mesh(1, 4, 1, rank=r).build_groups(None).group("wrap")
+        assert wrap.ranks == [0, 3] and wrap.rank == (r == 3)
     for r in range(4):
         m = Mesh(1, 4, 1, rank=r).build_groups(None)
         assert ("prev" in m.groups) == (r > 0) and ("next" in m.groups) == (r < 3)
@@ -76,6 +79,9 @@ def _train(**kw):
     (dict(pp=8), 8, "--pp 8 cannot split 4 layers"),
     (dict(dp=2, microbatches=8), 2, "--batch-size 8 must split into dp 2 x microbatches 8"),
     (dict(tp=2, sequence_parallel=True, seq_len=31), 2, "--sequence-parallel needs --seq-len 31 divisible"),
+    (dict(pp=4, schedule="interleaved", virtual_stages=2, microbatches=4), 4, "--pp x --virtual-stages = 8 chunks"),
+    (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=1), 2, "--microbatches 1 a multiple of --pp"),
+    (dict(schedule="interleaved", virtual_stages=2, microbatches=2), 1, "--schedule interleaved needs --pp >= 2"),
 ])
 def test_invalid_layouts_are_refused_with_the_valid_choices(kw, world, message):
     with pytest.raises(UserError) as e:
@@ -99,3 +105,18 @@ def test_kv_heads_and_ffn_limit_tp():
 def test_valid_layouts_return_dp():
     assert validate_layout(CFG, _train(tp=2, pp=2), 8) == 2
     assert validate_layout(CFG, _train(tp=4), 4) == 1
+
+
+def test_interleaved_stages_list_their_chunks_in_the_layout_table():
+    table = layout_table(1, 4, 1, 8, v=2)
+    assert "   0   0   0   0  0-0,4-4  +embedding" in table and "   3   0   3   0  3-3,7-7  +norm,head,loss" in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(schedule="interleaved"), "the interleaved schedule needs --virtual-stages >= 2"),
+    (dict(virtual_stages=2), "--schedule 1f1b with --virtual-stages 2"),
+    (dict(schedule="interleaved", virtual_stages=0), "--virtual-stages must be positive"),
+])
+def test_virtual_stages_only_with_the_interleaved_schedule(flags, message):
+    with pytest.raises(UserError, match=message):
+        _train(**flags).validate()

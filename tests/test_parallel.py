@@ -100,16 +100,29 @@ WORLD2 = {
     "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
     **{f"pp2_{s}_m{m}": ["--pp", "2", "--schedule", s, "--microbatches", str(m)]
        for s in ("afab", "1f1b") for m in (1, 2, 4)},
+    # interleaved: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3
+    "pp2_interleaved_m2": ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "2"],
 }
 WORLD4 = {
     "tp4": ["--tp", "4"],
     "tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"],
     "tp2_dp2_zero1": ["--tp", "2", "--dp", "2", "--zero1"],
+    "tp2_pp2_interleaved_sp": ["--tp", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                               "--sequence-parallel", "--microbatches", "2"],
     **{f"pp4_{s}_m{m}": ["--pp", "4", "--schedule", s, "--microbatches", str(m)]
        for s in ("afab", "1f1b") for m in (1, 4, 8)},
 }
 WORLD8 = {"tp2_pp2_dp2_zero1_sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel",
                                    "--microbatches", "2"]}
+
+
+# Interleaved checkpoints (2 kv heads, against reference_kv2): dp 2 x pp 2 with
+# ZeRO-1 saves at step 2 and continues with 1F1B (world 2) and in one process
+# (test below); interleaved continues one process's step-2 checkpoint.
+INTERLEAVED_RUNS = {
+    "dp2_pp2_interleaved_zero1": ["--n-kv-heads", "2", "--dp", "2", "--pp", "2", "--zero1", "--schedule", "interleaved",
+                                  "--virtual-stages", "2", "--microbatches", "2", "--save-every", "2"],
+}
 
 
 # More tp ranks than kv heads: tiny with 2 kv heads at tp 4 (each kv head held
@@ -143,9 +156,15 @@ def layout_runs(cache_dir, tmp_path_factory, reference_kv2):
     root = tmp_path_factory.mktemp("layouts")
     world4 = WORLD4 | {"tp4_kv2_sp": KV2 + ["--tp", "4", "--sequence-parallel", "--save-every", "2"],
                        "tp4_kv2_m4": KV2 + ["--tp", "4", "--microbatches", "4"],
+                       **INTERLEAVED_RUNS,
                        "tp4_kv2_sp_from_tp1": KV2 + ["--tp", "4", "--sequence-parallel",
-                                                     "--resume", _ckpt(reference_kv2[2], 2)]}
-    world2 = WORLD2 | {"tp2_kv2_from_tp4": KV2 + ["--tp", "2", "--resume", _ckpt(root / "tp4_kv2_sp", 2)]}
+                                                     "--resume", _ckpt(reference_kv2[2], 2)],
+                       "dp2_pp2_interleaved_from_tp1": KV2 + ["--pp", "2", "--dp", "2", "--schedule", "interleaved",
+                                                          "--virtual-stages", "2", "--microbatches", "2",
+                                                          "--resume", _ckpt(reference_kv2[2], 2)]}
+    world2 = WORLD2 | {"tp2_kv2_from_tp4": KV2 + ["--tp", "2", "--resume", _ckpt(root / "tp4_kv2_sp", 2)],
+                       "pp2_1f1b_from_interleaved": KV2 + ["--pp", "2", "--microbatches", "2", "--resume",
+                                                          _ckpt(root / "dp2_pp2_interleaved_zero1", 2)]}
     outs = {}
     for world, layouts in ((4, world4), (2, world2), (8, WORLD8)):
         runs = []
@@ -159,6 +178,23 @@ def layout_runs(cache_dir, tmp_path_factory, reference_kv2):
 @pytest.mark.parametrize("name", list(WORLD2) + list(WORLD4) + list(WORLD8))
 def test_layout_matches_one_process(name, layout_runs, reference):
     assert_same_as_reference(reference, layout_runs[name])
+
+
+def test_interleaved_with_dp2_zero1_trains_like_one_process_and_its_checkpoints_move(layout_runs, reference_kv2,
+                                                                                  cache_dir, tmp_path):
+    """dp 2 x pp 2 interleaved with ZeRO-1 gives one process's losses and
+    weights; its step-2 checkpoint continues with 1F1B and in one process,
+    and one process's continues interleaved: each like one process from step 3."""
+    import train
+    from nanohlat import config
+    from nanohlat.run import preflight
+    assert_same_as_reference(reference_kv2, layout_runs["dp2_pp2_interleaved_zero1"])
+    ckpt = _ckpt(layout_runs["dp2_pp2_interleaved_zero1"], 2)
+    assert json.load(open(f"{ckpt}/manifest.json"))["layout"]["virtual_stages"] == 2
+    train.train(*preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path, KV2 + ["--no-progress",
+                                                                                         "--resume", ckpt]))))
+    for out in (layout_runs["pp2_1f1b_from_interleaved"], tmp_path, layout_runs["dp2_pp2_interleaved_from_tp1"]):
+        assert_same_as_reference(reference_kv2, out, first_step=3)
 
 
 @pytest.mark.parametrize("pp, schedule, m", [(2, "afab", 4), (2, "1f1b", 4), (4, "afab", 8), (4, "1f1b", 8),
@@ -228,3 +264,11 @@ def test_replicated_kv_checkpoints_continue_in_other_layouts(name, layout_runs, 
     else:
         out = layout_runs[name]
     assert_same_as_reference(reference_kv2, out, first_step=3)
+
+
+def test_interleaved_holds_its_warm_up_plus_one_chunk_activations(layout_runs):
+    """pp 2, v 2, m 2: stage 0's warm-up is 2(p-1) + (v-1)p = 4 forwards, all of
+    its v*m = 4 chunk activations: summary.json's peak_in_flight (rank 0)."""
+    from nanohlat.tools.timeline import in_flight_formula
+    summary = json.load(open(layout_runs["pp2_interleaved_m2"] / "summary.json"))
+    assert summary["peak_in_flight"] == in_flight_formula("interleaved", 2, 2, 0, 2)[0] == 4

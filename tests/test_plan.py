@@ -24,6 +24,7 @@ The plan is held to two standards.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -597,7 +598,7 @@ def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
         for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
             rows, span = timeline.ideal_timeline(schedule, pp, m)
             assert span == 3 * (m + pp - 1)
-            assert all(sum(e - b for _, _, b, e in ops) == 3 * m for ops in rows)
+            assert all(sum(e - b for _, _, b, e, _ in ops) == 3 * m for ops in rows)
             assert timeline.ideal_bubble(schedule, pp, m) == pytest.approx(timeline.formula_bubble(pp, m))
     # pp 4, m 8: AFAB's ticks are all-F then all-B, 11 + 11 x 2 = 33 units; 1F1B's 22 ticks
     # hold a B in 16 of them: 6 x 1 + 16 x 2 = 40 units for the same 24 units of work per stage
@@ -612,13 +613,53 @@ def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch)
     clock.start()
     t = clock.op_start()
     sum(range(10000))
-    clock.op_end("F", 0, t)
+    clock.op_end("F", 0, t, 1)
     clock.stop()
-    (kind, i, b, e), = clock.records
-    assert (kind, i) == ("F", 0) and 0 <= b <= e <= clock.t1 - clock.t0
+    (kind, i, b, e, c), = clock.records
+    assert (kind, i, c) == ("F", 0, 1) and 0 <= b <= e <= clock.t1 - clock.t0
     assert 0 < clock.busy_fraction() <= 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * (os.cpu_count() or 1)))
     assert "share" in timeline.oversubscription(get_device("cpu"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert timeline.oversubscription(get_device("cpu")) == ""
+
+
+# -- the interleaved schedule in the plan ------------------------------------------
+
+INTERLEAVED = TINY + ["--n-layers", "8", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved",
+                      "--virtual-stages", "2", "--device", "cpu"]
+
+
+def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
+    """pp 4, v 2, m 8, 8 layers: a middle stage holds 9 chunk activations of one
+    layer each (1F1B's holds 3 micro-batches of two layers); rank 0 exchanges on
+    boundary 0|1 (16 tensors each way) and on the wrap (8 each way); the bubble
+    estimate is the pipeline's (p-1)/(v*m+p-1)."""
+    model, t = config.parse_args(INTERLEAVED)
+    one_f = dataclasses.replace(t, schedule="1f1b", virtual_stages=1)
+    mem, mem_1f1b = plan.memory_per_rank(model, t, 1, 4, 1, 1), plan.memory_per_rank(model, one_f, 1, 4, 1, 1)
+    assert mem["in_flight"] == 9 and mem_1f1b["in_flight"] == 3
+    assert mem["activations"] == 9 * plan.activation_bytes(model, t, 1, 4, 1, 1)
+    assert mem_1f1b["activations"] == 3 * plan.activation_bytes(model, one_f, 1, 4, 1, 1)
+    x = 1 * 32 * 64 * 4                                         # one (mb, T, C) fp32 tensor
+    comm = plan.comm_per_step(model, t, Mesh(1, 4, 1, 0, virtual_stages=2))["pp.exchange"]
+    assert comm["payload"] == (2 * 16 + 2 * 8) * x and comm["wire"] == (16 + 8) * x
+    e = plan.estimate_step(model, t, 4, "cpu")
+    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
+    text = plan.report(model, t, 4)
+    assert "schedule interleaved (v=2 chunks per stage)" in text and "0-0,4-4" in text
+    assert "the bubble is (p-1)/(v*m+p-1)" in text
+
+
+def test_search_under_interleaved_keeps_only_layouts_it_allows():
+    """Every pp > 1 candidate splits the 8 layers into pp*2 chunks and runs a
+    multiple of pp micro-batches; pp 1 falls back to 1F1B."""
+    model, t = config.parse_args(INTERLEAVED)
+    layouts = list(plan.candidate_layouts(model, t, 4))
+    assert {c.pp for c in layouts} == {1, 2, 4}
+    for c in layouts:
+        if c.pp == 1:
+            assert (c.schedule, c.virtual_stages) == ("1f1b", 1)
+        else:
+            assert c.schedule == "interleaved" and 8 % (2 * c.pp) == 0 and c.microbatches % c.pp == 0

@@ -17,6 +17,8 @@ checked through the tutorial's chapter 5 transcript (tests/test_tutorial.py).
 
 from __future__ import annotations
 
+import pytest
+
 from nanohlat.pipeline import stage_order
 
 PP, M = 4, 8
@@ -68,3 +70,94 @@ def test_1f1b_holds_pp_minus_stage_micro_batches_afab_holds_all():
         assert in_flight(stage_order("afab", PP, M, stage)) == M
     assert stage_order("afab", PP, M, 0) == ops(" ".join(f"F{i}" for i in range(M)) + " "
                                                 + " ".join(f"B{i}" for i in range(M)))
+
+
+# ---------------------------------------------------------------------------
+# Interleaved 1F1B (--schedule interleaved --virtual-stages v)
+# ---------------------------------------------------------------------------
+
+INTERLEAVED_PP4_M8_V2_STAGE0 = (   # warm-up 2*(4-1-0) + (2-1)*4 = 10 forwards, then 1F1B, then cool-down
+    "F0 F1 F2 F3 F0.1 F1.1 F2.1 F3.1 F4 F5 | F6 B0.1 F7 B1.1 F4.1 B2.1 F5.1 B3.1 F6.1 B0 F7.1 B1 | "
+    "B2 B3 B4.1 B5.1 B6.1 B7.1 B4 B5 B6 B7")
+
+
+def chunk_ops(text: str) -> list[tuple[str, int, int]]:
+    return [(op[0], int(op[1:].split(".")[0]), int(op.split(".")[1]) if "." in op else 0) for op in text.split()]
+
+
+def test_interleaved_order_for_pp4_m8_v2_stage0_is_the_hand_written_row():
+    from nanohlat.pipeline import stage_ops
+    warmup, steady, cooldown = (chunk_ops(p) for p in INTERLEAVED_PP4_M8_V2_STAGE0.split("|"))
+    assert stage_ops("interleaved", 4, 8, 0, 2) == warmup + steady + cooldown
+    assert len(warmup) == 2 * (4 - 1) + (2 - 1) * 4
+
+
+@pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 2), (4, 8, 4), (2, 6, 3)])
+def test_interleaved_visits_every_chunk_once_per_micro_batch_and_never_deadlocks(pp, m, v):
+    from nanohlat.pipeline import stage_ops, timetable
+    for stage in range(pp):
+        order = stage_ops("interleaved", pp, m, stage, v)
+        assert sorted(order) == sorted((k, i, c) for k in "FB" for i in range(m) for c in range(v))
+        assert all(order.index(("F", i, c)) < order.index(("B", i, c)) for i in range(m) for c in range(v))
+    ticks = timetable("interleaved", pp, m, v)      # raises if no stage can move in some tick
+    assert sum(op is not None for row in ticks for op in row) == 2 * pp * m * v
+
+
+@pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 2), (4, 8, 4), (4, 12, 3),
+                                      (8, 16, 2)])
+def test_interleaved_ideal_bubble_is_its_formula_and_in_flight_its_warm_up_plus_one(pp, m, v):
+    """F = 1, B = 2 units per stage, 1/v per chunk: the ideal timeline idles
+    (p-1)/(v*m+p-1) of the step; stage s holds 2(p-1-s) + (v-1)p + 1 chunk activations."""
+    from nanohlat.pipeline import stage_ops
+    from nanohlat.tools import timeline
+    rows, span = timeline.ideal_timeline("interleaved", pp, m, v)
+    assert span == pytest.approx(3 * m + 3 * (pp - 1) / v)
+    assert timeline.ideal_bubble("interleaved", pp, m, v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    assert timeline.formula_bubble(pp, m, "interleaved", v) == pytest.approx((pp - 1) / (v * m + pp - 1))
+    for stage in range(pp):
+        held = timeline.in_flight(stage_ops("interleaved", pp, m, stage, v))
+        assert held == timeline.in_flight_formula("interleaved", pp, m, stage, v)[0] \
+            == min(2 * (pp - 1 - stage) + (v - 1) * pp + 1, v * m)
+
+
+def test_interleaved_pp4_m8_v2_bubble_is_016_against_1f1b_027():
+    from nanohlat.tools import timeline
+    assert f"{timeline.ideal_bubble('interleaved', 4, 8, 2):.2f}" == "0.16"
+    assert f"{timeline.ideal_bubble('1f1b', 4, 8):.2f}" == "0.27"
+
+
+def test_chunks_of_an_interleaved_stage():
+    """8 layers, pp 4, v 2: chunk k = c*pp + s holds layer k; stage 1 holds layers 1 and 5."""
+    from nanohlat.pipeline import chunk_layers, stage_layers
+    assert [list(chunk_layers(8, 4, 1, c, 2)) for c in range(2)] == [[1], [5]]
+    assert stage_layers(8, 4, 1, 2) == [1, 5] and stage_layers(8, 2, 0, 2) == [0, 1, 4, 5]
+    assert stage_layers(8, 4, 1) == [2, 3]
+
+
+def tick_kinds(schedule: str, pp: int, m: int, v: int, stage: int) -> set:
+    """What decides the graph XLA compiles for one tick of `stage` (the runner
+    cuts a graph per tick): its op's kind and chunk (the chunk's layers, the
+    embedding or the loss), and on each boundary it uses whether an
+    activation and a gradient cross. The micro-batch index is not in it: each
+    micro-batch is its own device tensor (PipelineRunner.run's docstring)."""
+    from nanohlat.pipeline import timetable
+    kinds = set()
+    for row in timetable(schedule, pp, m, v):
+        op = row[stage]
+        sends = lambda o, kind, chunk_ok=lambda c: True: o is not None and o[0] == kind and chunk_ok(o[2])
+        left = (sends(row[stage - 1], "F"), sends(op, "B")) if stage > 0 else None
+        right = (sends(op, "F"), sends(row[stage + 1], "B")) if stage < pp - 1 else None
+        wrap = ((sends(row[-1], "F", lambda c: c < v - 1), sends(row[0], "B", lambda c: c > 0))
+                if v > 1 and stage in (0, pp - 1) else None)
+        kinds.add(((op[0], op[2]) if op else None, left, right, wrap))
+    return kinds
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+def test_distinct_tick_graphs_do_not_grow_with_the_micro_batches(schedule, v):
+    """pp 4: from m = 2pp on (the steady state reached) every stage has the same
+    set of distinct ticks for m = 8, 16 and 32, so XLA compiles as many tick
+    graphs for 32 micro-batches as for 8 (interleaved v = 2: 13 to 14 per stage)."""
+    for stage in range(4):
+        assert tick_kinds(schedule, 4, 8, v, stage) == tick_kinds(schedule, 4, 16, v, stage) \
+            == tick_kinds(schedule, 4, 32, v, stage)

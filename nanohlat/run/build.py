@@ -25,7 +25,8 @@ def build(model_cfg, tcfg, mesh, dev):
     opt:    AdamW over this rank's parameters (ZeRO-1 with --zero1; its
             passes cache-blocked on the CPU, compiled with --compile).
     """
-    layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
+    # the stage's layers: one contiguous run, or --virtual-stages chunks (pipeline.chunk_layers)
+    layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
                         first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"),
                         sp_regather=tcfg.sp_regather)

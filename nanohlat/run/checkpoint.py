@@ -58,7 +58,9 @@ was split over tp, into how many parts and which part it holds; ZeRO-1
 optimizer pieces also store which [start, stop) of the flattened tp-local
 parameter they cover. Loading rebuilds each full tensor one parameter at a
 time from whichever shards hold it (checking that every element was found),
-then cuts the part the *new* layout needs. Every element is written once:
+then cuts the part the *new* layout needs. Parameters are named by their
+global layer (layers.5.attn.wq.weight), so where a stage's layers were (one
+run, or interleaved chunks) does not matter to a load either. Every element is written once:
 model weights by dp rank 0 of each (pp, tp) coordinate, optimizer state by
 every rank that owns some (all dp ranks with ZeRO-1), and a tensor that
 several tp ranks hold identically (norm gains; a kv head shared by several
@@ -439,7 +441,8 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                                            "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
             _publish(out_dir, tmp, {
                 "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world},
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world,
+                           "virtual_stages": mesh.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
                 # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
                 "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
                 # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
@@ -526,7 +529,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
     tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
     return _publish(out_dir, tmp, {
         "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1},
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1, "virtual_stages": 1},
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,

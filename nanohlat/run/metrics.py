@@ -302,7 +302,8 @@ class TrainLog:
                                                           "tokenizer_path": tokenizer_path}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), json.dumps(run_cfg, indent=2))
             checkpoint.truncate_metrics(self.path, start_step)
-            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16))
+            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
+                                    v=tcfg.virtual_stages))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
                        f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")

@@ -53,7 +53,10 @@ The first stage adds the token ids and embedding mask, the last the final
 norm and the vocab-parallel loss, which keeps two (mb, T, V/tp) fp32 tensors
 (the masked logits and their exp): at a 32k vocabulary, the largest single
 tensors of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
-at once under 1F1B, all M under AFAB (pipeline.stage_order).
+at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
+v chunks of L/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
+activations, the embedding's extras on the first stage's chunk 0 only and the
+loss's on the last stage's last chunk only (activations_in_flight_bytes).
 """
 
 from __future__ import annotations
@@ -65,9 +68,10 @@ import textwrap
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.config import UserError
-from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, validate_layout
+from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
 from nanohlat.run.metrics import flops_per_token, peak_flops
-from nanohlat.pipeline import stage_layers, stage_order, timetable
+from nanohlat.tools.timeline import FORMULAS
+from nanohlat.pipeline import stage_ops, timetable
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.zero1 import padded_size
 
@@ -160,16 +164,18 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
 
 
 def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
-                     mode: str | None = None, sp: bool | None = None, fused: bool = True) -> int:
+                     mode: str | None = None, sp: bool | None = None, fused: bool = True, chunk: int = 0) -> int:
     """Bytes autograd (and the pipeline runner) keep for ONE micro-batch on a rank
-    of `stage`, at the end of its forward. mode/sp default to the config's."""
+    of `stage`, at the end of its forward (interleaved: of one of its
+    --virtual-stages chunks, `chunk`). mode/sp default to the config's."""
     mode = tcfg.activation_checkpointing if mode is None else mode
     sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
     e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
     n = mb * (T // tp if sp else T) * C
     regather = tcfg.sp_regather
-    total = cfg.n_layers // pp * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused, regather)
-    first, last = stage == 0, stage == pp - 1
+    v = tcfg.virtual_stages
+    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused, regather)
+    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + e * mb * T
     elif mode != "full" and e != 4:
@@ -186,11 +192,26 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     return total
 
 
-def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int) -> int:
-    """Most micro-batches whose activations a stage holds at once (1F1B: min(pp - stage, m))."""
+def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
+    """Most micro-batches (interleaved: chunk activations) whose activations a
+    stage holds at once (1F1B: min(pp - stage, m); tools/timeline.py:in_flight_formula)."""
     held = peak = 0
-    for kind, _ in stage_order(schedule, pp, m, stage):
+    for kind, _, _ in stage_ops(schedule, pp, m, stage, v):
         held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                                fused: bool = True) -> int:
+    """The most activation bytes a rank of `stage` holds at once: its order
+    walked op by op, each forward adding its chunk's bytes until its backward
+    (one chunk per stage: in-flight micro-batches x activation_bytes)."""
+    v = tcfg.virtual_stages
+    size = [activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, chunk=c) for c in range(v)]
+    held = peak = 0
+    for kind, _, c in stage_ops(tcfg.schedule, pp, tcfg.microbatches, stage, v):
+        held += size[c] if kind == "F" else -size[c]
         peak = max(peak, held)
     return peak
 
@@ -269,7 +290,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
     params = stage_param_counts(cfg, tp, pp, stage)["total"]
     s = dtype_bytes(tcfg.precision)
-    flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage)
+    flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
            "grads": 0,   # accumulated in the fp32 buffers
@@ -277,7 +298,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=True), tp, pp, dp, stage),
            "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=False), tp, pp, dp, stage),
            "in_flight": flight,
-           "activations": flight * activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
+           "activations": activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
            # gradient of the fp32 logits and of the head's output (parameter
            # dtype), while most activations are still alive (measured on CUDA)
@@ -314,11 +335,18 @@ def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: 
 
 
 @functools.lru_cache(maxsize=1024)
-def exchanges_per_boundary(schedule: str, pp: int, m: int) -> tuple[int, ...]:
-    """Ticks in which something crosses boundary b|b+1: b runs a forward or b+1 a backward."""
-    ticks = timetable(schedule, pp, m)
-    return tuple(sum(1 for row in ticks if (row[b] and row[b][0] == "F") or (row[b + 1] and row[b + 1][0] == "B"))
-                 for b in range(pp - 1))
+def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Ticks in which something crosses boundary b|b+1: b runs a forward or b+1
+    a backward; interleaved (v > 1) adds the wrap boundary, last | first stage,
+    last in the tuple: the last stage runs a forward of a chunk c < v-1, or the
+    first a backward of a chunk c > 0."""
+    ticks = timetable(schedule, pp, m, v)
+    out = [sum(1 for row in ticks if (row[b] and row[b][0] == "F") or (row[b + 1] and row[b + 1][0] == "B"))
+           for b in range(pp - 1)]
+    if v > 1:
+        out.append(sum(1 for row in ticks if (row[-1] and row[-1][0] == "F" and row[-1][2] < v - 1)
+                       or (row[0] and row[0][0] == "B" and row[0][2] > 0)))
+    return tuple(out)
 
 
 def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
@@ -375,16 +403,20 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if pp > 1:
         # Each boundary of this stage: one exchange per tick with traffic; this rank
         # sends m real tensors (activations right, or gradients left) and receives m,
-        # and sends zeros in the other ticks (padding).
+        # and sends zeros in the other ticks (padding). Interleaved: m per chunk, v
+        # chunks; the wrap boundary (last stage | first) carries v-1 of them.
         x = mb * (T // tp if sp else T) * C * s
-        for b in (stage - 1, stage):
-            if 0 <= b < pp - 1:
-                ticks = exchanges_per_boundary(tcfg.schedule, pp, m)[b]
-                e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
-                e["payload"] += 2 * m * x
-                e["wire"] += m * x
-                e["padding"] += (ticks - m) * x
-                e["calls"] += ticks
+        v = tcfg.virtual_stages
+        ticks = exchanges_per_boundary(tcfg.schedule, pp, m, v)
+        crossing = [(b, v * m) for b in (stage - 1, stage) if 0 <= b < pp - 1]
+        if v > 1 and stage in (0, pp - 1):
+            crossing.append((pp - 1, (v - 1) * m))                 # ticks[pp - 1]: the wrap boundary
+        for b, n in crossing:
+            e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
+            e["payload"] += 2 * n * x
+            e["wire"] += n * x
+            e["padding"] += (ticks[b] - n) * x
+            e["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
     shards = dp if tcfg.zero1 else 1
@@ -458,6 +490,12 @@ def shown_stages(pp: int) -> list[int]:
     return list(range(pp)) if pp <= 16 else [0, 1, pp - 2, pp - 1]
 
 
+def schedule_text(tcfg: TrainConfig) -> str:
+    """'1f1b', or 'interleaved (v=2 chunks per stage)'."""
+    v = tcfg.virtual_stages
+    return tcfg.schedule + (f" (v={v} chunks per stage)" if v > 1 else "")
+
+
 def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tuple[int, list[str]]:
     """mesh.validate_layout, and what to note about the layout. Returns dp and notes to print."""
     dp = validate_layout(cfg, tcfg, world)
@@ -479,13 +517,13 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
          f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
          f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
-         f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
+         f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {schedule_text(tcfg)}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
          f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
     L.append("  " + bytes_per_param_line(tcfg))
     L += ["  " + n for n in notes]
     L += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
-          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16)]
+          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages)]
     L += _memory_section(cfg, tcfg, dp)
     L += _comm_section(cfg, tcfg, dp)
     L += _time_section(cfg, tcfg, world)
@@ -505,9 +543,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     rows = []
     for s in shown_stages(pp):
         r = mems[s]
-        lay = stage_layers(cfg.n_layers, pp, s)
         step = fmt_bytes(r["step_temporaries"])
-        rows.append([s, f"{lay.start}-{lay.stop - 1}", fmt_count(r["params"]), fmt_bytes(r["weights"]),
+        rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
                      f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
@@ -526,7 +563,9 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
 
     flight = mems[largest]["in_flight"]
-    L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({flight} of {m} micro-batch(es) "
+    held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
+            if tcfg.virtual_stages > 1 else f"{flight} of {m} micro-batch(es)")
+    L += ["", f"activations per rank of stage {largest}, by checkpointing mode ({held} "
               f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
     rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
     for mode in ("none", "selective", "full"):
@@ -716,7 +755,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
-    bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
+    # (p-1)/(m+p-1) of the pipeline's time; interleaved: its p-1 fill and drain ops are chunks,
+    # 1/v of a stage's work each: (p-1)/(v*m+p-1)
+    bubble = (pp - 1) * per_microbatch / tcfg.virtual_stages
     pipeline = m * per_microbatch + bubble
     step = pipeline + comm_s["dp"]                          # nanohlat: the dp reduction after backward
     # a framework that overlaps the dp reduction with the backward hides up to
@@ -762,7 +803,8 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           "pace of the ring's slowest hop (below)",
           "  - " + "\n  - ".join(net_notes),
           "  - per-call latency: 10 us inside a node, 20-30 us across (accelerators), 50 us (cpu): assumptions",
-          "  - stages take equal time; the bubble is (p-1)/(m+p-1) of the pipeline's time, an op starting as soon "
+          "  - stages take equal time; the bubble is " + FORMULAS[tcfg.schedule] + " of the pipeline's time, an op "
+          "starting as soon "
           "as its input exists (nanohlat's lock-step ticks lose more: timeline.py)",
           "  - overlap: none in nanohlat: the tp collectives sit between the matmuls, pipeline exchanges between "
           "ticks, the dp reduction after the backward; 'dp overlapped' hides it behind the backward (2/3 of the "
@@ -820,17 +862,25 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     checkpointing) for this model, batch and world size, as TrainConfigs."""
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
+            # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
+            sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
+                     else dict(schedule=tcfg.schedule, virtual_stages=tcfg.virtual_stages))
+            if cfg.n_layers % (pp * sched["virtual_stages"]):
+                continue
             try:
                 dp, _ = validate_plan_layout(cfg, dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=1,
-                                                                      sequence_parallel=False), world)
+                                                                      sequence_parallel=False, schedule="1f1b",
+                                                                      virtual_stages=1), world)
             except UserError:
                 continue
             for m in _divisors(tcfg.batch_size // dp):
+                if sched["virtual_stages"] > 1 and m % pp:
+                    continue
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
                     for zero in ((False, True) if dp > 1 else (False,)):
                         for mode in ("none", "selective", "full"):
                             yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
-                                                      zero1=zero, activation_checkpointing=mode)
+                                                      zero1=zero, activation_checkpointing=mode, **sched)
 
 
 def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
@@ -880,7 +930,7 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
     L = [f"layout search for preset {tcfg.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
          f"{len(rows)} valid layouts, {len(fits)} fit "
          + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
-         f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {tcfg.schedule}; "
+         f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {schedule_text(tcfg)}; "
          f"ranked by the estimated step time (the assumptions of --plan: {DEFAULT_MFU:.0%} of peak, "
          f"{NETWORKS[device].node} links, nothing overlapped)"]
     L += _table(SEARCH_HEADER, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])

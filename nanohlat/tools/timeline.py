@@ -3,11 +3,14 @@
 pipeline.py decides *what* each stage runs in each tick; this file times it
 and says how much of the step was idle, the **bubble**:
 
-1. ideal: the stage orders of pipeline.timetable with a forward taking 1 unit
-   and a backward 2 (it computes two gradients, for the input and for the
-   weights), no communication, each op starting as soon as its input exists.
-   This is the figure to reason with; for AFAB and 1F1B it equals
-2. the formula (p-1)/(m+p-1) of the GPipe and Megatron papers, and
+1. ideal: the stage orders of pipeline.stage_ops with a forward of a whole
+   stage taking 1 unit and a backward 2 (it computes two gradients, for the
+   input and for the weights), no communication, each op starting as soon as
+   its input exists; an interleaved stage's v chunks take 1/v of that each.
+   This is the figure to reason with; it equals
+2. each schedule's formula: (p-1)/(m+p-1) for AFAB and 1F1B (the GPipe and
+   Megatron papers), (p-1)/(v*m+p-1) for interleaved (Megatron-LM 2021:
+   the bubble shrinks v times, the exchanges grow v times), and
 3. measured: the wall time of each forward and backward on each stage in the
    last step. It includes everything the ideal leaves out: communication,
    the lock-step ticks of the runner, a slow last stage (the loss), and, on a
@@ -46,9 +49,11 @@ class StepClock:
     """Start and end of every forward and backward of one step on this stage.
 
     With --timeline, run/build.py gives the PipelineRunner this clock
-    (otherwise it has pipeline.py:NoClock, same interface, timing nothing).
-    The runner calls start() / op_start() / op_end() / stop(); `records`
-    then holds (kind, micro-batch, start, end) in seconds since start().
+    (otherwise it has none and times nothing). The runner calls start()
+    before a step's first tick, op_start() before each forward or backward
+    (what it returns comes back to op_end as `started`), op_end(kind,
+    micro-batch, started, chunk) after it and stop() after the last tick; `records`
+    then holds (kind, micro-batch, start, end, chunk), times in seconds since start().
     With `synchronize` each reading first waits for the device.
     """
 
@@ -69,15 +74,15 @@ class StepClock:
     def op_start(self) -> float:
         return self._now()
 
-    def op_end(self, kind: str, i: int, started: float) -> None:
-        self.records.append((kind, i, started - self.t0, self._now() - self.t0))
+    def op_end(self, kind: str, i: int, started: float, chunk: int = 0) -> None:
+        self.records.append((kind, i, started - self.t0, self._now() - self.t0, chunk))
 
     def stop(self) -> None:
         self.t1 = self._now()
 
     def busy_fraction(self) -> float:
         """Share of the last step this stage spent inside its forwards and backwards."""
-        busy = sum(e - b for _, _, b, e in self.records)
+        busy = sum(e - b for _, _, b, e, _ in self.records)
         return busy / max(self.t1 - self.t0, 1e-9)
 
 
@@ -85,63 +90,110 @@ class StepClock:
 # The bubble without measuring
 # ---------------------------------------------------------------------------
 
-def formula_bubble(pp: int, m: int) -> float:
-    """(p-1)/(m+p-1): the idle share of a step for p stages and m micro-batches."""
-    return (pp - 1) / (m + pp - 1)
+FORMULAS = {"afab": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)"}
 
 
-def ideal_timeline(schedule: str, pp: int, m: int, f: float = F_UNITS, b: float = B_UNITS):
-    """Each stage's ops as (kind, micro-batch, start, end) when a forward takes f
-    and a backward b, with no communication: an op starts when the stage is
-    free and its input exists (F(s,i) after F(s-1,i); B(s,i) after B(s+1,i),
-    the last stage's after its own F). Returns (rows, makespan)."""
-    orders = [pipeline.stage_order(schedule, pp, m, s) for s in range(pp)]
-    rows: list[list[tuple[str, int, float, float]]] = [[] for _ in range(pp)]
-    done: dict = {}                          # (kind, stage, mb) -> end time
+def formula_bubble(pp: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
+    """The idle share of a step for p stages and m micro-batches, by the
+    schedule's formula (FORMULAS): the p-1 ops of filling and draining the
+    pipeline, each 1/v of a stage's work when stages hold v chunks."""
+    return (pp - 1) / (v * m + pp - 1) if schedule == "interleaved" else (pp - 1) / (m + pp - 1)
+
+
+def op_units(kind: str, v: int = 1, f: float = F_UNITS, b: float = B_UNITS) -> float:
+    """How long one op takes in the ideal timeline: a chunk holds 1/v of the stage."""
+    return (f if kind == "F" else b) / v
+
+
+def ideal_timeline(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS):
+    """Each stage's ops as (kind, micro-batch, start, end, chunk) when a forward
+    takes f/v and a backward b/v, with no communication: an op starts when the
+    stage is free and its input exists (pipeline.depends_on). Returns (rows, makespan)."""
+    orders = [pipeline.stage_ops(schedule, pp, m, s, v) for s in range(pp)]
+    rows: list[list[tuple[str, int, float, float, int]]] = [[] for _ in range(pp)]
+    done: dict = {}                          # (kind, stage, mb, chunk) -> end time
     while any(len(rows[s]) < len(orders[s]) for s in range(pp)):
         for s in range(pp):
             if len(rows[s]) == len(orders[s]):
                 continue
-            kind, i = orders[s][len(rows[s])]
-            dep = (("F", s - 1, i) if s > 0 else None) if kind == "F" else \
-                  (("B", s + 1, i) if s < pp - 1 else ("F", s, i))
+            kind, i, c = op = orders[s][len(rows[s])]
+            dep = pipeline.depends_on(op, s, pp, v)
             if dep is not None and dep not in done:
                 continue                     # its input is not computed yet: try the next stage
             free = rows[s][-1][3] if rows[s] else 0.0
             start = max(free, done[dep] if dep else 0.0)
-            end = start + (f if kind == "F" else b)
-            rows[s].append((kind, i, start, end))
-            done[(kind, s, i)] = end
+            end = start + op_units(kind, v, f, b)
+            rows[s].append((kind, i, start, end, c))
+            done[(kind, s, i, c)] = end
     return rows, max(r[-1][3] for r in rows)
 
 
-def ideal_bubble(schedule: str, pp: int, m: int, f: float = F_UNITS, b: float = B_UNITS) -> float:
+def ideal_bubble(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS) -> float:
     """Idle share of the ideal timeline, averaged over stages."""
-    _, span = ideal_timeline(schedule, pp, m, f, b)
+    _, span = ideal_timeline(schedule, pp, m, v, f, b)
     return 1.0 - m * (f + b) / span
 
 
-def lockstep_bubble(ticks, m: int, f: float = F_UNITS, b: float = B_UNITS) -> float:
+def lockstep_bubble(ticks, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS) -> float:
     """Idle share when every tick of the timetable lasts as long as its slowest
     op, as PipelineRunner's exchanges after each tick come close to."""
-    span = sum(max((f if op[0] == "F" else b) for op in row if op) for row in ticks)
+    span = sum(max(op_units(op[0], v, f, b) for op in row if op) for row in ticks)
     return 1.0 - m * (f + b) / span
+
+
+def in_flight(order) -> int:
+    """Most activations a stage holds at once in `order` (ops (kind, micro-batch,
+    chunk)): a forward keeps its chunk's activations until its backward."""
+    held = peak = 0
+    for op in order:
+        held += 1 if op[0] == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def in_flight_formula(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> tuple[int, str]:
+    """(the number, the formula) of activations held at once on `stage`: AFAB
+    all m; 1F1B its warm-up and one, min(p - s, m); interleaved its warm-up
+    and one, min(2(p-1-s) + (v-1)p + 1, v*m) chunks of 1/v of the stage each."""
+    if schedule == "afab":
+        return m, "m"
+    if schedule == "interleaved":
+        return min(2 * (pp - 1 - stage) + (v - 1) * pp + 1, v * m), "min(2(p-1-s)+(v-1)p+1, v*m)"
+    return min(pp - stage, m), "min(p-s, m)"
 
 
 # ---------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------
 
+def op_name(op) -> str:
+    """'F3': forward of micro-batch 3; with chunks, 'F3.1': ... of chunk 1."""
+    kind, i, c = op
+    return f"{kind}{i}" + (f".{c}" if c else "")
+
+
+def render_ticks(ticks, pp: int) -> str:
+    """The timetable as text, one row per stage: 'F3' forward of micro-batch 3
+    (F3.1 on chunk 1 when stages hold several), '..' idle."""
+    width = max(len(op_name(op)) for row in ticks for op in row if op) + 1
+    rows = []
+    for s in range(pp):
+        cells = [(op_name(row[s]) if row[s] else "..").rjust(width) for row in ticks]
+        rows.append(f"stage {s} |" + "".join(cells))
+    return "\n".join(rows)
+
+
 def _draw(rows, total: float, width: int = 72) -> list[str]:
-    """Each stage's ops drawn to scale in `width` characters: F, B, or . for idle."""
+    """Each stage's ops drawn to scale in `width` characters: F, B, or . for
+    idle; an interleaved stage's odd chunks in lower case (f, b)."""
     lines = []
     for s, ops in enumerate(rows):
         row = ["."] * width
-        for kind, i, b, e in ops:
+        for kind, i, b, e, c in ops:
             lo = int(b / total * width)
             hi = max(lo + 1, int(e / total * width))
-            for c in range(lo, min(hi, width)):
-                row[c] = kind
+            for x in range(lo, min(hi, width)):
+                row[x] = kind.lower() if c % 2 else kind
         lines.append(f"stage {s} |" + "".join(row) + "|")
     return lines
 
@@ -158,44 +210,57 @@ def oversubscription(device) -> str:
             f"timeline mostly shows processes waiting for a core, not the schedule")
 
 
-def gather_records(runner, mesh) -> tuple[list, list[float], list[float]]:
-    """Every stage's op records, step time and busy fraction (collective over the pp group)."""
-    n_ops = 2 * runner.m
+def gather_records(runner, mesh) -> tuple[list, list[float], list[float], list[int]]:
+    """Every stage's op records, step time, busy fraction and peak activations
+    in flight (collective over the pp group)."""
+    n_ops = 2 * runner.m * runner.v
     clock = runner.clock
-    rec = torch.zeros(n_ops, 4, dtype=torch.float64)
-    for j, (kind, i, b, e) in enumerate(clock.records):
-        rec[j] = torch.tensor([1.0 if kind == "F" else 2.0, i, b, e], dtype=torch.float64)
-    span = torch.tensor([[clock.t1 - clock.t0, clock.busy_fraction()]], dtype=torch.float64)
+    rec = torch.zeros(n_ops, 5, dtype=torch.float64)
+    for j, (kind, i, b, e, c) in enumerate(clock.records):
+        rec[j] = torch.tensor([1.0 if kind == "F" else 2.0, i, b, e, c], dtype=torch.float64)
+    span = torch.tensor([[clock.t1 - clock.t0, clock.busy_fraction(), runner.peak_in_flight]], dtype=torch.float64)
     dev = runner.device.torch_device
-    recs = comm.all_gather(rec.to(dev), mesh.pp_group).cpu().view(mesh.pp, n_ops, 4)
+    recs = comm.all_gather(rec.to(dev), mesh.pp_group).cpu().view(mesh.pp, n_ops, 5)
     spans = comm.all_gather(span.to(dev), mesh.pp_group).cpu()
-    rows = [[("F" if k == 1 else "B", int(i), b, e) for k, i, b, e in recs[s].tolist() if k]
+    rows = [[("F" if k == 1 else "B", int(i), b, e, int(c)) for k, i, b, e, c in recs[s].tolist() if k]
             for s in range(mesh.pp)]
-    return rows, [float(x) for x in spans[:, 0]], [float(x) for x in spans[:, 1]]
+    return rows, [float(x) for x in spans[:, 0]], [float(x) for x in spans[:, 1]], [int(x) for x in spans[:, 2]]
 
 
 def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     """The last step's schedule as text: the tick timetable every rank follows,
-    the ideal timeline and the measured one drawn to scale, and the bubble
-    three ways. Collective over the pp group (every stage calls it); the text
-    is for rank 0, which also draws `png_path` when matplotlib is installed."""
-    rows, spans, busy = gather_records(runner, mesh)
-    pp, m = mesh.pp, runner.m
-    ideal, ideal_span = ideal_timeline(tcfg.schedule, pp, m)
+    the ideal timeline and the measured one drawn to scale, the bubble three
+    ways and the activations in flight on each stage. Collective over the pp
+    group (every stage calls it); the text is for rank 0, which also draws
+    `png_path` when matplotlib is installed."""
+    rows, spans, busy, held = gather_records(runner, mesh)
+    pp, m, v, schedule = mesh.pp, runner.m, runner.v, tcfg.schedule
+    ideal, ideal_span = ideal_timeline(schedule, pp, m, v)
+    ideal_b = ideal_bubble(schedule, pp, m, v)
     total = max(spans)
     measured = 1.0 - sum(busy) / len(busy)
-    lines = [f"pipeline schedule {tcfg.schedule}: pp={pp} stages, m={m} micro-batches",
-             "timetable (ticks; Fi/Bi = forward/backward of micro-batch i, .. = idle):",
-             pipeline.render_ticks(runner.ticks, pp), "",
-             f"ideal, F = {F_UNITS:g} unit, B = {B_UNITS:g} units, no communication ({ideal_span:g} units):"]
+    chunks = f", v={v} chunks per stage" if v > 1 else ""
+    lines = [f"pipeline schedule {schedule}: pp={pp} stages, m={m} micro-batches{chunks}",
+             "timetable (ticks; Fi/Bi = forward/backward of micro-batch i"
+             + (", Fi.c on chunk c > 0" if v > 1 else "") + ", .. = idle):",
+             render_ticks(runner.ticks, pp), "",
+             f"ideal, F = {F_UNITS:g} unit, B = {B_UNITS:g} units"
+             + (f" per stage (1/{v} of that per chunk)" if v > 1 else "")
+             + f", no communication ({ideal_span:g} units):"]
     lines += _draw(ideal, ideal_span)
-    lines += ["", f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle):"]
+    lines += ["", f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle"
+              + ("; f, b on odd chunks" if v > 1 else "") + "):"]
     lines += _draw(rows, total)
-    lines += [f"bubble: ideal {ideal_bubble(tcfg.schedule, pp, m):.2f} "
-              f"= formula (p-1)/(m+p-1) = {formula_bubble(pp, m):.2f}; "
-              f"in this runner's lock-step ticks {lockstep_bubble(runner.ticks, m):.2f}; "
+    want = [in_flight_formula(schedule, pp, m, s, v)[0] for s in range(pp)]
+    ideal_held = [in_flight(pipeline.stage_ops(schedule, pp, m, s, v)) for s in range(pp)]
+    what = "chunk activations" if v > 1 else "micro-batches"
+    lines += [f"bubble: ideal {ideal_b:.2f} "
+              f"= formula {FORMULAS[schedule]} = {formula_bubble(pp, m, schedule, v):.2f}; "
+              f"in this runner's lock-step ticks {lockstep_bubble(runner.ticks, m, v):.2f}; "
               f"measured {measured:.2f} (idle + communication)",
-              f"peak micro-batches in flight on this stage: {runner.peak_in_flight}"]
+              f"peak {what} in flight per stage: formula {in_flight_formula(schedule, pp, m, 0, v)[1]} = "
+              f"{' '.join(map(str, want))}; ideal {' '.join(map(str, ideal_held))}; "
+              f"measured {' '.join(map(str, held))}"]
     warning = oversubscription(runner.device)
     if warning:
         lines.append(warning)
@@ -203,14 +268,15 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
     if png_path and mesh.rank == 0:
         draw_png(ideal, ideal_span, rows, total, png_path,
-                 f"{tcfg.schedule}: pp={pp}, m={m}; bubble ideal {ideal_bubble(tcfg.schedule, pp, m):.2f}, "
-                 f"measured {measured:.2f}")
+                 f"{schedule}: pp={pp}, m={m}{', v=' + str(v) if v > 1 else ''}; bubble ideal {ideal_b:.2f}, "
+                 f"measured {measured:.2f}", v)
     return "\n".join(lines)
 
 
-def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str) -> None:
+def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str, v: int = 1) -> None:
     """The ideal timeline (units) above the measured one (ms): one row per
-    stage, forward boxes light, backward boxes dark, labelled by micro-batch."""
+    stage, forward boxes light, backward boxes dark, labelled by micro-batch
+    (and chunk: 3.1 is micro-batch 3 on chunk 1; odd chunks hatched)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -219,13 +285,15 @@ def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str
         return
     pp = len(rows)
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 * pp + 2.2))
-    for ax, data, span, scale, label in ((axes[0], ideal, ideal_span, 1.0, "ideal: F = 1, B = 2 units"),
+    unit = "" if v == 1 else f" per stage, 1/{v} per chunk"
+    for ax, data, span, scale, label in ((axes[0], ideal, ideal_span, 1.0, f"ideal: F = 1, B = 2 units{unit}"),
                                          (axes[1], rows, total, 1e3, "measured (ms)")):
         for s, ops in enumerate(data):
-            for kind, i, b, e in ops:
+            for kind, i, b, e, c in ops:
                 ax.barh(s, (e - b) * scale, left=b * scale, color="#9ecae1" if kind == "F" else "#3182bd",
-                        edgecolor="black", linewidth=0.5)
-                ax.text((b + e) / 2 * scale, s, f"{kind}{i}", ha="center", va="center", fontsize=7)
+                        edgecolor="black", linewidth=0.5, hatch="//" if c % 2 else None)
+                ax.text((b + e) / 2 * scale, s, f"{i}.{c}" if v > 1 else f"{kind}{i}", ha="center",
+                        va="center", fontsize=6 if v > 1 else 7)
         ax.set_yticks(range(pp), [f"stage {s}" for s in range(pp)])
         ax.invert_yaxis()
         ax.set_xlim(0, span * scale)
