@@ -161,7 +161,7 @@ class FlatAdamW:
 
     def __init__(self, model, mesh, tcfg, device):
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
-        self.zero, self.precision = tcfg.zero1, tcfg.precision
+        self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
         self.dp = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(

@@ -556,7 +556,7 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
     fits = [r for r in rows if r["fits"]]
     steps = [r["estimate"]["step"] for r in rows]
     assert steps == sorted(steps) and all(r["peak_memory"] <= 16 * 2**30 for r in fits)
-    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero1) == (8, 1, 4, False)
+    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero) == (8, 1, 4, 0)
            and r["t"].sequence_parallel and r["t"].activation_checkpointing == "selective"]
     assert len(own) == 1
 

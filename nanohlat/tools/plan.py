@@ -206,7 +206,7 @@ def state_bytes_per_param(tcfg: TrainConfig) -> int:
 def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
                     dp_rank: int = 0) -> int:
     """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1)."""
-    shards = dp if tcfg.zero1 else 1
+    shards = dp if tcfg.zero else 1
     return sum(padded_size(n, shards) // shards for n in flat_groups(cfg, tp, pp, stage)) * state_bytes_per_param(tcfg)
 
 
@@ -223,7 +223,7 @@ def bytes_per_param_line(tcfg: TrainConfig) -> str:
 
 def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
     """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO-1."""
-    shards = dp if tcfg.zero1 else 1
+    shards = dp if tcfg.zero else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) for n in flat_groups(cfg, tp, pp, stage))
 
 
@@ -250,7 +250,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     reduce-scattered 1/dp gradient shards and, one group at a time, the
     all-gathered new weights in the parameter dtype."""
     groups = flat_groups(cfg, tp, pp, stage)
-    shards = dp if tcfg.zero1 else 1
+    shards = dp if tcfg.zero else 1
     buffers = 4 * sum(padded_size(n, shards) for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
     during = 0
@@ -274,8 +274,8 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
            "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
-           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=True), tp, pp, dp, stage),
-           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero1=False), tp, pp, dp, stage),
+           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero=1, zero1=False), tp, pp, dp, stage),
+           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero=0, zero1=False), tp, pp, dp, stage),
            "in_flight": flight,
            "activations": flight * activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
@@ -387,7 +387,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
                 e["calls"] += ticks
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
-    shards = dp if tcfg.zero1 else 1
+    shards = dp if tcfg.zero else 1
     if sp:
         _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
     if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
@@ -398,13 +398,13 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for n in flat_groups(cfg, tp, pp, stage):   # one flat buffer after the other (optim.FlatGroup)
-            if tcfg.zero1:   # buckets cut the (dp, shard) view by columns
+            if tcfg.zero:   # buckets cut the (dp, shard) view by columns
                 cols = padded_size(n, dp) // dp
                 _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
                 _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
-        if tcfg.zero1:
+        if tcfg.zero:
             _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
     return dict(sorted(out.items()))
 
@@ -479,7 +479,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
          f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
          f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
-         f"{'ZeRO-1' if tcfg.zero1 else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
+         f"{'ZeRO-1' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
          f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
     L.append("  " + bytes_per_param_line(tcfg))
@@ -513,10 +513,10 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
                  "fp32 grads", "loss bwd", "optimizer step", "peak"], rows)
-    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if tcfg.zero1 else 'no ZeRO'}, as configured) + fp32 gradient "
+    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if tcfg.zero else 'no ZeRO'}, as configured) + fp32 gradient "
              f"buffers + the larger of (activations in flight + loss backward) and (optimizer step: "
-             + ("ZeRO-1 shards and gathers" if tcfg.zero1 else "") + (" + " if tcfg.zero1 and eager else "")
-             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero1 or eager) else "")
+             + ("ZeRO-1 shards and gathers" if tcfg.zero else "") + (" + " if tcfg.zero and eager else "")
+             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero or eager) else "")
              + ")")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[tcfg.device]:
@@ -830,7 +830,7 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                     for zero in ((False, True) if dp > 1 else (False,)):
                         for mode in ("none", "selective", "full"):
                             yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
-                                                      zero1=zero, activation_checkpointing=mode)
+                                                      zero=int(zero), zero1=False, activation_checkpointing=mode)
 
 
 def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
@@ -853,12 +853,12 @@ def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list
 
 
 def _layout_name(c: TrainConfig) -> tuple:
-    return (c.tp, c.pp, c.microbatches, c.zero1, c.sequence_parallel and c.tp > 1, c.activation_checkpointing)
+    return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing)
 
 
 def _search_row(i, r, world) -> list[str]:
     c, e = r["t"], r["estimate"]
-    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, "yes" if c.zero1 else "-",
+    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, "yes" if c.zero else "-",
             "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
             fmt_bytes(r["peak_memory"]), fmt_seconds(e["compute"]),
             fmt_seconds(e["comm"]["tp"] + e["comm"]["pp"] + e["comm"]["dp"]),
