@@ -34,6 +34,18 @@ def bucket_ranges(n: int, bucket_elems: int):
     return [(a, min(a + bucket_elems, n)) for a in range(0, n, bucket_elems)]
 
 
+def accumulate_hook(grad: torch.Tensor, off: int, numel: int):
+    """The post-accumulate-grad hook of the parameter at `off` of the flat fp32 buffer `grad`: add
+    its fresh gradient (one micro-batch's) into it and free it (p.grad = None): nothing summed in bf16."""
+    view = grad[off:off + numel]
+
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            view.add_(p.grad.reshape(-1))
+            p.grad = None
+    return hook
+
+
 def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
     """Sum a flat gradient buffer over the dp group, in place, bucket by bucket."""
     if group.size == 1:

@@ -10,7 +10,7 @@ themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
 is AdamW per parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
-(FlatGroup.accumulate_hook) adds each micro-batch's gradient into the flat
+(data_parallel.accumulate_hook) adds each micro-batch's gradient into the flat
 fp32 buffer as autograd produces it, and sets `p.grad` to None. A step is
 four phases, each a public method (train.py calls them by name):
 
@@ -112,12 +112,12 @@ class FlatGroup:
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # fp32 gradients, added micro-batch by micro-batch (accumulate_hook); later AdamW's scratch space
+        # fp32 gradients, added micro-batch by micro-batch (data_parallel.accumulate_hook); later AdamW's scratch space
         self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         for p, off in zip(params, self.offsets):
             if self.aliased:
                 p.data = self.flat[off:off + p.numel()].view_as(p)
-            p.register_post_accumulate_grad_hook(self.accumulate_hook(off, p.numel()))
+            p.register_post_accumulate_grad_hook(data_parallel.accumulate_hook(self.grad, off, p.numel()))
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
@@ -137,17 +137,6 @@ class FlatGroup:
             for p, off in zip(self.params, self.offsets):
                 p.data.copy_(self.flat[off:off + p.numel()].view_as(p))
             self.flat, self.master = None, (None if self.master_is_params else self.master)
-
-    def accumulate_hook(self, off: int, numel: int):
-        """The post-accumulate-grad hook of the parameter at `off`: add its fresh gradient (one
-        micro-batch's) into the fp32 buffer and free it (p.grad = None): nothing summed in bf16."""
-        view = self.grad[off:off + numel]
-
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                view.add_(p.grad.reshape(-1))
-                p.grad = None
-        return hook
 
     def flatten(self, tensors, dtype) -> torch.Tensor:
         """Concatenate tensors (as dtype) and zero-pad to the sharded length."""
