@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "nanohlat")
 
 MAX_CORE_MODULES = 14      # nanohlat/*.py besides __init__.py
-MAX_CORE_LINES = 3000      # those modules together
+MAX_CORE_LINES = 3150      # those modules together (3000 until ZeRO-2 and overlapped reduction: zero2.py, data_parallel.BucketWatch)
 # optim: ~230 asked, + the 20-line reference AdamW, the flat parameter buffers and XLA's in-graph gather/scatter of them
 MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 275}
 
