@@ -137,6 +137,21 @@ def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     return out
 
 
+def start_all_reduce(x: torch.Tensor, group):
+    """all_reduce of a contiguous x in place, started, not finished: returns the handle to
+    `.wait()` on before x is read (overlapped gradient reduction, data_parallel.py). Same ledger entry."""
+    _check_device(x, group)
+    _record(group, "all_reduce", x.numel() * x.element_size())
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+
+
+def start_reduce_scatter(x: torch.Tensor, out: torch.Tensor, group):
+    """reduce_scatter of a flat x into `out` (x.numel() / size elements), started: returns the handle."""
+    _check_device(x, group)
+    _record(group, "reduce_scatter", x.numel() * x.element_size())
+    return _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+
+
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's x along `dim`, in group order."""
     if group.size == 1:

@@ -119,9 +119,10 @@ class TrainConfig:
     sequence_parallel: bool = False
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b
-    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py)
+    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
+    overlap_grad_reduce: bool = True   # start a bucket's dp collective in the backward (cpu, cuda)
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
     moments: str = "fp32"        # fp32 | bf16 (Adam's moments, stochastically rounded; bf16-sr only)
     activation_checkpointing: str = "none"  # none | selective | full
@@ -189,8 +190,9 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
                             f"2 (+ gradients) or 3 (+ parameters)")
-        if self.zero >= 2:
-            raise UserError(f"--zero {self.zero} is not implemented in nanohlat yet; --zero 1 shards the optimizer state")
+        if self.zero == 3:
+            raise UserError("--zero 3 (the parameters sharded too) is not implemented in nanohlat yet; "
+                            "--zero 2 shards the gradients and the optimizer state")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.eval_every and not self.eval_batches:
@@ -309,8 +311,11 @@ HELP = {
     "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
                    "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
     "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
-            "2 (and the gradients), 3 (and the parameters)",
+            "2 (and the gradients: reduce-scattered in the backward, zero2.py); 3 is not implemented",
     "zero1": "the older spelling of --zero 1 (kept)",
+    "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
+                           "its last gradient is in, and wait for it before the optimizer (bitwise the same; "
+                           "cpu and cuda, ignored on xla)",
     "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
                "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",

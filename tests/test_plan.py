@@ -564,13 +564,14 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
 def test_search_enumerates_every_valid_layout_of_a_small_case():
     """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
     (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
-    SP only with tp > 1, ZeRO-1 only with dp > 1; 3 checkpointing modes each."""
+    SP only with tp > 1, ZeRO stages 1 and 2 only with dp > 1; 3 checkpointing modes each."""
     model, t = config.parse_args(TINY + ["--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 4))
-    per = {(1, 1, 4): 2 * 1 * 2, (1, 2, 2): 3 * 1 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 2, (2, 2, 1): 4 * 2,
-           (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO-1 choices
+    per = {(1, 1, 4): 2 * 1 * 3, (1, 2, 2): 3 * 1 * 3, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 3, (2, 2, 1): 4 * 2,
+           (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO stages
     assert len(layouts) == 3 * sum(per.values())
     assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
+    assert {c.zero for c in layouts if c.tp * c.pp < 4} == {0, 1, 2}
 
 
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():

@@ -23,8 +23,10 @@ Memory per rank, at its peak, the larger of the step's two phases:
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
-                  steps (4 B/param), also the update's scratch space; ZeRO-1 adds the
-                  reduce-scattered 1/dp shards and the all-gathered new weights
+                  steps (4 B/param; ZeRO-2: its 1/dp shard), also the update's scratch space; ZeRO-1
+                  adds the reduce-scattered 1/dp shards, ZeRO-1 and 2 the all-gathered new weights
+    grad staging  ZeRO-2, during each backward: the buckets being filled before their
+                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES); XLA fuses them away
 
@@ -246,16 +248,18 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     """(flat fp32 gradient buffers kept between steps, extra bytes during FlatAdamW.step).
 
     One buffer per group (tp-sharded matrices, replicated norms), padded to a
-    multiple of dp under ZeRO-1. During the step ZeRO-1 also holds the
-    reduce-scattered 1/dp gradient shards and, one group at a time, the
-    all-gathered new weights in the parameter dtype."""
+    multiple of dp under ZeRO-1; ZeRO-2 keeps only its 1/dp shard. During the
+    step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
+    are the buffers) and, one group at a time, the all-gathered new weights in
+    the parameter dtype."""
     groups = flat_groups(cfg, tp, pp, stage)
     shards = dp if tcfg.zero else 1
-    buffers = 4 * sum(padded_size(n, shards) for n in groups)
+    kept = shards if tcfg.zero >= 2 else 1
+    buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
     during = 0
     if shards > 1:
-        during += 4 * sum(padded_size(n, shards) // shards for n in groups)
+        during += 4 * sum(padded_size(n, shards) // shards for n in groups) if tcfg.zero == 1 else 0
         during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups)
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
@@ -283,8 +287,11 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            # dtype), while most activations are still alive (measured on CUDA)
            "loss_backward": (4 + s) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
                             if stage == pp - 1 else 0,
-           "flat_grads": flat, "step_temporaries": temporaries}
-    out["forward_backward"] = out["activations"] + out["loss_backward"]
+           "flat_grads": flat, "step_temporaries": temporaries,
+           # ZeRO-2: buckets staged in the backward until their reduce-scatter, at most all of them
+           "grad_staging": 4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
+                           if tcfg.zero >= 2 and dp > 1 else 0}
+    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"]
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
                    + max(out["forward_backward"], out["optimizer_step"]))
@@ -388,19 +395,21 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     counts = stage_param_counts(cfg, tp, pp, stage)
     shards = dp if tcfg.zero else 1
+    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2 sums over tp on its shard (optim.py)
     if sp:
-        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) * 4, 1, tp)   # norm grads
+        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) // kept * 4, 1, tp)   # norm grads
     if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
-        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) * 4, 1, tp // cfg.n_kv_heads)
+        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) // kept * 4, 1, tp // cfg.n_kv_heads)
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for n in flat_groups(cfg, tp, pp, stage):   # one flat buffer after the other (optim.FlatGroup)
-            if tcfg.zero:   # buckets cut the (dp, shard) view by columns
+            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2: every micro-batch
                 cols = padded_size(n, dp) // dp
-                _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
+                for _ in range(m if tcfg.zero >= 2 else 1):
+                    _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
                 _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
@@ -479,7 +488,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
          f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
          f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
-         f"{'ZeRO-1' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
+         f"{f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {tcfg.schedule}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
          f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
     L.append("  " + bytes_per_param_line(tcfg))
@@ -513,9 +522,10 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
                  "fp32 grads", "loss bwd", "optimizer step", "peak"], rows)
-    L.append(f"  peak = weights + grads + Adam ({'ZeRO-1' if tcfg.zero else 'no ZeRO'}, as configured) + fp32 gradient "
-             f"buffers + the larger of (activations in flight + loss backward) and (optimizer step: "
-             + ("ZeRO-1 shards and gathers" if tcfg.zero else "") + (" + " if tcfg.zero and eager else "")
+    L.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
+             f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
+             + (" + ZeRO-2's grad staging" if tcfg.zero >= 2 and dp > 1 else "") + ") and (optimizer step: "
+             + {0: "", 1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}[tcfg.zero] + (" + " if tcfg.zero and eager else "")
              + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero or eager) else "")
              + ")")
     biggest = mems[largest]["peak"]
@@ -703,7 +713,7 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
     links["dp"] = (ring.bandwidth, ring.latency)     # the dp ring goes at its slowest hop's pace
     comm_s = dict.fromkeys(groups, 0.0)
-    dp_wire = 0
+    dp_wire, grad_s = 0, 0.0
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
         entries = comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp)))
@@ -712,21 +722,30 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
             g = key.split(".")[0]
             bw, lat = links[g]
             per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
+        bw, lat = links["dp"]   # the gradients' dp collective, the one --overlap-grad-reduce starts in backward
+        e = entries.get("dp.reduce_scatter" if tcfg.zero else "dp.all_reduce")
+        loss = 0 if tcfg.zero else 1                       # (ZeRO-0: the loss's all-reduce, after the backward)
+        grad_s = max(grad_s, ((e["wire"] - loss * comm.wire_bytes("all_reduce", dp, 4)) / bw
+                              + (e["calls"] - loss) * lat) if e else 0.0)
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     bubble = (pp - 1) * per_microbatch                     # (p-1)/(m+p-1) of the pipeline's time
     pipeline = m * per_microbatch + bubble
-    step = pipeline + comm_s["dp"]                          # nanohlat: the dp reduction after backward
     # a framework that overlaps the dp reduction with the backward hides up to
     # the backward's time (two thirds of the compute)
     overlapped = pipeline + max(0.0, comm_s["dp"] - 2 / 3 * compute)
+    # nanohlat's --overlap-grad-reduce (eager devices: cpu, cuda) hides the gradients' collective behind
+    # the backward of the last micro-batch (ZeRO-0, 1), or of each micro-batch (ZeRO-2); on XLA, nothing
+    eager = not device.startswith("NeuronCore")
+    hidden = min(grad_s, 2 / 3 * compute / (1 if tcfg.zero >= 2 else m)) if tcfg.overlap_grad_reduce and eager else 0.0
+    step = pipeline + comm_s["dp"] - hidden                 # the rest of the dp reduction after backward
     return {"device": device, "network": net, "peak": peak, "utilisation": utilisation, "dp_ring": ring,
             "dp_bytes": dp_wire,
             "model_flops": model_flops, "hardware_flops": hardware_flops, "compute": compute,
             "comm": comm_s, "inside": inside, "bubble": bubble, "pipeline": pipeline, "step": step,
-            "step_overlapped": overlapped, "tokens_per_s": tokens / step,
+            "step_overlapped": min(overlapped, step), "hidden": hidden, "tokens_per_s": tokens / step,
             "mfu": model_flops / (step * world * peak)}
 
 
@@ -764,8 +783,10 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           "  - per-call latency: 10 us inside a node, 20-30 us across (accelerators), 50 us (cpu): assumptions",
           "  - stages take equal time; the bubble is (p-1)/(m+p-1) of the pipeline's time, an op starting as soon "
           "as its input exists (nanohlat's lock-step ticks lose more: timeline.py)",
-          "  - overlap: none in nanohlat: the tp collectives sit between the matmuls, pipeline exchanges between "
-          "ticks, the dp reduction after the backward; 'dp overlapped' hides it behind the backward (2/3 of the "
+          "  - overlap: the tp collectives sit between the matmuls, pipeline exchanges between ticks; on cpu and "
+          "cuda --overlap-grad-reduce starts the gradients' dp collective in the backward of the last micro-batch "
+          "(ZeRO-2: of each), hiding up to 2/3 of that backward's compute ('step' counts it), on XLA nanohlat "
+          "overlaps none of it; 'dp overlapped' hides all the dp reduction behind the whole backward (2/3 of the "
           "compute), as Megatron-LM does (an XLA compiler may schedule it so inside one step graph)"]
     return L + _dp_ring_section(cfg, tcfg, world, devices)
 
@@ -827,10 +848,10 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                 continue
             for m in _divisors(tcfg.batch_size // dp):
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
-                    for zero in ((False, True) if dp > 1 else (False,)):
+                    for zero in ((0, 1, 2) if dp > 1 else (0,)):
                         for mode in ("none", "selective", "full"):
                             yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
-                                                      zero=int(zero), zero1=False, activation_checkpointing=mode)
+                                                      zero=zero, zero1=False, activation_checkpointing=mode)
 
 
 def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
@@ -858,7 +879,7 @@ def _layout_name(c: TrainConfig) -> tuple:
 
 def _search_row(i, r, world) -> list[str]:
     c, e = r["t"], r["estimate"]
-    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, "yes" if c.zero else "-",
+    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, c.zero or "-",
             "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
             fmt_bytes(r["peak_memory"]), fmt_seconds(e["compute"]),
             fmt_seconds(e["comm"]["tp"] + e["comm"]["pp"] + e["comm"]["dp"]),
@@ -866,7 +887,7 @@ def _search_row(i, r, world) -> list[str]:
             fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}"]
 
 
-SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO-1", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
+SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
                  "step", "tokens/s", "MFU"]
 
 
@@ -920,8 +941,9 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
     if e["step_overlapped"] < e["step"]:
-        text += (f" Overlapping the dp reduction with the backward, which nanohlat does not do, would bring "
-                 f"it to {fmt_seconds(e['step_overlapped'])}.")
+        text += (f" Overlapping all the dp reduction with the backward, which nanohlat does not do "
+                 f"{'on XLA' if e['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "
+                 f"would bring it to {fmt_seconds(e['step_overlapped'])}.")
     return text
 
 
