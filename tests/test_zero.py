@@ -22,7 +22,8 @@ def test_zero1_is_the_older_spelling_of_zero_1():
 
 @pytest.mark.parametrize("argv, words", [(["--zero", "4"], "not a ZeRO stage"),
                                          (["--zero", "-1"], "not a ZeRO stage"),
-                                         (["--zero1", "--zero", "0"], "older spelling")])
+                                         (["--zero1", "--zero", "0"], "older spelling"),
+                                         (["--zero", "3"], "not implemented")])
 def test_bad_zero_flags_are_refused_in_one_line(argv, words):
     with pytest.raises(UserError, match=words) as e:
         config.parse_args(TINY + argv)
@@ -180,3 +181,45 @@ def test_a_zero2_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_
     ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
     for (s, loss, _), (_, ref_loss, _) in zip(_metrics(tmp_path / "one"), ref, strict=True):
         assert abs(loss - ref_loss) < LOSS_TOL, (s, loss, ref_loss)
+
+
+# ---------------------------------------------------------------------------
+# Four ranks: ZeRO-2 beside tensor + sequence parallelism and beside pipeline parallelism
+# ---------------------------------------------------------------------------
+
+WORLD4 = {"tp2_dp2_sp_z2": ["--tp", "2", "--dp", "2", "--sequence-parallel", "--zero", "2"],
+          "pp2_dp2_z2": ["--pp", "2", "--dp", "2", "--zero", "2"]}
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """One process, the same flags otherwise: (argv, out dir)."""
+    import train
+    from nanohlat.run import preflight
+    out = tmp_path_factory.mktemp("zero_ref")
+    argv = _flags(cache_dir, out, ["--no-progress"])
+    train.train(*preflight.inputs(*config.parse_args(argv)))
+    return argv, out
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(cache_dir, tmp_path_factory):
+    from dist_utils import run_layouts
+    root = tmp_path_factory.mktemp("zero4")
+    runs = {name: _flags(cache_dir, root / name, extra) for name, extra in WORLD4.items()}
+    run_layouts(4, list(runs.values()), str(root / "errors"))
+    return {name: (argv, root / name) for name, argv in runs.items()}
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_zero2_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_process(four_rank_runs, reference,
+                                                                                   name):
+    """Losses and grad norms of one process (fp32 round-off), replicas checked every step
+    (--check-replicas 1), and the comm ledger and kept bytes of the plan: ZeRO-2's tp sums
+    of the SP norm gains run on the 1/dp shard."""
+    from test_plan import assert_run_matches_plan
+    argv, out = four_rank_runs[name]
+    for (s, loss, norm), (_, ref_loss, ref_norm) in zip(_metrics(out), _metrics(reference[1]), strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
+        assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
+    assert_run_matches_plan(out, argv, 4)
