@@ -8,6 +8,9 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
+`start_all_reduce` and `start_reduce_scatter` are the first and third, started
+and not waited for: the overlapped gradient reduction (data_parallel.py).
+
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
 on the xla backend, while an all-gather between two neighbours is a
 collective every backend runs well. Both sides must call it at the same time
