@@ -294,7 +294,8 @@ HELP = {
     "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
     "plan": "print the layout, memory, FLOPs, communication and time plan, then exit",
-    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO stage, SP, checkpointing) that fits",
+    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
+              "cuda overlapped gradient reduction) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (0 = keep all)",

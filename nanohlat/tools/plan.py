@@ -837,8 +837,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
-    """Every valid (tp, pp, dp, micro-batches, ZeRO-1, sequence parallel,
-    checkpointing) for this model, batch and world size, as TrainConfigs."""
+    """Every valid (tp, pp, dp, micro-batches, ZeRO stage, sequence parallel,
+    checkpointing, and on cpu and cuda overlapped gradient reduction or not)
+    for this model, batch and world size, as TrainConfigs."""
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             try:
@@ -850,8 +851,11 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
                     for zero in ((0, 1, 2) if dp > 1 else (0,)):
                         for mode in ("none", "selective", "full"):
-                            yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m, sequence_parallel=sp,
-                                                      zero=zero, zero1=False, activation_checkpointing=mode)
+                            for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
+                                       else (tcfg.overlap_grad_reduce,)):
+                                yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m,
+                                                          sequence_parallel=sp, zero=zero, zero1=False,
+                                                          activation_checkpointing=mode, overlap_grad_reduce=ov)
 
 
 def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
@@ -874,7 +878,8 @@ def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list
 
 
 def _layout_name(c: TrainConfig) -> tuple:
-    return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing)
+    return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing,
+            c.overlap_grad_reduce)
 
 
 def _search_row(i, r, world) -> list[str]:
@@ -884,11 +889,12 @@ def _search_row(i, r, world) -> list[str]:
             fmt_bytes(r["peak_memory"]), fmt_seconds(e["compute"]),
             fmt_seconds(e["comm"]["tp"] + e["comm"]["pp"] + e["comm"]["dp"]),
             fmt_seconds(e["bubble"]) if c.pp > 1 else "-",
-            fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}"]
+            fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}"] + (
+            ["on" if c.overlap_grad_reduce and c.tp * c.pp < world else "-"] if c.device in ("cpu", "cuda") else [])
 
 
 SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
-                 "step", "tokens/s", "MFU"]
+                 "step", "tokens/s", "MFU"]   # + "overlap" on cpu and cuda
 
 
 def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10) -> str:
@@ -903,14 +909,17 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
          + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
          f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {tcfg.schedule}; "
          f"ranked by the estimated step time (the assumptions of --plan: {DEFAULT_MFU:.0%} of peak, "
-         f"{NETWORKS[device].node} links, nothing overlapped)"]
-    L += _table(SEARCH_HEADER, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+         f"{NETWORKS[device].node} links, "
+         + ("the gradients' dp reduction overlapped with the backward where 'overlap' says on)"
+            if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
+    header = SEARCH_HEADER + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
+    L += _table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
     if mine is None:
         return "\n".join(L + ["", f"the preset's own layout is not valid for {world} ranks"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
-    L += ["", f"{who}:"] + _table(SEARCH_HEADER, [_search_row("-", mine, world)])
+    L += ["", f"{who}:"] + _table(header, [_search_row("-", mine, world)])
     L += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(L)
 
@@ -940,7 +949,7 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
         text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
-    if e["step_overlapped"] < e["step"]:
+    if e["step_overlapped"] < 0.99 * e["step"]:
         text += (f" Overlapping all the dp reduction with the backward, which nanohlat does not do "
                  f"{'on XLA' if e['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "
                  f"would bring it to {fmt_seconds(e['step_overlapped'])}.")
