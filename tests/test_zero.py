@@ -38,6 +38,9 @@ BASE = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--batch-size",
         "--warmup-steps", "2", "--microbatches", "2", "--bucket-mb", "0.05", "--check-replicas", "1"]
 STAGES = {f"z{z}_{o}": ["--dp", "2", "--zero", str(z), f"--{o}-grad-reduce"]
           for z in (0, 1, 2) for o in ("overlap", "no-overlap")}
+# pure bf16 with stochastic rounding and bf16 moments (the rounding noise must not see the overlap)
+BF16 = {f"z2_bf16sr_{o}": ["--dp", "2", "--zero", "2", "--precision", "bf16-sr", "--moments", "bf16",
+                           f"--{o}-grad-reduce"] for o in ("overlap", "no-overlap")}
 # a ZeRO-2 checkpoint (step 2) continued with ZeRO-0 at dp 2, and ZeRO-0's continued with ZeRO-2
 RESUMED = {"z0_from_z2": ["--dp", "2", "--zero", "0"], "z2_from_z0": ["--dp", "2", "--zero", "2"]}
 LOSS_TOL = 2e-5     # fp32 round-off through 5 steps (tests/test_parallel.py's tolerance)
@@ -77,7 +80,7 @@ def stage_runs(cache_dir, tmp_path_factory):
     from dist_utils import run_layouts
     root = tmp_path_factory.mktemp("zero")
     runs = {name: _flags(cache_dir, root / name, extra + (["--save-every", "2"] if "_overlap" in name else []))
-            for name, extra in STAGES.items()}
+            for name, extra in (STAGES | BF16).items()}
     runs |= {name: _flags(cache_dir, root / name, extra + ["--resume", _ckpt(root / f"{name[-2:]}_overlap", 2)])
              for name, extra in RESUMED.items()}
     os.environ["ZERO_TEST_LOG"] = str(root)
@@ -125,12 +128,12 @@ def test_every_zero_stage_trains_like_plain_data_parallelism(stage_runs):
             assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", ["z0", "z1", "z2", "z2_bf16sr"])
 def test_overlapped_reduction_is_bitwise_the_same_and_moves_the_same_bytes(stage_runs, zero):
     """--overlap-grad-reduce only moves when each bucket's collective starts: the same
     losses and norms to the last bit, the same final weights, the same comm ledger."""
     import torch
-    on, off = stage_runs[f"z{zero}_overlap"][1], stage_runs[f"z{zero}_no-overlap"][1]
+    on, off = stage_runs[f"{zero}_overlap"][1], stage_runs[f"{zero}_no-overlap"][1]
     assert _metrics(on) == _metrics(off)
     a, b = _summary(on), _summary(off)
     assert {k: v for k, v in a.items() if k != "peak_memory"} == {k: v for k, v in b.items() if k != "peak_memory"}
@@ -152,7 +155,7 @@ def _same(a, b) -> bool:
 
 def test_zero2_keeps_half_the_gradient_bytes_and_the_plan_predicts_every_byte(stage_runs):
     from test_plan import assert_run_matches_plan
-    for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap"):
+    for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
         argv, out = stage_runs[name]
         assert_run_matches_plan(out, argv, 2)
     z0, z1, z2 = (_summary(stage_runs[f"z{z}_overlap"][1]) for z in (0, 1, 2))
