@@ -56,9 +56,10 @@ def _ckpt(out_dir, step: int) -> str:
 
 def log_collectives(rank: int) -> None:
     """In each worker: note in $ZERO_TEST_LOG/rank{rank}.txt each run's start ('run'), each
-    collective a hook started in the backward ('start') and each phase 1 of a step ('phase1')."""
+    collective a hook started in the backward ('start'), each phase 1 of a step ('phase1') and,
+    after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none)."""
     import train
-    from nanohlat import comm, optim
+    from nanohlat import comm, optim, pipeline, zero2
     path = os.path.join(os.environ["ZERO_TEST_LOG"], f"rank{rank}.txt")
 
     def noting(fn, what):
@@ -68,6 +69,18 @@ def log_collectives(rank: int) -> None:
             return fn(*args, **kwargs)
         return wrapper
     train.train = noting(train.train, "run")
+    # after each micro-batch's backward: the ZeRO-2 staging still held (its groups, as the optimizer makes them)
+    groups = []
+    watch = zero2.ZeroTwoDP.watch
+    zero2.ZeroTwoDP.watch = lambda self, g: groups.append(g) or watch(self, g)
+    backward = pipeline.PipelineRunner._backward
+
+    def backward_then_note(self, i):
+        out = backward(self, i)
+        with open(path, "a") as f:
+            f.write(f"staged{sum(t.numel() for g in groups for t in g.staged.values())}\n")
+        return out
+    pipeline.PipelineRunner._backward = backward_then_note
     comm.start_all_reduce = noting(comm.start_all_reduce, "start")
     comm.start_reduce_scatter = noting(comm.start_reduce_scatter, "start")
     optim.FlatAdamW.reduce_gradients = noting(optim.FlatAdamW.reduce_gradients, "phase1")
@@ -100,13 +113,21 @@ def test_overlap_starts_every_bucket_in_the_backward(stage_runs):
     without overlap, none does (ZeRO-2 then reduce-scatters in the backward, synchronously)."""
     log = stage_runs["log"]
     for name in STAGES:
-        steps = " ".join(log[name]).split("phase1")[:-1]
+        steps = " ".join(e for e in log[name] if not e.startswith("staged")).split("phase1")[:-1]
         assert len(steps) == 5, name
         started = [s.split().count("start") for s in steps]
         calls = _summary(stage_runs[name][1])["comm_calls"]
         buckets = calls["dp.all_reduce"] - 1 if name[:2] == "z0" else calls["dp.reduce_scatter"]
         buckets = buckets if "_overlap" in name else 0
         assert started == [buckets] * 5, (name, started)
+
+
+def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
+    """After every micro-batch's backward every ZeRO-2 bucket has been reduce-scattered and its
+    staging freed: what stays is the 1/dp shard (grad_bytes, the test below)."""
+    for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
+        staged = [e for e in stage_runs["log"][name] if e.startswith("staged")]
+        assert staged == ["staged0"] * 10, (name, staged)      # 5 steps x 2 micro-batches
 
 
 def _metrics(out_dir):
