@@ -15,9 +15,10 @@ round-off, as in the full buffer.
     between micro-batches:      only the 1/dp shard (and no staging) is kept
 
 Costs: a bucket is staged only while it fills, but a bucket holds a piece of
-every dp row, far apart in the buffer, so during a backward most of them fill
-at once: the staging can reach the whole buffer's 4 bytes per parameter (the
-plan counts that much). And the gradients cross the wire once per
+every dp row, far apart in the buffer: the last layers' gradients start every
+bucket, the first layers' complete them, and at the backward's midpoint the
+staging is the whole buffer's 4 bytes per parameter (the plan counts that
+much; tutorial chapter 3 says what frameworks do instead). And the gradients cross the wire once per
 *micro-batch*, not once per step: M micro-batches send M times ZeRO-1's
 reduce-scatter bytes. The sums over tp that some groups need (the SP norms,
 the kv copies: optim.FlatAdamW.reduce_gradients) then run on the shard.
