@@ -227,10 +227,14 @@ def reference(cache_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs(cache_dir, tmp_path_factory):
+def four_rank_runs(cache_dir, tmp_path_factory, stage_runs):
+    """WORLD4's runs, and tp 2 x dp 2 ZeRO-2 continuing the dp 2 ZeRO-2 checkpoint of step 2."""
     from dist_utils import run_layouts
     root = tmp_path_factory.mktemp("zero4")
     runs = {name: _flags(cache_dir, root / name, extra) for name, extra in WORLD4.items()}
+    runs["tp2_dp2_z2_from_dp2"] = _flags(cache_dir, root / "tp2_dp2_z2_from_dp2",
+                                         ["--tp", "2", "--dp", "2", "--zero", "2", "--resume",
+                                          _ckpt(stage_runs["z2_overlap"][1], 2)])
     run_layouts(4, list(runs.values()), str(root / "errors"))
     return {name: (argv, root / name) for name, argv in runs.items()}
 
@@ -247,3 +251,10 @@ def test_zero2_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_proc
         assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
         assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
     assert_run_matches_plan(out, argv, 4)
+
+
+def test_a_zero2_checkpoint_continues_in_another_layout(four_rank_runs, reference):
+    got, ref = _metrics(four_rank_runs["tp2_dp2_z2_from_dp2"][1]), _metrics(reference[1])[2:]
+    assert [s for s, _, _ in got] == [3, 4, 5]
+    for (s, loss, _), (_, ref_loss, _) in zip(got, ref, strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (s, loss, ref_loss)
