@@ -98,6 +98,9 @@ class BucketWatch:
 
 def wait_all(g) -> None:
     """Phase 1 with overlap: finish the collectives the backward started on group g's buckets."""
+    if len(g.pending) != len(g.watch.buckets):   # else a bucket would go unsummed, silently
+        raise RuntimeError(f"overlapped gradient reduction: {len(g.pending)} of {len(g.watch.buckets)} buckets "
+                           f"started (a parameter got no gradient); run with --no-overlap-grad-reduce")
     for work, *_ in g.pending:
         work.wait()
     g.pending.clear()
