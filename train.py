@@ -69,12 +69,12 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         # so gradients summed over micro-batches and dp ranks are the gradient of the batch's mean loss
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (+ all-reduces over pp, dp)
         # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
-        # buffers: its hooks moved each p.grad there as autograd made it (optim.py:FlatGroup.accumulate_hook)
-        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (SP norms: + tp)
-        norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO-1: dp)
+        # buffers: its hooks moved each p.grad there as autograd made it (data_parallel.py:accumulate_hook)
+        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (ZeRO-2, overlap: waits)
+        norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
-        opt.write_back()                                # ZeRO-1: all-gather; then into the model's parameters
+        opt.write_back()                                # ZeRO-1, 2: all-gather; then into the model's parameters
         # the step ends (dev.sync); then the stop vote, logging, evaluation, checkpoints (run/session.py)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break

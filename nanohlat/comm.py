@@ -8,6 +8,9 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
+`start_all_reduce` and `start_reduce_scatter` are the first and third, started
+and not waited for: the overlapped gradient reduction (data_parallel.py).
+
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
 on the xla backend, while an all-gather between two neighbours is a
 collective every backend runs well. Both sides must call it at the same time
@@ -135,6 +138,21 @@ def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     out = x if inplace else x.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.pg)
     return out
+
+
+def start_all_reduce(x: torch.Tensor, group):
+    """all_reduce of a contiguous x in place, started, not finished: returns the handle to
+    `.wait()` on before x is read (overlapped gradient reduction, data_parallel.py). Same ledger entry."""
+    _check_device(x, group)
+    _record(group, "all_reduce", x.numel() * x.element_size())
+    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+
+
+def start_reduce_scatter(x: torch.Tensor, out: torch.Tensor, group):
+    """reduce_scatter of a flat x into `out` (x.numel() / size elements), started: returns the handle."""
+    _check_device(x, group)
+    _record(group, "reduce_scatter", x.numel() * x.element_size())
+    return _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

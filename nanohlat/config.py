@@ -121,8 +121,10 @@ class TrainConfig:
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b | interleaved
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
-    zero1: bool = False
+    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py)
+    zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
+    overlap_grad_reduce: bool = True   # start a bucket's dp collective in the backward (cpu, cuda)
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
     moments: str = "fp32"        # fp32 | bf16 (Adam's moments, stochastically rounded; bf16-sr only)
     activation_checkpointing: str = "none"  # none | selective | full
@@ -147,6 +149,10 @@ class TrainConfig:
     plan: bool = False
     search: bool = False         # with --plan: rank every layout that fits by estimated step time
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.zero1 and self.zero == 0:   # --zero1 is --zero 1 (validate refuses --zero1 --zero 2)
+            self.zero = 1
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
@@ -188,6 +194,16 @@ class TrainConfig:
         if self.moments == "bf16" and self.precision != "bf16-sr":
             raise UserError(f"--moments bf16 rounds Adam's moments stochastically and needs --precision bf16-sr "
                             f"(got {self.precision}); drop --moments or use --precision bf16-sr")
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
+                            f"2 (+ gradients) or 3 (+ parameters)")
+        if self.zero == 3:
+            raise UserError("--zero 3 (the parameters sharded too) is not implemented in nanohlat yet; "
+                            "--zero 2 shards the gradients and the optimizer state")
+        if self.zero == 2 and self.schedule == "interleaved":
+            raise UserError("--zero 2 with --schedule interleaved is not supported: ZeRO-2 reduce-scatters a bucket "
+                            "as each micro-batch's backward fills it, and an interleaved stage runs one micro-batch's "
+                            "backward in several ticks between other micro-batches'; use --zero 1")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.eval_every and not self.eval_batches:
@@ -268,7 +284,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
                     vocab_size=32000, max_seq_len=4096),
         dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
-             tp=32, pp=8, microbatches=128, zero1=True, sequence_parallel=True,
+             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True,
              activation_checkpointing="selective", precision="bf16-mixed"),
     ),
 }
@@ -289,7 +305,8 @@ HELP = {
     "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
     "plan": "print the layout, memory, FLOPs, communication and time plan, then exit",
-    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO-1, SP, checkpointing) that fits",
+    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
+              "cuda overlapped gradient reduction) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (0 = keep all)",
@@ -305,7 +322,12 @@ HELP = {
     "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
     "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
                    "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
-    "zero1": "shard fp32 master weights and AdamW state over the dp group (ZeRO stage 1)",
+    "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
+            "2 (and the gradients: reduce-scattered in the backward, zero2.py); 3 is not implemented",
+    "zero1": "the older spelling of --zero 1 (kept)",
+    "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
+                           "its last gradient is in, and wait for it before the optimizer (bitwise the same; "
+                           "cpu and cuda, ignored on xla)",
     "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
                "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
@@ -340,6 +362,9 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
         raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     base_model, base_train = PRESETS[preset]
     model_names = {f.name for f in fields(ModelConfig)}
+    if flags.get("zero1") and flags.get("zero", 1) != 1:
+        raise UserError(f"--zero1 is the older spelling of --zero 1 and cannot go with --zero {flags['zero']}; "
+                        f"give only --zero {flags['zero']}")
     model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
     tcfg = dataclasses.replace(TrainConfig(), **base_train)
     tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})

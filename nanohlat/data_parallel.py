@@ -9,14 +9,19 @@ loss: one process and dp processes compute the same number (up to the order
 of the additions, i.e. fp32 round-off).
 
 The flat gradient buffer is summed over the dp group once per step, after
-accumulation, in buckets of --bucket-mb. (A framework overlaps each bucket's
-all-reduce with the rest of the backward pass; here they run back to back so
-the communication stays easy to read and count.)
+accumulation, in buckets of --bucket-mb. With --overlap-grad-reduce (the
+default on cpu and cuda) a bucket's all-reduce starts in the backward of the
+last micro-batch, as soon as its last gradient is in (`BucketWatch` counts
+them), and runs while autograd computes the rest; phase 1 of the step only
+waits for it. The same buckets, the same sums, bit for bit, the same bytes.
+(A group whose tp ranks hold partial sums, the SP norms and the kv copies,
+is added over tp first, so its buckets wait for phase 1 as without overlap.)
 
 Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
 
-`ReplicatedDP` is what FlatAdamW (optim.py) calls at the three places where
-data parallelism matters; with --zero1 it calls `zero1.ZeroOneDP` instead.
+`ReplicatedDP` is what FlatAdamW (optim.py) calls at the places where data
+parallelism matters; with --zero 1 or 2 it calls `zero1.ZeroOneDP` or
+`zero2.ZeroTwoDP` instead.
 train.py's loop calls the other two: `split_batch` (this rank's micro-batches
 of the global batch) and `global_mean` (the loss of the whole global batch).
 """
@@ -34,6 +39,18 @@ def bucket_ranges(n: int, bucket_elems: int):
     return [(a, min(a + bucket_elems, n)) for a in range(0, n, bucket_elems)]
 
 
+def accumulate_hook(grad: torch.Tensor, off: int, numel: int):
+    """The post-accumulate-grad hook of the parameter at `off` of the flat fp32 buffer `grad`: add
+    its fresh gradient (one micro-batch's) into it and free it (p.grad = None): nothing summed in bf16."""
+    view = grad[off:off + numel]
+
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            view.add_(p.grad.reshape(-1))
+            p.grad = None
+    return hook
+
+
 def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
     """Sum a flat gradient buffer over the dp group, in place, bucket by bucket."""
     if group.size == 1:
@@ -45,20 +62,98 @@ def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Te
     # exercise 3a: end
 
 
+class BucketWatch:
+    """Which buckets of a flat gradient buffer each parameter's gradient fills. A bucket
+    is a list of flat [lo, hi) ranges (ZeRO: one per dp row); it is full once each of its
+    real elements (not the padding) got `every` gradients: every micro-batch (ZeRO-2), or
+    only the last one's completes it (an overlapped all-reduce or ZeRO-1 reduce-scatter)."""
+
+    def __init__(self, buckets: list, numel: int, every: int):
+        self.buckets = buckets
+        self.need = [every * sum(max(0, min(hi, numel) - lo) for lo, hi in b) for b in buckets]
+        self.got = [0] * len(buckets)
+
+    def pieces(self, off: int, n: int) -> list:
+        """(bucket, lo, hi, where in the packed bucket) of the parameter at flat [off, off + n)."""
+        out = []
+        for k, bucket in enumerate(self.buckets):
+            at = 0
+            for lo, hi in bucket:
+                if max(lo, off) < min(hi, off + n):
+                    out.append((k, max(lo, off), min(hi, off + n), at + max(lo, off) - lo))
+                at += hi - lo
+        return out
+
+    def filled(self, k: int, n: int) -> bool:
+        """n more elements of bucket k arrived: is it full now? (then it starts over)"""
+        self.got[k] += n
+        if self.got[k] < self.need[k]:
+            return False
+        self.got[k] = 0
+        return True
+
+    def reset(self) -> None:
+        self.got = [0] * len(self.buckets)
+
+
+def wait_all(g) -> None:
+    """Phase 1 with overlap: finish the collectives the backward started on group g's buckets."""
+    if len(g.pending) != len(g.watch.buckets):   # else a bucket would go unsummed, silently
+        raise RuntimeError(f"overlapped gradient reduction: {len(g.pending)} of {len(g.watch.buckets)} buckets "
+                           f"started (a parameter got no gradient); run with --no-overlap-grad-reduce")
+    for work, *_ in g.pending:
+        work.wait()
+    g.pending.clear()
+
+
 class ReplicatedDP:
     """Plain data parallelism: every dp rank keeps all of every flat buffer."""
 
-    sharded = False
+    sharded, in_backward = False, False
 
-    def __init__(self, group, bucket_elems: int):
-        self.group, self.bucket_elems = group, bucket_elems
+    def __init__(self, group, bucket_elems: int, microbatches: int = 1, overlap: bool = False):
+        self.group, self.bucket_elems, self.every = group, bucket_elems, microbatches
+        self.overlap = overlap and group.size > 1
 
     def layout(self, numel: int) -> tuple[int, int, int]:
         """(padded length, start, stop): no padding, and this rank owns all of it."""
         return numel, 0, numel
 
-    def reduce_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+    def grad_length(self, padded: int) -> int:
+        """Elements of the fp32 gradient buffer kept between micro-batches: all of them."""
+        return padded
+
+    def buckets(self, padded: int) -> list:
+        return [[r] for r in bucket_ranges(padded, self.bucket_elems)]
+
+    def watch(self, g):
+        """With overlap, group g's BucketWatch (None: reduced in phase 1)."""
+        return BucketWatch(self.buckets(g.padded), g.numel, self.every) if self.overlap and not g.partial else None
+
+    def grad_hook(self, g, off: int, numel: int):
+        """The hook of the parameter at `off` of group g: add its gradient into the fp32
+        buffer (accumulate_hook); with overlap, also start each bucket it completes."""
+        add = accumulate_hook(g.grad, off, numel)
+        if g.watch is None:
+            return add
+        pieces = g.watch.pieces(off, numel)
+
+        def hook(p):
+            add(p)
+            for k, lo, hi, _ in pieces:
+                if g.watch.filled(k, hi - lo):
+                    g.pending.append(self.start(g, k))
+        return hook
+
+    def start(self, g, k: int) -> tuple:
+        (lo, hi), = g.watch.buckets[k]
+        return (comm.start_all_reduce(g.grad[lo:hi], self.group),)
+
+    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
         """The gradients summed over dp, in place."""
+        if g.watch is not None:
+            wait_all(g)
+            return flat
         return all_reduce_buckets(flat, self.group, self.bucket_elems)
 
     def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:

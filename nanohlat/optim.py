@@ -5,22 +5,24 @@ One optimizer serves every layout. Each parameter is a view of a flat buffer
 the buffer from the parameters and scatters it back, FlatGroup.load/store),
 one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer
 parts than tp: replicated kv heads), with fp32 gradients, Adam's moments and
-master weights (all, or this dp rank's 1/dp with --zero1): the parameters
+master weights (all, or this dp rank's 1/dp with --zero 1, 2): the parameters
 themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
 is AdamW per parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
-(FlatGroup.accumulate_hook) adds each micro-batch's gradient into the flat
-fp32 buffer as autograd produces it, and sets `p.grad` to None. A step is
-four phases, each a public method (train.py calls them by name):
+(data_parallel.accumulate_hook; ZeRO-2's reduce-scatters buckets, zero2.py)
+adds each micro-batch's gradient into the flat fp32 buffer as autograd
+produces it, and sets `p.grad` to None. A step is four phases, each a public
+method (train.py calls them by name):
 
-    1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter)
+    1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter;
+                          ZeRO-2's and overlapped buckets: only waited for)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
     4. write_back         (ZeRO-1 all-gather) -> the model's parameters (if not written already)
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
-`data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` with --zero1.
+`data_parallel.ReplicatedDP`, `zero1.ZeroOneDP` (--zero 1) or `zero2.ZeroTwoDP`.
 
 The global grad norm (docs/design.md 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
@@ -29,7 +31,7 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
     likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
-    except under ZeRO-1, where each dp rank holds a different shard -> sum over dp.
+    except under ZeRO-1 and 2, where each dp rank holds a different shard -> sum over dp.
 Get any of these wrong and clipping silently differs between layouts.
 
 Every holder of an element (dp replicas, tp-replicated norms) computes the same
@@ -44,7 +46,7 @@ import math
 
 import torch
 
-from . import comm, data_parallel, zero1
+from . import comm, data_parallel, zero1, zero2
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
 
@@ -97,6 +99,10 @@ class FlatGroup:
                  tp_rank=0, tp=1):
         self.names, self.params = names, params
         self.decay, self.tp_replicated = decay, tp_replicated
+        # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
+        # norms saw only their rank's tokens, the kv heads' copies only their own query heads
+        sp = tp > 1 and tp_replicated and any(p.shard.sequence_parallel for p in params)
+        self.partial = "tp" if sp else "kv" if not tp_replicated and tp // params[0].shard.parts > 1 else None
         self.numel = sum(p.numel() for p in params)
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
@@ -112,12 +118,14 @@ class FlatGroup:
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # fp32 gradients, added micro-batch by micro-batch (accumulate_hook); later AdamW's scratch space
-        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        # fp32 gradients (ZeRO-2: this rank's shard of them), added micro-batch by micro-batch by
+        # the hooks (dp.grad_hook: data_parallel.accumulate_hook, or ZeRO-2's); later AdamW's scratch space
+        self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
+        self.watch, self.pending = dp.watch(self), []    # overlap, ZeRO-2: buckets filled, collectives started
         for p, off in zip(params, self.offsets):
             if self.aliased:
                 p.data = self.flat[off:off + p.numel()].view_as(p)
-            p.register_post_accumulate_grad_hook(self.accumulate_hook(off, p.numel()))
+            p.register_post_accumulate_grad_hook(dp.grad_hook(self, off, p.numel()))
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
@@ -138,17 +146,6 @@ class FlatGroup:
                 p.data.copy_(self.flat[off:off + p.numel()].view_as(p))
             self.flat, self.master = None, (None if self.master_is_params else self.master)
 
-    def accumulate_hook(self, off: int, numel: int):
-        """The post-accumulate-grad hook of the parameter at `off`: add its fresh gradient (one
-        micro-batch's) into the fp32 buffer and free it (p.grad = None): nothing summed in bf16."""
-        view = self.grad[off:off + numel]
-
-        def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                view.add_(p.grad.reshape(-1))
-                p.grad = None
-        return hook
-
     def flatten(self, tensors, dtype) -> torch.Tensor:
         """Concatenate tensors (as dtype) and zero-pad to the sharded length."""
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
@@ -161,11 +158,13 @@ class FlatAdamW:
 
     def __init__(self, model, mesh, tcfg, device):
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
-        self.zero, self.precision = tcfg.zero1, tcfg.precision
+        self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
-        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards
-        self.dp = (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)(
-            mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4))
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's or ZeRO-2's shards;
+        # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
+        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP)[tcfg.zero](
+            mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,
+            tcfg.overlap_grad_reduce and device.kind != "xla")
         by_kind: dict = {}
         for name, p in model.named_parameters():
             key = (p.ndim >= 2, p.shard.dim is None, p.shard.parts)   # (decay, tp-replicated, parts over tp)
@@ -181,6 +180,8 @@ class FlatAdamW:
         """Start a step's gradient accumulation: clear the fp32 buffers."""
         for g in self.groups:
             g.grad.zero_()
+            if g.watch is not None:
+                g.watch.reset()
             for p in g.params:
                 p.grad = None
 
@@ -195,16 +196,15 @@ class FlatAdamW:
 
     @torch.no_grad()
     def reduce_gradients(self) -> list[torch.Tensor]:
-        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard)."""
+        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard),
+        and over tp where its tp ranks hold partial sums (FlatGroup.partial): first, or on the
+        shard once ZeRO-2's backward has summed over dp."""
         grads = []
         for g in self.groups:
-            flat = g.grad
-            if g.tp_replicated and self.mesh.tp > 1 and any(p.shard.sequence_parallel for p in g.params):
-                # sequence-parallel norms saw only their rank's tokens: add the partial grads
-                flat = comm.all_reduce(flat, self.mesh.tp_group, inplace=True)
-            if not g.tp_replicated and self.mesh.tp // g.params[0].shard.parts > 1:   # kv heads' copies saw
-                flat = comm.all_reduce(flat, self.mesh.group("kv"), inplace=True)   # their query heads: add up
-            grads.append(self.dp.reduce_gradients(flat))
+            def tp_sum(flat):
+                return comm.all_reduce(flat, self.mesh.group(g.partial), inplace=True) if g.partial else flat
+            grads.append(tp_sum(self.dp.reduce_gradients(g, g.grad)) if self.dp.in_backward
+                         else self.dp.reduce_gradients(g, tp_sum(g.grad)))
         return grads
 
     @torch.no_grad()

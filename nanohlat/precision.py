@@ -23,7 +23,7 @@ the parameter dtype, the master weights ARE that buffer (this dp rank's 1/dp
 slice of it with ZeRO-1): no second copy, the update is written straight into
 the parameters. Only bf16-mixed keeps a separate fp32 master (4 more bytes per
 parameter, 1/dp with ZeRO-1). Gradients always accumulate in fp32
-(optim.FlatGroup.accumulate_hook). Adam's moments are fp32, or with
+(data_parallel.accumulate_hook). Adam's moments are fp32, or with
 `--moments bf16` (bf16-sr only: what HLAT's pure-bf16 stack did) bf16, updated
 in fp32 and stored with stochastic rounding like the weights (2 + 2 bytes
 instead of 4 + 4 per parameter).

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .data_parallel import bucket_ranges
+from .data_parallel import ReplicatedDP, bucket_ranges, wait_all
 
 
 def padded_size(numel: int, dp: int) -> int:
@@ -88,21 +88,35 @@ def all_gather_buckets(shard: torch.Tensor, group, bucket_elems: int) -> torch.T
     # exercise 3c: end
 
 
-class ZeroOneDP:
-    """The sharded update: this dp rank owns [start, stop) of every flat buffer."""
+class ZeroOneDP(ReplicatedDP):
+    """The sharded update: this dp rank owns [start, stop) of every flat buffer.
+    (ReplicatedDP's hooks and overlap; buckets are columns of the (dp, S) view.)"""
 
     sharded = True
-
-    def __init__(self, group, bucket_elems: int):
-        self.group, self.bucket_elems = group, bucket_elems
 
     def layout(self, numel: int) -> tuple[int, int, int]:
         """(padded length, start, stop) of a flat buffer of `numel` elements."""
         return (padded_size(numel, self.group.size),
                 *shard_range(numel, self.group.size, self.group.rank))
 
-    def reduce_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+    def buckets(self, padded: int) -> list:
+        """reduce_scatter_buckets' buckets as flat ranges: columns [a, b) of every row."""
+        n, cols = self.group.size, padded // self.group.size
+        return [[(r * cols + a, r * cols + b) for r in range(n)] for a, b in bucket_ranges(cols, self.bucket_elems // n)]
+
+    def start(self, g, k: int) -> tuple:
+        """Overlap: reduce-scatter bucket k into its columns of this rank's shard (g.reduced)."""
+        if not g.pending:
+            g.reduced = torch.empty(g.padded // self.group.size, dtype=g.grad.dtype, device=g.grad.device)
+        (a, b), n = g.watch.buckets[k][0], self.group.size
+        piece = g.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
+        return comm.start_reduce_scatter(piece, g.reduced[a:b], self.group), piece
+
+    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
         """Summed gradients of this rank's shard."""
+        if g.watch is not None:
+            wait_all(g)
+            return g.reduced
         return reduce_scatter_buckets(flat, self.group, self.bucket_elems)
 
     def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:

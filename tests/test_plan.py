@@ -123,7 +123,7 @@ def test_hlats_layouts_leave_two_gib_of_a_neuroncore(argv, world):
     docs/trn1.md section 4) peak at most 14 of a NeuronCore's 16 GiB: the runtime and the
     compiler's scratch need the rest."""
     model, train = config.parse_args(argv)
-    assert train.zero1 == (argv[1] == "hlat-70b")
+    assert train.zero == (1 if argv[1] == "hlat-70b" else 0)
     text = plan.report(model, train, world)
     peak = re.search(r"largest stage \d+: ([\d.]+) GiB of 16.00 GiB on one NeuronCore-v2: fits", text)
     assert peak and float(peak.group(1)) <= 14.0, text[-3000:]
@@ -572,7 +572,7 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
     fits = [r for r in rows if r["fits"]]
     steps = [r["estimate"]["step"] for r in rows]
     assert steps == sorted(steps) and all(r["peak_memory"] <= 16 * 2**30 for r in fits)
-    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero1) == (8, 1, 4, False)
+    own = [r for r in rows if (r["t"].tp, r["t"].pp, r["t"].microbatches, r["t"].zero) == (8, 1, 4, 0)
            and r["t"].sequence_parallel and r["t"].activation_checkpointing == "selective"]
     assert len(own) == 1
 
@@ -580,13 +580,22 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
 def test_search_enumerates_every_valid_layout_of_a_small_case():
     """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
     (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
-    SP only with tp > 1, ZeRO-1 only with dp > 1; 3 checkpointing modes each."""
+    SP only with tp > 1, ZeRO stages 1 and 2 and overlapped reduction on or off (cpu, cuda)
+    only with dp > 1; 3 checkpointing modes each. Overlap makes each dp > 1 step faster."""
     model, t = config.parse_args(TINY + ["--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 4))
-    per = {(1, 1, 4): 2 * 1 * 2, (1, 2, 2): 3 * 1 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 2, (2, 2, 1): 4 * 2,
-           (4, 1, 1): 4 * 2}                   # (divisors of batch/dp) x SP choices x ZeRO-1 choices
+    per = {(1, 1, 4): 2 * 1 * 3 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 3 * 2,
+           (2, 2, 1): 4 * 2, (4, 1, 1): 4 * 2}  # (divisors of batch/dp) x SP choices x ZeRO stages x overlap
     assert len(layouts) == 3 * sum(per.values())
     assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
+    assert {(c.zero, c.overlap_grad_reduce) for c in layouts if c.tp * c.pp < 4} == \
+        {(z, o) for z in (0, 1, 2) for o in (True, False)}
+    step = {plan._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
+    for name, s in step.items():
+        if name[-1] and name[0] * name[1] < 4:    # overlapped at dp > 1: faster than the same layout without
+            assert s < step[name[:-1] + (False,)], name
+    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing
+    assert {c.overlap_grad_reduce for c in plan.candidate_layouts(model, t, 4)} == {True}
 
 
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():

@@ -306,7 +306,7 @@ class TrainLog:
                                     v=tcfg.virtual_stages))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
-                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({'ZeRO-1' if tcfg.zero1 else 'replicated'})")
+                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'})")
         self.writer = MetricsWriter(self.path) if self.main else None
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len

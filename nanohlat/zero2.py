@@ -1,0 +1,95 @@
+"""ZeRO stage 2: shard the gradients too (Rajbhandari et al. 2020, section 5.2).
+
+ZeRO-1 still keeps the whole fp32 gradient buffer on every dp rank (4 bytes
+per parameter, as much as the two fp32 moments together) although after the
+reduce-scatter each rank only ever reads its own 1/dp of it. ZeRO-2 keeps
+only that shard. The buckets are ZeRO-1's (columns [a, b) of the (dp, S)
+view of the flat buffer), but they are reduce-scattered *during* every
+micro-batch's backward, each as soon as its last gradient arrives
+(`data_parallel.BucketWatch`), and the summed columns are added into the
+shard: in fp32, so accumulating over micro-batches stays exact up to
+round-off, as in the full buffer.
+
+    backward of micro-batch i:  p.grad -> its bucket's staging (dp x columns, fp32)
+                                bucket full -> reduce-scatter -> shard[a:b] += my columns
+    between micro-batches:      only the 1/dp shard (and no staging) is kept
+
+Costs: a bucket is staged only while it fills, but a bucket holds a piece of
+every dp row, far apart in the buffer: the last layers' gradients start every
+bucket, the first layers' complete them, and at the backward's midpoint the
+staging is the whole buffer's 4 bytes per parameter (the plan counts that
+much; tutorial chapter 3 says what frameworks do instead). And the gradients cross the wire once per
+*micro-batch*, not once per step: M micro-batches send M times ZeRO-1's
+reduce-scatter bytes. The sums over tp that some groups need (the SP norms,
+the kv copies: optim.FlatAdamW.reduce_gradients) then run on the shard.
+
+With --overlap-grad-reduce the reduce-scatter runs while autograd goes on and
+is waited on (and added) when the same bucket fills again, or in phase 1 of
+the step; without, right away. The same sums, in the same order: bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .data_parallel import BucketWatch
+from .zero1 import ZeroOneDP
+
+
+class ZeroTwoDP(ZeroOneDP):
+    """ZeRO-1's sharded update, with the gradient buffer itself the shard [start, stop)."""
+
+    in_backward = True         # summed over dp in the backward: tp sums come after (optim.py)
+
+    def grad_length(self, padded: int) -> int:
+        return padded // self.group.size
+
+    def watch(self, g) -> BucketWatch:
+        """Every micro-batch fills every bucket once; nothing in flight, nothing staged yet."""
+        g.staged, g.flight = {}, {}
+        return BucketWatch(self.buckets(g.padded), g.numel, 1)
+
+    def grad_hook(self, g, off: int, numel: int):
+        """Copy the parameter's gradient into the staging of each bucket it falls in, and
+        reduce-scatter each bucket it completes (the staging is zeros where nothing falls: padding)."""
+        pieces = g.watch.pieces(off, numel)
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            grad = p.grad.reshape(-1)
+            for k, lo, hi, at in pieces:
+                if k not in g.staged:
+                    size = sum(b - a for a, b in g.watch.buckets[k])
+                    g.staged[k] = torch.zeros(size, dtype=torch.float32, device=grad.device)
+                g.staged[k][at:at + hi - lo].copy_(grad[lo - off:hi - off])
+                if g.watch.filled(k, hi - lo):
+                    self.reduce_bucket(g, k)
+            p.grad = None
+        return hook
+
+    def reduce_bucket(self, g, k: int) -> None:
+        """Bucket k is full: reduce-scatter it (started, with overlap) and free its staging."""
+        self.finish(g, k)                                # the previous micro-batch's, if still in flight
+        piece, (a, b) = g.staged.pop(k), g.watch.buckets[k][0]
+        if self.overlap:
+            out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
+            g.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)
+        else:
+            g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
+
+    def finish(self, g, k: int) -> None:
+        if k in g.flight:
+            work, out, _ = g.flight.pop(k)
+            work.wait()
+            g.grad[g.watch.buckets[k][0][0]:g.watch.buckets[k][0][1]].add_(out)
+
+    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
+        """Phase 1: the shard already holds the dp sum; finish what is still in flight."""
+        if g.staged:
+            raise RuntimeError(f"ZeRO-2: buckets {sorted(g.staged)} of a gradient buffer never filled "
+                               f"(a parameter got no gradient in some micro-batch)")
+        for k in sorted(g.flight):
+            self.finish(g, k)
+        return flat

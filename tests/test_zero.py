@@ -1,0 +1,262 @@
+"""ZeRO stages beside each other (zero1.py): the --zero flag and its old spelling --zero1."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from nanohlat import config
+from nanohlat.config import UserError
+
+TINY = ["--preset", "tiny"]
+
+
+def test_zero1_is_the_older_spelling_of_zero_1():
+    assert config.parse_args(TINY + ["--zero1"])[1].zero == 1
+    assert config.parse_args(TINY + ["--zero", "1"])[1].zero == 1
+    assert config.parse_args(TINY)[1].zero == 0
+    assert config.parse_args(["--preset", "hlat-70b"])[1].zero == 1
+
+
+@pytest.mark.parametrize("argv, words", [(["--zero", "4"], "not a ZeRO stage"),
+                                         (["--zero", "-1"], "not a ZeRO stage"),
+                                         (["--zero1", "--zero", "0"], "older spelling"),
+                                         (["--zero", "3"], "not implemented"),
+                                         (["--zero", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
+                                          "not supported: ZeRO-2 reduce-scatters a bucket")])
+def test_bad_zero_flags_are_refused_in_one_line(argv, words):
+    with pytest.raises(UserError, match=words) as e:
+        config.parse_args(TINY + argv)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------
+# Two ranks, dp 2: every ZeRO stage, overlapped and not; checkpoints across stages
+# ---------------------------------------------------------------------------
+
+BASE = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
+        "--warmup-steps", "2", "--microbatches", "2", "--bucket-mb", "0.05", "--check-replicas", "1"]
+STAGES = {f"z{z}_{o}": ["--dp", "2", "--zero", str(z), f"--{o}-grad-reduce"]
+          for z in (0, 1, 2) for o in ("overlap", "no-overlap")}
+# pure bf16 with stochastic rounding and bf16 moments (the rounding noise must not see the overlap)
+BF16 = {f"z2_bf16sr_{o}": ["--dp", "2", "--zero", "2", "--precision", "bf16-sr", "--moments", "bf16",
+                           f"--{o}-grad-reduce"] for o in ("overlap", "no-overlap")}
+# a ZeRO-2 checkpoint (step 2) continued with ZeRO-0 at dp 2, and ZeRO-0's continued with ZeRO-2
+RESUMED = {"z0_from_z2": ["--dp", "2", "--zero", "0"], "z2_from_z0": ["--dp", "2", "--zero", "2"]}
+LOSS_TOL = 2e-5     # fp32 round-off through 5 steps (tests/test_parallel.py's tolerance)
+
+
+def _flags(cache_dir, out_dir, extra):
+    return BASE + ["--cache-dir", cache_dir, "--out-dir", str(out_dir)] + extra
+
+
+def _ckpt(out_dir, step: int) -> str:
+    return str(out_dir / "checkpoints" / f"step_{step:08d}")
+
+
+def log_collectives(rank: int) -> None:
+    """In each worker: note in $ZERO_TEST_LOG/rank{rank}.txt each run's start ('run'), each
+    collective a hook started in the backward ('start'), each phase 1 of a step ('phase1') and,
+    after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none)."""
+    import train
+    from nanohlat import comm, optim, pipeline, zero2
+    path = os.path.join(os.environ["ZERO_TEST_LOG"], f"rank{rank}.txt")
+
+    def noting(fn, what):
+        def wrapper(*args, **kwargs):
+            with open(path, "a") as f:
+                f.write(what + "\n")
+            return fn(*args, **kwargs)
+        return wrapper
+    train.train = noting(train.train, "run")
+    # after each micro-batch's backward: the ZeRO-2 staging still held (its groups, as the optimizer makes them)
+    groups = []
+    watch = zero2.ZeroTwoDP.watch
+    zero2.ZeroTwoDP.watch = lambda self, g: groups.append(g) or watch(self, g)
+    backward = pipeline.PipelineRunner._backward
+
+    def backward_then_note(self, i, *chunk):
+        out = backward(self, i, *chunk)
+        with open(path, "a") as f:
+            f.write(f"staged{sum(t.numel() for g in groups for t in g.staged.values())}\n")
+        return out
+    pipeline.PipelineRunner._backward = backward_then_note
+    comm.start_all_reduce = noting(comm.start_all_reduce, "start")
+    comm.start_reduce_scatter = noting(comm.start_reduce_scatter, "start")
+    optim.FlatAdamW.reduce_gradients = noting(optim.FlatAdamW.reduce_gradients, "phase1")
+
+
+@pytest.fixture(scope="module")
+def stage_runs(cache_dir, tmp_path_factory):
+    """Every run of STAGES (then RESUMED) in one group of 2 gloo workers; name -> (argv, out dir),
+    and "log" -> rank 0's log_collectives, one list of events per run."""
+    from dist_utils import run_layouts
+    root = tmp_path_factory.mktemp("zero")
+    runs = {name: _flags(cache_dir, root / name, extra + (["--save-every", "2"] if "_overlap" in name else []))
+            for name, extra in (STAGES | BF16).items()}
+    runs |= {name: _flags(cache_dir, root / name, extra + ["--resume", _ckpt(root / f"{name[-2:]}_overlap", 2)])
+             for name, extra in RESUMED.items()}
+    os.environ["ZERO_TEST_LOG"] = str(root)
+    try:
+        run_layouts(2, list(runs.values()), str(root / "errors"), setup=log_collectives)
+    finally:
+        del os.environ["ZERO_TEST_LOG"]
+    with open(root / "rank0.txt") as f:
+        per_run = f.read().split("run\n")[1:]
+    return {name: (argv, root / name) for name, argv in runs.items()} | {
+        "log": dict(zip(runs, (r.split() for r in per_run), strict=True))}
+
+
+def test_overlap_starts_every_bucket_in_the_backward(stage_runs):
+    """With overlap, every bucket's dp collective starts in the backward, before phase 1 (once
+    per step, or per micro-batch with ZeRO-2: the ledger's calls, less the loss's all-reduce);
+    without overlap, none does (ZeRO-2 then reduce-scatters in the backward, synchronously)."""
+    log = stage_runs["log"]
+    for name in STAGES:
+        steps = " ".join(e for e in log[name] if not e.startswith("staged")).split("phase1")[:-1]
+        assert len(steps) == 5, name
+        started = [s.split().count("start") for s in steps]
+        calls = _summary(stage_runs[name][1])["comm_calls"]
+        buckets = calls["dp.all_reduce"] - 1 if name[:2] == "z0" else calls["dp.reduce_scatter"]
+        buckets = buckets if "_overlap" in name else 0
+        assert started == [buckets] * 5, (name, started)
+
+
+def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
+    """After every micro-batch's backward every ZeRO-2 bucket has been reduce-scattered and its
+    staging freed: what stays is the 1/dp shard (grad_bytes, the test below)."""
+    for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
+        staged = [e for e in stage_runs["log"][name] if e.startswith("staged")]
+        assert staged == ["staged0"] * 10, (name, staged)      # 5 steps x 2 micro-batches
+
+
+def _metrics(out_dir):
+    from conftest import read_metrics
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(str(out_dir))]
+
+
+def _summary(out_dir):
+    with open(out_dir / "summary.json") as f:
+        return json.load(f)
+
+
+def test_every_zero_stage_trains_like_plain_data_parallelism(stage_runs):
+    ref = _metrics(stage_runs["z0_no-overlap"][1])
+    assert [s for s, _, _ in ref] == [1, 2, 3, 4, 5]
+    for name in STAGES:
+        for (s, loss, norm), (_, ref_loss, ref_norm) in zip(_metrics(stage_runs[name][1]), ref, strict=True):
+            assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
+            assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
+
+
+@pytest.mark.parametrize("zero", ["z0", "z1", "z2", "z2_bf16sr"])
+def test_overlapped_reduction_is_bitwise_the_same_and_moves_the_same_bytes(stage_runs, zero):
+    """--overlap-grad-reduce only moves when each bucket's collective starts: the same
+    losses and norms to the last bit, the same final weights, the same comm ledger."""
+    import torch
+    on, off = stage_runs[f"{zero}_overlap"][1], stage_runs[f"{zero}_no-overlap"][1]
+    assert _metrics(on) == _metrics(off)
+    a, b = _summary(on), _summary(off)
+    assert {k: v for k, v in a.items() if k != "peak_memory"} == {k: v for k, v in b.items() if k != "peak_memory"}
+    for rank in range(2):   # the weights and the optimizer state (ZeRO: each rank's shard of it)
+        a = torch.load(f"{_ckpt(on, 5)}/shard_{rank:05d}.pt", weights_only=True)
+        b = torch.load(f"{_ckpt(off, 5)}/shard_{rank:05d}.pt", weights_only=True)
+        assert _same(a["model"], b["model"]) and _same(a["optim"], b["optim"]) and (rank or a["optim"])
+
+
+def _same(a, b) -> bool:
+    """Bitwise equality of nested dicts / lists of tensors and numbers."""
+    import torch
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_zero2_keeps_half_the_gradient_bytes_and_the_plan_predicts_every_byte(stage_runs):
+    from test_plan import assert_run_matches_plan
+    for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
+        argv, out = stage_runs[name]
+        assert_run_matches_plan(out, argv, 2)
+    z0, z1, z2 = (_summary(stage_runs[f"z{z}_overlap"][1]) for z in (0, 1, 2))
+    assert z2["grad_bytes"] <= 0.55 * z0["grad_bytes"] and z2["grad_bytes"] == 4 * (249_856 + 576) // 2
+    assert z1["grad_bytes"] == z0["grad_bytes"]            # ZeRO-1 keeps the whole gradient buffer
+    assert z2["optimizer_bytes"] == z1["optimizer_bytes"] == z0["optimizer_bytes"] // 2
+    # ZeRO-2 reduce-scatters every micro-batch (2 here): twice ZeRO-1's gradient bytes on the wire
+    assert z2["comm_wire_bytes"]["dp.reduce_scatter"] == 2 * z1["comm_wire_bytes"]["dp.reduce_scatter"]
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_checkpoints_continue_in_another_zero_stage(stage_runs, name):
+    """Steps 3-5 after a checkpoint of step 2 saved by another stage: the uninterrupted run's."""
+    got, ref = _metrics(stage_runs[name][1]), _metrics(stage_runs["z0_no-overlap"][1])[2:]
+    assert [s for s, _, _ in got] == [3, 4, 5]
+    for (s, loss, _), (_, ref_loss, _) in zip(got, ref, strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
+
+
+def test_a_zero2_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_path):
+    import train
+    from nanohlat.run import preflight
+    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume",
+                                                                            _ckpt(stage_runs["z2_overlap"][1], 2)]))
+    train.train(*preflight.inputs(model_cfg, tcfg))
+    ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
+    for (s, loss, _), (_, ref_loss, _) in zip(_metrics(tmp_path / "one"), ref, strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (s, loss, ref_loss)
+
+
+# ---------------------------------------------------------------------------
+# Four ranks: ZeRO-2 beside tensor + sequence parallelism and beside pipeline parallelism
+# ---------------------------------------------------------------------------
+
+WORLD4 = {"tp2_dp2_sp_z2": ["--tp", "2", "--dp", "2", "--sequence-parallel", "--zero", "2"],
+          "pp2_dp2_z2": ["--pp", "2", "--dp", "2", "--zero", "2"]}
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """One process, the same flags otherwise: (argv, out dir)."""
+    import train
+    from nanohlat.run import preflight
+    out = tmp_path_factory.mktemp("zero_ref")
+    argv = _flags(cache_dir, out, ["--no-progress"])
+    train.train(*preflight.inputs(*config.parse_args(argv)))
+    return argv, out
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(cache_dir, tmp_path_factory, stage_runs):
+    """WORLD4's runs, and tp 2 x dp 2 ZeRO-2 continuing the dp 2 ZeRO-2 checkpoint of step 2."""
+    from dist_utils import run_layouts
+    root = tmp_path_factory.mktemp("zero4")
+    runs = {name: _flags(cache_dir, root / name, extra) for name, extra in WORLD4.items()}
+    runs["tp2_dp2_z2_from_dp2"] = _flags(cache_dir, root / "tp2_dp2_z2_from_dp2",
+                                         ["--tp", "2", "--dp", "2", "--zero", "2", "--resume",
+                                          _ckpt(stage_runs["z2_overlap"][1], 2)])
+    run_layouts(4, list(runs.values()), str(root / "errors"))
+    return {name: (argv, root / name) for name, argv in runs.items()}
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_zero2_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_process(four_rank_runs, reference,
+                                                                                   name):
+    """Losses and grad norms of one process (fp32 round-off), replicas checked every step
+    (--check-replicas 1), and the comm ledger and kept bytes of the plan: ZeRO-2's tp sums
+    of the SP norm gains run on the 1/dp shard."""
+    from test_plan import assert_run_matches_plan
+    argv, out = four_rank_runs[name]
+    for (s, loss, norm), (_, ref_loss, ref_norm) in zip(_metrics(out), _metrics(reference[1]), strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
+        assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
+    assert_run_matches_plan(out, argv, 4)
+
+
+def test_a_zero2_checkpoint_continues_in_another_layout(four_rank_runs, reference):
+    got, ref = _metrics(four_rank_runs["tp2_dp2_z2_from_dp2"][1]), _metrics(reference[1])[2:]
+    assert [s for s, _, _ in got] == [3, 4, 5]
+    for (s, loss, _), (_, ref_loss, _) in zip(got, ref, strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL, (s, loss, ref_loss)
