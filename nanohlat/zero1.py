@@ -116,7 +116,8 @@ class ZeroOneDP(ReplicatedDP):
         """Summed gradients of this rank's shard."""
         if g.watch is not None:
             wait_all(g)
-            return g.reduced
+            out, g.reduced = g.reduced, None             # (kept no longer than without overlap)
+            return out
         return reduce_scatter_buckets(flat, self.group, self.bucket_elems)
 
     def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:

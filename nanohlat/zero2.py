@@ -23,9 +23,9 @@ much; tutorial chapter 3 says what frameworks do instead). And the gradients cro
 reduce-scatter bytes. The sums over tp that some groups need (the SP norms,
 the kv copies: optim.FlatAdamW.reduce_gradients) then run on the shard.
 
-With --overlap-grad-reduce the reduce-scatter runs while autograd goes on and
-is waited on (and added) when the same bucket fills again, or in phase 1 of
-the step; without, right away. The same sums, in the same order: bit for bit.
+With --overlap-grad-reduce the reduce-scatter runs while autograd goes on, and
+all are waited on (and added) once the micro-batch started its last bucket: no
+staging kept between micro-batches. Without, each runs right away. Bit for bit.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ class ZeroTwoDP(ZeroOneDP):
         if self.overlap:
             out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
             g.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)
+            if len(g.flight) == len(g.watch.buckets):    # this micro-batch's last: keep no staging after it
+                for j in sorted(g.flight):
+                    self.finish(g, j)
         else:
             g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
 
@@ -89,7 +92,7 @@ class ZeroTwoDP(ZeroOneDP):
         """Phase 1: the shard already holds the dp sum; finish what is still in flight."""
         if g.staged:
             raise RuntimeError(f"ZeRO-2: buckets {sorted(g.staged)} of a gradient buffer never filled "
-                               f"(a parameter got no gradient in some micro-batch)")
+                               f"(a parameter got no gradient in some micro-batch); run with --zero 1")
         for k in sorted(g.flight):
             self.finish(g, k)
         return flat

@@ -80,7 +80,9 @@ def log_collectives(rank: int) -> None:
     def backward_then_note(self, i, *chunk):
         out = backward(self, i, *chunk)
         with open(path, "a") as f:
-            f.write(f"staged{sum(t.numel() for g in groups for t in g.staged.values())}\n")
+            held = sum(t.numel() for g in groups for t in g.staged.values())
+            held += sum(out.numel() + piece.numel() for g in groups for _, out, piece in g.flight.values())
+            f.write(f"staged{held}\n")
         return out
     pipeline.PipelineRunner._backward = backward_then_note
     comm.start_all_reduce = noting(comm.start_all_reduce, "start")
@@ -126,7 +128,7 @@ def test_overlap_starts_every_bucket_in_the_backward(stage_runs):
 
 def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
     """After every micro-batch's backward every ZeRO-2 bucket has been reduce-scattered and its
-    staging freed: what stays is the 1/dp shard (grad_bytes, the test below)."""
+    staging freed, in flight (overlap) or not: what stays is the 1/dp shard (grad_bytes, below)."""
     for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
         staged = [e for e in stage_runs["log"][name] if e.startswith("staged")]
         assert staged == ["staged0"] * 10, (name, staged)      # 5 steps x 2 micro-batches

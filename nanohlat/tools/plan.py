@@ -11,7 +11,7 @@ Memory per rank, at its peak, the larger of the step's two phases:
 
     weights + gradients + optimizer state + fp32 gradient buffers
         + max(activations + loss backward,              forward/backward
-              ZeRO-1 shards and gathers (+ temporaries)) optimizer step
+              ZeRO shards and gathers (+ temporaries))   optimizer step
 
     weights       parameters x 2 B (bf16) or 4 B (fp32)
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
@@ -19,7 +19,7 @@ Memory per rank, at its peak, the larger of the step's two phases:
     optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
                   weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
                   in fp32, bf16-sr and bf16 they are the parameters (0 B);
-                  1/dp of all that with ZeRO-1
+                  1/dp of all that with ZeRO-1 and 2
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
@@ -309,9 +309,12 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            "loss_backward": (4 + s) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
-           # ZeRO-2: buckets staged in the backward until their reduce-scatter, at most all of them
+           # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
            "grad_staging": 4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
                            if tcfg.zero >= 2 and dp > 1 else 0}
+    if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
+        # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
+        out["grad_staging"] += out["grad_staging"] // dp
     out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"]
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
