@@ -1,6 +1,6 @@
 """Every byte that moves between ranks goes through this file.
 
-Four operations are enough for 3D parallelism + ZeRO-1, and all of them exist
+Four operations are enough for 3D parallelism + ZeRO-1 and 2, and all of them exist
 on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
 
     all_reduce      x_i -> sum_i x_i on every rank        (tp row-parallel, dp grads)
@@ -35,9 +35,8 @@ the number of calls, on this rank (tutorial.md chapter 3 works them through):
     calls    how many times the collective ran
 
 The wire figure is what comm time depends on: ZeRO-1's reduce-scatter plus
-all-gather puts on the wire what one all-reduce does, and sequence
-parallelism's all-gather plus reduce-scatter what one tensor-parallel
-all-reduce does. `plan.comm_per_step` predicts all four figures from the
+all-gather puts on the wire what one all-reduce does, and SP's all-gather plus
+reduce-scatter what one tp all-reduce does (--sp-regather adds an all-gather). `plan.comm_per_step` predicts all four figures from the
 model shape; the tests hold the two to the byte. (Wire bytes are rounded down
 to whole bytes per call; every tensor in nanohlat splits evenly anyway.)
 """

@@ -64,9 +64,11 @@ def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Te
 
 class BucketWatch:
     """Which buckets of a flat gradient buffer each parameter's gradient fills. A bucket
-    is a list of flat [lo, hi) ranges (ZeRO: one per dp row); it is full once each of its
-    real elements (not the padding) got `every` gradients: every micro-batch (ZeRO-2), or
-    only the last one's completes it (an overlapped all-reduce or ZeRO-1 reduce-scatter)."""
+    is a list of flat [lo, hi) ranges (ZeRO: one per dp row); it is full once its real
+    elements (not the padding) got `every` gradients each: every micro-batch (ZeRO-2), or
+    only the last one's completes it (an overlapped all-reduce or ZeRO-1 reduce-scatter).
+    It counts elements: right while each parameter gets one gradient per micro-batch and (ZeRO-2)
+    one micro-batch's backward ends before the next starts (not so interleaved: config.py)."""
 
     def __init__(self, buckets: list, numel: int, every: int):
         self.buckets = buckets

@@ -237,7 +237,7 @@ def kv_groups(tp: int, pp: int, dp: int, k: int) -> list[list[int]]:
 # mesh.group("next") and mesh.group("prev"). The rest is there because the
 # xla backend wants each kind of group to be a partition of the ranks into
 # disjoint groups of one size, which the chain of pairs is not: so the pairs
-# come in two kinds, even and odd boundaries, plus an unused "wrap" pair.
+# come in two kinds, even and odd boundaries, plus the "wrap" pair (last -> first: interleaved).
 # Every backend builds them the same way.
 # ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ method (train.py calls them by name):
                           ZeRO-2's and overlapped buckets: only waited for)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
-    4. write_back         (ZeRO-1 all-gather) -> the model's parameters (if not written already)
+    4. write_back         (ZeRO-1/2 all-gather) -> the model's parameters (if not written already)
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
 `data_parallel.ReplicatedDP`, `zero1.ZeroOneDP` (--zero 1) or `zero2.ZeroTwoDP`.
@@ -226,7 +226,7 @@ class FlatAdamW:
 
     @torch.no_grad()
     def update(self, grads, lr: float, norm: torch.Tensor, finite: torch.Tensor) -> None:
-        """Phase 3: clip and AdamW on the master (ZeRO-1: this rank's shard of it).
+        """Phase 3: clip and AdamW on the master (ZeRO-1/2: this rank's shard of it).
 
         A non-finite step must change nothing, and on XLA an `if` on a device value
         would be a host sync. So the update always runs, and `keep` (1.0, or 0.0 when

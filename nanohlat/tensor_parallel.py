@@ -20,9 +20,10 @@ What moves, per block, for activations of shape (B, T, C) in dtype of s bytes:
     enter: identity  | bwd all-reduce      enter: all-gather T    | bwd reduce-scatter
     leave: all-reduce| bwd identity        leave: reduce-scatter T| bwd all-gather
 
-Both move the same bytes (an all-reduce is a reduce-scatter + all-gather), but
-with sequence parallel the norms and residual adds hold only
-T/tp of the sequence, cutting their activation memory by tp. Those four
+Both move the same bytes (an all-reduce is a reduce-scatter + all-gather; SP's
+--sp-regather adds one all-gather per enter in backward: below), but with
+sequence parallel the norms and residual adds hold only T/tp of the sequence,
+cutting their activation memory by tp. Those four
 functions are the "conjugate" pairs below; each one's backward is the other's
 forward.
 
@@ -413,8 +414,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 # their sum. No code in this file adds them: each replica's micro-batch
 # gradients accumulate in its own fp32 flat buffer (wk and wv of every layer
 # form one flat group, parts < tp), and once per step, before the dp
-# reduction, optim.py:FlatAdamW.reduce_gradients all-reduces that buffer over
-# the kv group, as it does the sequence-parallel norm gains' over tp. Every
+# reduction (ZeRO-2: after it, on the shard), optim.py:FlatAdamW.reduce_gradients
+# all-reduces that buffer over the kv group, as it does the sequence-parallel norm gains' over tp. Every
 # replica then holds the same full gradient, takes the same optimizer step,
 # and stays bitwise equal to its siblings. Cost per step: one all-reduce of
 # the group's fp32 buffer, 2 x layers x (head_dim, d_model) elements, however
