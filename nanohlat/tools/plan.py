@@ -552,16 +552,17 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
              + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
                 "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
                 "--device cpu or cuda for eager")]
-    rows = []
+    rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
     for s in shown_stages(pp):
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
                      f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
-                     fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"]), step, fmt_bytes(r["peak"])])
+                     fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
+                    + ([fmt_bytes(r["grad_staging"])] if staging else []) + [step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "fp32 grads", "loss bwd", "optimizer step", "peak"], rows)
+                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + ["optimizer step", "peak"], rows)
     L.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
              + (" + ZeRO-2's grad staging" if tcfg.zero >= 2 and dp > 1 else "") + ") and (optimizer step: "
