@@ -173,8 +173,8 @@ class PipelineRunner:
         self.model, self.mesh, self.device = model, mesh, device
         self.pp, self.stage = mesh.pp, mesh.pp_rank
         self.m = tcfg.microbatches
-        self.v = tcfg.virtual_stages                              # model chunks on this stage
-        self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)]
+        self.v = tcfg.virtual_stages              # model chunks on this stage (one: None, all its layers, no range for --compile)
+        self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)] if self.v > 1 else [None]
         self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
