@@ -262,6 +262,39 @@ def report_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def command(main, *args) -> int:
+    """Run a command's `main(*args)` (train.py, sample.py, eval.py, python -m
+    nanohlat.serving, ...) and return its exit code. An exercise stub of a
+    classroom student copy reached anywhere in it (nanohlat/classroom) ends it
+    with one line naming the exercise, exit code 2; any other exception is a
+    crash and keeps its traceback. (Workers say it through `worker_stub`.)"""
+    from nanohlat.classroom import not_done
+    try:
+        return main(*args)
+    except Exception as e:
+        line = not_done(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+def worker_stub(e: BaseException) -> None:
+    """In a worker's catch-all: an exercise stub reached (`command`) is this
+    worker's one-line error (report_error) and exit code 2; else nothing.
+    os._exit: a process group torn down at interpreter exit can abort the
+    process (gloo, see preflight.worker) and turn the 2 into a signal."""
+    from nanohlat.classroom import not_done
+    from nanohlat.run import runlock
+    line = not_done(e)
+    if line is not None:
+        report_error(line)
+        runlock.release_all()   # (torchrun's rank 0 holds the run lock itself)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
 def crash_line(e: BaseException) -> str:
     """An unexpected exception as one line: its type and the first line of its message."""
     first = (str(e).strip().splitlines() or [""])[0]
