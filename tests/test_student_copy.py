@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from nanohlat.classroom import kit as classroom
+from nanohlat.classroom import kit as classroom, needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALL = [e.id for e in classroom.EXERCISES]
@@ -109,3 +109,88 @@ def test_a_stubbed_loader_is_not_a_corrupt_checkpoint(student_copy, cache_dir, t
     # the same checkpoint in the reference: fine
     r = run_in(ROOT, "sample.py", "--out-dir", str(out), "--max-new-tokens", "2")
     assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------
+# What needs what (nanohlat/classroom/needs.py, needs.json)
+# ---------------------------------------------------------------------------
+
+def test_the_needs_map_lists_every_tutorial_command_and_every_check():
+    """needs.json covers exactly tutorial.md's runnable commands (tests/test_tutorial.py
+    checks, block by block, what each reaches) and every exercise's check
+    (tests/test_classroom.py checks what each reaches)."""
+    import test_tutorial
+    assert [cmds for _, cmds in needs.tutorial_blocks(ROOT)] == [cmds for cmds, _ in test_tutorial.runnable_blocks()]
+    data = needs.load()
+    listed = [(e["chapter"], e["command"]) for e in data["commands"]]
+    assert listed == needs.tutorial_commands(ROOT), (
+        f"tutorial.md's runnable commands changed: run `{needs.UPDATE}` (a few minutes)")
+    assert sorted(data["checks"]) == sorted(ALL), f"the exercises changed: run `{needs.UPDATE}`"
+    for entry in data["commands"]:
+        assert set(entry["needs"]) <= set(ALL) and entry["needs"] == needs.order(entry["needs"])
+    # the facts the teacher's guide and the issue reports rest on
+    assert {"1a", "1b", "4b"} <= set(data["checks"]["1c"])
+    assert "8a" in needs.chapter_needs(data)[9]      # sample.py loads a checkpoint through ShardSet.full
+
+
+def test_list_shows_what_each_chapter_and_check_needs():
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert classroom.main(["list"]) == 0
+    lines = needs.summary(needs.load())
+    assert lines and all(line in out.getvalue().splitlines() for line in lines), out.getvalue()
+    assert any(line.startswith("  chapter 1: train.py needs ") for line in lines), lines
+
+
+def test_a_copy_readme_says_what_needs_its_stubs(student_copy, tmp_path):
+    text = (student_copy / "README.md").read_text()
+    assert text.startswith("# Student copy") and "stubs for you to write" in text
+    assert all(line in text for line in needs.summary(needs.load(), only=set(ALL)))
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert text.endswith(f.read())                 # the repository's README follows, unchanged
+    classroom.make_copy(str(tmp_path / "ch4"), ["4a", "4b", "4c"], ROOT)
+    text = (tmp_path / "ch4" / "README.md").read_text()
+    head = text.split("---")[0]
+    assert "exercises 4a, 4b, 4c are stubs" in head
+    assert "train.py --nproc N needs 4a 4b 4c" in head and "1a" not in head, head
+
+
+def test_a_check_names_every_missing_exercise_it_needs(student_copy):
+    """1c's check runs through 1a, 1b and 4b: it names those still stubs, not just the first it reaches."""
+    stub_only(student_copy, ["1b", "4b"])
+    r = run_in(student_copy, "-m", "nanohlat.classroom", "check", "1c")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "not done yet: exercise 1c needs exercises 1b and 4b first" in r.stdout, r.stdout
+    assert "check 1b 4b" in r.stdout, r.stdout
+    stub_only(student_copy, ["1c", "1a"])
+    r = run_in(student_copy, "-m", "nanohlat.classroom", "check", "1c")
+    assert "not done yet: exercise 1c needs exercise 1a first (still stubs here" in r.stdout, r.stdout
+
+
+def test_the_tutorial_and_the_teachers_guide_say_what_the_trace_says():
+    """Each chapter of tutorial.md, and docs/teaching.md's course plan, state what
+    the chapter's commands and the checks need: the same as needs.json."""
+    data = needs.load()
+    with open(os.path.join(ROOT, "tutorial.md"), encoding="utf-8") as f:
+        tutorial = f.read()
+    flat = lambda text: " ".join(text.split())
+    chapters = re.split(r"^## ", tutorial, flags=re.M)
+    for chapter, ids in needs.chapter_needs(data).items():
+        text = flat(next(c for c in chapters if c.startswith(f"{chapter}. ")))
+        said = re.findall(r"this chapter's commands need exercises ([^.]*)\.", text)
+        if ids:
+            assert said == [needs.names(ids)], (chapter, said, ids)
+        else:
+            assert not said, chapter
+    with open(os.path.join(ROOT, "docs", "teaching.md"), encoding="utf-8") as f:
+        teaching = f.read()
+    assert needs.check_sentence(data) in flat(teaching)
+    rows = [line for line in teaching.splitlines() if re.match(r"\| \d+ \| \d+\. ", line)]
+    assert rows
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        chapters_of_row = [int(n) for n in re.findall(r"(?:^|; )(\d+)\. ", cells[1])]
+        want = needs.order(i for c in chapters_of_row for i in needs.chapter_needs(data).get(c, []))
+        assert cells[-1] == (" ".join(want) or "none"), row

@@ -40,6 +40,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from nanohlat.classroom import needs
 
 BLOCK = re.compile(r"```bash\n# runnable\n(.*?)```[ \t]*\n(?:\s*\n)*(?:```text\n(.*?)```)?", re.S)
 NUMBER = re.compile(r"\d+(?:,\d\d\d)*(?:\.\d+)?")
@@ -166,9 +167,11 @@ def mismatches(expected: list[str], actual: list[str], masks: list[re.Pattern] =
     return problems
 
 
-def run_block(commands: list[str], cwd) -> tuple[int, list[list[str]], str]:
+def run_block(commands: list[str], cwd, trace: str | None = None) -> tuple[int, list[list[str]], str]:
     """Run the block with bash -e -o pipefail (a failing step of a pipe fails the
-    block too); (exit code, output lines per command, whole transcript)."""
+    block too); (exit code, output lines per command, whole transcript). With
+    `trace` (a folder), what each command reaches of the exercise regions is
+    recorded there under the command's index (nanohlat/classroom/needs.py)."""
     for name in ("train.py", "sample.py", "eval.py", "nanohlat", "tests", "scripts", "pyproject.toml"):
         os.symlink(os.path.join(ROOT, name), cwd / name)
     bin_dir = cwd / "bin"
@@ -180,8 +183,11 @@ def run_block(commands: list[str], cwd) -> tuple[int, list[list[str]], str]:
     wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     wrapper.chmod(0o755)
     marker = "@@tutorial-command@@"
-    script = "".join(f"echo {marker}\n{command}\n" for command in commands)
+    script = "".join((needs.label_command(trace, str(i)) + "\n" if trace else "") + f"echo {marker}\n{command}\n"
+                     for i, command in enumerate(commands))
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    if trace:
+        env = needs.trace_env(trace, env)
     p = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=600)
     outputs = [chunk.splitlines() for chunk in p.stdout.split(marker + "\n")[1:]]
@@ -226,7 +232,9 @@ def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
     made_with = CORPUS_PYTHON.search(tutorial_text())
     assert made_with, "tutorial.md says which Python version its figures were made with"
     masks = MEASURED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
-    rc, outputs, out = run_block(commands, tmp_path)
+    trace = tmp_path / ".trace"
+    trace.mkdir()
+    rc, outputs, out = run_block(commands, tmp_path, trace=str(trace))
     assert rc == 0, f"block {index} failed:\n{commands}\n{out[-6000:]}"
     problems = []
     for command, expected, actual in zip(commands, expected_outputs(commands, transcript), outputs):
@@ -234,6 +242,28 @@ def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
             problems += [f"$ {command}\n  {p}" for p in mismatches(expected, actual, masks)]
     assert not problems, ("tutorial.md shows other output than the commands print (fix the code or the "
                           "transcript):\n" + "\n".join(problems) + f"\n\nwhole output:\n{out[-6000:]}")
+    compare_needs(index, commands, needs.read_hits(str(trace)))
+
+
+def compare_needs(index: int, commands: list[str], hits: dict[str, set[str]]) -> None:
+    """What each command of block `index` reached of the exercise regions, against
+    nanohlat/classroom/needs.json (the classroom kit's map of what needs what).
+    With NANOHLAT_NEEDS_RECORD=FILE it is appended there instead (`needs --update`)."""
+    chapter = needs.tutorial_blocks(ROOT)[index][0]
+    reached = [needs.order(hits.get(str(i), set())) for i in range(len(commands))]
+    record = os.environ.get("NANOHLAT_NEEDS_RECORD")
+    if record:
+        import json
+        with open(record, "a", encoding="utf-8") as f:
+            for command, ids in zip(commands, reached):
+                f.write(json.dumps({"chapter": chapter, "command": command, "needs": ids}) + "\n")
+        return
+    data = needs.load()
+    stale = [f"$ {c}\n  reached {' '.join(ids) or 'no exercise'}; needs.json says "
+             f"{' '.join(needs.stored(data, chapter, c) or []) if needs.stored(data, chapter, c) is not None else '(not listed)'}"
+             for c, ids in zip(commands, reached) if needs.stored(data, chapter, c) != ids]
+    assert not stale, ("nanohlat/classroom/needs.json is out of date (run `" + needs.UPDATE + "`: it runs "
+                       "the tutorial's blocks and the checks, 11 minutes on two busy cores):\n" + "\n".join(stale))
 
 
 def success_commands() -> list[str]:
