@@ -95,7 +95,8 @@ def test_a_stub_reached_on_the_ranks_of_nproc_2_is_one_line(student_copy, cache_
 
 @pytest.mark.slow
 def test_a_stubbed_loader_is_not_a_corrupt_checkpoint(student_copy, cache_dir, tmp_path):
-    """sample.py and eval.py with 8a (resharding) a stub: the checkpoint is fine, 8a is named."""
+    """sample.py (one process and its tp workers), eval.py and python -m nanohlat.serving with 8a
+    (resharding) a stub: the checkpoint is fine, 8a is named."""
     out = tmp_path / "ref"
     r = run_in(ROOT, "train.py", "--preset", "tiny", "--steps", "1", "--cache-dir", cache_dir, "--out-dir",
                str(out), "--no-progress", "--eval-every", "0")
@@ -106,6 +107,8 @@ def test_a_stubbed_loader_is_not_a_corrupt_checkpoint(student_copy, cache_dir, t
                                  "--nproc", "2", "--tp", "2"), "8a")
     assert_names_exercise(run_in(student_copy, "eval.py", "--out-dir", str(out), "--examples", "4",
                                  "--max-batches", "1", "--json", str(tmp_path / "eval.json")), "8a")
+    assert_names_exercise(run_in(student_copy, "-m", "nanohlat.serving", "--target", str(out), "--draft", str(out),
+                                 "--max-new-tokens", "2"), "8a")
     # the same checkpoint in the reference: fine
     r = run_in(ROOT, "sample.py", "--out-dir", str(out), "--max-new-tokens", "2")
     assert r.returncode == 0, r.stderr
