@@ -5,9 +5,11 @@ student (and a teacher planning sessions) needs to know, before running
 anything, which exercises each command needs. That is measured here on the
 reference code: every tutorial.md command that the test suite runs
 (tests/test_tutorial.py), and every exercise's check, runs with a tracer
-that records which exercise regions it enters; a command *needs* exactly the
-exercises whose regions it entered, which are the stubs it would reach in a
-copy where all of them are stubs.
+that records which exercise regions it enters. A command *needs* exactly the
+exercises whose regions it entered: a stub raises where its region begins,
+so each of them alone a stub would stop the command, and in a copy where all
+are stubs the student meets them one after another as they fill them in
+(no wrapper may catch a stub's error: tests/test_student_copy.py).
 
 The tracer. A process started with NANOHLAT_EXERCISE_TRACE=FOLDER and
 `hook_folder(FOLDER)` first on PYTHONPATH imports the `sitecustomize` written
@@ -23,7 +25,7 @@ of the traced commands compiles one.
 
 The result is kept in needs.json beside this file, written by
 `python -m nanohlat.classroom needs --update` (it runs the tutorial's
-blocks and the checks: minutes) and compared with a fresh trace by the tests
+blocks and the checks: 11 minutes on two busy cores) and compared with a fresh trace by the tests
 that run those anyway (tests/test_tutorial.py per block, tests/test_classroom.py
 for the checks), so it cannot go stale unnoticed.
 """
