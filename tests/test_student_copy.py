@@ -94,6 +94,19 @@ def test_a_stub_reached_on_the_ranks_of_nproc_2_is_one_line(student_copy, cache_
 
 
 @pytest.mark.slow
+def test_a_stub_on_some_ranks_only_is_named_last_and_its_peers_say_why_they_stopped(student_copy, cache_dir,
+                                                                                    tmp_path):
+    """4c (the vocab-parallel loss) runs on the last pipeline stage only: ranks 2 and 3
+    stop at it, ranks 0 and 1 then lose their peers mid-exchange."""
+    stub_only(student_copy, ["4c"])
+    r = run_in(student_copy, "train.py", "--preset", "tiny", "--steps", "1", "--nproc", "4", "--pp", "2", "--tp",
+               "2", "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "pp2"), "--no-progress")
+    assert_names_exercise(r, "4c")
+    assert "error: ranks 2, 3: exercise 4c is not done yet" in r.stderr, r.stderr
+    assert "error: ranks 0, 1: stopped: a peer rank reached an exercise stub (below)" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_a_stubbed_loader_is_not_a_corrupt_checkpoint(student_copy, cache_dir, tmp_path):
     """sample.py (one process and its tp workers), eval.py and python -m nanohlat.serving with 8a
     (resharding) a stub: the checkpoint is fine, 8a is named."""
