@@ -566,3 +566,9 @@ def test_the_plants_cover_every_exercise_and_chapter():
     for ex, words in (("4c", "large logits"), ("7a", "odd NaN"), ("7a", "noise drawn by the function"),
                       ("1a", "1.5 bf16 steps"), ("1c", "ragged rows")):
         assert any(words in p.catches for p in PLANTS if p.ex == ex), (ex, words)
+    # docs/teaching.md says how many there are
+    mistakes = [p for p in PLANTS if not p.right]
+    per = [sum(1 for p in mistakes if p.ex == e.id) for e in kit.EXERCISES]
+    with open(os.path.join(ROOT, "docs", "teaching.md"), encoding="utf-8") as f:
+        guide = " ".join(f.read().split())
+    assert f"plants {len(mistakes)} realistic wrong implementations ({min(per)} to {max(per)} per exercise" in guide
