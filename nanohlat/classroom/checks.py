@@ -7,10 +7,12 @@ plain dense PyTorch for the parallel layers, hand-derived timetables for the
 schedules, exhaustive enumeration for the mesh. A check never compares the
 student's code with itself.
 
-Every verdict starts with the name of the case that caught it ("large logits
-(about +-95)", "odd NaN and infinity bit patterns", "kv heads shared by
-ranks (tp > n_kv_heads)"): realistic and hostile inputs and every code path of
-the exercised function are cases of their own, so a student sees which one.
+A verdict on the student's code starts with the name of the case that caught
+it ("large logits (about +-95, padding logits 100)", "odd NaN and infinity
+bit patterns", "kv heads shared by ranks (tp > n_kv_heads)"): realistic and
+hostile inputs and every code path of the exercised function are cases of
+their own, so a student sees which one. (Not "not done yet", a stub's, nor a
+hang's, which names the ranks that never finished.)
 
 An exercise that moves data is checked on what it moves, too, once its values
 are right (`Wire` below): every collective a rank calls is recorded where it
@@ -18,7 +20,7 @@ enters torch.distributed, and its kind, its process group, the number of
 calls and the bytes a ring implementation puts on the wire are held against
 the oracle's ("right values, but 1536 bytes on the wire where 768 suffice").
 A cheaper way to the same values passes; a dearer one, or one on the wrong
-group, fails.
+group, fails. (The bucketed 3a-3c must also make exactly one call per bucket.)
 
 Distributed checks run `world` gloo processes on the CPU (`spawn` below); each
 returns its own verdict, and the first failing rank's is reported. A rank
