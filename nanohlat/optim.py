@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from . import comm, data_parallel, zero1, zero2
+from . import comm, data_parallel, zero1, zero2, zero3
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
 
@@ -115,6 +115,7 @@ class FlatGroup:
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
         mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
+        self.param_shard = self.unit = None              # ZeRO-3: the kept shard, its unit (zero3.Unit)
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -129,7 +130,10 @@ class FlatGroup:
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
-        """The flat parameter buffer: the one kept (aliased), or gathered from the parameters (xla)."""
+        """The flat parameter buffer: the one kept (aliased), all-gathered (ZeRO-3), or gathered from
+        the parameters (xla)."""
+        if self.param_shard is not None:
+            return zero3.gathered(self)
         return self.flat if self.aliased else self.flatten([p.detach() for p in self.params], self.params[0].dtype)
 
     def load(self) -> None:
@@ -162,17 +166,20 @@ class FlatAdamW:
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's or ZeRO-2's shards;
         # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
-        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP)[tcfg.zero](
+        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero](
             mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,
             tcfg.overlap_grad_reduce and device.kind != "xla")
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.shard.dim is None, p.shard.parts)   # (decay, tp-replicated, parts over tp)
+            # (ZeRO-3: its unit, zero3.py), decay, tp-replicated, parts over tp
+            key = (zero3.unit_of(name) if tcfg.zero == 3 else 0, p.ndim >= 2, p.shard.dim is None, p.shard.parts)
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
                                  moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
-                       for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
+                       for (_, decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
+        # ZeRO-3: the groups of each layer (and of the rest) gathered and freed together
+        self.units = zero3.attach(model, self.groups, self.dp) if tcfg.zero == 3 else []
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
 
@@ -270,6 +277,9 @@ class FlatAdamW:
         """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first).
         Without ZeRO-1 a master that is the parameter buffer was already written by `update`."""
         for g in self.groups:
-            if self.zero or not g.master_is_params:
+            if g.param_shard is not None:                # ZeRO-3: the shard is the new weights (zero3.py)
+                if not g.master_is_params:
+                    g.param_shard.copy_(g.master)        # (bf16-mixed: rounded to bf16, as ZeRO-1's)
+            elif self.zero or not g.master_is_params:
                 g.flat.copy_(self.dp.gather_parameters(g.master.to(g.flat.dtype)))
             g.store()                                    # (xla: the flat buffer -> the parameters)
