@@ -55,8 +55,6 @@ from .zero2 import ZeroTwoDP
 class ZeroThreeDP(ZeroTwoDP):
     """ZeRO-2's sharded gradients and update; the parameters kept as the shard (FlatGroup.param_shard)."""
 
-    params_sharded = True
-
     def grad_hook(self, g, off: int, numel: int):
         """ZeRO-2's hook, then: was this the unit's last gradient of the micro-batch? Free it."""
         hook = super().grad_hook(g, off, numel)
@@ -66,8 +64,10 @@ class ZeroThreeDP(ZeroTwoDP):
             g.unit.gradient_in()
         return then_count
 
-    def gather_parameters(self, shard: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("ZeRO-3 gathers the parameters in the forward, not after the step")
+    def write_back(self, g) -> None:
+        """Phase 4: the kept shard is the new weights (bf16-mixed: its fp32 master, rounded). No all-gather."""
+        if not g.master_is_params:
+            g.param_shard.copy_(g.master)
 
 
 class Unit:
@@ -81,17 +81,18 @@ class Unit:
             g.unit, g.param_shard = self, g.flat[g.start:g.stop].clone()   # the kept shard of the parameters
             g.master = g.param_shard if g.master_is_params else g.master   # (fp32, bf16, bf16-sr: the master too)
             # writes go through an alias of the storage, so autograd sees no in-place change
-            g.fill = torch.empty(0, dtype=g.flat.dtype, device=g.flat.device).set_(
-                g.flat.untyped_storage(), 0, (g.padded,))
+            g.fill = g.flat.new_empty(0).set_(g.flat.untyped_storage(), 0, (g.padded,))
         self.free()
+
+    def gathered(self, g, group=None) -> torch.Tensor:
+        """Group g's whole flat buffer, all-gathered from every rank's shard (also a checkpoint's export)."""
+        return all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems)
 
     def gather(self, group=None) -> None:
         """Give each flat buffer its storage back and all-gather every rank's shard into it."""
-        if self.whole:
-            return
-        for g in self.groups:
+        for g in self.groups if not self.whole else []:
             g.flat.untyped_storage().resize_(g.padded * g.flat.element_size())
-            g.fill.copy_(all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems))
+            g.fill.copy_(self.gathered(g, group))
         self.whole = True
 
     def free(self) -> None:
@@ -107,19 +108,18 @@ class Unit:
             self.got, self.in_backward = 0, False
             self.free()
 
-    def before_backward(self, grad):
-        self.in_backward = True
-        self.gather()
-        return grad
-
     def attach(self, module: torch.nn.Module) -> None:
         """Gather before `module`'s forward; after it, free (but not in a backward's recompute)
-        and hook its output, whose gradient comes just before the module's backward."""
+        and hook its output, whose gradient comes just before the module's backward: gather."""
         module.register_forward_pre_hook(lambda mod, args: self.gather())
+
+        def before_backward(grad):
+            self.in_backward = True
+            self.gather()
 
         def after(mod, args, out):
             if torch.is_grad_enabled() and out.requires_grad:
-                out.register_hook(self.before_backward)
+                out.register_hook(before_backward)
             if not self.in_backward:
                 self.free()
         module.register_forward_hook(after)
@@ -132,12 +132,11 @@ def unit_of(name: str) -> int:
 
 def attach(model, groups, dp: ZeroThreeDP) -> list:
     """One Unit per layer (and one for the rest) over FlatAdamW's groups, hooked to its module."""
-    units = []
-    for u in sorted({unit_of(g.names[0]) for g in groups}):
-        unit = Unit([g for g in groups if unit_of(g.names[0]) == u], dp)
+    ids = sorted({unit_of(g.names[0]) for g in groups})
+    units = {u: Unit([g for g in groups if unit_of(g.names[0]) == u], dp) for u in ids}
+    for u, unit in units.items():
         unit.attach(model if u < 0 else model.layers[str(u)])
-        units.append(unit)
-    return units
+    return list(units.values())
 
 
 @contextlib.contextmanager
@@ -155,7 +154,3 @@ def whole(opt, group=None):
                 g.param_shard.copy_(g.flat[g.start:g.stop])
             u.free()
 
-
-def gathered(g) -> torch.Tensor:
-    """Group g's whole flat buffer, all-gathered from the shards (a checkpoint's export)."""
-    return all_gather_buckets(g.param_shard, g.unit.dp.group, g.unit.dp.bucket_elems)
