@@ -49,6 +49,8 @@ BASE = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--batch-size",
         "--warmup-steps", "2", "--microbatches", "2", "--bucket-mb", "0.05", "--check-replicas", "1"]
 STAGES = {f"z{z}_{o}": ["--dp", "2", "--zero", str(z), f"--{o}-grad-reduce"]
           for z in (0, 1, 2, 3) for o in ("overlap", "no-overlap")}
+# ZeRO-3 with full activation checkpointing: a layer's backward recomputes its forward, the layer gathered
+STAGES["z3_full_overlap"] = ["--dp", "2", "--zero", "3", "--activation-checkpointing", "full"]
 # pure bf16 with stochastic rounding and bf16 moments (the rounding noise must not see the overlap)
 BF16 = {f"z2_bf16sr_{o}": ["--dp", "2", "--zero", "2", "--precision", "bf16-sr", "--moments", "bf16",
                            f"--{o}-grad-reduce"] for o in ("overlap", "no-overlap")}
@@ -150,7 +152,7 @@ def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
 def test_zero3_frees_every_layer_after_its_backward(stage_runs):
     """After every micro-batch's backward no ZeRO-3 flat buffer holds storage (each unit freed once
     its last gradient was in); between steps each rank keeps its shard (param_bytes, below)."""
-    for name in ("z3_overlap", "z3_no-overlap"):
+    for name in ("z3_overlap", "z3_no-overlap", "z3_full_overlap"):
         whole = [e for e in stage_runs["log"][name] if e.startswith("whole")]
         assert whole == ["whole0"] * 10, (name, whole)
 
@@ -211,7 +213,7 @@ def _same(a, b) -> bool:
 def test_zero2_and_3_keep_half_the_bytes_and_the_plan_predicts_every_byte(stage_runs):
     from test_plan import assert_run_matches_plan
     for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap", "z3_overlap",
-                 "z3_no-overlap", "z3_bf16sr_overlap"):
+                 "z3_no-overlap", "z3_bf16sr_overlap", "z3_full_overlap"):
         argv, out = stage_runs[name]
         assert_run_matches_plan(out, argv, 2)
     z0, z1, z2, z3 = (_summary(stage_runs[f"z{z}_overlap"][1]) for z in (0, 1, 2, 3))
