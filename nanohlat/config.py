@@ -202,8 +202,8 @@ class TrainConfig:
                             f"forwards and backwards of different micro-batches, which ZeRO-3's per-layer gathers "
                             f"do not follow (zero3.py); use --zero 2 (or --zero 1) with pipeline parallelism")
         if self.zero == 3 and self.compile:
-            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the parameters' "
-                            "storage around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
+            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the weights' storage "
+                            "around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
         if self.zero == 2 and self.schedule == "interleaved":
             raise UserError("--zero 2 with --schedule interleaved is not supported: ZeRO-2 reduce-scatters a bucket "
                             "as each micro-batch's backward fills it, and an interleaved stage runs one micro-batch's "

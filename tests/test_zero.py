@@ -245,8 +245,8 @@ def test_checkpoints_continue_in_another_zero_stage(stage_runs, name):
 def test_a_zero2_or_3_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_path, zero):
     import train
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume",
-                                                                            _ckpt(stage_runs[f"{zero}_overlap"][1], 2)]))
+    resume = _ckpt(stage_runs[f"{zero}_overlap"][1], 2)
+    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume", resume]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
     for (s, loss, _), (_, ref_loss, _) in zip(_metrics(tmp_path / "one"), ref, strict=True):

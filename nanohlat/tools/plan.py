@@ -13,20 +13,23 @@ Memory per rank, at its peak, the larger of the step's two phases:
         + max(activations + loss backward,              forward/backward
               ZeRO shards and gathers (+ temporaries))   optimizer step
 
-    weights       parameters x 2 B (bf16) or 4 B (fp32)
+    weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
                   the fp32 buffer (below) as autograd makes it, and free it
     optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
                   weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
                   in fp32, bf16-sr and bf16 they are the parameters (0 B);
-                  1/dp of all that with ZeRO-1 and 2
+                  1/dp of all that with ZeRO-1, 2 and 3
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
-                  steps (4 B/param; ZeRO-2: its 1/dp shard), also the update's scratch space; ZeRO-1
+                  steps (4 B/param; ZeRO-2, 3: its 1/dp shard), also the update's scratch space; ZeRO-1
                   adds the reduce-scattered 1/dp shards, ZeRO-1 and 2 the all-gathered new weights
     grad staging  ZeRO-2, during each backward: the buckets being filled before their
-                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py)
+                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py);
+                  ZeRO-3: at most the rest's unit's and one layer's (its groups are per layer)
+    gathered      ZeRO-3, in the forward and backward: the layers' weights whole at once,
+                  at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES); XLA fuses them away
 
@@ -338,8 +341,8 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
                             if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
            # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
-           "gathered": s * (zero3_gathered(cfg, tp, dp) + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3)))
-                       if tcfg.zero == 3 else 0}
+           "gathered": s * (zero3_gathered(cfg, tp, dp)
+                            + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
         out["grad_staging"] += out["grad_staging"] // dp
@@ -584,6 +587,9 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
                 "--device cpu or cuda for eager")]
     rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
+    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
+              eager and "in-place AdamW temporaries")
+    step_parts = " + ".join(x for x in during if x) or "nothing more"
     gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
     for s in shown_stages(pp):
         r = mems[s]
@@ -599,10 +605,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 + ["optimizer step", "peak"], rows)
     L.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
-             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "") + (" + the layers gathered" if gathered else "")
-             + ") and (optimizer step: " + (" + ".join(x for x in ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}
-                                                                   .get(tcfg.zero), eager and "in-place AdamW temporaries") if x)
-                                              or "nothing more") + ")")
+             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
+             + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[tcfg.device]:
         if dev in DEVICE_MEMORY:
