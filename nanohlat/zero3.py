@@ -38,8 +38,9 @@ gathers each unit when it is needed and shows the simple schedule.
 Not here: pipeline parallelism (a stage's micro-batches interleave forwards
 and backwards of different units, and the units' hooks would have to follow
 them) and XLA (one traced graph per step, where freeing a buffer's storage
-means nothing): config.py refuses both in one line. Checkpoints, the
-evaluation and --check-replicas see whole parameters through `whole`.
+means nothing): config.py and run/preflight.py refuse both in one line.
+Evaluation runs the same hooks; a checkpoint's export all-gathers each group
+(`Unit.gathered`), its load and --check-replicas gather everything (`whole`).
 """
 
 from __future__ import annotations
@@ -141,8 +142,7 @@ def attach(model, groups, dp: ZeroThreeDP) -> list:
 
 @contextlib.contextmanager
 def whole(opt, group=None):
-    """Every unit gathered (loading a checkpoint, --check-replicas; `group`: the dp group, quiet or
-    not); after, each rank keeps its shard of what they then hold. Not ZeRO-3: nothing to do."""
+    """Every unit whole (a checkpoint's load, --check-replicas), then each rank keeps its shard of the result."""
     units = getattr(opt, "units", [])
     for u in units:
         u.gather(group)
