@@ -197,9 +197,13 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
                             f"2 (+ gradients) or 3 (+ parameters)")
-        if self.zero == 3:
-            raise UserError("--zero 3 (the parameters sharded too) is not implemented in nanohlat yet; "
-                            "--zero 2 shards the gradients and the optimizer state")
+        if self.zero == 3 and self.pp > 1:
+            raise UserError(f"--zero 3 with --pp {self.pp} is not supported: a pipeline stage interleaves the "
+                            f"forwards and backwards of different micro-batches, which ZeRO-3's per-layer gathers "
+                            f"do not follow (zero3.py); use --zero 2 (or --zero 1) with pipeline parallelism")
+        if self.zero == 3 and self.compile:
+            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the weights' storage "
+                            "around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
         if self.zero == 2 and self.schedule == "interleaved":
             raise UserError("--zero 2 with --schedule interleaved is not supported: ZeRO-2 reduce-scatters a bucket "
                             "as each micro-batch's backward fills it, and an interleaved stage runs one micro-batch's "
@@ -323,7 +327,8 @@ HELP = {
     "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
                    "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
     "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
-            "2 (and the gradients: reduce-scattered in the backward, zero2.py); 3 is not implemented",
+            "2 (and the gradients: reduce-scattered in the backward, zero2.py), 3 (and the parameters: "
+            "all-gathered per layer in the forward and backward, zero3.py; cpu, cuda; pp 1)",
     "zero1": "the older spelling of --zero 1 (kept)",
     "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
                            "its last gradient is in, and wait for it before the optimizer (bitwise the same; "

@@ -349,10 +349,12 @@ def test_dead_worker_stops_the_job_and_is_named(cache_dir, tmp_path, monkeypatch
 # NaN / inf steps
 # ---------------------------------------------------------------------------
 
-def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys, zero):
     """NaN gradients injected into step 3 only: warning, the update is skipped (the
     weights and Adam moments saved after step 3 equal those after step 2, and so
-    does the optimizer's step count), and the run goes on."""
+    does the optimizer's step count), and the run goes on. ZeRO-3 too, whose kept
+    shard is the weights (zero3.py; one process: the shard is all of it)."""
     from nanohlat import optim, pipeline
     real_run, calls = pipeline.PipelineRunner.run, []
 
@@ -372,7 +374,8 @@ def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, 
         return real_reduce(self)
     monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
     monkeypatch.setattr(optim.FlatAdamW, "reduce_gradients", reduce_gradients)
-    train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2))
+    train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2,
+                     "--zero", zero))
     assert "warning: step 3 had a non-finite loss or gradient; the update was skipped" in capsys.readouterr().err
     shard = {s: torch.load(os.path.join(ckpt(tmp_path, s), "shard_00000.pt"), weights_only=True) for s in (2, 3, 4)}
     for name, w in shard[2]["model"].items():

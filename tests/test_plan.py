@@ -589,22 +589,27 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
 def test_search_enumerates_every_valid_layout_of_a_small_case():
     """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
     (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
-    SP only with tp > 1, ZeRO stages 1 and 2 and overlapped reduction on or off (cpu, cuda)
-    only with dp > 1; 3 checkpointing modes each. Overlap makes each dp > 1 step faster."""
+    SP only with tp > 1, ZeRO stages 1 and 2 (and 3 at pp 1, on cpu and cuda) and overlapped
+    reduction on or off (cpu, cuda) only with dp > 1; 3 checkpointing modes each. Overlap makes
+    each dp > 1 step faster; ZeRO-3's all-gathers make it slower than ZeRO-2's."""
     model, t = config.parse_args(TINY + ["--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 4))
-    per = {(1, 1, 4): 2 * 1 * 3 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 3 * 2,
+    per = {(1, 1, 4): 2 * 1 * 4 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 4 * 2,
            (2, 2, 1): 4 * 2, (4, 1, 1): 4 * 2}  # (divisors of batch/dp) x SP choices x ZeRO stages x overlap
     assert len(layouts) == 3 * sum(per.values())
     assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
     assert {(c.zero, c.overlap_grad_reduce) for c in layouts if c.tp * c.pp < 4} == \
-        {(z, o) for z in (0, 1, 2) for o in (True, False)}
+        {(z, o) for z in (0, 1, 2, 3) for o in (True, False)}
+    assert {c.pp for c in layouts if c.zero == 3} == {1}
     step = {plan._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
     for name, s in step.items():
         if name[-1] and name[0] * name[1] < 4:    # overlapped at dp > 1: faster than the same layout without
             assert s < step[name[:-1] + (False,)], name
-    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing
-    assert {c.overlap_grad_reduce for c in plan.candidate_layouts(model, t, 4)} == {True}
+        if name[3] == 3:                          # the same layout with ZeRO-2: less traffic, faster
+            assert s > step[name[:3] + (2,) + name[4:]], name
+    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing, no ZeRO-3
+    assert {(c.overlap_grad_reduce, c.zero) for c in plan.candidate_layouts(model, t, 4)} == \
+        {(True, z) for z in (0, 1, 2)}
 
 
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():

@@ -88,7 +88,7 @@ import time
 
 import torch
 
-from nanohlat import comm
+from nanohlat import comm, zero3
 from nanohlat.config import ModelConfig, UserError, model_from_dict
 from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.run.files import fsync_dir, sha256_file
@@ -805,8 +805,9 @@ def load(path: str, model, opt, mesh, device) -> dict:
     shards = ShardSet(path, mesh, device)
     check_model(path, shards.manifest, model.cfg)
     params = dict(model.named_parameters())
-    for name, p in params.items():   # one full tensor at a time, cut to this rank's part
-        p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
+    with zero3.whole(opt):           # ZeRO-3: the parameters' storage back while they are written
+        for name, p in params.items():   # one full tensor at a time, cut to this rank's part
+            p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):

@@ -13,20 +13,23 @@ Memory per rank, at its peak, the larger of the step's two phases:
         + max(activations + loss backward,              forward/backward
               ZeRO shards and gathers (+ temporaries))   optimizer step
 
-    weights       parameters x 2 B (bf16) or 4 B (fp32)
+    weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
                   the fp32 buffer (below) as autograd makes it, and free it
     optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
                   weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
                   in fp32, bf16-sr and bf16 they are the parameters (0 B);
-                  1/dp of all that with ZeRO-1 and 2
+                  1/dp of all that with ZeRO-1, 2 and 3
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
-                  steps (4 B/param; ZeRO-2: its 1/dp shard), also the update's scratch space; ZeRO-1
+                  steps (4 B/param; ZeRO-2, 3: its 1/dp shard), also the update's scratch space; ZeRO-1
                   adds the reduce-scattered 1/dp shards, ZeRO-1 and 2 the all-gathered new weights
     grad staging  ZeRO-2, during each backward: the buckets being filled before their
-                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py)
+                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py);
+                  ZeRO-3: at most the rest's unit's and one layer's (its groups are per layer)
+    gathered      ZeRO-3, in the forward and backward: the layers' weights whole at once,
+                  at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES); XLA fuses them away
 
@@ -113,12 +116,33 @@ def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
     return {"sharded": sharded, "replicated": norms, "kv": kv, "total": sharded + norms}
 
 
-def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int) -> list[int]:
-    """Elements of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
-    matrices, the replicated kv heads' (if any), the norms. Each is padded to a
-    multiple of dp under ZeRO-1, so the plan sums them group by group."""
-    c = stage_param_counts(cfg, tp, pp, stage)
-    return [n for n in (c["sharded"] - c["kv"], c["kv"], c["replicated"]) if n]
+def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[tuple[str, int]]:
+    """(kind, elements) of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
+    matrices ("sharded"), the replicated kv heads' ("kv", if any: summed over their kv group), the
+    norms ("replicated": summed over tp under SP). Each is padded to a multiple of dp under ZeRO,
+    so the plan sums them group by group. ZeRO-3 (pp 1): the same kinds per unit (zero3.py), each
+    layer's, then the rest's (embedding and head; final norm)."""
+    if zero == 3:
+        d, kv = cfg.d_model, 2 * cfg.d_model * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
+        layer = [("sharded", cfg.layer_matrix_params(tp) - kv), ("kv", kv), ("replicated", 2 * d)]
+        groups = layer * cfg.n_layers + [("sharded", 2 * cfg.padded_vocab * d // tp), ("replicated", d)]
+    else:
+        c = stage_param_counts(cfg, tp, pp, stage)
+        groups = [("sharded", c["sharded"] - c["kv"]), ("kv", c["kv"]), ("replicated", c["replicated"])]
+    return [(kind, n) for kind, n in groups if n]
+
+
+def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[int]:
+    """Elements of each flat buffer on one rank (group_kinds)."""
+    return [n for _, n in group_kinds(cfg, tp, pp, stage, zero)]
+
+
+def zero3_gathered(cfg: ModelConfig, tp: int, dp: int) -> int:
+    """ZeRO-3: elements of the flat buffers whole at once in a backward, at most: the rest's unit
+    (whole through a micro-batch's forward and backward) and one layer's (zero3.py)."""
+    groups = [padded_size(n, dp) for n in flat_groups(cfg, tp, 1, 0, 3)]
+    rest = sum(groups[-2:])                           # (the last unit's two groups: embedding + head, final norm)
+    return rest + sum(groups[:len(groups) - 2]) // cfg.n_layers
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +254,8 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                     dp_rank: int = 0) -> int:
     """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1)."""
     shards = dp if tcfg.zero else 1
-    return sum(padded_size(n, shards) // shards for n in flat_groups(cfg, tp, pp, stage)) * state_bytes_per_param(tcfg)
+    return sum(padded_size(n, shards) // shards
+               for n in flat_groups(cfg, tp, pp, stage, tcfg.zero)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -245,9 +270,12 @@ def bytes_per_param_line(tcfg: TrainConfig) -> str:
 
 
 def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
-    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO-1."""
+    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO;
+    ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp if tcfg.zero else 1
-    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) for n in flat_groups(cfg, tp, pp, stage))
+    kept = shards if tcfg.zero == 3 else 1
+    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
+                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -273,7 +301,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
-    groups = flat_groups(cfg, tp, pp, stage)
+    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1
     buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
@@ -281,7 +309,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     during = 0
     if shards > 1:
         during += 4 * sum(padded_size(n, shards) // shards for n in groups) if tcfg.zero == 1 else 0
-        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups)
+        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups) if tcfg.zero < 3 else 0
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         during += int(4 * copies * largest_shard)
@@ -310,12 +338,15 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
-           "grad_staging": 4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
-                           if tcfg.zero >= 2 and dp > 1 else 0}
+           "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
+           # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
+           "gathered": s * (zero3_gathered(cfg, tp, dp)
+                            + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
         out["grad_staging"] += out["grad_staging"] // dp
-    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"]
+    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"] + out["gathered"]
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
                    + max(out["forward_backward"], out["optimizer_step"]))
@@ -428,24 +459,27 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             e["padding"] += (ticks[b] - n) * x
             e["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
-    counts = stage_param_counts(cfg, tp, pp, stage)
+    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero)
     shards = dp if tcfg.zero else 1
-    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2 sums over tp on its shard (optim.py)
-    if sp:
-        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) // kept * 4, 1, tp)   # norm grads
-    if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
-        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) // kept * 4, 1, tp // cfg.n_kv_heads)
+    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
+    for kind, n in groups:
+        if sp and kind == "replicated":        # norm grads (ZeRO-3: one group per unit)
+            _add(out, "tp.all_reduce", padded_size(n, shards) // kept * 4, 1, tp)
+        if kind == "kv":   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
+            _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, tp // cfg.n_kv_heads)
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
-        for n in flat_groups(cfg, tp, pp, stage):   # one flat buffer after the other (optim.FlatGroup)
-            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2: every micro-batch
+        for _, n in groups:   # one flat buffer after the other (optim.FlatGroup)
+            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
                 cols = padded_size(n, dp) // dp
                 for _ in range(m if tcfg.zero >= 2 else 1):
                     _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
-                _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
+                # the new weights after the step; ZeRO-3: each micro-batch's forward and backward instead
+                for _ in range(2 * m if tcfg.zero == 3 else 1):
+                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
         if tcfg.zero:
@@ -553,6 +587,10 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
                 "--device cpu or cuda for eager")]
     rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
+    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
+              eager and "in-place AdamW temporaries")
+    step_parts = " + ".join(x for x in during if x) or "nothing more"
+    gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
     for s in shown_stages(pp):
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
@@ -560,15 +598,15 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
                      f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
-                    + ([fmt_bytes(r["grad_staging"])] if staging else []) + [step, fmt_bytes(r["peak"])])
+                    + ([fmt_bytes(r["grad_staging"])] if staging else [])
+                    + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + ["optimizer step", "peak"], rows)
+                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
+                + ["optimizer step", "peak"], rows)
     L.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
-             + (" + ZeRO-2's grad staging" if tcfg.zero >= 2 and dp > 1 else "") + ") and (optimizer step: "
-             + {0: "", 1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}[tcfg.zero] + (" + " if tcfg.zero and eager else "")
-             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero or eager) else "")
-             + ")")
+             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
+             + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[tcfg.device]:
         if dev in DEVICE_MEMORY:
@@ -903,8 +941,11 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                 if sched["virtual_stages"] > 1 and m % pp:
                     continue
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
-                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks, config.py)
-                    for zero in (((0, 1) if sched["virtual_stages"] > 1 else (0, 1, 2)) if dp > 1 else (0,)):
+                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks; ZeRO-3: pp 1 on
+                    # cpu and cuda only, config.py)
+                    zeros = (0, 1) if sched["virtual_stages"] > 1 else (0, 1, 2)
+                    zeros += (3,) if pp == 1 and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
+                    for zero in (zeros if dp > 1 else (0,)):
                         for mode in ("none", "selective", "full"):
                             for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
                                        else (tcfg.overlap_grad_reduce,)):
