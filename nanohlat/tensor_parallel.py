@@ -210,15 +210,101 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = comm.all_gather(x, ctx.group, dim=SEQ_DIM)    # again: the forward's (B, T, C), bit for bit
-        x2 = full.reshape(-1, full.shape[-1])                # (B*T, C)
-        dx, dws = None, []
+        if WEIGHT_GRADS.split:                               # zb-h1's B: dx now; the gather and dW in W
+            WEIGHT_GRADS.stash.append((weights, x, ctx.group, grads))
+            dws = [None] * len(weights)
+        else:                                                # gather again: the forward's (B, T, C), bit for bit
+            dws = weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads)
+        dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
-            g2 = g.reshape(-1, g.shape[-1])                  # (B*T, out/tp)
-            dws.append(g2.t().mm(x2))                        # dW = g^T x
-            d = g2.mm(w).view_as(full)                       # this linear's part of dx = g W
+            d = g.reshape(-1, g.shape[-1]).mm(w)             # this linear's part of dx = g W, (B*T, C)
             dx = d if dx is None else dx + d
-        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *reversed(dws))
+        dx = dx.view(*grads[0].shape[:-1], x.shape[-1])      # (B, T, C)
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
+
+
+def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
+    """dW = g^T x for each output gradient g of linears fed x, as F.linear's
+    backward computes it: an mm of the flattened (B*T, .) tensors."""
+    x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
+    return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
+
+
+# ---------------------------------------------------------------------------
+# The split backward of zero-bubble pipelines (pipeline.py, --schedule zb-h1).
+# A linear's backward computes two gradients: dx = g W, which the layer before
+# waits for, and dW = g^T x, which nothing waits for until the optimizer step.
+# ZB-H1's B computes only dx and stashes (W, x, g); its W op computes each dW
+# with the same mm autograd would (so the bits are the unsplit backward's) and
+# hands it to autograd, whose AccumulateGrad then runs the parameters' hooks
+# (optim.py: into the flat fp32 buffer) as in an unsplit backward. In B the
+# hooks also run, with no gradient, and add nothing. Only the linears split:
+# the norm gains' and the embedding's gradients (small, elementwise) stay in B.
+# ---------------------------------------------------------------------------
+
+class WeightGrads:
+    """The stash of deferred weight gradients. `split`: set by the pipeline
+    runner for a zb-h1 step; the linears then record `_SplitLinear` (and
+    `_GatherLinears` defers), whose backward appends (weights, x, tp group to
+    gather x over or None, output gradients) to `stash`; `take` hands one B's
+    entries to its W op (`weight_grads`)."""
+
+    def __init__(self):
+        self.split, self.stash = False, []
+
+    def take(self) -> list:
+        stash, self.stash = self.stash, []
+        return stash
+
+
+WEIGHT_GRADS = WeightGrads()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T: F.linear, or during a zb-h1 step the same product with its dW left for W."""
+    return _SplitLinear.apply(x, w) if WEIGHT_GRADS.split and torch.is_grad_enabled() else F.linear(x, w)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """F.linear whose backward returns only dx (the same mm as F.linear's)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        WEIGHT_GRADS.stash.append(((w,), x, None, (g,)))
+        return g.reshape(-1, g.shape[-1]).mm(w).view_as(x), None
+
+
+class _Hand(torch.autograd.Function):
+    """W's hand-off to autograd: forward a dummy scalar, backward the dW given."""
+
+    @staticmethod
+    def forward(ctx, dws, *weights):
+        ctx.dws = dws
+        return weights[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.dws)
+
+
+def weight_grads(stash: list) -> None:
+    """zb-h1's W op: every dW B left in `stash` (one micro-batch's, one chunk's),
+    computed and accumulated through autograd as an unsplit backward would."""
+    weights, dws = [], []
+    for ws, x, group, grads in stash:
+        with torch.no_grad():                  # (as in a backward: nothing here is differentiated)
+            if group is not None:              # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
+                x = comm.all_gather(x, group, dim=SEQ_DIM)
+            dws += weight_grads_of(x, grads)
+        weights += ws
+    if weights:
+        _Hand.apply(dws, *weights).backward()
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +401,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         # exercise 4b: begin
-        return F.linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
+        return linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
         # exercise 4b: end
 
 
@@ -331,7 +417,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # x: (B, T, in/tp)
         # exercise 4b: begin
-        return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return leave(linear(x, self.weight), self.group, self.sequence_parallel)
         # exercise 4b: end
 
 
