@@ -25,7 +25,9 @@ def test_zero1_is_the_older_spelling_of_zero_1():
                                          (["--zero1", "--zero", "0"], "older spelling"),
                                          (["--zero", "3"], "not implemented"),
                                          (["--zero", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
-                                          "not supported: ZeRO-2 reduce-scatters a bucket")])
+                                          "not supported: ZeRO-2 reduce-scatters a bucket"),
+                                         (["--zero", "2", "--schedule", "zb-h1"],
+                                          "zb-h1 is not supported: ZeRO-2 reduce-scatters a bucket")])
 def test_bad_zero_flags_are_refused_in_one_line(argv, words):
     with pytest.raises(UserError, match=words) as e:
         config.parse_args(TINY + argv)
