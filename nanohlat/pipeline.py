@@ -33,11 +33,10 @@ ever waits for a neighbour that is itself waiting on something else.
 nothing crosses it.) Interleaved adds the wrap boundary (p-1)|0, which
 stage 0 and stage p-1 take last: each reaches it after its chain exchange
 completed, so neither waits on a rank that waits on it. (pp = 2: the same
-pair of ranks, two exchanges in the same order on both.) ZB-H1 adds W ops,
-which need no exchange at all: W(i) needs only its own stage's B(i) of an
-earlier tick, so a tick in which a stage runs a W is, for its neighbours, a
-tick in which it sends nothing (zeros, where they send to it), and the chain
-above is unchanged; nothing on another stage ever waits on a W.
+pair of ranks, two exchanges in the same order on both.) ZB-H1's W ops need
+no exchange at all: W(i) needs only its own stage's B(i) of an earlier tick;
+to its neighbours a W tick is one in which it sends nothing (zeros), the
+chain above is unchanged, and nothing on another stage ever waits on a W.
 
 Schedules (p stages, m micro-batches; per stage, in order):
   AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
@@ -51,12 +50,10 @@ Interleaved (--virtual-stages v): the layers are cut into p*v chunks and
 stage s holds chunks s, s+p, ... (chunk_layers); a micro-batch visits every
 stage v times, so filling and draining the pipeline takes chunk-sized ops:
 bubble (p-1)/(v*m+p-1), for v times the exchanges (interleaved_order).
-ZB-H1 (--schedule zb-h1): each backward is split in two, B (the input's
-gradient, which the previous stage waits for) and W (the weights' gradients,
-which nobody waits for: tensor_parallel.py's split backward), so a stage can
-fill ticks it would idle in with W ops. F = B = W = 1 unit: bubble
-(p-1)/(3m+p-1), a third of 1F1B's in units of work, at 1F1B's peak of p
-micro-batches in flight (zb_h1_order).
+ZB-H1 (--schedule zb-h1) splits each backward into B (the input's gradient,
+which the previous stage waits for) and W (the weights', which nobody waits
+for: tensor_parallel.py), and fills ticks a stage would idle in with W ops.
+F = B = W = 1 unit: bubble (p-1)/(3m+p-1), at 1F1B's peak of p in flight.
 """
 
 from __future__ import annotations
@@ -125,20 +122,15 @@ def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, in
 
 
 def zb_h1_order(pp: int, m: int, stage: int) -> list[tuple[str, int, int]]:
-    """ZB-H1: 1F1B's order of F and B (now B is only the input gradient), and
-    each micro-batch's W after its B. Stage s puts off its W's by s: W(j)
-    follows B(j+s). 1F1B's stage s holds p-s micro-batches; what a W frees
-    (the inputs and output gradients of its linears) is held s ops longer, so
-    every stage holds p, 1F1B's peak; and the s W's still owed when the last
-    B has run fill the ticks in which 1F1B's stage s would wait for the
-    backwards draining through the stages before it (m >= p: mesh.py)."""
-    ops, w = [], 0
+    """ZB-H1: 1F1B's F and B (B now only the input gradient), stage s running
+    W(j) after B(j+s). 1F1B's stage s holds p-s micro-batches; held s ops
+    longer (until W), every stage holds p, 1F1B's peak; the s W's still owed
+    after the last B fill the ticks 1F1B's stage s would idle in while the
+    backwards drain through the stages before it (m >= p: mesh.py)."""
+    ops = []
     for kind, i in stage_order("1f1b", pp, m, stage):
-        ops.append((kind, i, 0))
-        if kind == "B" and i - w >= stage:
-            ops.append(("W", w, 0))
-            w += 1
-    return ops + [("W", j, 0) for j in range(w, m)]
+        ops += [(kind, i, 0)] + ([("W", i - stage, 0)] if kind == "B" and i >= stage else [])
+    return ops + [("W", j, 0) for j in range(max(m - stage, 0), m)]
 
 
 def stage_ops(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> list[tuple[str, int, int]]:
@@ -243,9 +235,8 @@ class PipelineRunner:
         accumulated so far stay on the device; the next graph adds to them."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
-        self.deferred = {}                    # zb-h1: (mb, chunk) -> what its W needs, kept from B to W
+        self.deferred, tpl.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
-        tpl.WEIGHT_GRADS.split = self.split
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0, so that what the step queued before (zero_grad's reset of
         # the flat gradient buffers) is a graph of its own; then every micro-batch runs the
@@ -302,15 +293,14 @@ class PipelineRunner:
     def _backward(self, i: int, c: int) -> torch.Tensor | None:
         """B of micro-batch i through chunk c, from the gradient received for
         its output (the model's last chunk starts from its loss). Returns the
-        gradient of its input for the previous chunk (None for the first).
-        zb-h1: the linears' weight gradients are left for W (`deferred`)."""
+        gradient of its input for the previous chunk (None for the first)."""
         x, out = self.in_flight.pop((i, c))   # freed after this backward
         if self._last(c):
             out.backward()
         else:
             out.backward(self.grads_in.pop((i, c)))
-        if self.split:
-            self.deferred[(i, c)] = tpl.WEIGHT_GRADS.take()
+        if self.split:                        # zb-h1: the linears' dW left for W
+            self.deferred[(i, c)], tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:

@@ -50,6 +50,7 @@ tp <= n_kv_heads there are no copies, so skip it on a first reading.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +192,7 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
 
 class _GatherLinears(torch.autograd.Function):
     """y_i = all_gather_T(x) W_i^T for each weight W_i, keeping x (B, T/tp, C), not
-    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x, sums
+    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (zb-h1: in W), sums
     dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
 
     The backward does exactly F.linear's backward ops (an mm of the flattened
@@ -210,63 +211,42 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        if WEIGHT_GRADS.split:                               # zb-h1's B: dx now; the gather and dW in W
+        if WEIGHT_GRADS.split:                               # zb-h1's B: the gather and each dW wait for W
             WEIGHT_GRADS.stash.append((weights, x, ctx.group, grads))
-            dws = [None] * len(weights)
-        else:                                                # gather again: the forward's (B, T, C), bit for bit
-            dws = weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads)
+        dws = ([None] * len(weights) if WEIGHT_GRADS.split     # else gather again: the forward's (B, T, C)
+               else weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads))
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
-            d = g.reshape(-1, g.shape[-1]).mm(w)             # this linear's part of dx = g W, (B*T, C)
+            d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
             dx = d if dx is None else dx + d
-        dx = dx.view(*grads[0].shape[:-1], x.shape[-1])      # (B, T, C)
         return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
 
 
 def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
-    """dW = g^T x for each output gradient g of linears fed x, as F.linear's
-    backward computes it: an mm of the flattened (B*T, .) tensors."""
+    """dW = g^T x for each linear fed x, as F.linear's backward: an mm of the (B*T, .) tensors."""
     x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
     return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
 
 
 # ---------------------------------------------------------------------------
-# The split backward of zero-bubble pipelines (pipeline.py, --schedule zb-h1).
-# A linear's backward computes two gradients: dx = g W, which the layer before
-# waits for, and dW = g^T x, which nothing waits for until the optimizer step.
-# ZB-H1's B computes only dx and stashes (W, x, g); its W op computes each dW
-# with the same mm autograd would (so the bits are the unsplit backward's) and
-# hands it to autograd, whose AccumulateGrad then runs the parameters' hooks
-# (optim.py: into the flat fp32 buffer) as in an unsplit backward. In B the
-# hooks also run, with no gradient, and add nothing. Only the linears split:
-# the norm gains' and the embedding's gradients (small, elementwise) stay in B.
+# ZB-H1's split backward (pipeline.py). A linear's backward computes dx = g W,
+# which the layer before waits for, and dW = g^T x, which nothing needs before
+# the step. B computes dx, stashing (W, x, g); W computes each dW with autograd's
+# mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
+# hooks (optim.py) as an unsplit backward does (in B they run with no gradient
+# and add nothing). The norm gains and the embedding keep their gradients in B.
 # ---------------------------------------------------------------------------
 
-class WeightGrads:
-    """The stash of deferred weight gradients. `split`: set by the pipeline
-    runner for a zb-h1 step; the linears then record `_SplitLinear` (and
-    `_GatherLinears` defers), whose backward appends (weights, x, tp group to
-    gather x over or None, output gradients) to `stash`; `take` hands one B's
-    entries to its W op (`weight_grads`)."""
-
-    def __init__(self):
-        self.split, self.stash = False, []
-
-    def take(self) -> list:
-        stash, self.stash = self.stash, []
-        return stash
-
-
-WEIGHT_GRADS = WeightGrads()
+WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, group, grads)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x W^T: F.linear, or during a zb-h1 step the same product with its dW left for W."""
+    """x W^T: F.linear, or in a zb-h1 step the same product with its dW left for W."""
     return _SplitLinear.apply(x, w) if WEIGHT_GRADS.split and torch.is_grad_enabled() else F.linear(x, w)
 
 
 class _SplitLinear(torch.autograd.Function):
-    """F.linear whose backward returns only dx (the same mm as F.linear's)."""
+    """F.linear whose backward returns only dx (F.linear's mm)."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -280,31 +260,14 @@ class _SplitLinear(torch.autograd.Function):
         return g.reshape(-1, g.shape[-1]).mm(w).view_as(x), None
 
 
-class _Hand(torch.autograd.Function):
-    """W's hand-off to autograd: forward a dummy scalar, backward the dW given."""
-
-    @staticmethod
-    def forward(ctx, dws, *weights):
-        ctx.dws = dws
-        return weights[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.dws)
-
-
 def weight_grads(stash: list) -> None:
-    """zb-h1's W op: every dW B left in `stash` (one micro-batch's, one chunk's),
-    computed and accumulated through autograd as an unsplit backward would."""
+    """The W op: each dW = g^T x one B stashed, accumulated as a backward would."""
     weights, dws = [], []
-    for ws, x, group, grads in stash:
-        with torch.no_grad():                  # (as in a backward: nothing here is differentiated)
-            if group is not None:              # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
-                x = comm.all_gather(x, group, dim=SEQ_DIM)
-            dws += weight_grads_of(x, grads)
-        weights += ws
-    if weights:
-        _Hand.apply(dws, *weights).backward()
+    with torch.no_grad():                      # (as in a backward: nothing here is differentiated)
+        for ws, x, group, grads in stash:      # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
+            weights += ws
+            dws += weight_grads_of(x if group is None else comm.all_gather(x, group, dim=SEQ_DIM), grads)
+    torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
 
 
 # ---------------------------------------------------------------------------

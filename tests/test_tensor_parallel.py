@@ -326,7 +326,7 @@ def _check_split_backward(rank, tp):
                     tpl.WEIGHT_GRADS.split = split
                     loss = model(tokens, targets).float().mean()
                     loss.backward()                               # B (split) or the whole backward
-                    stash = tpl.WEIGHT_GRADS.take()
+                    stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
                     tpl.WEIGHT_GRADS.split = False
                     assert bool(stash) == split
                     in_b = {n for n, p in model.named_parameters() if p.grad is not None}
