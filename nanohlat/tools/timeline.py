@@ -231,7 +231,7 @@ def oversubscription(device) -> str:
 def gather_records(runner, mesh) -> tuple[list, list[float], list[float], list[int]]:
     """Every stage's op records, step time, busy fraction and peak activations
     in flight (collective over the pp group)."""
-    n_ops = len(pipeline.stage_ops("zb-h1" if runner.split else "1f1b", mesh.pp, runner.m, 0, runner.v))
+    n_ops = (3 if runner.split else 2) * runner.m * runner.v       # F and B (zb-h1: and W) of each micro-batch, chunk
     clock = runner.clock
     rec = torch.zeros(n_ops, 5, dtype=torch.float64)
     for j, (kind, i, b, e, c) in enumerate(clock.records):
