@@ -223,10 +223,10 @@ class PipelineRunner:
         FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
         this stage's scaled micro-batch losses (zero off the last stage).
 
-        Each tick: this stage's op of the timetable (`_forward` or
-        `_backward`), then the tick's exchanges (`_exchange`), then, on XLA, a
+        Each tick: this stage's op of the timetable (`_forward`, `_backward`,
+        zb-h1's W), then the tick's exchanges (`_exchange`), then, on XLA, a
         graph cut (`_cut_graph`) after every tick (pp > 1) or every
-        micro-batch's backward (pp = 1): a graph then covers one op of one
+        micro-batch's backward (pp = 1; zb-h1: B, W): a graph covers one op of one
         micro-batch, whose inputs are device data of the same shapes for every
         micro-batch (each is its own tensor, never `tokens[i]` of one big
         tensor, which would bake i into the graph). So the graphs compiled do

@@ -1,8 +1,8 @@
 """Every layout trains exactly like one process (docs/design.md section 5).
 
 Same per-step losses, same grad norms, same consolidated weights after the
-last step, for tensor, sequence, pipeline (AFAB and 1F1B, several micro-batch
-counts) and data parallelism with and without ZeRO-1, alone and combined; and
+last step, for tensor, sequence, pipeline (AFAB, 1F1B, interleaved and ZB-H1,
+several micro-batch counts) and data parallelism with and without ZeRO-1, alone and combined; and
 with more tp ranks than kv heads (replicated kv heads), whose checkpoints
 load into layouts without replicas and back.
 

@@ -202,8 +202,8 @@ def render_ticks(ticks, pp: int) -> str:
 
 
 def _draw(rows, total: float, width: int = 72) -> list[str]:
-    """Each stage's ops drawn to scale in `width` characters: F, B, or . for
-    idle; an interleaved stage's odd chunks in lower case (f, b)."""
+    """Each stage's ops drawn to scale in `width` characters: F, B (zb-h1: W),
+    or . for idle; an interleaved stage's odd chunks in lower case (f, b)."""
     lines = []
     for s, ops in enumerate(rows):
         row = ["."] * width
