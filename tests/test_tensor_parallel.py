@@ -298,14 +298,17 @@ def _check_split_backward(rank, tp):
     precision), every activation checkpointing mode, and at tp > 1 without
     sequence parallel and with it, gathering again in backward (regather: then
     in W) or not. The parameters' post-accumulate-grad hooks (optim.py's way
-    into the flat buffer) fire once with a gradient per parameter."""
+    into the flat buffer) fire once with a gradient per parameter, and the
+    bytes B leaves for W are the plan's."""
     import dataclasses
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
     from nanohlat import tensor_parallel as tpl
     from nanohlat.config import PRESETS
     from nanohlat.mesh import Group
+    from nanohlat.config import TrainConfig
     from nanohlat.model import Transformer, init_weights
+    from nanohlat.tools import plan
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
     group = Group("tp", list(range(tp)), rank, dist.group.WORLD if tp > 1 else None)
     g = torch.Generator().manual_seed(3)
@@ -330,6 +333,11 @@ def _check_split_backward(rank, tp):
                     tpl.WEIGHT_GRADS.split = False
                     assert bool(stash) == split
                     in_b = {n for n, p in model.named_parameters() if p.grad is not None}
+                    if split:    # what B left for W is what --plan counts (tools/plan.py:weight_grad_bytes)
+                        kept = {t.untyped_storage().data_ptr(): t.nbytes for _, x, _, gs in stash for t in (x, *gs)}
+                        tcfg = TrainConfig(batch_size=2, seq_len=16, sequence_parallel=sp, sp_regather=regather,
+                                           precision="fp32" if dtype == torch.float32 else "bf16")
+                        assert sum(kept.values()) == plan.weight_grad_bytes(cfg, tcfg, tp, 1, 1, 0), (dtype, mode, sp)
                     tpl.weight_grads(stash)                       # W
                     assert sorted(fired) == sorted(n for n, _ in model.named_parameters())
                     results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, in_b))
