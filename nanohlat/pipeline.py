@@ -123,8 +123,8 @@ def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, in
 
 def zb_h1_order(pp: int, m: int, stage: int) -> list[tuple[str, int, int]]:
     """ZB-H1: 1F1B's F and B (B now only the input gradient), stage s running
-    W(j) after B(j+s). 1F1B's stage s holds p-s micro-batches; held s ops
-    longer (until W), every stage holds p, 1F1B's peak; the s W's still owed
+    W(j) after B(j+s). 1F1B's stage s holds p-s micro-batches; holding each
+    s B's longer (to its W), every stage holds p, 1F1B's peak; the s W's owed
     after the last B fill the ticks 1F1B's stage s would idle in while the
     backwards drain through the stages before it (m >= p: mesh.py)."""
     ops = []
