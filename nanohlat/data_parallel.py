@@ -141,6 +141,8 @@ class ReplicatedDP:
         pieces = g.watch.pieces(off, numel)
 
         def hook(p):
+            if p.grad is None:                # zb-h1's B: a linear's gradient comes in its W (tensor_parallel.py)
+                return
             add(p)
             for k, lo, hi, _ in pieces:
                 if g.watch.filled(k, hi - lo):

@@ -686,3 +686,65 @@ def test_search_under_interleaved_keeps_only_layouts_it_allows():
             assert (c.schedule, c.virtual_stages) == ("1f1b", 1)
         else:
             assert c.schedule == "interleaved" and 8 % (2 * c.pp) == 0 and c.microbatches % c.pp == 0
+
+
+# -- the zb-h1 schedule in the plan ------------------------------------------------
+
+ZB = TINY + ["--n-layers", "8", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1", "--device", "cpu"]
+
+
+def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bubble():
+    """pp 4, m 8: every stage holds p = 4 micro-batches (1F1B: 4 3 2 1), whole
+    until their B, then only what W needs; 1F1B's tensors cross the boundaries
+    (a W sends nothing), in more ticks; the bubble estimate is (p-1)/(3m+p-1)."""
+    model, t = config.parse_args(ZB)
+    one_f = dataclasses.replace(t, schedule="1f1b")
+    for stage in range(4):
+        mem = plan.memory_per_rank(model, t, 1, 4, 1, stage)
+        assert mem["in_flight"] == 4 and plan.memory_per_rank(model, one_f, 1, 4, 1, stage)["in_flight"] == 4 - stage
+        full, left = plan.activation_bytes(model, t, 1, 4, 1, stage), plan.weight_grad_bytes(model, t, 1, 4, 1, stage)
+        assert left < full
+        # the order F0..F(p-1-s), then F B W...: the peak is after the F following the warm-up, with s
+        # micro-batches past B (only W's share) and p - s whole
+        assert mem["activations"] == (4 - stage) * full + stage * left
+    # the same 2m tensors cross each boundary, but a W between them puts a stage's F and its
+    # neighbour's B in different ticks more often: more exchange calls, each half padding
+    assert plan.exchanges_per_boundary("zb-h1", 4, 8) == (16, 15, 14)
+    assert plan.exchanges_per_boundary("1f1b", 4, 8) == (12, 11, 10)
+    e = plan.estimate_step(model, t, 4, "cpu")
+    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
+    text = plan.report(model, t, 4)
+    assert "schedule zb-h1" in text and "the bubble is (p-1)/(3m+p-1)" in text and "4 mb: " in text
+
+
+@pytest.mark.parametrize("sp, regather", [(False, True), (True, True), (True, False)])
+def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
+    """weight_grad_bytes against the tensors B really leaves for W (tp 1, one
+    process; with sequence parallel at tp 1 nothing is gathered): every distinct
+    tensor in tensor_parallel.WEIGHT_GRADS's stash, on the last stage (head too)
+    and a middle one."""
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.model import Transformer, init_weights
+    model_cfg, t = config.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
+    mb = plan.micro_batch_size(t, 1)
+    for stage, first, last in ((3, False, True), (1, False, False)):
+        layers = range(2 * stage, 2 * stage + 2)
+        model = Transformer(model_cfg, layers=layers, first=first, last=last)
+        init_weights(model, 0)
+        x = torch.randn(mb, t.seq_len, model_cfg.d_model, requires_grad=True)
+        tpl.WEIGHT_GRADS.split = True
+        try:
+            out = model(x, torch.zeros(mb, t.seq_len, dtype=torch.long)) if last else model(x)
+            out.sum().backward()
+            stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
+        finally:
+            tpl.WEIGHT_GRADS.split = False
+        kept = {id(a): a for _, x_in, _, grads in stash for a in (x_in, *grads)}
+        assert sum(a.nbytes for a in kept.values()) == plan.weight_grad_bytes(model_cfg, t, 1, 4, 1, stage)
+
+
+def test_search_under_zb_h1_keeps_at_least_a_micro_batch_per_stage_and_no_zero2():
+    model, t = config.parse_args(ZB)
+    layouts = list(plan.candidate_layouts(model, t, 4))
+    assert {c.pp for c in layouts} == {1, 2, 4}
+    assert all(c.schedule == "zb-h1" and c.microbatches >= c.pp and c.zero != 2 for c in layouts)

@@ -26,7 +26,11 @@ def test_zero1_is_the_older_spelling_of_zero_1():
                                          (["--zero", "3", "--pp", "2"], "not supported: a pipeline stage"),
                                          (["--zero", "3", "--compile"], "not supported: ZeRO-3 empties"),
                                          (["--zero", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
-                                          "not supported: ZeRO-2 reduce-scatters a bucket")])
+                                          "not supported: ZeRO-2 reduce-scatters a bucket"),
+                                         (["--zero", "2", "--schedule", "zb-h1"],
+                                          "zb-h1 is not supported: ZeRO-2 reduce-scatters a bucket"),
+                                         (["--zero", "3", "--schedule", "zb-h1"],
+                                          "zb-h1 is not supported: ZeRO-3 reduce-scatters a bucket")])
 def test_bad_zero_flags_are_refused_in_one_line(argv, words):
     with pytest.raises(UserError, match=words) as e:
         config.parse_args(TINY + argv)

@@ -62,6 +62,10 @@ at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
 v chunks of L/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
+ZB-H1 holds p micro-batches on every stage, each from its forward until its
+W: until its B all the forward's activations, from B to W only what W needs,
+its linears' inputs and output gradients (weight_grad_bytes; with full
+checkpointing that is more than the block input the forward kept).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.config import UserError
 from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
 from nanohlat.run.metrics import flops_per_token, peak_flops
-from nanohlat.tools.timeline import FORMULAS
+from nanohlat.tools.timeline import FORMULAS, in_flight
 from nanohlat.pipeline import stage_ops, timetable
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.zero1 import padded_size
@@ -220,12 +224,28 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
     """Most micro-batches (interleaved: chunk activations) whose activations a
-    stage holds at once (1F1B: min(pp - stage, m); tools/timeline.py:in_flight_formula)."""
-    held = peak = 0
-    for kind, _, _ in stage_ops(schedule, pp, m, stage, v):
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
+    stage holds at once (1F1B: min(pp - stage, m); zb-h1: from F to W, min(pp, m);
+    tools/timeline.py:in_flight_formula)."""
+    return in_flight(stage_ops(schedule, pp, m, stage, v))
+
+
+def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int) -> int:
+    """zb-h1: what one micro-batch's B leaves for its W on a rank of `stage`
+    (tensor_parallel.WEIGHT_GRADS.stash): each linear's input and output
+    gradient. Per layer: the two norms' outputs (with sequence parallel their
+    T/tp shard, gathered again in W; with --no-sp-regather the gathered
+    sequence), wo's and down's inputs, and the gradients of wq, wk, wv, wo,
+    gate, up and down's outputs; the last stage adds the head's input and its
+    (mb, T, V/tp) output gradient. Any checkpointing mode: B recomputed them."""
+    sp = tcfg.sequence_parallel and tp > 1
+    e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    N = mb * T * C
+    n = N // tp if sp else N
+    norm_out = N if sp and not tcfg.sp_regather else n
+    q, kv, f = N // tp, mb * T * local_kv_heads(cfg, tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
+    layer = 2 * norm_out + q + f + (q + 2 * kv) + N + 2 * f + N
+    head = norm_out + mb * T * cfg.padded_vocab // tp if stage == pp - 1 else 0
+    return e * (cfg.n_layers // pp * layer + head)
 
 
 def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -235,9 +255,10 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     (one chunk per stage: in-flight micro-batches x activation_bytes)."""
     v = tcfg.virtual_stages
     size = [activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, chunk=c) for c in range(v)]
+    left = weight_grad_bytes(cfg, tcfg, tp, pp, dp, stage) if tcfg.schedule == "zb-h1" else 0   # from B to W
     held = peak = 0
     for kind, _, c in stage_ops(tcfg.schedule, pp, tcfg.microbatches, stage, v):
-        held += size[c] if kind == "F" else -size[c]
+        held += {"F": size[c], "B": left - size[c], "W": -left}[kind]
         peak = max(peak, held)
     return peak
 
@@ -596,7 +617,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
-                     f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
+                     (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
+                     + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
                     + ([fmt_bytes(r["grad_staging"])] if staging else [])
                     + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
@@ -631,6 +653,10 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                  "fused attn: 1 mb", "in flight", ""], rows)
     L.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
              "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+    if tcfg.schedule == "zb-h1":
+        L.append(f"  zb-h1: 'in flight' counts each micro-batch whole; from its B to its W it keeps only its linears' "
+                 f"inputs and output gradients, {fmt_bytes(weight_grad_bytes(cfg, tcfg, tp, pp, dp, largest))} "
+                 f"(any checkpointing mode): {fmt_bytes(mems[largest]['activations'])} at most, walking its order")
     if tp > 1:
         L.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
                          "all-gather it again in backward" if tcfg.sp_regather else
@@ -813,8 +839,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     # (p-1)/(m+p-1) of the pipeline's time; interleaved: its p-1 fill and drain ops are chunks,
-    # 1/v of a stage's work each: (p-1)/(v*m+p-1)
-    bubble = (pp - 1) * per_microbatch / tcfg.virtual_stages
+    # 1/v of a stage's work each: (p-1)/(v*m+p-1); zb-h1: (p-1)/(3m+p-1), its p-1 are single
+    # F, B or W ops, a third of a micro-batch's work each (F = B = W, as timeline.py's ideal)
+    bubble = (pp - 1) * per_microbatch / (3 if tcfg.schedule == "zb-h1" else tcfg.virtual_stages)
     pipeline = m * per_microbatch + bubble
     # a framework that overlaps the dp reduction with the backward hides up to
     # the backward's time (two thirds of the compute)
@@ -938,13 +965,14 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
             except UserError:
                 continue
             for m in _divisors(tcfg.batch_size // dp):
-                if sched["virtual_stages"] > 1 and m % pp:
-                    continue
+                if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
+                    continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
-                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks; ZeRO-3: pp 1 on
-                    # cpu and cuda only, config.py)
-                    zeros = (0, 1) if sched["virtual_stages"] > 1 else (0, 1, 2)
-                    zeros += (3,) if pp == 1 and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
+                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks or zb-h1's B and W;
+                    # ZeRO-3: pp 1 on cpu and cuda only, config.py)
+                    split = sched["virtual_stages"] > 1 or sched["schedule"] == "zb-h1"
+                    zeros = (0, 1) if split else (0, 1, 2)
+                    zeros += (3,) if pp == 1 and not split and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
                     for zero in (zeros if dp > 1 else (0,)):
                         for mode in ("none", "selective", "full"):
                             for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
