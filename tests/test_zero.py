@@ -250,6 +250,8 @@ def test_a_zero2_or_3_checkpoint_continues_in_one_process(stage_runs, cache_dir,
     import train
     from nanohlat.run import preflight
     resume = _ckpt(stage_runs[f"{zero}_overlap"][1], 2)
+    layout = json.load(open(f"{resume}/manifest.json"))["layout"]
+    assert (layout["zero"], layout["zero1"]) == (int(zero[1]), True)      # the stage it was saved by
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume", resume]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
