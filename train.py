@@ -74,7 +74,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
-        opt.write_back()                                # ZeRO-1, 2: all-gather; then into the model's parameters
+        opt.write_back()                                # ZeRO-1, 2: all-gather into the parameters (ZeRO-3: its shard)
         # the step ends (dev.sync); then the stop vote, logging, evaluation, checkpoints (run/session.py)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break

@@ -1,6 +1,6 @@
 """Every byte that moves between ranks goes through this file.
 
-Four operations are enough for 3D parallelism + ZeRO-1 and 2, and all of them exist
+Four operations are enough for 3D parallelism + ZeRO-1, 2 and 3, and all of them exist
 on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
 
     all_reduce      x_i -> sum_i x_i on every rank        (tp row-parallel, dp grads)

@@ -17,7 +17,7 @@ from .precision import PRECISIONS
 
 DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
-SCHEDULES = ("afab", "1f1b", "interleaved")   # --schedule (pipeline.py:stage_ops)
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")   # --schedule (pipeline.py:stage_ops)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
@@ -119,7 +119,7 @@ class TrainConfig:
     dp: int = 0                  # 0 = world / (tp * pp)
     sequence_parallel: bool = False
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
-    schedule: str = "1f1b"       # afab | 1f1b | interleaved
+    schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
     zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py)
     zero1: bool = False          # the older spelling of --zero 1
@@ -197,13 +197,20 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
                             f"2 (+ gradients) or 3 (+ parameters)")
-        if self.zero == 3:
-            raise UserError("--zero 3 (the parameters sharded too) is not implemented in nanohlat yet; "
-                            "--zero 2 shards the gradients and the optimizer state")
-        if self.zero == 2 and self.schedule == "interleaved":
-            raise UserError("--zero 2 with --schedule interleaved is not supported: ZeRO-2 reduce-scatters a bucket "
-                            "as each micro-batch's backward fills it, and an interleaved stage runs one micro-batch's "
-                            "backward in several ticks between other micro-batches'; use --zero 1")
+        if self.zero == 3 and self.pp > 1:
+            raise UserError(f"--zero 3 with --pp {self.pp} is not supported: a pipeline stage interleaves the "
+                            f"forwards and backwards of different micro-batches, which ZeRO-3's per-layer gathers "
+                            f"do not follow (zero3.py); use --zero 2 (or --zero 1) with pipeline parallelism")
+        if self.zero == 3 and self.compile:
+            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the weights' storage "
+                            "around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
+        if self.zero >= 2 and self.schedule in ("interleaved", "zb-h1"):
+            raise UserError(f"--zero {self.zero} with --schedule {self.schedule} is not supported: ZeRO-{self.zero} "
+                            f"reduce-scatters a bucket as each micro-batch's backward fills it, and {self.schedule} runs "
+                            f"one micro-batch's backward in several ticks between other micro-batches'; use --zero 1")
+        if self.schedule == "zb-h1" and self.compile:
+            raise UserError("--schedule zb-h1 with --compile is not supported: its split backward hands each linear's "
+                            "inputs, in Python, to a later W op, which torch.compile's backward cannot; use 1f1b")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if self.eval_every and not self.eval_batches:
@@ -323,7 +330,8 @@ HELP = {
     "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
                    "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
     "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
-            "2 (and the gradients: reduce-scattered in the backward, zero2.py); 3 is not implemented",
+            "2 (and the gradients: reduce-scattered in the backward, zero2.py), 3 (and the parameters: "
+            "all-gathered per layer in the forward and backward, zero3.py; cpu, cuda; pp 1)",
     "zero1": "the older spelling of --zero 1 (kept)",
     "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
                            "its last gradient is in, and wait for it before the optimizer (bitwise the same; "

@@ -20,8 +20,8 @@ is added over tp first, so its buckets wait for phase 1 as without overlap.)
 Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
 
 `ReplicatedDP` is what FlatAdamW (optim.py) calls at the places where data
-parallelism matters; with --zero 1 or 2 it calls `zero1.ZeroOneDP` or
-`zero2.ZeroTwoDP` instead.
+parallelism matters; with --zero 1, 2 or 3 it calls `zero1.ZeroOneDP`,
+`zero2.ZeroTwoDP` or `zero3.ZeroThreeDP` instead.
 train.py's loop calls the other two: `split_batch` (this rank's micro-batches
 of the global batch) and `global_mean` (the loss of the whole global batch).
 """
@@ -141,6 +141,8 @@ class ReplicatedDP:
         pieces = g.watch.pieces(off, numel)
 
         def hook(p):
+            if p.grad is None:                # zb-h1's B: a linear's gradient comes in its W (tensor_parallel.py)
+                return
             add(p)
             for k, lo, hi, _ in pieces:
                 if g.watch.filled(k, hi - lo):
@@ -165,6 +167,10 @@ class ReplicatedDP:
     def gather_parameters(self, full: torch.Tensor) -> torch.Tensor:
         """Every rank updated all of it: nothing to gather."""
         return full
+
+    def write_back(self, g) -> None:
+        """Phase 4 for group g: its master (gathered, ZeRO-1 and 2) -> the flat parameter buffer."""
+        g.flat.copy_(self.gather_parameters(g.master.to(g.flat.dtype)))
 
 
 def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:

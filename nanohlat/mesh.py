@@ -73,6 +73,9 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
         raise UserError(f"--schedule interleaved needs --pp >= 2 (got {pp}), --pp x --virtual-stages = {pp * v} chunks "
                         f"of equal size (--n-layers {model.n_layers}) and --microbatches {tcfg.microbatches} a "
                         f"multiple of --pp (micro-batches go through the chunks in groups of pp)")
+    if tcfg.schedule == "zb-h1" and tcfg.microbatches < pp:
+        raise UserError(f"--schedule zb-h1 needs --microbatches >= --pp (got {tcfg.microbatches} < {pp}): W fills "
+                        f"the bubble, (p-1)/(3m+p-1), once the pipeline holds a micro-batch per stage")
     per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
     if not per_rank or per_rank % tcfg.microbatches:
         raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "

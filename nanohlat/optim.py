@@ -3,9 +3,9 @@
 One optimizer serves every layout. Each parameter is a view of a flat buffer
 (XLA keeps no view aliased from one graph to the next: there the step gathers
 the buffer from the parameters and scatters it back, FlatGroup.load/store),
-one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer
-parts than tp: replicated kv heads), with fp32 gradients, Adam's moments and
-master weights (all, or this dp rank's 1/dp with --zero 1, 2): the parameters
+one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
+than tp: replicated kv heads; ZeRO-3: per layer too), with fp32 gradients, Adam's
+moments and master weights (all, or this dp rank's 1/dp with --zero 1-3): the parameters
 themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
 is AdamW per parameter, textbook.
 
@@ -19,10 +19,10 @@ method (train.py calls them by name):
                           ZeRO-2's and overlapped buckets: only waited for)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
-    4. write_back         (ZeRO-1/2 all-gather) -> the model's parameters (if not written already)
+    4. write_back         (ZeRO-1/2 all-gather) -> the model's parameters (ZeRO-3: into its shard)
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
-`data_parallel.ReplicatedDP`, `zero1.ZeroOneDP` (--zero 1) or `zero2.ZeroTwoDP`.
+`data_parallel.ReplicatedDP`, `zero1.ZeroOneDP` (--zero 1), `zero2.ZeroTwoDP`, `zero3.ZeroThreeDP`.
 
 The global grad norm (docs/design.md 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
@@ -31,7 +31,7 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
     likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
-    except under ZeRO-1 and 2, where each dp rank holds a different shard -> sum over dp.
+    except under ZeRO-1, 2 and 3, where each dp rank holds a different shard -> sum over dp.
 Get any of these wrong and clipping silently differs between layouts.
 
 Every holder of an element (dp replicas, tp-replicated norms) computes the same
@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from . import comm, data_parallel, zero1, zero2
+from . import comm, data_parallel, zero1, zero2, zero3
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
 
@@ -115,6 +115,7 @@ class FlatGroup:
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
         mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
+        self.param_shard = self.unit = None              # ZeRO-3: the kept shard, its unit (zero3.Unit)
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -129,7 +130,9 @@ class FlatGroup:
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
-        """The flat parameter buffer: the one kept (aliased), or gathered from the parameters (xla)."""
+        """The flat parameter buffer: kept (aliased), all-gathered (ZeRO-3) or gathered from the parameters (xla)."""
+        if self.unit is not None:
+            return self.unit.gathered(self)
         return self.flat if self.aliased else self.flatten([p.detach() for p in self.params], self.params[0].dtype)
 
     def load(self) -> None:
@@ -160,19 +163,21 @@ class FlatAdamW:
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
         self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
-        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's or ZeRO-2's shards;
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's, 2's or 3's shards;
         # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
-        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP)[tcfg.zero](
+        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero](
             mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,
             tcfg.overlap_grad_reduce and device.kind != "xla")
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (p.ndim >= 2, p.shard.dim is None, p.shard.parts)   # (decay, tp-replicated, parts over tp)
+            key = (zero3.unit_of(name) if tcfg.zero == 3 else 0,   # (ZeRO-3's unit, decay, tp-replicated, parts)
+                   p.ndim >= 2, p.shard.dim is None, p.shard.parts)
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
                                  moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
-                       for (decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
+                       for (_, decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
+        self.units = zero3.attach(model, self.groups, self.dp) if tcfg.zero == 3 else []   # (gathered, freed together)
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
 
@@ -226,7 +231,7 @@ class FlatAdamW:
 
     @torch.no_grad()
     def update(self, grads, lr: float, norm: torch.Tensor, finite: torch.Tensor) -> None:
-        """Phase 3: clip and AdamW on the master (ZeRO-1/2: this rank's shard of it).
+        """Phase 3: clip and AdamW on the master (ZeRO: this rank's shard of it).
 
         A non-finite step must change nothing, and on XLA an `if` on a device value
         would be a host sync. So the update always runs, and `keep` (1.0, or 0.0 when
@@ -267,9 +272,9 @@ class FlatAdamW:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first).
+        """Phase 4: the new master -> the model's parameters (ZeRO-1, 2: all-gather the shards first; ZeRO-3: none).
         Without ZeRO-1 a master that is the parameter buffer was already written by `update`."""
         for g in self.groups:
             if self.zero or not g.master_is_params:
-                g.flat.copy_(self.dp.gather_parameters(g.master.to(g.flat.dtype)))
+                self.dp.write_back(g)                    # (ZeRO-3: only into the kept shard, zero3.py)
             g.store()                                    # (xla: the flat buffer -> the parameters)

@@ -1,9 +1,10 @@
-"""Pipeline parallelism: stages of layers, micro-batches, AFAB, 1F1B, interleaved.
+"""Pipeline parallelism: stages of layers, micro-batches, AFAB, 1F1B, interleaved, ZB-H1.
 
 Papers: Huang et al. 2019, "GPipe" (arXiv 1811.06965) for all-forward-all-
 backward (AFAB); Narayanan et al. 2019/2021, "PipeDream" / "Efficient
 Large-Scale Language Model Training on GPU Clusters" (arXiv 2104.04473) for
-one-forward-one-backward (1F1B, "PipeDream-flush") and its interleaved form.
+one-forward-one-backward (1F1B, "PipeDream-flush") and its interleaved form;
+Qi et al. 2024, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), ZB-H1.
 
 What is split: the layers. Stage s of pp holds layers [s*L/pp, (s+1)*L/pp);
 the first also holds the embedding, the last the final norm, head and loss.
@@ -32,7 +33,10 @@ ever waits for a neighbour that is itself waiting on something else.
 nothing crosses it.) Interleaved adds the wrap boundary (p-1)|0, which
 stage 0 and stage p-1 take last: each reaches it after its chain exchange
 completed, so neither waits on a rank that waits on it. (pp = 2: the same
-pair of ranks, two exchanges in the same order on both.)
+pair of ranks, two exchanges in the same order on both.) ZB-H1's W ops need
+no exchange at all: W(i) needs only its own stage's B(i) of an earlier tick;
+to its neighbours a W tick is one in which it sends nothing (zeros), the
+chain above is unchanged, and nothing on another stage ever waits on a W.
 
 Schedules (p stages, m micro-batches; per stage, in order):
   AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
@@ -46,6 +50,10 @@ Interleaved (--virtual-stages v): the layers are cut into p*v chunks and
 stage s holds chunks s, s+p, ... (chunk_layers); a micro-batch visits every
 stage v times, so filling and draining the pipeline takes chunk-sized ops:
 bubble (p-1)/(v*m+p-1), for v times the exchanges (interleaved_order).
+ZB-H1 (--schedule zb-h1) splits each backward into B (the input's gradient,
+which the previous stage waits for) and W (the weights', which nobody waits
+for: tensor_parallel.py), and fills ticks a stage would idle in with W ops.
+F = B = W = 1 unit: bubble (p-1)/(3m+p-1), at 1F1B's peak of p in flight.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from . import tensor_parallel as tpl
 
 
 def chunk_layers(n_layers: int, pp: int, stage: int, chunk: int = 0, v: int = 1) -> range:
@@ -112,12 +121,26 @@ def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, in
     return ops
 
 
+def zb_h1_order(pp: int, m: int, stage: int) -> list[tuple[str, int, int]]:
+    """ZB-H1: 1F1B's F and B (B now only the input gradient), stage s running
+    W(j) after B(j+s). 1F1B's stage s holds p-s micro-batches; holding each
+    s B's longer (to its W), every stage holds p, 1F1B's peak; the s W's owed
+    after the last B fill the ticks 1F1B's stage s would idle in while the
+    backwards drain through the stages before it (m >= p: mesh.py)."""
+    ops = []
+    for kind, i in stage_order("1f1b", pp, m, stage):
+        ops += [(kind, i, 0)] + ([("W", i - stage, 0)] if kind == "B" and i >= stage else [])
+    return ops + [("W", j, 0) for j in range(max(m - stage, 0), m)]
+
+
 def stage_ops(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> list[tuple[str, int, int]]:
     """Every schedule's order for one stage as (kind, micro-batch, chunk):
     stage_order's ops on chunk 0 for AFAB and 1F1B, interleaved_order's for
-    interleaved (v chunks)."""
+    interleaved (v chunks), zb_h1_order's (F, B and W) for zb-h1."""
     if schedule == "interleaved":
         return interleaved_order(pp, m, v, stage)
+    if schedule == "zb-h1":
+        return zb_h1_order(pp, m, stage)
     return [(kind, i, 0) for kind, i in stage_order(schedule, pp, m, stage)]
 
 
@@ -125,9 +148,12 @@ def depends_on(op: tuple[str, int, int], stage: int, pp: int, v: int = 1) -> tup
     """The op (kind, stage, micro-batch, chunk) that must finish before `op` of
     `stage` starts, or None. In virtual stages k = chunk*pp + stage: F(k, i)
     needs F(k-1, i) (on the last stage when k is a multiple of pp: the wrap),
-    B(k, i) needs B(k+1, i), and the very last virtual stage its own F."""
+    B(k, i) needs B(k+1, i), and the very last virtual stage its own F; W(i)
+    (zb-h1) its own stage's B(i), so nothing on another stage waits on a W."""
     kind, i, c = op
     k = c * pp + stage
+    if kind == "W":
+        return ("B", stage, i, c)
     if kind == "F":
         return None if k == 0 else ("F", (k - 1) % pp, i, (k - 1) // pp)
     if k == pp * v - 1:
@@ -176,6 +202,7 @@ class PipelineRunner:
         self.v = tcfg.virtual_stages              # model chunks on this stage (one: None, all its layers, no range for --compile)
         self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)] if self.v > 1 else [None]
         self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
+        self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (tensor_parallel.py)
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
         self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)
@@ -196,10 +223,10 @@ class PipelineRunner:
         FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
         this stage's scaled micro-batch losses (zero off the last stage).
 
-        Each tick: this stage's op of the timetable (`_forward` or
-        `_backward`), then the tick's exchanges (`_exchange`), then, on XLA, a
+        Each tick: this stage's op of the timetable (`_forward`, `_backward`,
+        zb-h1's W), then the tick's exchanges (`_exchange`), then, on XLA, a
         graph cut (`_cut_graph`) after every tick (pp > 1) or every
-        micro-batch's backward (pp = 1): a graph then covers one op of one
+        micro-batch's backward (pp = 1; zb-h1: B, W): a graph covers one op of one
         micro-batch, whose inputs are device data of the same shapes for every
         micro-batch (each is its own tensor, never `tokens[i]` of one big
         tensor, which would bake i into the graph). So the graphs compiled do
@@ -208,6 +235,7 @@ class PipelineRunner:
         accumulated so far stay on the device; the next graph adds to them."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
+        self.deferred, tpl.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0, so that what the step queued before (zero_grad's reset of
@@ -225,14 +253,17 @@ class PipelineRunner:
                 started = self.clock.op_start() if self.clock else 0.0
                 if kind == "F":
                     act = self._forward(i, c, tokens, targets, loss_scale)
-                else:
+                elif kind == "B":
                     grad = self._backward(i, c)
+                else:                         # W: the weight gradients B left for later
+                    tpl.weight_grads(self.deferred.pop((i, c)))
                 if self.clock:
                     self.clock.op_end(kind, i, started, c)
             self._exchange(t, act, grad)
-            if self.pp > 1 or (op is not None and op[0] == "B"):
-                self._cut_graph()             # one graph per tick (pp = 1: per micro-batch)
-        assert not self.in_flight and not self.inputs and not self.grads_in
+            if self.pp > 1 or (op is not None and op[0] != "F"):
+                self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
+        tpl.WEIGHT_GRADS.split = False
+        assert not self.in_flight and not self.inputs and not self.grads_in and not self.deferred
         if self.clock:
             self.clock.stop()
         return self.loss_sum
@@ -256,7 +287,7 @@ class PipelineRunner:
         else:
             out = self.model(x, layers=layers)
         self.in_flight[(i, c)] = (x, out)
-        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+        self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight) + len(self.deferred))
         return None if self._last(c) else out.detach()
 
     def _backward(self, i: int, c: int) -> torch.Tensor | None:
@@ -268,6 +299,8 @@ class PipelineRunner:
             out.backward()
         else:
             out.backward(self.grads_in.pop((i, c)))
+        if self.split:                        # zb-h1: the linears' dW left for W
+            self.deferred[(i, c)], tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:

@@ -50,6 +50,7 @@ tp <= n_kv_heads there are no copies, so skip it on a first reading.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +192,7 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
 
 class _GatherLinears(torch.autograd.Function):
     """y_i = all_gather_T(x) W_i^T for each weight W_i, keeping x (B, T/tp, C), not
-    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x, sums
+    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (zb-h1: in W), sums
     dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
 
     The backward does exactly F.linear's backward ops (an mm of the flattened
@@ -210,15 +211,63 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        full = comm.all_gather(x, ctx.group, dim=SEQ_DIM)    # again: the forward's (B, T, C), bit for bit
-        x2 = full.reshape(-1, full.shape[-1])                # (B*T, C)
-        dx, dws = None, []
+        if WEIGHT_GRADS.split:                               # zb-h1's B: the gather and each dW wait for W
+            WEIGHT_GRADS.stash.append((weights, x, ctx.group, grads))
+        dws = ([None] * len(weights) if WEIGHT_GRADS.split     # else gather again: the forward's (B, T, C)
+               else weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads))
+        dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
-            g2 = g.reshape(-1, g.shape[-1])                  # (B*T, out/tp)
-            dws.append(g2.t().mm(x2))                        # dW = g^T x
-            d = g2.mm(w).view_as(full)                       # this linear's part of dx = g W
+            d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
             dx = d if dx is None else dx + d
-        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *reversed(dws))
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
+
+
+def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
+    """dW = g^T x for each linear fed x, as F.linear's backward: an mm of the (B*T, .) tensors."""
+    x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
+    return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
+
+
+# ---------------------------------------------------------------------------
+# ZB-H1's split backward (pipeline.py). A linear's backward computes dx = g W,
+# which the layer before waits for, and dW = g^T x, which nothing needs before
+# the step. B computes dx, stashing (W, x, g); W computes each dW with autograd's
+# mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
+# hooks (optim.py) as an unsplit backward does (in B they run with no gradient
+# and add nothing). The norm gains and the embedding keep their gradients in B.
+# ---------------------------------------------------------------------------
+
+WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, group, grads)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T: F.linear, or in a zb-h1 step the same product with its dW left for W."""
+    return _SplitLinear.apply(x, w) if WEIGHT_GRADS.split and torch.is_grad_enabled() else F.linear(x, w)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """F.linear whose backward returns only dx (F.linear's mm)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        WEIGHT_GRADS.stash.append(((w,), x, None, (g,)))
+        return g.reshape(-1, g.shape[-1]).mm(w).view_as(x), None
+
+
+def weight_grads(stash: list) -> None:
+    """The W op: each dW = g^T x one B stashed, accumulated as a backward would."""
+    weights, dws = [], []
+    with torch.no_grad():                      # (as in a backward: nothing here is differentiated)
+        for ws, x, group, grads in stash:      # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
+            weights += ws
+            dws += weight_grads_of(x if group is None else comm.all_gather(x, group, dim=SEQ_DIM), grads)
+    torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
 
 
 # ---------------------------------------------------------------------------
@@ -315,7 +364,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         # exercise 4b: begin
-        return F.linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
+        return linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
         # exercise 4b: end
 
 
@@ -331,7 +380,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # x: (B, T, in/tp)
         # exercise 4b: begin
-        return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return leave(linear(x, self.weight), self.group, self.sequence_parallel)
         # exercise 4b: end
 
 

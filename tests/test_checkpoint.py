@@ -123,7 +123,7 @@ def test_one_process_resume_is_bit_identical(one):
     manifest = json.load(open(os.path.join(ckpt(one / "resumed", N), "manifest.json")))
     assert manifest["step"] == N and manifest["tokens"] == N * 8 * 32
     assert manifest["schedule"]["optimizer_step"] == N and manifest["data"]["next_step"] == N
-    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1, "virtual_stages": 1}
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1}
 
 
 def test_keep_last_and_latest_pointer(one):
@@ -177,7 +177,7 @@ def test_load_for_inference_equals_the_training_weights(eight, one):
     cpu = device.get_device("cpu")
     got, manifest = checkpoint.load_for_inference(str(eight / "full"), cpu)
     ref, _ = checkpoint.load_for_inference(str(one / "full"), cpu)
-    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero1": True, "world": 8, "virtual_stages": 1}
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "zero1": True, "world": 8, "virtual_stages": 1}
     ref_params = dict(ref.named_parameters())
     for name, p in got.named_parameters():
         assert (p - ref_params[name]).abs().max().item() < 1e-4, name
@@ -349,10 +349,12 @@ def test_dead_worker_stops_the_job_and_is_named(cache_dir, tmp_path, monkeypatch
 # NaN / inf steps
 # ---------------------------------------------------------------------------
 
-def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, capsys, zero):
     """NaN gradients injected into step 3 only: warning, the update is skipped (the
     weights and Adam moments saved after step 3 equal those after step 2, and so
-    does the optimizer's step count), and the run goes on."""
+    does the optimizer's step count), and the run goes on. ZeRO-3 too, whose kept
+    shard is the weights (zero3.py; one process: the shard is all of it)."""
     from nanohlat import optim, pipeline
     real_run, calls = pipeline.PipelineRunner.run, []
 
@@ -372,7 +374,8 @@ def test_a_nan_step_is_skipped_with_a_warning(cache_dir, tmp_path, monkeypatch, 
         return real_reduce(self)
     monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
     monkeypatch.setattr(optim.FlatAdamW, "reduce_gradients", reduce_gradients)
-    train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2))
+    train_here(flags(cache_dir, tmp_path, "--steps", 5, "--save-every", 1, "--keep-last", 0, "--max-bad-steps", 2,
+                     "--zero", zero))
     assert "warning: step 3 had a non-finite loss or gradient; the update was skipped" in capsys.readouterr().err
     shard = {s: torch.load(os.path.join(ckpt(tmp_path, s), "shard_00000.pt"), weights_only=True) for s in (2, 3, 4)}
     for name, w in shard[2]["model"].items():

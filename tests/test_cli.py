@@ -49,6 +49,10 @@ def one_process(cache_dir, tmp_path_factory):
     (["--schedule", "interleaved"], "the interleaved schedule needs --virtual-stages >= 2"),
     (["--nproc", "2", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "4", "--microbatches", "2"],
      "--pp x --virtual-stages = 8 chunks of equal size (--n-layers 4)"),
+    (["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "1"],
+     "--schedule zb-h1 needs --microbatches >= --pp (got 1 < 2)"),
+    (["--schedule", "zb-h1", "--compile"], "--schedule zb-h1 with --compile is not supported"),
+    (["--schedule", "zb-h1", "--virtual-stages", "2"], "only it uses them"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys, cache_dir):
     import train
@@ -134,6 +138,24 @@ def test_interleaved_pp4_v2_with_timeline_equals_one_process(cache_dir, tmp_path
     # 2(p-1-s) + (v-1)p + 1 = 11 9 7 5: ideal (the order) and measured (the runner's dict of kept activations)
     assert "= 11 9 7 5; ideal 11 9 7 5; measured 11 9 7 5" in text
     assert json.load(open(four / "summary.json"))["peak_in_flight"] == 11
+
+
+@pytest.mark.slow
+def test_zb_h1_pp4_with_timeline_equals_one_process(cache_dir, tmp_path):
+    """The issue's command with --schedule zb-h1: one process's losses (its
+    split backward computes the same gradients), the ideal bubble 0.11 and p =
+    4 micro-batches in flight on every stage, from F to W, as the formula says."""
+    zb = ["--schedule", "zb-h1"]
+    one, four = tmp_path / "one", tmp_path / "pp4"
+    run(["train.py", *INTERLEAVED, *zb, "--cache-dir", cache_dir, "--out-dir", str(one)])
+    run(["train.py", *INTERLEAVED, *zb, "--cache-dir", cache_dir, "--out-dir", str(four), "--nproc", "4", "--pp", "4",
+         "--timeline"])
+    assert losses(four) == pytest.approx(losses(one), abs=2e-5)
+    assert len(val_losses(four)) == 1 and val_losses(four) == pytest.approx(val_losses(one), abs=2e-5)
+    text = (four / "timeline.txt").read_text()
+    assert "bubble: ideal 0.11 = formula (p-1)/(3m+p-1) = 0.11" in text
+    assert "formula min(p, m) = 4 4 4 4; ideal 4 4 4 4; measured 4 4 4 4" in text
+    assert "stage 3 | .. .. .. F0 B0 F1 B1" in text and text.count(" W7") == 4
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """Every layout trains exactly like one process (docs/design.md section 5).
 
 Same per-step losses, same grad norms, same consolidated weights after the
-last step, for tensor, sequence, pipeline (AFAB and 1F1B, several micro-batch
-counts) and data parallelism with and without ZeRO-1, alone and combined; and
+last step, for tensor, sequence, pipeline (AFAB, 1F1B, interleaved and ZB-H1,
+several micro-batch counts) and data parallelism with and without ZeRO-1, alone and combined; and
 with more tp ranks than kv heads (replicated kv heads), whose checkpoints
 load into layouts without replicas and back.
 
@@ -111,6 +111,12 @@ WORLD4 = {
                                "--sequence-parallel", "--microbatches", "2"],
     **{f"pp4_{s}_m{m}": ["--pp", "4", "--schedule", s, "--microbatches", str(m)]
        for s in ("afab", "1f1b") for m in (1, 4, 8)},
+    # zb-h1: the split backward under tp x pp with SP (regather: the gather again in W), and
+    # dp x pp with ZeRO-1 and overlapped reduction (buckets filled by B's norms and W's linears)
+    "tp2_pp2_zb_h1_sp": ["--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--sequence-parallel",
+                         "--microbatches", "2"],
+    "dp2_pp2_zb_h1_zero1": ["--dp", "2", "--pp", "2", "--zero1", "--schedule", "zb-h1", "--microbatches", "4",
+                            "--bucket-mb", "0.01", "--save-every", "2"],
 }
 WORLD8 = {"tp2_pp2_dp2_zero1_sp": ["--tp", "2", "--pp", "2", "--dp", "2", "--zero1", "--sequence-parallel",
                                    "--microbatches", "2"]}
@@ -164,7 +170,9 @@ def layout_runs(cache_dir, tmp_path_factory, reference_kv2):
                                                           "--resume", _ckpt(reference_kv2[2], 2)]}
     world2 = WORLD2 | {"tp2_kv2_from_tp4": KV2 + ["--tp", "2", "--resume", _ckpt(root / "tp4_kv2_sp", 2)],
                        "pp2_1f1b_from_interleaved": KV2 + ["--pp", "2", "--microbatches", "2", "--resume",
-                                                          _ckpt(root / "dp2_pp2_interleaved_zero1", 2)]}
+                                                          _ckpt(root / "dp2_pp2_interleaved_zero1", 2)],
+                       "pp2_1f1b_from_zb_h1": ["--pp", "2", "--microbatches", "2", "--resume",
+                                               _ckpt(root / "dp2_pp2_zb_h1_zero1", 2)]}
     outs = {}
     for world, layouts in ((4, world4), (2, world2), (8, WORLD8)):
         runs = []
@@ -195,6 +203,18 @@ def test_interleaved_with_dp2_zero1_trains_like_one_process_and_its_checkpoints_
                                                                                          "--resume", ckpt]))))
     for out in (layout_runs["pp2_1f1b_from_interleaved"], tmp_path, layout_runs["dp2_pp2_interleaved_from_tp1"]):
         assert_same_as_reference(reference_kv2, out, first_step=3)
+
+
+def test_zb_h1_checkpoint_continues_with_1f1b(layout_runs, reference):
+    """dp 2 x pp 2 zb-h1's step-2 checkpoint, continued by pp 2 1F1B: one process's steps 3 and 4."""
+    assert_same_as_reference(reference, layout_runs["pp2_1f1b_from_zb_h1"], first_step=3)
+
+
+def test_zb_h1_holds_p_micro_batches_from_forward_to_weight_gradients(layout_runs):
+    """pp 2, m 4: every stage keeps p = 2 micro-batches from F to W (summary.json: rank 0)."""
+    from nanohlat.tools.timeline import in_flight_formula
+    summary = json.load(open(layout_runs["dp2_pp2_zb_h1_zero1"] / "summary.json"))
+    assert summary["peak_in_flight"] == in_flight_formula("zb-h1", 2, 4, 0)[0] == 2
 
 
 @pytest.mark.parametrize("pp, schedule, m", [(2, "afab", 4), (2, "1f1b", 4), (4, "afab", 8), (4, "1f1b", 8),

@@ -589,22 +589,27 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
 def test_search_enumerates_every_valid_layout_of_a_small_case():
     """tiny (8 heads, 4 kv heads, 4 layers, batch 8) on 4 ranks: (tp, pp, dp) in
     (1,1,4) (1,2,2) (1,4,1) (2,1,2) (2,2,1) (4,1,1); micro-batches divide batch / dp;
-    SP only with tp > 1, ZeRO stages 1 and 2 and overlapped reduction on or off (cpu, cuda)
-    only with dp > 1; 3 checkpointing modes each. Overlap makes each dp > 1 step faster."""
+    SP only with tp > 1, ZeRO stages 1 and 2 (and 3 at pp 1, on cpu and cuda) and overlapped
+    reduction on or off (cpu, cuda) only with dp > 1; 3 checkpointing modes each. Overlap makes
+    each dp > 1 step faster; ZeRO-3's all-gathers make it slower than ZeRO-2's."""
     model, t = config.parse_args(TINY + ["--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 4))
-    per = {(1, 1, 4): 2 * 1 * 3 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 3 * 2,
+    per = {(1, 1, 4): 2 * 1 * 4 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 4 * 2,
            (2, 2, 1): 4 * 2, (4, 1, 1): 4 * 2}  # (divisors of batch/dp) x SP choices x ZeRO stages x overlap
     assert len(layouts) == 3 * sum(per.values())
     assert {(c.tp, c.pp, 4 // (c.tp * c.pp)) for c in layouts} == set(per)
     assert {(c.zero, c.overlap_grad_reduce) for c in layouts if c.tp * c.pp < 4} == \
-        {(z, o) for z in (0, 1, 2) for o in (True, False)}
+        {(z, o) for z in (0, 1, 2, 3) for o in (True, False)}
+    assert {c.pp for c in layouts if c.zero == 3} == {1}
     step = {plan._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
     for name, s in step.items():
         if name[-1] and name[0] * name[1] < 4:    # overlapped at dp > 1: faster than the same layout without
             assert s < step[name[:-1] + (False,)], name
-    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing
-    assert {c.overlap_grad_reduce for c in plan.candidate_layouts(model, t, 4)} == {True}
+        if name[3] == 3:                          # the same layout with ZeRO-2: less traffic, faster
+            assert s > step[name[:3] + (2,) + name[4:]], name
+    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing, no ZeRO-3
+    assert {(c.overlap_grad_reduce, c.zero) for c in plan.candidate_layouts(model, t, 4)} == \
+        {(True, z) for z in (0, 1, 2)}
 
 
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
@@ -681,3 +686,65 @@ def test_search_under_interleaved_keeps_only_layouts_it_allows():
             assert (c.schedule, c.virtual_stages) == ("1f1b", 1)
         else:
             assert c.schedule == "interleaved" and 8 % (2 * c.pp) == 0 and c.microbatches % c.pp == 0
+
+
+# -- the zb-h1 schedule in the plan ------------------------------------------------
+
+ZB = TINY + ["--n-layers", "8", "--pp", "4", "--microbatches", "8", "--schedule", "zb-h1", "--device", "cpu"]
+
+
+def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bubble():
+    """pp 4, m 8: every stage holds p = 4 micro-batches (1F1B: 4 3 2 1), whole
+    until their B, then only what W needs; 1F1B's tensors cross the boundaries
+    (a W sends nothing), in more ticks; the bubble estimate is (p-1)/(3m+p-1)."""
+    model, t = config.parse_args(ZB)
+    one_f = dataclasses.replace(t, schedule="1f1b")
+    for stage in range(4):
+        mem = plan.memory_per_rank(model, t, 1, 4, 1, stage)
+        assert mem["in_flight"] == 4 and plan.memory_per_rank(model, one_f, 1, 4, 1, stage)["in_flight"] == 4 - stage
+        full, left = plan.activation_bytes(model, t, 1, 4, 1, stage), plan.weight_grad_bytes(model, t, 1, 4, 1, stage)
+        assert left < full
+        # the order F0..F(p-1-s), then F B W...: the peak is after the F following the warm-up, with s
+        # micro-batches past B (only W's share) and p - s whole
+        assert mem["activations"] == (4 - stage) * full + stage * left
+    # the same 2m tensors cross each boundary, but a W between them puts a stage's F and its
+    # neighbour's B in different ticks more often: more exchange calls, each half padding
+    assert plan.exchanges_per_boundary("zb-h1", 4, 8) == (16, 15, 14)
+    assert plan.exchanges_per_boundary("1f1b", 4, 8) == (12, 11, 10)
+    e = plan.estimate_step(model, t, 4, "cpu")
+    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
+    text = plan.report(model, t, 4)
+    assert "schedule zb-h1" in text and "the bubble is (p-1)/(3m+p-1)" in text and "4 mb: " in text
+
+
+@pytest.mark.parametrize("sp, regather", [(False, True), (True, True), (True, False)])
+def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
+    """weight_grad_bytes against the tensors B really leaves for W (tp 1, one
+    process; with sequence parallel at tp 1 nothing is gathered): every distinct
+    tensor in tensor_parallel.WEIGHT_GRADS's stash, on the last stage (head too)
+    and a middle one."""
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.model import Transformer, init_weights
+    model_cfg, t = config.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
+    mb = plan.micro_batch_size(t, 1)
+    for stage, first, last in ((3, False, True), (1, False, False)):
+        layers = range(2 * stage, 2 * stage + 2)
+        model = Transformer(model_cfg, layers=layers, first=first, last=last)
+        init_weights(model, 0)
+        x = torch.randn(mb, t.seq_len, model_cfg.d_model, requires_grad=True)
+        tpl.WEIGHT_GRADS.split = True
+        try:
+            out = model(x, torch.zeros(mb, t.seq_len, dtype=torch.long)) if last else model(x)
+            out.sum().backward()
+            stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
+        finally:
+            tpl.WEIGHT_GRADS.split = False
+        kept = {id(a): a for _, x_in, _, grads in stash for a in (x_in, *grads)}
+        assert sum(a.nbytes for a in kept.values()) == plan.weight_grad_bytes(model_cfg, t, 1, 4, 1, stage)
+
+
+def test_search_under_zb_h1_keeps_at_least_a_micro_batch_per_stage_and_no_zero2():
+    model, t = config.parse_args(ZB)
+    layouts = list(plan.candidate_layouts(model, t, 4))
+    assert {c.pp for c in layouts} == {1, 2, 4}
+    assert all(c.schedule == "zb-h1" and c.microbatches >= c.pp and c.zero != 2 for c in layouts)

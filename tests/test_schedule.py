@@ -153,7 +153,7 @@ def tick_kinds(schedule: str, pp: int, m: int, v: int, stage: int) -> set:
     return kinds
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)])
 def test_distinct_tick_graphs_do_not_grow_with_the_micro_batches(schedule, v):
     """pp 4: from m = 2pp on (the steady state reached) every stage has the same
     set of distinct ticks for m = 8, 16 and 32, so XLA compiles as many tick
@@ -161,3 +161,54 @@ def test_distinct_tick_graphs_do_not_grow_with_the_micro_batches(schedule, v):
     for stage in range(4):
         assert tick_kinds(schedule, 4, 8, v, stage) == tick_kinds(schedule, 4, 16, v, stage) \
             == tick_kinds(schedule, 4, 32, v, stage)
+
+
+# ---------------------------------------------------------------------------
+# ZB-H1 (--schedule zb-h1): B = the input gradient, W = the weight gradients
+# ---------------------------------------------------------------------------
+
+ZB_H1_PP4_M8 = [   # 1F1B's F and B; stage s runs W(j) after B(j+s)
+    "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7",
+    "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7",
+    "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7",
+]
+
+
+def test_zb_h1_order_for_pp4_m8_is_the_hand_written_table():
+    from nanohlat.pipeline import stage_ops
+    for stage, row in enumerate(ZB_H1_PP4_M8):
+        assert stage_ops("zb-h1", PP, M, stage) == chunk_ops(row)
+        # without the W's it is 1F1B's order
+        assert [(k, i) for k, i, _ in chunk_ops(row) if k != "W"] == stage_order("1f1b", PP, M, stage)
+
+
+@pytest.mark.parametrize("pp, m", [(1, 1), (1, 4), (2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8), (4, 13), (8, 8),
+                                   (8, 16)])
+def test_zb_h1_ideal_bubble_is_its_formula_and_every_stage_holds_p(pp, m):
+    """F = B = W = 1 unit: the ideal timeline (and the tick engine: all ops are
+    1 unit) idles (p-1)/(3m+p-1); 1F1B with F = 1, B = 2 idles (p-1)/(m+p-1).
+    Every stage holds p micro-batches from its F to its W; W(i) needs only its
+    own stage's B(i), so no stage ever waits on a W."""
+    from nanohlat.pipeline import depends_on, stage_ops, timetable
+    from nanohlat.tools import timeline
+    ticks = timetable("zb-h1", pp, m)
+    assert len(ticks) == 3 * m + pp - 1
+    assert timeline.ideal_timeline("zb-h1", pp, m)[1] == 3 * m + pp - 1
+    assert timeline.ideal_bubble("zb-h1", pp, m) == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    assert timeline.formula_bubble(pp, m, "zb-h1") == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    assert timeline.lockstep_bubble(ticks, m) == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    for stage in range(pp):
+        order = stage_ops("zb-h1", pp, m, stage)
+        assert sorted(order) == sorted((k, i, 0) for k in "FBW" for i in range(m))
+        assert all(order.index(("B", i, 0)) < order.index(("W", i, 0)) for i in range(m))
+        assert timeline.in_flight(order) == timeline.in_flight_formula("zb-h1", pp, m, stage)[0] == pp
+        for op in order:
+            dep = depends_on(op, stage, pp)
+            assert (dep[1] == stage) if op[0] == "W" else (dep is None or dep[0] != "W")
+
+
+def test_zb_h1_pp4_m8_bubble_is_011_against_1f1b_027():
+    from nanohlat.tools import timeline
+    assert f"{timeline.ideal_bubble('zb-h1', 4, 8):.2f}" == "0.11"
+    assert f"{timeline.formula_bubble(4, 8, 'zb-h1'):.2f}" == "0.11"

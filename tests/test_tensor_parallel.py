@@ -289,3 +289,80 @@ def _regather_worker(rank, tp):
 
 def test_sp_regather_is_bitwise_the_kept_gather(tmp_path):
     spawn_workers(_regather_worker, 2, (), str(tmp_path))
+
+
+def _check_split_backward(rank, tp):
+    """zb-h1's split backward (B: input gradients, the linears' dW stashed; W:
+    each dW = g^T x handed to autograd) gives the unsplit backward's losses and
+    gradients bit for bit: fp32 and bf16 (the parameter dtype of every bf16
+    precision), every activation checkpointing mode, and at tp > 1 without
+    sequence parallel and with it, gathering again in backward (regather: then
+    in W) or not. The parameters' post-accumulate-grad hooks (optim.py's way
+    into the flat buffer) fire once with a gradient per parameter, and the
+    bytes B leaves for W are the plan's."""
+    import dataclasses
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+    from nanohlat import tensor_parallel as tpl
+    from nanohlat.config import PRESETS
+    from nanohlat.mesh import Group
+    from nanohlat.config import TrainConfig
+    from nanohlat.model import Transformer, init_weights
+    from nanohlat.tools import plan
+    cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
+    group = Group("tp", list(range(tp)), rank, dist.group.WORLD if tp > 1 else None)
+    g = torch.Generator().manual_seed(3)
+    tokens, targets = (torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2))
+    ckpt = lambda fn, *a: checkpoint(fn, *a, use_reentrant=False)
+    layouts = [(False, True)] + ([(True, True), (True, False)] if tp > 1 else [])
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("none", "selective", "full"):
+            for sp, regather in layouts:
+                results = []
+                for split in (False, True):
+                    model = Transformer(cfg, group, sequence_parallel=sp, sp_regather=regather)
+                    init_weights(model, 0)
+                    model.to(dtype).set_activation_checkpointing(mode, ckpt)
+                    fired = []
+                    for n, p in model.named_parameters():
+                        p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n) if p.grad is not None else None)
+                    tpl.WEIGHT_GRADS.split = split
+                    loss = model(tokens, targets).float().mean()
+                    loss.backward()                               # B (split) or the whole backward
+                    stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
+                    tpl.WEIGHT_GRADS.split = False
+                    assert bool(stash) == split
+                    in_b = {n for n, p in model.named_parameters() if p.grad is not None}
+                    if split:    # what B left for W is what --plan counts (tools/plan.py:weight_grad_bytes)
+                        kept = {t.untyped_storage().data_ptr(): t.nbytes for _, x, _, gs in stash for t in (x, *gs)}
+                        tcfg = TrainConfig(batch_size=2, seq_len=16, sequence_parallel=sp, sp_regather=regather,
+                                           precision="fp32" if dtype == torch.float32 else "bf16")
+                        assert sum(kept.values()) == plan.weight_grad_bytes(cfg, tcfg, tp, 1, 1, 0), (dtype, mode, sp)
+                    tpl.weight_grads(stash)                       # W
+                    assert sorted(fired) == sorted(n for n, _ in model.named_parameters())
+                    results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, in_b))
+                (a, ga, _), (b, gb, in_b) = results
+                what = (dtype, mode, sp, regather)
+                assert torch.equal(a, b), what
+                for name in ga:
+                    assert torch.equal(ga[name], gb[name]), (what, name)
+                # only the norm gains and the embedding got their gradients in B
+                assert in_b and all(n.endswith("norm.weight") or n == "embed.weight" for n in in_b), (what, in_b)
+
+
+def _split_worker(rank, tp):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        _check_split_backward(rank, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_backward_is_bitwise_the_unsplit_one_in_one_process():
+    _check_split_backward(0, 1)
+
+
+def test_split_backward_is_bitwise_the_unsplit_one_with_tp_and_sp(tmp_path):
+    spawn_workers(_split_worker, 2, (), str(tmp_path))

@@ -50,7 +50,7 @@ REL_TOL = 1e-3
 # pattern's group `m`, where it has one, is the span; else the whole match.
 MEASURED = [
     re.compile(r"drawn to scale \((?P<m>[\d.]+ ms)"),        # pipeline: the last step's wall time
-    re.compile(r"^stage \d+ (?P<m>\|[FBfb.]*\|)$"),         # pipeline: the step drawn to scale (f, b: odd chunks)
+    re.compile(r"^stage \d+ (?P<m>\|[FBWfb.]*\|)$"),        # pipeline: the step drawn to scale (f, b: odd chunks)
     re.compile(r"bubble: measured (?P<m>[\d.]+)"),          # pipeline: idle fraction, measured
     re.compile(r"; measured (?P<m>[\d.]+) \(idle"),           # pipeline: the same, in the three-bubble line
     re.compile(r"^(?P<m>[.sx]+\s+\[100%\])$"),               # pytest: its progress line (xla tests run or skip)

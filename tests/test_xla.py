@@ -323,3 +323,27 @@ def test_bench_runs_the_xla_engine():
     graphs, recompiled = (int(x) for x in rows["nanohlat-xla"][-2:])   # xla: no fwd+bwd split
     assert graphs > 0 and recompiled == 0, proc.stdout
     assert "on cpu (1 threads)" in proc.stdout
+
+
+def test_zb_h1_on_xla_gives_the_cpu_losses_with_graphs_independent_of_the_micro_batches(cache_dir, tmp_path):
+    """--schedule zb-h1 (one stage: F, B, W per micro-batch, a graph cut after B and after W) on
+    XLA: the eager CPU's losses, and as many compiled graphs for 8 micro-batches as for 1."""
+    argv = ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",
+            "--eval-every", "0", "--no-progress", "--schedule", "zb-h1", "--cache-dir", cache_dir]
+    got = {}
+    for m in (1, 8):
+        proc = subprocess.run([sys.executable, "-c", MICROBATCH_CHILD] + argv + [
+                              "--device", "xla", "--microbatches", str(m), "--out-dir", str(tmp_path / f"m{m}")],
+                              cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[m] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got[8]["graphs"] == got[1]["graphs"], got
+    proc = subprocess.run([sys.executable, "train.py"] + argv + ["--device", "cpu", "--microbatches", "8",
+                          "--out-dir", str(tmp_path / "cpu")], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def losses(out):
+        with open(out / "metrics.jsonl") as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    assert not close(losses(tmp_path / "m8"), losses(tmp_path / "cpu"), LOSS_TOL)

@@ -1,4 +1,4 @@
-"""ZeRO stages beside each other (zero1.py): the --zero flag and its old spelling --zero1."""
+"""ZeRO stages beside each other (zero1.py, zero2.py, zero3.py): the --zero flag and its old spelling --zero1."""
 
 from __future__ import annotations
 
@@ -23,13 +23,26 @@ def test_zero1_is_the_older_spelling_of_zero_1():
 @pytest.mark.parametrize("argv, words", [(["--zero", "4"], "not a ZeRO stage"),
                                          (["--zero", "-1"], "not a ZeRO stage"),
                                          (["--zero1", "--zero", "0"], "older spelling"),
-                                         (["--zero", "3"], "not implemented"),
+                                         (["--zero", "3", "--pp", "2"], "not supported: a pipeline stage"),
+                                         (["--zero", "3", "--compile"], "not supported: ZeRO-3 empties"),
                                          (["--zero", "2", "--schedule", "interleaved", "--virtual-stages", "2"],
-                                          "not supported: ZeRO-2 reduce-scatters a bucket")])
+                                          "not supported: ZeRO-2 reduce-scatters a bucket"),
+                                         (["--zero", "2", "--schedule", "zb-h1"],
+                                          "zb-h1 is not supported: ZeRO-2 reduce-scatters a bucket"),
+                                         (["--zero", "3", "--schedule", "zb-h1"],
+                                          "zb-h1 is not supported: ZeRO-3 reduce-scatters a bucket")])
 def test_bad_zero_flags_are_refused_in_one_line(argv, words):
     with pytest.raises(UserError, match=words) as e:
         config.parse_args(TINY + argv)
     assert "\n" not in str(e.value)
+
+
+def test_zero3_on_xla_is_refused_in_one_line_exit_2(tmp_path, capsys):
+    import train
+    code = train.main(TINY + ["--nproc", "2", "--dp", "2", "--zero", "3", "--device", "xla",
+                              "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "--zero 3 is not supported on xla" in err, err
 
 
 # ---------------------------------------------------------------------------
@@ -39,12 +52,17 @@ def test_bad_zero_flags_are_refused_in_one_line(argv, words):
 BASE = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
         "--warmup-steps", "2", "--microbatches", "2", "--bucket-mb", "0.05", "--check-replicas", "1"]
 STAGES = {f"z{z}_{o}": ["--dp", "2", "--zero", str(z), f"--{o}-grad-reduce"]
-          for z in (0, 1, 2) for o in ("overlap", "no-overlap")}
+          for z in (0, 1, 2, 3) for o in ("overlap", "no-overlap")}
+# ZeRO-3 with full activation checkpointing: a layer's backward recomputes its forward, the layer gathered
+STAGES["z3_full_overlap"] = ["--dp", "2", "--zero", "3", "--activation-checkpointing", "full"]
 # pure bf16 with stochastic rounding and bf16 moments (the rounding noise must not see the overlap)
 BF16 = {f"z2_bf16sr_{o}": ["--dp", "2", "--zero", "2", "--precision", "bf16-sr", "--moments", "bf16",
                            f"--{o}-grad-reduce"] for o in ("overlap", "no-overlap")}
-# a ZeRO-2 checkpoint (step 2) continued with ZeRO-0 at dp 2, and ZeRO-0's continued with ZeRO-2
-RESUMED = {"z0_from_z2": ["--dp", "2", "--zero", "0"], "z2_from_z0": ["--dp", "2", "--zero", "2"]}
+BF16["z3_bf16sr_overlap"] = ["--dp", "2", "--zero", "3", "--precision", "bf16-sr", "--moments", "bf16"]
+# a ZeRO-2 checkpoint (step 2) continued with ZeRO-0 at dp 2, and ZeRO-0's continued with ZeRO-2; ZeRO-3's
+# continued with ZeRO-0, ZeRO-1's with ZeRO-3
+RESUMED = {"z0_from_z2": ["--dp", "2", "--zero", "0"], "z2_from_z0": ["--dp", "2", "--zero", "2"],
+           "z0_from_z3": ["--dp", "2", "--zero", "0"], "z3_from_z1": ["--dp", "2", "--zero", "3"]}
 LOSS_TOL = 2e-5     # fp32 round-off through 5 steps (tests/test_parallel.py's tolerance)
 
 
@@ -59,7 +77,8 @@ def _ckpt(out_dir, step: int) -> str:
 def log_collectives(rank: int) -> None:
     """In each worker: note in $ZERO_TEST_LOG/rank{rank}.txt each run's start ('run'), each
     collective a hook started in the backward ('start'), each phase 1 of a step ('phase1') and,
-    after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none)."""
+    after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none) and
+    the ZeRO-3 flat buffers still whole ('whole0': none)."""
     import train
     from nanohlat import comm, optim, pipeline, zero2
     path = os.path.join(os.environ["ZERO_TEST_LOG"], f"rank{rank}.txt")
@@ -82,7 +101,7 @@ def log_collectives(rank: int) -> None:
         with open(path, "a") as f:
             held = sum(t.numel() for g in groups for t in g.staged.values())
             held += sum(out.numel() + piece.numel() for g in groups for _, out, piece in g.flight.values())
-            f.write(f"staged{held}\n")
+            f.write(f"staged{held}\nwhole{sum(g.flat.untyped_storage().nbytes() > 0 for g in groups if g.unit)}\n")
         return out
     pipeline.PipelineRunner._backward = backward_then_note
     comm.start_all_reduce = noting(comm.start_all_reduce, "start")
@@ -117,7 +136,7 @@ def test_overlap_starts_every_bucket_in_the_backward(stage_runs):
     without overlap, none does (ZeRO-2 then reduce-scatters in the backward, synchronously)."""
     log = stage_runs["log"]
     for name in STAGES:
-        steps = " ".join(e for e in log[name] if not e.startswith("staged")).split("phase1")[:-1]
+        steps = " ".join(e for e in log[name] if not e.startswith(("staged", "whole"))).split("phase1")[:-1]
         assert len(steps) == 5, name
         started = [s.split().count("start") for s in steps]
         calls = _summary(stage_runs[name][1])["comm_calls"]
@@ -129,9 +148,17 @@ def test_overlap_starts_every_bucket_in_the_backward(stage_runs):
 def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
     """After every micro-batch's backward every ZeRO-2 bucket has been reduce-scattered and its
     staging freed, in flight (overlap) or not: what stays is the 1/dp shard (grad_bytes, below)."""
-    for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
+    for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap", "z3_overlap", "z3_no-overlap"):
         staged = [e for e in stage_runs["log"][name] if e.startswith("staged")]
         assert staged == ["staged0"] * 10, (name, staged)      # 5 steps x 2 micro-batches
+
+
+def test_zero3_frees_every_layer_after_its_backward(stage_runs):
+    """After every micro-batch's backward no ZeRO-3 flat buffer holds storage (each unit freed once
+    its last gradient was in); between steps each rank keeps its shard (param_bytes, below)."""
+    for name in ("z3_overlap", "z3_no-overlap", "z3_full_overlap"):
+        whole = [e for e in stage_runs["log"][name] if e.startswith("whole")]
+        assert whole == ["whole0"] * 10, (name, whole)
 
 
 def _metrics(out_dir):
@@ -153,7 +180,7 @@ def test_every_zero_stage_trains_like_plain_data_parallelism(stage_runs):
             assert abs(norm - ref_norm) < 1e-4 * ref_norm, (name, s, norm, ref_norm)
 
 
-@pytest.mark.parametrize("zero", ["z0", "z1", "z2", "z2_bf16sr"])
+@pytest.mark.parametrize("zero", ["z0", "z1", "z2", "z2_bf16sr", "z3"])
 def test_overlapped_reduction_is_bitwise_the_same_and_moves_the_same_bytes(stage_runs, zero):
     """--overlap-grad-reduce only moves when each bucket's collective starts: the same
     losses and norms to the last bit, the same final weights, the same comm ledger."""
@@ -168,6 +195,15 @@ def test_overlapped_reduction_is_bitwise_the_same_and_moves_the_same_bytes(stage
         assert _same(a["model"], b["model"]) and _same(a["optim"], b["optim"]) and (rank or a["optim"])
 
 
+def test_zero3_rounds_bf16_stochastically_as_zero2_does(stage_runs):
+    """Pure bf16, stochastically rounded weights and moments: ZeRO-3's shards get the same noise as
+    ZeRO-2's (it follows the element, not the layout: precision.py), so the losses agree to
+    round-off (the grad norms too: the groups' squares are summed in another order)."""
+    got, ref = _metrics(stage_runs["z3_bf16sr_overlap"][1]), _metrics(stage_runs["z2_bf16sr_overlap"][1])
+    for (s, loss, norm), (_, ref_loss, ref_norm) in zip(got, ref, strict=True):
+        assert abs(loss - ref_loss) < LOSS_TOL and abs(norm - ref_norm) < 1e-4 * ref_norm, (s, loss, ref_loss)
+
+
 def _same(a, b) -> bool:
     """Bitwise equality of nested dicts / lists of tensors and numbers."""
     import torch
@@ -178,13 +214,22 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def test_zero2_keeps_half_the_gradient_bytes_and_the_plan_predicts_every_byte(stage_runs):
+def test_zero2_and_3_keep_half_the_bytes_and_the_plan_predicts_every_byte(stage_runs):
     from test_plan import assert_run_matches_plan
-    for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap"):
+    for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap", "z3_overlap",
+                 "z3_no-overlap", "z3_bf16sr_overlap", "z3_full_overlap"):
         argv, out = stage_runs[name]
         assert_run_matches_plan(out, argv, 2)
-    z0, z1, z2 = (_summary(stage_runs[f"z{z}_overlap"][1]) for z in (0, 1, 2))
+    z0, z1, z2, z3 = (_summary(stage_runs[f"z{z}_overlap"][1]) for z in (0, 1, 2, 3))
     assert z2["grad_bytes"] <= 0.55 * z0["grad_bytes"] and z2["grad_bytes"] == 4 * (249_856 + 576) // 2
+    # ZeRO-3 keeps the shard of the parameters too (and of the gradients and the optimizer state)
+    assert z3["param_bytes"] <= 0.55 * z0["param_bytes"] and z3["param_bytes"] == 4 * (249_856 + 576) // 2
+    assert (z3["grad_bytes"], z3["optimizer_bytes"]) == (z2["grad_bytes"], z2["optimizer_bytes"])
+    assert z2["param_bytes"] == z1["param_bytes"] == z0["param_bytes"]
+    # ZeRO-3 all-gathers the parameters twice per micro-batch instead of once after the step; with fp32
+    # parameters and one micro-batch that is 1.5x plain data parallelism's bytes (tutorial chapter 3)
+    assert z3["comm_wire_bytes"]["dp.all_gather"] == 2 * 2 * z1["comm_wire_bytes"]["dp.all_gather"]
+    assert z3["comm_wire_bytes"]["dp.reduce_scatter"] == z2["comm_wire_bytes"]["dp.reduce_scatter"]
     assert z1["grad_bytes"] == z0["grad_bytes"]            # ZeRO-1 keeps the whole gradient buffer
     assert z2["optimizer_bytes"] == z1["optimizer_bytes"] == z0["optimizer_bytes"] // 2
     # ZeRO-2 reduce-scatters every micro-batch (2 here): twice ZeRO-1's gradient bytes on the wire
@@ -200,11 +245,14 @@ def test_checkpoints_continue_in_another_zero_stage(stage_runs, name):
         assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)
 
 
-def test_a_zero2_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_path):
+@pytest.mark.parametrize("zero", ["z2", "z3"])
+def test_a_zero2_or_3_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_path, zero):
     import train
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume",
-                                                                            _ckpt(stage_runs["z2_overlap"][1], 2)]))
+    resume = _ckpt(stage_runs[f"{zero}_overlap"][1], 2)
+    layout = json.load(open(f"{resume}/manifest.json"))["layout"]
+    assert (layout["zero"], layout["zero1"]) == (int(zero[1]), True)      # the stage it was saved by
+    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume", resume]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
     for (s, loss, _), (_, ref_loss, _) in zip(_metrics(tmp_path / "one"), ref, strict=True):
@@ -216,6 +264,7 @@ def test_a_zero2_checkpoint_continues_in_one_process(stage_runs, cache_dir, tmp_
 # ---------------------------------------------------------------------------
 
 WORLD4 = {"tp2_dp2_sp_z2": ["--tp", "2", "--dp", "2", "--sequence-parallel", "--zero", "2"],
+          "tp2_dp2_sp_z3": ["--tp", "2", "--dp", "2", "--sequence-parallel", "--zero", "3"],
           "pp2_dp2_z2": ["--pp", "2", "--dp", "2", "--zero", "2"]}
 
 
@@ -244,11 +293,11 @@ def four_rank_runs(cache_dir, tmp_path_factory, stage_runs):
 
 
 @pytest.mark.parametrize("name", list(WORLD4))
-def test_zero2_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_process(four_rank_runs, reference,
-                                                                                   name):
+def test_zero2_3_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_process(four_rank_runs, reference,
+                                                                                     name):
     """Losses and grad norms of one process (fp32 round-off), replicas checked every step
-    (--check-replicas 1), and the comm ledger and kept bytes of the plan: ZeRO-2's tp sums
-    of the SP norm gains run on the 1/dp shard."""
+    (--check-replicas 1), and the comm ledger and kept bytes of the plan: ZeRO-2's and 3's tp
+    sums of the SP norm gains run on the 1/dp shard (ZeRO-3: one per layer, and the final norm's)."""
     from test_plan import assert_run_matches_plan
     argv, out = four_rank_runs[name]
     for (s, loss, norm), (_, ref_loss, ref_norm) in zip(_metrics(out), _metrics(reference[1]), strict=True):
@@ -262,3 +311,18 @@ def test_a_zero2_checkpoint_continues_in_another_layout(four_rank_runs, referenc
     assert [s for s, _, _ in got] == [3, 4, 5]
     for (s, loss, _), (_, ref_loss, _) in zip(got, ref, strict=True):
         assert abs(loss - ref_loss) < LOSS_TOL, (s, loss, ref_loss)
+
+
+def test_eval_and_sample_read_a_zero3_checkpoint_as_the_zero0_one(stage_runs):
+    """A ZeRO-3 checkpoint holds whole weights (export all-gathers the shards): loaded for
+    inference (eval.py, sample.py: checkpoint.load_for_inference) it is ZeRO-0's model, to round-off."""
+    import torch
+    from nanohlat.device import get_device
+    from nanohlat.run import checkpoint
+    z3, _ = checkpoint.load_for_inference(_ckpt(stage_runs["z3_overlap"][1], 5), get_device("cpu"))
+    z0, _ = checkpoint.load_for_inference(_ckpt(stage_runs["z0_overlap"][1], 5), get_device("cpu"))
+    ref = dict(z0.named_parameters())
+    for name, p in z3.named_parameters():
+        assert torch.allclose(p, ref[name], rtol=0, atol=1e-5), name
+    tokens = torch.arange(32).view(2, 16)
+    assert torch.allclose(z3(tokens), z0(tokens), rtol=0, atol=1e-4)

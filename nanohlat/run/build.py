@@ -22,7 +22,7 @@ def build(model_cfg, tcfg, mesh, dev):
             in the parameter dtype of --precision (compiled with --compile);
     runner: the micro-batch schedule (--schedule) that runs forward/backward
             (timed op by op with --timeline: tools/timeline.py:StepClock);
-    opt:    AdamW over this rank's parameters (ZeRO-1, 2 with --zero; its
+    opt:    AdamW over this rank's parameters (ZeRO-1, 2, 3 with --zero; its
             passes cache-blocked on the CPU, compiled with --compile).
     """
     # the stage's layers: one contiguous run, or --virtual-stages chunks (pipeline.chunk_layers)

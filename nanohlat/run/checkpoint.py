@@ -88,7 +88,7 @@ import time
 
 import torch
 
-from nanohlat import comm
+from nanohlat import comm, zero3
 from nanohlat.config import ModelConfig, UserError, model_from_dict
 from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.run.files import fsync_dir, sha256_file
@@ -441,7 +441,8 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                                            "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
             _publish(out_dir, tmp, {
                 "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero1": bool(opt.zero), "world": mesh.world,
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero": opt.tcfg.zero,   # the ZeRO stage, 0-3
+                           "zero1": bool(opt.zero), "world": mesh.world,      # (zero1: any stage >= 1; older readers)
                            "virtual_stages": mesh.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
                 # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
                 "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
@@ -529,7 +530,7 @@ def save_full(out_dir: str, model_cfg: ModelConfig, full_state: dict, tokenizer_
     tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
     return _publish(out_dir, tmp, {
         "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero1": False, "world": 1, "virtual_stages": 1},
+        "layout": {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1},
         "schedule": {"optimizer_step": 0, "bad_steps": 0}, "data": {"next_step": step, "seed": None},
         "optimizer": False,     # training from here starts with fresh Adam moments
         "config": {"model": dataclasses.asdict(model_cfg), "train": {}}, "tokenizer": tokenizer_path,
@@ -807,8 +808,9 @@ def load(path: str, model, opt, mesh, device) -> dict:
     shards = ShardSet(path, mesh, device)
     check_model(path, shards.manifest, model.cfg)
     params = dict(model.named_parameters())
-    for name, p in params.items():   # one full tensor at a time, cut to this rank's part
-        p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
+    with zero3.whole(opt):           # ZeRO-3: the parameters' storage back while they are written
+        for name, p in params.items():   # one full tensor at a time, cut to this rank's part
+            p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):
@@ -825,7 +827,8 @@ def load(path: str, model, opt, mesh, device) -> dict:
     # same thing as when saved. (The stochastic-rounding noise needs none: it
     # follows from the seed, the optimizer step and the element, in any layout.)
     layout = shards.manifest["layout"]
-    if (layout["tp"], layout["pp"], layout["dp"], layout["zero1"]) == (mesh.tp, mesh.pp, mesh.dp, opt.zero):
+    zero = layout.get("zero", int(layout["zero1"]))     # (checkpoints before ZeRO-2 recorded only zero1)
+    if (layout["tp"], layout["pp"], layout["dp"], zero) == (mesh.tp, mesh.pp, mesh.dp, opt.tcfg.zero):
         rng = (shards.shard_of_rank(mesh.rank) or {}).get("rng") or {}
         if rng.get("torch_cpu") is not None:
             torch.set_rng_state(rng["torch_cpu"])

@@ -55,6 +55,9 @@ def main(train, argv: list[str]) -> int:
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
+            raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
+                            "layer's parameters between uses means nothing to the compiler; use --zero 2 (or 1)")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
         # tokenizer and token shards are built once, here, before any worker starts

@@ -14,6 +14,12 @@ bit, the groups that should agree all-gather the hashes and compare them,
 and a mismatch stops the run (exit code 2) naming the parameter, the ranks
 and the step.
 
+With --zero 3 no rank keeps whole parameters between steps: the check
+all-gathers them first, as a forward would (the whole model at once, for a
+moment), and compares what the ranks assembled. Across dp that proves every
+rank rebuilds the same weights from the shards; across tp it compares the
+replicated norm gains and kv heads, each tp rank's own shards of them.
+
 Cost: one small all-gather per group (8 bytes per parameter tensor) and a
 host sync, on checking steps only; other steps do not even build the hashes
 (no extra work or sync in the XLA step graph). The check's bytes are kept out
@@ -26,7 +32,7 @@ import dataclasses
 
 import torch
 
-from nanohlat import comm
+from nanohlat import comm, zero3
 from nanohlat.config import UserError
 
 _INT = {4: torch.int32, 2: torch.int16}
@@ -54,11 +60,17 @@ def holders(p: torch.Tensor, kind: str, size: int) -> list[list[int]]:
     return [s for s in sets.values() if len(s) > 1]
 
 
-def check(model, mesh, step: int, every: int) -> None:
-    """After step `step`: every `every` steps (0 = never), compare the replicas (module docstring)."""
+def check(model, mesh, step: int, every: int, opt=None) -> None:
+    """After step `step`: every `every` steps (0 = never), compare the replicas (module docstring).
+    `opt`: the optimizer, whose parameters ZeRO-3 (--zero 3) gathers for the check."""
     if not every or step % every:
         return
     quiet = lambda g: dataclasses.replace(g, ledger=None)    # noqa: E731  (not training's traffic)
+    with zero3.whole(opt, quiet(mesh.dp_group)):
+        _check(model, mesh, step, quiet)
+
+
+def _check(model, mesh, step: int, quiet) -> None:
     params = list(model.named_parameters())
     sums = torch.stack([checksum(p) for _, p in params])
     problems = []

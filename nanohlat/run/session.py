@@ -48,7 +48,7 @@ class Session:
         tcfg, mesh, dev = self.tcfg, self.mesh, self.dev
         last = step == tcfg.steps or 0 < tcfg.stop_after <= step   # --stop-after: as if interrupted
         self.log.count(finite)   # runs of non-finite steps, counted on the device (part of the step)
-        replicas.check(self.model, mesh, step, tcfg.check_replicas)     # --check-replicas N: copies still identical?
+        replicas.check(self.model, mesh, step, tcfg.check_replicas, self.opt)   # --check-replicas N: copies identical?
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
         self.tokens_seen += self.tokens_per_step
         if step == self.start_step + 1:   # what each collective moved, beside the plan's formula

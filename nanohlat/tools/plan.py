@@ -13,20 +13,23 @@ Memory per rank, at its peak, the larger of the step's two phases:
         + max(activations + loss backward,              forward/backward
               ZeRO shards and gathers (+ temporaries))   optimizer step
 
-    weights       parameters x 2 B (bf16) or 4 B (fp32)
+    weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
                   the fp32 buffer (below) as autograd makes it, and free it
     optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
                   weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
                   in fp32, bf16-sr and bf16 they are the parameters (0 B);
-                  1/dp of all that with ZeRO-1 and 2
+                  1/dp of all that with ZeRO-1, 2 and 3
     activations   what autograd keeps per micro-batch (below) x micro-batches in flight
     loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
     fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
-                  steps (4 B/param; ZeRO-2: its 1/dp shard), also the update's scratch space; ZeRO-1
+                  steps (4 B/param; ZeRO-2, 3: its 1/dp shard), also the update's scratch space; ZeRO-1
                   adds the reduce-scattered 1/dp shards, ZeRO-1 and 2 the all-gathered new weights
     grad staging  ZeRO-2, during each backward: the buckets being filled before their
-                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py)
+                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py);
+                  ZeRO-3: at most the rest's unit's and one layer's (its groups are per layer)
+    gathered      ZeRO-3, in the forward and backward: the layers' weights whole at once,
+                  at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES); XLA fuses them away
 
@@ -59,6 +62,10 @@ at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
 v chunks of L/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
+ZB-H1 holds p micro-batches on every stage, each from its forward until its
+W: until its B all the forward's activations, from B to W only what W needs,
+its linears' inputs and output gradients (weight_grad_bytes; with full
+checkpointing that is more than the block input the forward kept).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.config import UserError
 from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
 from nanohlat.run.metrics import flops_per_token, peak_flops
-from nanohlat.tools.timeline import FORMULAS
+from nanohlat.tools.timeline import FORMULAS, in_flight
 from nanohlat.pipeline import stage_ops, timetable
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.zero1 import padded_size
@@ -113,12 +120,33 @@ def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
     return {"sharded": sharded, "replicated": norms, "kv": kv, "total": sharded + norms}
 
 
-def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int) -> list[int]:
-    """Elements of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
-    matrices, the replicated kv heads' (if any), the norms. Each is padded to a
-    multiple of dp under ZeRO-1, so the plan sums them group by group."""
-    c = stage_param_counts(cfg, tp, pp, stage)
-    return [n for n in (c["sharded"] - c["kv"], c["kv"], c["replicated"]) if n]
+def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[tuple[str, int]]:
+    """(kind, elements) of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
+    matrices ("sharded"), the replicated kv heads' ("kv", if any: summed over their kv group), the
+    norms ("replicated": summed over tp under SP). Each is padded to a multiple of dp under ZeRO,
+    so the plan sums them group by group. ZeRO-3 (pp 1): the same kinds per unit (zero3.py), each
+    layer's, then the rest's (embedding and head; final norm)."""
+    if zero == 3:
+        d, kv = cfg.d_model, 2 * cfg.d_model * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
+        layer = [("sharded", cfg.layer_matrix_params(tp) - kv), ("kv", kv), ("replicated", 2 * d)]
+        groups = layer * cfg.n_layers + [("sharded", 2 * cfg.padded_vocab * d // tp), ("replicated", d)]
+    else:
+        c = stage_param_counts(cfg, tp, pp, stage)
+        groups = [("sharded", c["sharded"] - c["kv"]), ("kv", c["kv"]), ("replicated", c["replicated"])]
+    return [(kind, n) for kind, n in groups if n]
+
+
+def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[int]:
+    """Elements of each flat buffer on one rank (group_kinds)."""
+    return [n for _, n in group_kinds(cfg, tp, pp, stage, zero)]
+
+
+def zero3_gathered(cfg: ModelConfig, tp: int, dp: int) -> int:
+    """ZeRO-3: elements of the flat buffers whole at once in a backward, at most: the rest's unit
+    (whole through a micro-batch's forward and backward) and one layer's (zero3.py)."""
+    groups = [padded_size(n, dp) for n in flat_groups(cfg, tp, 1, 0, 3)]
+    rest = sum(groups[-2:])                           # (the last unit's two groups: embedding + head, final norm)
+    return rest + sum(groups[:len(groups) - 2]) // cfg.n_layers
 
 
 # ---------------------------------------------------------------------------
@@ -196,12 +224,28 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
     """Most micro-batches (interleaved: chunk activations) whose activations a
-    stage holds at once (1F1B: min(pp - stage, m); tools/timeline.py:in_flight_formula)."""
-    held = peak = 0
-    for kind, _, _ in stage_ops(schedule, pp, m, stage, v):
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
+    stage holds at once (1F1B: min(pp - stage, m); zb-h1: from F to W, min(pp, m);
+    tools/timeline.py:in_flight_formula)."""
+    return in_flight(stage_ops(schedule, pp, m, stage, v))
+
+
+def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int) -> int:
+    """zb-h1: what one micro-batch's B leaves for its W on a rank of `stage`
+    (tensor_parallel.WEIGHT_GRADS.stash): each linear's input and output
+    gradient. Per layer: the two norms' outputs (with sequence parallel their
+    T/tp shard, gathered again in W; with --no-sp-regather the gathered
+    sequence), wo's and down's inputs, and the gradients of wq, wk, wv, wo,
+    gate, up and down's outputs; the last stage adds the head's input and its
+    (mb, T, V/tp) output gradient. Any checkpointing mode: B recomputed them."""
+    sp = tcfg.sequence_parallel and tp > 1
+    e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    N = mb * T * C
+    n = N // tp if sp else N
+    norm_out = N if sp and not tcfg.sp_regather else n
+    q, kv, f = N // tp, mb * T * local_kv_heads(cfg, tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
+    layer = 2 * norm_out + q + f + (q + 2 * kv) + N + 2 * f + N
+    head = norm_out + mb * T * cfg.padded_vocab // tp if stage == pp - 1 else 0
+    return e * (cfg.n_layers // pp * layer + head)
 
 
 def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -211,9 +255,10 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     (one chunk per stage: in-flight micro-batches x activation_bytes)."""
     v = tcfg.virtual_stages
     size = [activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, chunk=c) for c in range(v)]
+    left = weight_grad_bytes(cfg, tcfg, tp, pp, dp, stage) if tcfg.schedule == "zb-h1" else 0   # from B to W
     held = peak = 0
     for kind, _, c in stage_ops(tcfg.schedule, pp, tcfg.microbatches, stage, v):
-        held += size[c] if kind == "F" else -size[c]
+        held += {"F": size[c], "B": left - size[c], "W": -left}[kind]
         peak = max(peak, held)
     return peak
 
@@ -230,7 +275,8 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                     dp_rank: int = 0) -> int:
     """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1)."""
     shards = dp if tcfg.zero else 1
-    return sum(padded_size(n, shards) // shards for n in flat_groups(cfg, tp, pp, stage)) * state_bytes_per_param(tcfg)
+    return sum(padded_size(n, shards) // shards
+               for n in flat_groups(cfg, tp, pp, stage, tcfg.zero)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -245,9 +291,12 @@ def bytes_per_param_line(tcfg: TrainConfig) -> str:
 
 
 def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
-    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO-1."""
+    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO;
+    ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp if tcfg.zero else 1
-    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) for n in flat_groups(cfg, tp, pp, stage))
+    kept = shards if tcfg.zero == 3 else 1
+    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
+                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -273,7 +322,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
-    groups = flat_groups(cfg, tp, pp, stage)
+    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1
     buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
@@ -281,7 +330,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     during = 0
     if shards > 1:
         during += 4 * sum(padded_size(n, shards) // shards for n in groups) if tcfg.zero == 1 else 0
-        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups)
+        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups) if tcfg.zero < 3 else 0
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         during += int(4 * copies * largest_shard)
@@ -310,12 +359,15 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
-           "grad_staging": 4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
-                           if tcfg.zero >= 2 and dp > 1 else 0}
+           "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
+           # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
+           "gathered": s * (zero3_gathered(cfg, tp, dp)
+                            + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
         out["grad_staging"] += out["grad_staging"] // dp
-    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"]
+    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"] + out["gathered"]
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
                    + max(out["forward_backward"], out["optimizer_step"]))
@@ -428,24 +480,27 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             e["padding"] += (ticks[b] - n) * x
             e["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
-    counts = stage_param_counts(cfg, tp, pp, stage)
+    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero)
     shards = dp if tcfg.zero else 1
-    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2 sums over tp on its shard (optim.py)
-    if sp:
-        _add(out, "tp.all_reduce", padded_size(counts["replicated"], shards) // kept * 4, 1, tp)   # norm grads
-    if tp > cfg.n_kv_heads:   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
-        _add(out, "kv.all_reduce", padded_size(counts["kv"], shards) // kept * 4, 1, tp // cfg.n_kv_heads)
+    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
+    for kind, n in groups:
+        if sp and kind == "replicated":        # norm grads (ZeRO-3: one group per unit)
+            _add(out, "tp.all_reduce", padded_size(n, shards) // kept * 4, 1, tp)
+        if kind == "kv":   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
+            _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, tp // cfg.n_kv_heads)
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
-        for n in flat_groups(cfg, tp, pp, stage):   # one flat buffer after the other (optim.FlatGroup)
-            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2: every micro-batch
+        for _, n in groups:   # one flat buffer after the other (optim.FlatGroup)
+            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
                 cols = padded_size(n, dp) // dp
                 for _ in range(m if tcfg.zero >= 2 else 1):
                     _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
-                _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
+                # the new weights after the step; ZeRO-3: each micro-batch's forward and backward instead
+                for _ in range(2 * m if tcfg.zero == 3 else 1):
+                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
         if tcfg.zero:
@@ -553,22 +608,27 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
                 "--device cpu or cuda for eager")]
     rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
+    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
+              eager and "in-place AdamW temporaries")
+    step_parts = " + ".join(x for x in during if x) or "nothing more"
+    gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
     for s in shown_stages(pp):
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
                      fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
-                     f"{r['in_flight']} x " + fmt_bytes(r["activations"] / r["in_flight"]),
+                     (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
+                     + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
-                    + ([fmt_bytes(r["grad_staging"])] if staging else []) + [step, fmt_bytes(r["peak"])])
+                    + ([fmt_bytes(r["grad_staging"])] if staging else [])
+                    + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
     L += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + ["optimizer step", "peak"], rows)
+                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
+                + ["optimizer step", "peak"], rows)
     L.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
-             + (" + ZeRO-2's grad staging" if tcfg.zero >= 2 and dp > 1 else "") + ") and (optimizer step: "
-             + {0: "", 1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}[tcfg.zero] + (" + " if tcfg.zero and eager else "")
-             + ("in-place AdamW temporaries" if eager else "") + ("nothing more" if not (tcfg.zero or eager) else "")
-             + ")")
+             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
+             + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[tcfg.device]:
         if dev in DEVICE_MEMORY:
@@ -593,6 +653,10 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                  "fused attn: 1 mb", "in flight", ""], rows)
     L.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
              "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+    if tcfg.schedule == "zb-h1":
+        L.append(f"  zb-h1: 'in flight' counts each micro-batch whole; from its B to its W it keeps only its linears' "
+                 f"inputs and output gradients, {fmt_bytes(weight_grad_bytes(cfg, tcfg, tp, pp, dp, largest))} "
+                 f"(any checkpointing mode): {fmt_bytes(mems[largest]['activations'])} at most, walking its order")
     if tp > 1:
         L.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
                          "all-gather it again in backward" if tcfg.sp_regather else
@@ -775,8 +839,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
     per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
     # (p-1)/(m+p-1) of the pipeline's time; interleaved: its p-1 fill and drain ops are chunks,
-    # 1/v of a stage's work each: (p-1)/(v*m+p-1)
-    bubble = (pp - 1) * per_microbatch / tcfg.virtual_stages
+    # 1/v of a stage's work each: (p-1)/(v*m+p-1); zb-h1: (p-1)/(3m+p-1), its p-1 are single
+    # F, B or W ops, a third of a micro-batch's work each (F = B = W, as timeline.py's ideal)
+    bubble = (pp - 1) * per_microbatch / (3 if tcfg.schedule == "zb-h1" else tcfg.virtual_stages)
     pipeline = m * per_microbatch + bubble
     # a framework that overlaps the dp reduction with the backward hides up to
     # the backward's time (two thirds of the compute)
@@ -900,11 +965,15 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
             except UserError:
                 continue
             for m in _divisors(tcfg.batch_size // dp):
-                if sched["virtual_stages"] > 1 and m % pp:
-                    continue
+                if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
+                    continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
-                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks, config.py)
-                    for zero in (((0, 1) if sched["virtual_stages"] > 1 else (0, 1, 2)) if dp > 1 else (0,)):
+                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks or zb-h1's B and W;
+                    # ZeRO-3: pp 1 on cpu and cuda only, config.py)
+                    split = sched["virtual_stages"] > 1 or sched["schedule"] == "zb-h1"
+                    zeros = (0, 1) if split else (0, 1, 2)
+                    zeros += (3,) if pp == 1 and not split and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
+                    for zero in (zeros if dp > 1 else (0,)):
                         for mode in ("none", "selective", "full"):
                             for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
                                        else (tcfg.overlap_grad_reduce,)):

@@ -5,12 +5,15 @@ and says how much of the step was idle, the **bubble**:
 
 1. ideal: the stage orders of pipeline.stage_ops with a forward of a whole
    stage taking 1 unit and a backward 2 (it computes two gradients, for the
-   input and for the weights), no communication, each op starting as soon as
-   its input exists; an interleaved stage's v chunks take 1/v of that each.
+   input and for the weights; zb-h1 splits it into B and W, 1 unit each), no
+   communication, each op starting as soon as its input exists; an
+   interleaved stage's v chunks take 1/v of that each.
    This is the figure to reason with; it equals
 2. each schedule's formula: (p-1)/(m+p-1) for AFAB and 1F1B (the GPipe and
    Megatron papers), (p-1)/(v*m+p-1) for interleaved (Megatron-LM 2021:
-   the bubble shrinks v times, the exchanges grow v times), and
+   the bubble shrinks v times, the exchanges grow v times), (p-1)/(3m+p-1)
+   for zb-h1 (Qi et al. 2024: the p-1 idle units of filling and draining
+   are single 1-unit ops, where 1F1B's are 3-unit F + B pairs), and
 3. measured: the wall time of each forward and backward on each stage in the
    last step. It includes everything the ideal leaves out: communication,
    the lock-step ticks of the runner, a slow last stage (the loss), and, on a
@@ -36,6 +39,7 @@ from nanohlat import comm, pipeline
 from nanohlat.run import files
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
+W_UNITS = 1.0                   # zb-h1: the backward's weight-gradient part W; its B takes B_UNITS - W_UNITS
 
 
 def wait_for_device(device) -> None:
@@ -90,18 +94,25 @@ class StepClock:
 # The bubble without measuring
 # ---------------------------------------------------------------------------
 
-FORMULAS = {"afab": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)"}
+FORMULAS = {"afab": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v*m+p-1)",
+            "zb-h1": "(p-1)/(3m+p-1)"}
 
 
 def formula_bubble(pp: int, m: int, schedule: str = "1f1b", v: int = 1) -> float:
     """The idle share of a step for p stages and m micro-batches, by the
     schedule's formula (FORMULAS): the p-1 ops of filling and draining the
-    pipeline, each 1/v of a stage's work when stages hold v chunks."""
+    pipeline, each 1/v of a stage's work when stages hold v chunks, 1/3 of
+    it (one of F, B, W) for zb-h1."""
+    if schedule == "zb-h1":
+        return (pp - 1) / (3 * m + pp - 1)
     return (pp - 1) / (v * m + pp - 1) if schedule == "interleaved" else (pp - 1) / (m + pp - 1)
 
 
-def op_units(kind: str, v: int = 1, f: float = F_UNITS, b: float = B_UNITS) -> float:
-    """How long one op takes in the ideal timeline: a chunk holds 1/v of the stage."""
+def op_units(kind: str, v: int = 1, f: float = F_UNITS, b: float = B_UNITS, split: bool = False) -> float:
+    """How long one op takes in the ideal timeline: a chunk holds 1/v of the
+    stage; with the backward split (zb-h1), B takes b - W_UNITS and W W_UNITS."""
+    if kind == "W" or split and kind == "B":
+        return (W_UNITS if kind == "W" else b - W_UNITS) / v
     return (f if kind == "F" else b) / v
 
 
@@ -122,7 +133,7 @@ def ideal_timeline(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNIT
                 continue                     # its input is not computed yet: try the next stage
             free = rows[s][-1][3] if rows[s] else 0.0
             start = max(free, done[dep] if dep else 0.0)
-            end = start + op_units(kind, v, f, b)
+            end = start + op_units(kind, v, f, b, schedule == "zb-h1")
             rows[s].append((kind, i, start, end, c))
             done[(kind, s, i, c)] = end
     return rows, max(r[-1][3] for r in rows)
@@ -137,16 +148,19 @@ def ideal_bubble(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNITS,
 def lockstep_bubble(ticks, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS) -> float:
     """Idle share when every tick of the timetable lasts as long as its slowest
     op, as PipelineRunner's exchanges after each tick come close to."""
-    span = sum(max(op_units(op[0], v, f, b) for op in row if op) for row in ticks)
+    split = any(op and op[0] == "W" for row in ticks for op in row)
+    span = sum(max(op_units(op[0], v, f, b, split) for op in row if op) for row in ticks)
     return 1.0 - m * (f + b) / span
 
 
 def in_flight(order) -> int:
     """Most activations a stage holds at once in `order` (ops (kind, micro-batch,
-    chunk)): a forward keeps its chunk's activations until its backward."""
+    chunk)): a forward keeps its chunk's activations until its backward (zb-h1:
+    until its W, which needs the linears' inputs)."""
+    frees = "W" if any(op[0] == "W" for op in order) else "B"
     held = peak = 0
     for op in order:
-        held += 1 if op[0] == "F" else -1
+        held += 1 if op[0] == "F" else -1 if op[0] == frees else 0
         peak = max(peak, held)
     return peak
 
@@ -154,9 +168,12 @@ def in_flight(order) -> int:
 def in_flight_formula(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> tuple[int, str]:
     """(the number, the formula) of activations held at once on `stage`: AFAB
     all m; 1F1B its warm-up and one, min(p - s, m); interleaved its warm-up
-    and one, min(2(p-1-s) + (v-1)p + 1, v*m) chunks of 1/v of the stage each."""
+    and one, min(2(p-1-s) + (v-1)p + 1, v*m) chunks of 1/v of the stage each;
+    zb-h1 1F1B's p - s and the s W's it puts off: p on every stage (m >= p)."""
     if schedule == "afab":
         return m, "m"
+    if schedule == "zb-h1":
+        return min(pp, m), "min(p, m)"
     if schedule == "interleaved":
         return min(2 * (pp - 1 - stage) + (v - 1) * pp + 1, v * m), "min(2(p-1-s)+(v-1)p+1, v*m)"
     return min(pp - stage, m), "min(p-s, m)"
@@ -167,7 +184,8 @@ def in_flight_formula(schedule: str, pp: int, m: int, stage: int, v: int = 1) ->
 # ---------------------------------------------------------------------------
 
 def op_name(op) -> str:
-    """'F3': forward of micro-batch 3; with chunks, 'F3.1': ... of chunk 1."""
+    """'F3': forward of micro-batch 3 ('B3', 'W3': its backward, or zb-h1's
+    input- and weight-gradient parts); with chunks, 'F3.1': ... of chunk 1."""
     kind, i, c = op
     return f"{kind}{i}" + (f".{c}" if c else "")
 
@@ -184,8 +202,8 @@ def render_ticks(ticks, pp: int) -> str:
 
 
 def _draw(rows, total: float, width: int = 72) -> list[str]:
-    """Each stage's ops drawn to scale in `width` characters: F, B, or . for
-    idle; an interleaved stage's odd chunks in lower case (f, b)."""
+    """Each stage's ops drawn to scale in `width` characters: F, B (zb-h1: W),
+    or . for idle; an interleaved stage's odd chunks in lower case (f, b)."""
     lines = []
     for s, ops in enumerate(rows):
         row = ["."] * width
@@ -213,16 +231,16 @@ def oversubscription(device) -> str:
 def gather_records(runner, mesh) -> tuple[list, list[float], list[float], list[int]]:
     """Every stage's op records, step time, busy fraction and peak activations
     in flight (collective over the pp group)."""
-    n_ops = 2 * runner.m * runner.v
+    n_ops = (3 if runner.split else 2) * runner.m * runner.v       # F and B (zb-h1: and W) of each micro-batch, chunk
     clock = runner.clock
     rec = torch.zeros(n_ops, 5, dtype=torch.float64)
     for j, (kind, i, b, e, c) in enumerate(clock.records):
-        rec[j] = torch.tensor([1.0 if kind == "F" else 2.0, i, b, e, c], dtype=torch.float64)
+        rec[j] = torch.tensor(["_FBW".index(kind), i, b, e, c], dtype=torch.float64)
     span = torch.tensor([[clock.t1 - clock.t0, clock.busy_fraction(), runner.peak_in_flight]], dtype=torch.float64)
     dev = runner.device.torch_device
     recs = comm.all_gather(rec.to(dev), mesh.pp_group).cpu().view(mesh.pp, n_ops, 5)
     spans = comm.all_gather(span.to(dev), mesh.pp_group).cpu()
-    rows = [[("F" if k == 1 else "B", int(i), b, e, int(c)) for k, i, b, e, c in recs[s].tolist() if k]
+    rows = [[("_FBW"[int(k)], int(i), b, e, int(c)) for k, i, b, e, c in recs[s].tolist() if k]
             for s in range(mesh.pp)]
     return rows, [float(x) for x in spans[:, 0]], [float(x) for x in spans[:, 1]], [int(x) for x in spans[:, 2]]
 
@@ -240,15 +258,20 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     total = max(spans)
     measured = 1.0 - sum(busy) / len(busy)
     chunks = f", v={v} chunks per stage" if v > 1 else ""
+    split = schedule == "zb-h1"
+    units = (f"F = {F_UNITS:g} unit, B = {B_UNITS - W_UNITS:g} unit, W = {W_UNITS:g} unit" if split
+             else f"F = {F_UNITS:g} unit, B = {B_UNITS:g} units")
     lines = [f"pipeline schedule {schedule}: pp={pp} stages, m={m} micro-batches{chunks}",
              "timetable (ticks; Fi/Bi = forward/backward of micro-batch i"
+             + (", Wi its weight gradients" if split else "")
              + (", Fi.c on chunk c > 0" if v > 1 else "") + ", .. = idle):",
              render_ticks(runner.ticks, pp), "",
-             f"ideal, F = {F_UNITS:g} unit, B = {B_UNITS:g} units"
+             f"ideal, {units}"
              + (f" per stage (1/{v} of that per chunk)" if v > 1 else "")
              + f", no communication ({ideal_span:g} units):"]
     lines += _draw(ideal, ideal_span)
-    lines += ["", f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, . idle"
+    lines += ["", f"measured, last step drawn to scale ({total * 1e3:.1f} ms; F forward, B backward, "
+              + ("W weight gradients, " if split else "") + ". idle"
               + ("; f, b on odd chunks" if v > 1 else "") + "):"]
     lines += _draw(rows, total)
     want = [in_flight_formula(schedule, pp, m, s, v)[0] for s in range(pp)]
@@ -269,13 +292,14 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     if png_path and mesh.rank == 0:
         draw_png(ideal, ideal_span, rows, total, png_path,
                  f"{schedule}: pp={pp}, m={m}{', v=' + str(v) if v > 1 else ''}; bubble ideal {ideal_b:.2f}, "
-                 f"measured {measured:.2f}", v)
+                 f"measured {measured:.2f}", v, units)
     return "\n".join(lines)
 
 
-def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str, v: int = 1) -> None:
+def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str, v: int = 1,
+             units: str = "F = 1, B = 2 units") -> None:
     """The ideal timeline (units) above the measured one (ms): one row per
-    stage, forward boxes light, backward boxes dark, labelled by micro-batch
+    stage, forward boxes light, backward boxes dark (zb-h1's W boxes grey), labelled by micro-batch
     (and chunk: 3.1 is micro-batch 3 on chunk 1; odd chunks hatched)."""
     try:
         import matplotlib
@@ -286,11 +310,11 @@ def draw_png(ideal, ideal_span: float, rows, total: float, path: str, title: str
     pp = len(rows)
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 * pp + 2.2))
     unit = "" if v == 1 else f" per stage, 1/{v} per chunk"
-    for ax, data, span, scale, label in ((axes[0], ideal, ideal_span, 1.0, f"ideal: F = 1, B = 2 units{unit}"),
+    for ax, data, span, scale, label in ((axes[0], ideal, ideal_span, 1.0, f"ideal: {units}{unit}"),
                                          (axes[1], rows, total, 1e3, "measured (ms)")):
         for s, ops in enumerate(data):
             for kind, i, b, e, c in ops:
-                ax.barh(s, (e - b) * scale, left=b * scale, color="#9ecae1" if kind == "F" else "#3182bd",
+                ax.barh(s, (e - b) * scale, left=b * scale, color={"F": "#9ecae1", "B": "#3182bd", "W": "#bdbdbd"}[kind],
                         edgecolor="black", linewidth=0.5, hatch="//" if c % 2 else None)
                 ax.text((b + e) / 2 * scale, s, f"{i}.{c}" if v > 1 else f"{kind}{i}", ha="center",
                         va="center", fontsize=6 if v > 1 else 7)

@@ -1,0 +1,156 @@
+"""ZeRO stage 3: shard the parameters too (Rajbhandari et al. 2020, section 5.3;
+PyTorch's FSDP is the same idea).
+
+After ZeRO-2 a dp rank still keeps every parameter of its (pp, tp) slice
+between steps, although it updates only its 1/dp of them. ZeRO-3 keeps only
+that shard, and rebuilds a layer's full parameters just for the moments they
+are used. The optimizer groups the parameters per *unit* (optim.FlatAdamW):
+one per decoder layer, one for the rest (embedding, final norm, head); each
+unit's flat buffers are sharded over dp as in ZeRO-1, and each parameter is
+still a view of its flat buffer, whose storage is emptied between uses
+(`untyped_storage().resize_(0)`: the views stay valid, they just hold no
+bytes until the storage is given its size back and the shards all-gathered
+into it).
+
+    forward of a layer:   all-gather its shards -> full buffer -> compute -> free it
+    backward of a layer:  all-gather again (a hook on the layer's output fires
+                          first) -> compute (full activation checkpointing
+                          recomputes the layer's forward here, with the
+                          buffer already whole) -> once the layer's last
+                          gradient is in: reduce-scatter (ZeRO-2) -> free it
+    optimizer step:       AdamW on the shard, which *is* the new weights: no
+                          all-gather after it (the next forward's does it)
+    between steps:        1/dp of the parameters, the gradients, the optimizer state
+
+The rest unit is gathered for the whole forward and the whole backward of a
+micro-batch (the embedding runs first, the head last): the price of one
+simple unit. Each micro-batch gathers every unit twice, so per micro-batch a
+rank sends 2 all-gathers of the parameters (in their dtype) and ZeRO-2's
+reduce-scatter of the fp32 gradients: with fp32 parameters and one
+micro-batch, 3 x (dp-1)/dp x 4 bytes per parameter, 1.5x plain data
+parallelism's all-reduce (2 x (dp-1)/dp x 4). Memory bought with bandwidth.
+
+Prefetch (starting the next unit's all-gather while this one computes) is
+what makes this fast on a GPU or Trainium. On gloo over CPU processes it does
+not pay (the all-gather and the compute take the same cores), so nanohlat
+gathers each unit when it is needed and shows the simple schedule.
+
+Not here: pipeline parallelism (a stage's micro-batches interleave forwards
+and backwards of different units, and the units' hooks would have to follow
+them) and XLA (one traced graph per step, where freeing a buffer's storage
+means nothing): config.py and run/preflight.py refuse both in one line.
+Evaluation runs the same hooks; a checkpoint's export all-gathers each group
+(`Unit.gathered`), its load and --check-replicas gather everything (`whole`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .zero1 import all_gather_buckets
+from .zero2 import ZeroTwoDP
+
+
+class ZeroThreeDP(ZeroTwoDP):
+    """ZeRO-2's sharded gradients and update; the parameters kept as the shard (FlatGroup.param_shard)."""
+
+    def grad_hook(self, g, off: int, numel: int):
+        """ZeRO-2's hook, then: was this the unit's last gradient of the micro-batch? Free it."""
+        hook = super().grad_hook(g, off, numel)
+
+        def then_count(p: torch.Tensor) -> None:
+            hook(p)
+            g.unit.gradient_in()
+        return then_count
+
+    def write_back(self, g) -> None:
+        """Phase 4: the kept shard is the new weights (bf16-mixed: its fp32 master, rounded). No all-gather."""
+        if not g.master_is_params:
+            g.param_shard.copy_(g.master)
+
+
+class Unit:
+    """The flat groups of one layer (or of the rest), gathered and freed together."""
+
+    def __init__(self, groups, dp: ZeroThreeDP):
+        self.groups, self.dp = groups, dp
+        self.params = sum(len(g.params) for g in groups)   # gradients to wait for in a backward
+        self.got, self.whole, self.in_backward = 0, True, False
+        for g in groups:
+            g.unit, g.param_shard = self, g.flat[g.start:g.stop].clone()   # the kept shard of the parameters
+            g.master = g.param_shard if g.master_is_params else g.master   # (fp32, bf16, bf16-sr: the master too)
+            # writes go through an alias of the storage, so autograd sees no in-place change
+            g.fill = g.flat.new_empty(0).set_(g.flat.untyped_storage(), 0, (g.padded,))
+        self.free()
+
+    def gathered(self, g, group=None) -> torch.Tensor:
+        """Group g's whole flat buffer, all-gathered from every rank's shard (also a checkpoint's export)."""
+        return all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems)
+
+    def gather(self, group=None) -> None:
+        """Give each flat buffer its storage back and all-gather every rank's shard into it."""
+        for g in self.groups if not self.whole else []:
+            g.flat.untyped_storage().resize_(g.padded * g.flat.element_size())
+            g.fill.copy_(self.gathered(g, group))
+        self.whole = True
+
+    def free(self) -> None:
+        """Keep only the shard: the parameters' views stay, their storage holds 0 bytes."""
+        for g in self.groups:
+            g.flat.untyped_storage().resize_(0)
+        self.whole = False
+
+    def gradient_in(self) -> None:
+        """A post-accumulate-grad hook fired: after the unit's last one its backward is over."""
+        self.got += 1
+        if self.got == self.params:
+            self.got, self.in_backward = 0, False
+            self.free()
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Gather before `module`'s forward; after it, free (but not in a backward's recompute)
+        and hook its output, whose gradient comes just before the module's backward: gather."""
+        module.register_forward_pre_hook(lambda mod, args: self.gather())
+
+        def before_backward(grad):
+            self.in_backward = True
+            self.gather()
+
+        def after(mod, args, out):
+            if torch.is_grad_enabled() and out.requires_grad:
+                out.register_hook(before_backward)
+            if not self.in_backward:
+                self.free()
+        module.register_forward_hook(after)
+
+
+def unit_of(name: str) -> int:
+    """The unit of a parameter: its decoder layer, or -1 (embedding, final norm, head)."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else -1
+
+
+def attach(model, groups, dp: ZeroThreeDP) -> list:
+    """One Unit per layer (and one for the rest) over FlatAdamW's groups, hooked to its module."""
+    ids = sorted({unit_of(g.names[0]) for g in groups})
+    units = {u: Unit([g for g in groups if unit_of(g.names[0]) == u], dp) for u in ids}
+    for u, unit in units.items():
+        unit.attach(model if u < 0 else model.layers[str(u)])
+    return list(units.values())
+
+
+@contextlib.contextmanager
+def whole(opt, group=None):
+    """Every unit whole (a checkpoint's load, --check-replicas), then each rank keeps its shard of the result."""
+    units = getattr(opt, "units", [])
+    for u in units:
+        u.gather(group)
+    try:
+        yield
+    finally:
+        for u in units:
+            for g in u.groups:
+                g.param_shard.copy_(g.flat[g.start:g.stop])
+            u.free()
+
