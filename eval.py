@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data
+from nanohlat.run import checkpoint, data, launch
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate
 from nanohlat.config import DEVICES, UserError, check_seed
@@ -219,4 +219,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch.command(main))

@@ -40,8 +40,8 @@ chain above is unchanged, and nothing on another stage ever waits on a W.
 
 Schedules (p stages, m micro-batches; per stage, in order):
   AFAB: F0 F1 ... F(m-1)  B0 B1 ... B(m-1)             holds m activations
-  1F1B: warm-up: min(p-s-1, m) forwards, then alternate  holds <= p activations
-        F and B (steady state), then the remaining Bs (cool-down)
+  1F1B: warm-up forwards (fewer, the later the stage),   holds <= p activations
+        then alternate F and B (steady state), then the remaining Bs (cool-down)
 Both have the same bubble, (p-1)/(m+p-1) of the time, if each stage starts an
 op as soon as its input exists; 1F1B's gain is memory (tools/timeline.py
 times a step through the runner's clock and gives the bubble three ways:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from nanohlat.classroom import kit as classroom, checks as classroom_checks
+from nanohlat.classroom import kit as classroom, checks as classroom_checks, needs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,9 +48,12 @@ WRONG = {
 }
 
 
-def run_check(cwd: str, *args: str) -> subprocess.CompletedProcess:
+def run_check(cwd: str, *args: str, trace: str | None = None) -> subprocess.CompletedProcess:
+    """`check *args` in `cwd`; with `trace` (a folder), what each check reaches is recorded there."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = cwd                       # the copy's own nanohlat, not the repository's
+    if trace:
+        env = needs.trace_env(trace, env)
     return subprocess.run([sys.executable, "-m", "nanohlat.classroom", "check", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 
@@ -84,10 +87,14 @@ def test_stubbed_source_is_valid_python_and_keeps_the_markers():
 
 
 @pytest.mark.slow
-def test_the_reference_passes_every_check():
-    r = run_check(ROOT, "--all")
+def test_the_reference_passes_every_check(tmp_path):
+    r = run_check(ROOT, "--all", trace=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert set(verdicts(r.stdout).values()) == {"pass"} and len(verdicts(r.stdout)) == len(classroom.EXERCISES)
+    # the exercises each check ran through are what needs.json says (a check names every missing one from it)
+    traced = needs.check_needs(needs.read_hits(str(tmp_path)), [e.id for e in classroom.EXERCISES])
+    assert traced == needs.load()["checks"], (
+        f"nanohlat/classroom/needs.json is out of date for the checks: run `{needs.UPDATE}`")
 
 
 @pytest.mark.slow
@@ -104,8 +111,9 @@ def test_a_student_copy_fails_every_check_as_not_done(tmp_path):
     v = verdicts(r.stdout)
     assert v == {e.id: "FAIL" for e in classroom.EXERCISES}, r.stdout
     assert r.stdout.count("not done yet: exercise") == len(classroom.EXERCISES), r.stdout
-    # an exercise that builds on another names it (1c's attention runs 1a's RMSNorm)
-    assert "not done yet: exercise 1c needs exercise 1a first" in r.stdout
+    # an exercise that builds on others names every one still a stub (1c's attention runs 1a's RMSNorm,
+    # 1b's rotary embeddings and 4b's linears)
+    assert "not done yet: exercise 1c needs exercises 1a, 1b and 4b first" in r.stdout, r.stdout
     # a second `new` into the same folder refuses instead of overwriting the student's work
     r = subprocess.run([sys.executable, "-m", "nanohlat.classroom", "new", str(dest)], cwd=ROOT,
                        capture_output=True, text=True, env=env | {"PYTHONPATH": ROOT})

@@ -40,6 +40,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from nanohlat.classroom import needs
 
 BLOCK = re.compile(r"```bash\n# runnable\n(.*?)```[ \t]*\n(?:\s*\n)*(?:```text\n(.*?)```)?", re.S)
 NUMBER = re.compile(r"\d+(?:,\d\d\d)*(?:\.\d+)?")
@@ -69,8 +70,13 @@ CORPUS_PYTHON = re.compile(r"made with Python (\d+\.\d+\.\d+)")
 # (`pip install -e ".[plot]"`); without it they may be missing.
 OPTIONAL = [re.compile(r"\.png\b")]
 # Commands whose output is sampled text: one changed bit in the weights (another
-# CPU's float rounding) picks other tokens, so only their exit code counts.
+# CPU's float rounding) picks other tokens, so only their exit code counts
+# (unless their stdout goes to a file: then what they print is compared).
 SAMPLED = ("python sample.py",)
+# A line continued with a backslash, in a block or in its transcript.
+CONTINUED = re.compile(r"\\\n\s*")
+# A success line: `... && echo "text"` at the end of a command.
+SUCCESS = re.compile(r"&&\s*echo\s+(?P<q>[\"'])(?P<text>.*?)(?P=q)\s*$")
 
 
 def tutorial_text() -> str:
@@ -82,7 +88,7 @@ def runnable_blocks() -> list[tuple[list[str], str | None]]:
     """(commands, transcript or None) for every runnable block, in order."""
     blocks = []
     for script, transcript in BLOCK.findall(tutorial_text()):
-        commands = [line.strip() for line in script.replace("\\\n", " ").splitlines()
+        commands = [line.strip() for line in CONTINUED.sub(" ", script).splitlines()
                     if line.strip() and not line.lstrip().startswith("#")]
         blocks.append((commands, transcript or None))
     return blocks
@@ -90,7 +96,7 @@ def runnable_blocks() -> list[tuple[list[str], str | None]]:
 
 def expected_outputs(commands: list[str], transcript: str) -> list[list[str]]:
     """The transcript's lines, per command of the block."""
-    lines = transcript.splitlines()
+    lines = CONTINUED.sub(" ", transcript).splitlines()
     if not any(line.startswith("$ ") for line in lines):
         assert len(commands) == 1, "a transcript without `$ command` lines must belong to a one-command block"
         return [lines]
@@ -161,8 +167,11 @@ def mismatches(expected: list[str], actual: list[str], masks: list[re.Pattern] =
     return problems
 
 
-def run_block(commands: list[str], cwd) -> tuple[int, list[list[str]], str]:
-    """Run the block with bash -e; (exit code, output lines per command, whole transcript)."""
+def run_block(commands: list[str], cwd, trace: str | None = None) -> tuple[int, list[list[str]], str]:
+    """Run the block with bash -e -o pipefail (a failing step of a pipe fails the
+    block too); (exit code, output lines per command, whole transcript). With
+    `trace` (a folder), what each command reaches of the exercise regions is
+    recorded there under the command's index (nanohlat/classroom/needs.py)."""
     for name in ("train.py", "sample.py", "eval.py", "nanohlat", "tests", "scripts", "pyproject.toml"):
         os.symlink(os.path.join(ROOT, name), cwd / name)
     bin_dir = cwd / "bin"
@@ -174,9 +183,12 @@ def run_block(commands: list[str], cwd) -> tuple[int, list[list[str]], str]:
     wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     wrapper.chmod(0o755)
     marker = "@@tutorial-command@@"
-    script = "".join(f"echo {marker}\n{command}\n" for command in commands)
+    script = "".join((needs.label_command(trace, str(i)) + "\n" if trace else "") + f"echo {marker}\n{command}\n"
+                     for i, command in enumerate(commands))
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
-    p = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
+    if trace:
+        env = needs.trace_env(trace, env)
+    p = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=600)
     outputs = [chunk.splitlines() for chunk in p.stdout.split(marker + "\n")[1:]]
     return p.returncode, outputs, p.stdout
@@ -220,11 +232,80 @@ def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
     made_with = CORPUS_PYTHON.search(tutorial_text())
     assert made_with, "tutorial.md says which Python version its figures were made with"
     masks = MEASURED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
-    rc, outputs, out = run_block(commands, tmp_path)
+    trace = tmp_path / ".trace"
+    trace.mkdir()
+    rc, outputs, out = run_block(commands, tmp_path, trace=str(trace))
     assert rc == 0, f"block {index} failed:\n{commands}\n{out[-6000:]}"
     problems = []
     for command, expected, actual in zip(commands, expected_outputs(commands, transcript), outputs):
-        if not command.startswith(SAMPLED):
+        if not command.startswith(SAMPLED) or ">" in command:
             problems += [f"$ {command}\n  {p}" for p in mismatches(expected, actual, masks)]
     assert not problems, ("tutorial.md shows other output than the commands print (fix the code or the "
                           "transcript):\n" + "\n".join(problems) + f"\n\nwhole output:\n{out[-6000:]}")
+    compare_needs(index, commands, needs.read_hits(str(trace)))
+
+
+def compare_needs(index: int, commands: list[str], hits: dict[str, set[str]]) -> None:
+    """What each command of block `index` reached of the exercise regions, against
+    nanohlat/classroom/needs.json (the classroom kit's map of what needs what).
+    With NANOHLAT_NEEDS_RECORD=FILE it is appended there instead (`needs --update`)."""
+    chapter = needs.tutorial_blocks(ROOT)[index][0]
+    reached = [needs.order(hits.get(str(i), set())) for i in range(len(commands))]
+    record = os.environ.get("NANOHLAT_NEEDS_RECORD")
+    if record:
+        import json
+        with open(record, "a", encoding="utf-8") as f:
+            for command, ids in zip(commands, reached):
+                f.write(json.dumps({"chapter": chapter, "command": command, "needs": ids}) + "\n")
+        return
+    data = needs.load()
+    stale = [f"$ {c}\n  reached {' '.join(ids) or 'no exercise'}; needs.json says "
+             f"{' '.join(needs.stored(data, chapter, c) or []) if needs.stored(data, chapter, c) is not None else '(not listed)'}"
+             for c, ids in zip(commands, reached) if needs.stored(data, chapter, c) != ids]
+    assert not stale, ("nanohlat/classroom/needs.json is out of date (run `" + needs.UPDATE + "`: it runs "
+                       "the tutorial's blocks and the checks, 11 minutes on two busy cores):\n" + "\n".join(stale))
+
+
+def success_commands() -> list[str]:
+    """Every runnable command that ends by printing a success line."""
+    return [c for commands, _ in runnable_blocks() for c in commands if SUCCESS.search(c)]
+
+
+def run_with_failing_steps(command: str, cwd, step: str) -> str:
+    """`command` with each of its `python ...` steps replaced by `step`, run by a
+    shell that goes on after a failure (as a pasted command would be), after
+    every file it names was written with the same partial output (what earlier
+    lines that failed midway would leave). Its output."""
+    replaced = re.sub(r"\bpython\s[^>&|]*", step + " ", command)
+    for path in re.findall(r"\bruns/[\w/-]+\.\w+", command):   # files, not --out-dir folders
+        os.makedirs(cwd / os.path.dirname(path), exist_ok=True)
+        (cwd / path).write_text("def \n")
+    p = subprocess.run(["bash", "-c", replaced], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=60)
+    return p.stdout
+
+
+def test_a_success_line_is_printed_only_when_every_step_succeeded(tmp_path):
+    """The tutorial's `... && echo "it worked"` commands chain every step they
+    depend on: with those steps failing (exit 2 after printing what a streaming
+    sample.py prints first, the prompt), no success line; with them succeeding
+    alike, the line (so the test is not vacuous)."""
+    commands = success_commands()
+    assert commands, "the tutorial has commands that print a success line"
+    for command in commands:
+        text = SUCCESS.search(command).group("text")
+        assert re.search(r"\bpython\s", command), (
+            f"{command!r} prints {text!r} but runs none of the steps it checks: chain them with && "
+            f"in the same command")
+        out = run_with_failing_steps(command, tmp_path, "sh -c 'echo def; exit 2'")
+        assert text not in out, f"{command!r} printed its success line after its steps failed:\n{out}"
+        out = run_with_failing_steps(command, tmp_path, "sh -c 'echo def'")
+        assert text in out, f"{command!r} did not print {text!r} when its steps succeeded alike:\n{out}"
+
+
+def test_the_success_check_catches_an_unchained_command(tmp_path):
+    """The check itself: the old form, steps on their own lines and `cmp && echo`, is caught."""
+    old = 'cmp runs/ch9/one.txt runs/ch9/tp2.txt && echo "tp 2 printed exactly what one process printed"'
+    assert not re.search(r"\bpython\s", old)
+    out = run_with_failing_steps(old, tmp_path, "sh -c 'echo def; exit 2'")
+    assert "tp 2 printed exactly" in out      # what a student saw: success after two failed runs

@@ -3,6 +3,7 @@
     python -m nanohlat.classroom list                         # the exercises, in tutorial order
     python -m nanohlat.classroom new DIR [--chapter N | --exercise ID ...]
     python -m nanohlat.classroom check ID [ID ...] | --chapter N | --all
+    python -m nanohlat.classroom needs --update              # re-trace what needs what (needs.py)
 
 How it works. The reference code carries *exercise regions*, comment-marked:
 
@@ -29,6 +30,13 @@ schedule. The verdict names what differs: the first mismatching tensor, its
 rank, the index and by how much. Distributed checks run on a few gloo worker
 processes on the CPU, seconds each; a check that hangs (a collective called
 on one rank only) is stopped after its time limit and reported as such.
+
+What a command or check needs: a student copy's command stops at the first
+stub it reaches, with one line naming it (nanohlat/classroom/__init__.py:not_done);
+which exercises each tutorial command and each check runs through is traced on
+the reference (needs.py), printed by `list`, written at the top of a copy's
+README.md, and a check that reaches another exercise's stub names every one of
+them still a stub in the copy.
 
 The teacher's side (a course plan, typical mistakes, grading) is in
 docs/teaching.md.
@@ -151,6 +159,30 @@ def stub_source(text: str, ids: set[str]) -> str:
     return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
+def stubbed(root: str = ROOT) -> set[str]:
+    """The exercises whose code under `root` is (still, in some region) the kit's stub."""
+    found = set()
+    for ex, regions in find_regions(root).items():
+        for rel, begin, end, _ in regions:
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                body = f.read().splitlines()[begin + 1:end]
+            if any("raise NotImplementedError(" in line and f"exercise {ex}:" in line for line in body):
+                found.add(ex)
+    return found
+
+
+def copy_readme(ids: list[str]) -> str:
+    """The section a student copy's README.md opens with: what is a stub, and what needs it."""
+    from nanohlat.classroom import needs
+    lines = ["# Student copy (nanohlat classroom kit)", "",
+             f"In this copy exercises {', '.join(ids)} are stubs for you to write (tutorial.md, the",
+             "\"Implement it\" lists; `python -m nanohlat.classroom check ID` grades one). A command",
+             "that reaches a stub stops with one line naming it. What runs through which of them",
+             "(traced on the reference: nanohlat/classroom/needs.py; `python -m nanohlat.classroom list`):", "",
+             "```text"] + needs.summary(needs.load(), only=set(ids)) + ["```", "", "---", ""]
+    return "\n".join(lines)
+
+
 def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
     """Copy the repository to `dest` with the regions of `ids` stubbed. Returns the files changed."""
     regions = find_regions(root)
@@ -169,6 +201,11 @@ def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         files.write_text(path, stub_source(text, set(ids)))   # a fresh file: a link there is not followed
+    readme = os.path.join(dest, "README.md")
+    if ids and os.path.isfile(readme):
+        with open(readme, encoding="utf-8") as f:
+            text = f.read()
+        files.write_text(readme, copy_readme(ids) + text)
     for path in _source_files(dest):   # a copy that does not even compile would blame the student
         with open(path, encoding="utf-8") as f:
             source = f.read()
@@ -203,11 +240,32 @@ def select(args) -> list[str]:
 
 
 def cmd_list() -> int:
+    from nanohlat.classroom import needs
     regions = find_regions()
     for e in EXERCISES:
         where = ", ".join(sorted({r[0] for r in regions.get(e.id, [])})) or "(no region!)"
         print(f"{e.id:>4}  {e.task}  [{where}]")
+    print("\nWhat runs through which exercise (a command stops at the first stub it reaches; traced on the "
+          "reference code, nanohlat/classroom/needs.py):")
+    print("\n".join(needs.summary(needs.load())))
     return 0
+
+
+def missing_first(ex: str, verdict: str) -> str:
+    """A check's "not done yet" verdict with every other exercise it runs through
+    that is still a stub here (needs.json's trace of the checks), not only the first."""
+    from nanohlat.classroom import needs
+    first = re.match(r"not done yet: exercise \S+ needs exercise (\d+[a-z]) first", verdict)
+    here = stubbed()     # ROOT: the code being checked (the student's copy)
+    others = {d for d in needs.load()["checks"].get(ex, []) if d != ex and d in here}
+    if first:
+        others.add(first.group(1))
+    if not others:
+        return verdict
+    others = needs.order(others)
+    names = f"exercise{'s' if len(others) > 1 else ''} {needs.names(others)}"
+    head = f"not done yet: exercise {ex} needs {names} first" if first else verdict + f"; it also needs {names}"
+    return f"{head} (still stubs here: `python -m nanohlat.classroom check {' '.join(others)}`)"
 
 
 def cmd_new(args) -> int:
@@ -229,12 +287,15 @@ def cmd_check(args) -> int:
     if not ids:
         print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
-    from nanohlat.classroom import checks as classroom_checks
+    from nanohlat.classroom import checks as classroom_checks, needs
     failed = []
     for i in ids:
         ex = BY_ID[i]
         start = time.perf_counter()
+        needs.set_label(f"check {i}")      # (only while needs.py traces the checks)
         verdict = classroom_checks.run(ex)
+        if verdict is not None and verdict.startswith("not done yet"):
+            verdict = missing_first(i, verdict)
         took = time.perf_counter() - start
         status = "pass" if verdict is None else "FAIL"
         print(f"exercise {i:>4}  {status}  ({took:.1f} s)  {ex.task}")
@@ -258,9 +319,14 @@ def main(argv=None) -> int:
     c.add_argument("ids", nargs="*")
     c.add_argument("--chapter", type=int, default=None)
     c.add_argument("--all", action="store_true")
+    u = sub.add_parser("needs", help="re-trace which exercises each tutorial command and check needs (minutes)")
+    u.add_argument("--update", action="store_true", required=True, help="rewrite nanohlat/classroom/needs.json")
     args = p.parse_args(argv)
     if args.cmd == "list":
         return cmd_list()
+    if args.cmd == "needs":
+        from nanohlat.classroom import needs
+        return needs.update([e.id for e in EXERCISES])
     if args.cmd == "new":
         return cmd_new(args)
     return cmd_check(args)

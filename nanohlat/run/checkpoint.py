@@ -778,6 +778,8 @@ class ShardSet:
                     flat_cov[start:stop] = True
                     dst.copy_(flat.view(dst.shape))
                     cov.copy_(flat_cov.view(cov.shape))
+            except NotImplementedError:   # (a RuntimeError) unfinished code, not the file's fault:
+                raise                        # a student copy's stub of exercise 8a names itself
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 first_line = (str(e).splitlines() or [e.__class__.__name__])[0]
                 raise UserError(f"checkpoint shard {fpath}: {section} tensor {name!r} is malformed "

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -239,14 +240,17 @@ def _report_failures(failures: dict, errors: str, stop_hint: str = RESUME_HINT) 
     by_cause = {}
     for rank in sorted(reported):           # the same cause from every rank: said once
         by_cause.setdefault(reported[rank], []).append(rank)
+    lines, stubs = [], []                   # a classroom stub's line comes last: it is the cause to act on
     for cause, ranks in by_cause.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        print(f"error: {who}: {cause}", file=sys.stderr)
+        (stubs if NOT_DONE.match(cause) else lines).append(f"error: {who}: {cause}")
     for rank, failure in sorted(failures.items()):
         if rank not in reported:            # killed, or died before it could say why
             how = f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
-            print(f"error: rank {rank} failed with exit code {failure.exitcode}{how}", file=sys.stderr)
-    return 2 if codes and all(c == 2 for c in codes) else 1
+            lines.append(f"error: rank {rank} failed with exit code {failure.exitcode}{how}")
+    if lines or stubs:
+        print("\n".join(lines + stubs), file=sys.stderr)
+    return 2 if stubs or (codes and all(c == 2 for c in codes)) else 1
 
 
 def report_error(message: str) -> None:
@@ -260,6 +264,64 @@ def report_error(message: str) -> None:
         except OSError:
             pass
     print(f"error: {message}", file=sys.stderr)
+
+
+def command(main, *args) -> int:
+    """Run a command's `main(*args)` (train.py, sample.py, eval.py, python -m
+    nanohlat.serving, ...) and return its exit code. An exercise stub of a
+    classroom student copy reached anywhere in it (nanohlat/classroom) ends it
+    with one line naming the exercise, exit code 2; any other exception is a
+    crash and keeps its traceback. (Workers say it through `worker_stub`.)"""
+    from nanohlat.classroom import not_done
+    try:
+        return main(*args)
+    except Exception as e:
+        line = not_done(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+def worker_stub(e: BaseException) -> None:
+    """In a worker's catch-all: an exercise stub reached (`command`) is this
+    worker's one-line error (report_error) and exit code 2; else nothing.
+    A worker whose peer stopped at a stub (its collective then fails:
+    "connection closed by peer") says so in one line, exit 2, no traceback:
+    the peer's line, which `_report_failures` prints last, is the cause.
+    os._exit: a process group torn down at interpreter exit can abort the
+    process (gloo, see preflight.worker) and turn the 2 into a signal."""
+    from nanohlat.classroom import not_done
+    from nanohlat.run import runlock
+    line = not_done(e)
+    if line is None and _peer_reached_a_stub():
+        line = "stopped: a peer rank reached an exercise stub (below)"
+    if line is not None:
+        report_error(line)
+        runlock.release_all()   # (torchrun's rank 0 holds the run lock itself)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
+NOT_DONE = re.compile(r"exercise \d+[a-z] is not done yet \(")   # classroom.not_done's line
+
+
+def _peer_reached_a_stub() -> bool:
+    """Whether another worker of this `spawn` reported an exercise stub (report_error)."""
+    folder = os.environ.get(ERRORS_ENV)
+    try:
+        names = os.listdir(folder) if folder else []
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), errors="replace") as f:
+                if NOT_DONE.match(f.read().strip()):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def crash_line(e: BaseException) -> str:

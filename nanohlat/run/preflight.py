@@ -173,6 +173,7 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     except KeyboardInterrupt:   # the second Ctrl-C
         sys.exit(130)
     except Exception as e:
+        launch.worker_stub(e)   # an exercise stub of a student copy: its one line, exit 2
         if isinstance(e, RuntimeError) and launch.is_collective_timeout(e):
             # a peer made no progress for --collective-timeout seconds: one line, exit 1 (a run-time
             # failure; 2 is for inputs the user can fix). os._exit: tearing down a process group that

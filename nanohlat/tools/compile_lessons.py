@@ -192,4 +192,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nanohlat.run.launch import command
+    sys.exit(command(main))
