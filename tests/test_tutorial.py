@@ -18,6 +18,12 @@ float rounding of another CPU or thread count, far less than any change to
 training moves a loss. The expected lines are read from tutorial.md itself, so
 updating a figure there is all a change of output needs.
 
+Two checks of meaning, beside the figures: a `cmp A B` of sample.py outputs
+must compare text, not white space alone (chapter 9's "tp 2 printed exactly
+what one process printed" proves little about strings of spaces), and the
+speculative-decoding demo must show a per-token acceptance below 1 beside the
+formula's tokens per target pass.
+
 Not compared: what a run *measures* (times, the pipeline drawn to scale, the
 measured bubble: the spans in `MEASURED`, matched by shape only) and text
 sampled from a model (`SAMPLED`: one changed bit picks other tokens). Losses
@@ -70,7 +76,55 @@ CORPUS_PYTHON = re.compile(r"made with Python (\d+\.\d+\.\d+)")
 OPTIONAL = [re.compile(r"\.png\b")]
 # Commands whose output is sampled text: one changed bit in the weights (another
 # CPU's float rounding) picks other tokens, so only their exit code counts.
-SAMPLED = ("python sample.py",)
+SAMPLED = ("python sample.py", "cat runs/ch9/")
+# The speculative-decoding demo: its per-token acceptance (below 1, or the
+# lesson is invisible) and the formula's tokens per target pass beside it.
+ACCEPTANCE = re.compile(r"^per-token acceptance a = accepted / checked = \d+ / \d+ = (?P<a>[\d.]+)$", re.M)
+FORMULA = re.compile(r"^tokens per target pass: measured [\d.]+, formula \(1 - a\^\(k\+1\)\) / \(1 - a\) = [\d.]+",
+                     re.M)
+
+
+def compared_files(commands: list[str]) -> list[tuple[str, list[str]]]:
+    """Every file a `cmp A B` of the block compares, with the prompts of the
+    sample.py command that wrote it (`> A`): (path, prompts)."""
+    segments = []                        # simple commands, also those chained with && ; |
+    for command in commands:
+        words = []
+        for word in shlex.split(command) + ["&&"]:
+            if word in ("&&", "||", ";", "|"):
+                segments.append(words)
+                words = []
+            else:
+                words.append(word)
+    wrote = {}
+    for words in segments:
+        if words[:2] == ["python", "sample.py"] and ">" in words:
+            flags = {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
+            wrote[words[words.index(">") + 1]] = flags
+    files = []
+    for words in segments:
+        if words[:1] == ["cmp"]:
+            for path in words[1:3]:
+                assert path in wrote, f"`{' '.join(words)}` compares {path}, which no sample.py command of the block wrote"
+                files.append((path, wrote[path]))
+    return files
+
+
+def generated_text(text: str, flags: dict, cwd) -> list[str]:
+    """The continuation of each prompt in sample.py's output `text` (its
+    prompts and `--- prompt i ---` headers removed)."""
+    if "--prompt-file" in flags:
+        with open(cwd / flags["--prompt-file"]) as f:
+            prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        sections = re.split(r"^--- prompt \d+ ---\n", text, flags=re.M)[1:]
+        assert len(sections) == len(prompts), text
+    else:
+        prompts, sections = [flags.get("--prompt", "def ")], [text]
+    out = []
+    for prompt, section in zip(prompts, sections):
+        assert section.startswith(prompt), (prompt, section)
+        out.append(section[len(prompt):])
+    return out
 
 
 def tutorial_text() -> str:
@@ -213,6 +267,18 @@ def test_a_changed_figure_is_caught():
     assert mismatches(want, other_corpus, MEASURED + CORPUS_DEPENDENT) == []
 
 
+def test_compared_sample_files_must_hold_text(tmp_path):
+    """The check itself: chapter 9's comparisons are found, and white space is told from text."""
+    found = [path for commands, _ in runnable_blocks() for path, _ in compared_files(commands)]
+    assert found == ["runs/ch9/one.txt", "runs/ch9/tp2.txt", "runs/ch9/alone.txt", "runs/ch9/batched.txt"]
+    chained = ["python sample.py --prompt 'x = ' > a.txt && python sample.py > b.txt && cmp a.txt b.txt && echo same"]
+    assert compared_files(chained) == [("a.txt", {"--prompt": "x = "}), ("b.txt", {})]
+    (tmp_path / "p.txt").write_text("def \nimport os\\nimport sys\n")
+    batched = "--- prompt 1 ---\ndef \n   \n--- prompt 2 ---\nimport os\nimport sys.path\n"
+    assert [t.strip() for t in generated_text(batched, {"--prompt-file": "p.txt"}, tmp_path)] == ["", ".path"]
+    assert generated_text("def   \n", {}, tmp_path) == ["  \n"]
+
+
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
 @pytest.mark.slow
 def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
@@ -228,3 +294,14 @@ def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
             problems += [f"$ {command}\n  {p}" for p in mismatches(expected, actual, masks)]
     assert not problems, ("tutorial.md shows other output than the commands print (fix the code or the "
                           "transcript):\n" + "\n".join(problems) + f"\n\nwhole output:\n{out[-6000:]}")
+    # a comparison of generated text proves something only when there is text: not white space alone
+    for path, flags in compared_files(commands):
+        with open(tmp_path / path) as f:
+            for i, continuation in enumerate(generated_text(f.read(), flags, tmp_path)):
+                assert continuation.strip(), f"block {index}: {path} compares white space (prompt {i + 1})"
+    for command, actual in zip(commands, outputs):
+        if command.startswith("python -m nanohlat.serving"):
+            printed = "\n".join(actual)
+            a = ACCEPTANCE.search(printed)
+            assert a and 0 < float(a.group("a")) < 1 and FORMULA.search(printed), \
+                f"block {index}: the speculative demo must show an acceptance below 1 beside the formula:\n{printed}"
