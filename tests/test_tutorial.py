@@ -2,7 +2,8 @@
 the tutorial shows.
 
 A block is runnable when it is fenced as bash and its first line is
-`# runnable`. The ```text block right after it is its transcript: each command
+`# runnable`; when its second line is `# continues the block above` it starts
+from the runs/ that the runnable block above it left (`CONTINUES`). The ```text block right after it is its transcript: each command
 as `$ command`, then what it printed (a transcript without `$` lines is the
 output of a block's only command). Each block runs with bash -e in a fresh
 directory that links to the repository's scripts and package, so its `runs/`
@@ -40,6 +41,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -82,6 +84,18 @@ SAMPLED = ("python sample.py", "cat runs/ch9/")
 ACCEPTANCE = re.compile(r"^per-token acceptance a = accepted / checked = \d+ / \d+ = (?P<a>[\d.]+)$", re.M)
 FORMULA = re.compile(r"^tokens per target pass: measured [\d.]+, formula \(1 - a\^\(k\+1\)\) / \(1 - a\) = [\d.]+",
                      re.M)
+
+
+# A runnable block whose second line is this comment starts from what the
+# block above it left in runs/ (a reader runs them in order): the test copies
+# that block's runs/ into its fresh directory, so a model is trained once.
+CONTINUES = "# continues the block above"
+_RAN: dict = {}                          # block index -> its directory, once it ran and succeeded
+
+
+def continues_previous(index: int) -> bool:
+    script = BLOCK.findall(tutorial_text())[index][0]
+    return script.splitlines()[:1] == [CONTINUES]
 
 
 def compared_files(commands: list[str]) -> list[tuple[str, list[str]]]:
@@ -281,12 +295,21 @@ def test_compared_sample_files_must_hold_text(tmp_path):
 
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
 @pytest.mark.slow
-def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
+def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path, tmp_path_factory):
     commands, transcript = runnable_blocks()[index]
     made_with = CORPUS_PYTHON.search(tutorial_text())
     assert made_with, "tutorial.md says which Python version its figures were made with"
     masks = MEASURED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
+    if continues_previous(index):        # start from the runs/ the block above left
+        above = _RAN.get(index - 1)
+        if above is None:                # that block's test did not run (or failed): run it, unchecked
+            above = tmp_path_factory.mktemp(f"block{index - 1}")
+            rc, _, out = run_block(runnable_blocks()[index - 1][0], above)
+            assert rc == 0, f"block {index - 1}, which block {index} continues, failed:\n{out[-6000:]}"
+        shutil.copytree(above / "runs", tmp_path / "runs", symlinks=True)
     rc, outputs, out = run_block(commands, tmp_path)
+    if rc == 0:
+        _RAN[index] = tmp_path
     assert rc == 0, f"block {index} failed:\n{commands}\n{out[-6000:]}"
     problems = []
     for command, expected, actual in zip(commands, expected_outputs(commands, transcript), outputs):
