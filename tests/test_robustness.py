@@ -93,7 +93,8 @@ def test_speculative_decoding_flags_out_of_range(capsys):
     from nanohlat.serving import server as serving
     for args, message in ((["--temperature", "nan"], "--temperature must be a finite number >= 0"),
                           (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
-                          (["--seed", "-1"], "--seed must be in [0, 2**63)")):
+                          (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+                          (["--threads", "-1"], "--threads must be at least 1")):
         assert serving.main(["--target", "none", "--draft", "none"] + args) == 2
         one_line_error(capsys.readouterr().err, message)
 

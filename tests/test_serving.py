@@ -121,9 +121,48 @@ def test_speculative_greedy_equals_target_greedy(model):
         out, stats = serving.speculative_generate(model, draft, prompt, 30, k=k)
         assert out == target_alone
         assert stats["accepted"] + stats["target_passes"] == 30     # each pass: the accepted drafts + 1
+        # a round checks its drafts up to the first rejection: at most one rejection per target pass
+        assert stats["accepted"] <= stats["checked"] <= stats["proposed"]
+        assert stats["checked"] - stats["accepted"] <= stats["target_passes"]
+    assert stats["checked"] < stats["proposed"]     # k = 3, a random draft: drafts after a rejection go unchecked
     # the target as its own draft: every proposal is accepted, 5 tokens per target pass
     out, stats = serving.speculative_generate(model, model, prompt, 30, k=4)
-    assert out == target_alone and stats["accepted"] == stats["proposed"] and stats["target_passes"] == 6
+    assert out == target_alone and stats["accepted"] == stats["checked"] == stats["proposed"]
+    assert stats["target_passes"] == 6
+
+
+def test_tokens_per_pass_formula():
+    assert serving.tokens_per_pass_formula(0.0, 4) == 1.0              # every first draft rejected
+    assert serving.tokens_per_pass_formula(1.0, 4) == 5.0              # the limit, not 0/0
+    assert serving.tokens_per_pass_formula(0.5, 2) == pytest.approx(1.75)     # 1 + 1/2 + 1/4
+
+
+def test_the_speculative_report_says_what_it_measured():
+    st = {"proposed": 84, "checked": 47, "accepted": 26, "target_passes": 22, "draft_passes": 84}
+    lines = serving.report(4, 48, st, t_alone=0.1, t_draft=0.05, t_spec=0.2)
+    assert lines[0].startswith("drafts kept: 26 of 84 proposed (0.31); checked up to a round's first rejection: 47")
+    assert lines[1] == "per-token acceptance a = accepted / checked = 26 / 47 = 0.55"
+    a = 26 / 47
+    assert lines[2].startswith(f"tokens per target pass: measured 2.18, formula (1 - a^(k+1)) / (1 - a) = "
+                               f"{(1 - a ** 5) / (1 - a):.2f} with k = 4")
+    assert "c = 0.50 of a target decode step" in lines[3]
+    assert lines[4].startswith("speed-up: measured 0.50x; from the passes 0.75x = 48 tokens / (22 target + 0.50 x 84")
+    assert lines[5].startswith("speculative decoding pays here when c < 0.31 = (48 - 22) / 84")
+
+
+def test_speculative_command_prints_acceptance_beside_the_formula(checkpoint_dir, short_draft_dir, capsys):
+    code = serving.main(["--target", checkpoint_dir, "--draft", short_draft_dir, "--max-new-tokens", "20",
+                         "--k", "3", "--device", "cpu", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    for label in ("target alone: 20 tokens, 20 target passes", "draft alone:  20 tokens, 20 draft passes",
+                  "per-token acceptance a = accepted / checked = ", "formula (1 - a^(k+1)) / (1 - a) = ",
+                  "a draft decode step costs c = ", "speed-up: measured ", "pays here when c < ",
+                  "same tokens as the target alone: yes"):
+        assert label in out, (label, out)
+    assert serving.main(["--target", checkpoint_dir, "--draft", checkpoint_dir, "--threads", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --threads must be at least 1") and "\n" not in err
 
 
 def test_accept_or_resample_keeps_the_target_distribution():

@@ -2,7 +2,8 @@
 the tutorial shows.
 
 A block is runnable when it is fenced as bash and its first line is
-`# runnable`. The ```text block right after it is its transcript: each command
+`# runnable`; when its second line is `# continues the block above` it starts
+from the runs/ that the runnable block above it left (`CONTINUES`). The ```text block right after it is its transcript: each command
 as `$ command`, then what it printed (a transcript without `$` lines is the
 output of a block's only command). Each block runs with bash -e in a fresh
 directory that links to the repository's scripts and package, so its `runs/`
@@ -17,6 +18,12 @@ decimals (losses, GiB) to within `REL_TOL` (0.1%), room for the different
 float rounding of another CPU or thread count, far less than any change to
 training moves a loss. The expected lines are read from tutorial.md itself, so
 updating a figure there is all a change of output needs.
+
+Two checks of meaning, beside the figures: a `cmp A B` of sample.py outputs
+must compare text, not white space alone (chapter 9's "tp 2 printed exactly
+what one process printed" proves little about strings of spaces), and the
+speculative-decoding demo must show a per-token acceptance below 1 beside the
+formula's tokens per target pass.
 
 Not compared: what a run *measures* (times, the pipeline drawn to scale, the
 measured bubble: the spans in `MEASURED`, matched by shape only) and text
@@ -34,6 +41,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -72,11 +80,71 @@ OPTIONAL = [re.compile(r"\.png\b")]
 # Commands whose output is sampled text: one changed bit in the weights (another
 # CPU's float rounding) picks other tokens, so only their exit code counts
 # (unless their stdout goes to a file: then what they print is compared).
-SAMPLED = ("python sample.py",)
+SAMPLED = ("python sample.py", "cat runs/ch9/")
 # A line continued with a backslash, in a block or in its transcript.
 CONTINUED = re.compile(r"\\\n\s*")
 # A success line: `... && echo "text"` at the end of a command.
 SUCCESS = re.compile(r"&&\s*echo\s+(?P<q>[\"'])(?P<text>.*?)(?P=q)\s*$")
+# The speculative-decoding demo: its per-token acceptance (below 1, or the
+# lesson is invisible) and the formula's tokens per target pass beside it.
+ACCEPTANCE = re.compile(r"^per-token acceptance a = accepted / checked = \d+ / \d+ = (?P<a>[\d.]+)$", re.M)
+FORMULA = re.compile(r"^tokens per target pass: measured [\d.]+, formula \(1 - a\^\(k\+1\)\) / \(1 - a\) = [\d.]+",
+                     re.M)
+
+
+# A runnable block whose second line is this comment starts from what the
+# block above it left in runs/ (a reader runs them in order): the test copies
+# that block's runs/ into its fresh directory, so a model is trained once.
+CONTINUES = "# continues the block above"
+_RAN: dict = {}                          # block index -> its directory, once it ran and succeeded
+
+
+def continues_previous(index: int) -> bool:
+    script = BLOCK.findall(tutorial_text())[index][0]
+    return script.splitlines()[:1] == [CONTINUES]
+
+
+def compared_files(commands: list[str]) -> list[tuple[str, list[str]]]:
+    """Every file a `cmp A B` of the block compares, with the prompts of the
+    sample.py command that wrote it (`> A`): (path, prompts)."""
+    segments = []                        # simple commands, also those chained with && ; |
+    for command in commands:
+        words = []
+        for word in shlex.split(command) + ["&&"]:
+            if word in ("&&", "||", ";", "|"):
+                segments.append(words)
+                words = []
+            else:
+                words.append(word)
+    wrote = {}
+    for words in segments:
+        if words[:2] == ["python", "sample.py"] and ">" in words:
+            flags = {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
+            wrote[words[words.index(">") + 1]] = flags
+    files = []
+    for words in segments:
+        if words[:1] == ["cmp"]:
+            for path in words[1:3]:
+                assert path in wrote, f"`{' '.join(words)}` compares {path}, which no sample.py command of the block wrote"
+                files.append((path, wrote[path]))
+    return files
+
+
+def generated_text(text: str, flags: dict, cwd) -> list[str]:
+    """The continuation of each prompt in sample.py's output `text` (its
+    prompts and `--- prompt i ---` headers removed)."""
+    if "--prompt-file" in flags:
+        with open(cwd / flags["--prompt-file"]) as f:
+            prompts = [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        sections = re.split(r"^--- prompt \d+ ---\n", text, flags=re.M)[1:]
+        assert len(sections) == len(prompts), text
+    else:
+        prompts, sections = [flags.get("--prompt", "def ")], [text]
+    out = []
+    for prompt, section in zip(prompts, sections):
+        assert section.startswith(prompt), (prompt, section)
+        out.append(section[len(prompt):])
+    return out
 
 
 def tutorial_text() -> str:
@@ -225,16 +293,37 @@ def test_a_changed_figure_is_caught():
     assert mismatches(want, other_corpus, MEASURED + CORPUS_DEPENDENT) == []
 
 
+def test_compared_sample_files_must_hold_text(tmp_path):
+    """The check itself: chapter 9's comparisons are found, and white space is told from text."""
+    found = [path for commands, _ in runnable_blocks() for path, _ in compared_files(commands)]
+    assert found == ["runs/ch9/one.txt", "runs/ch9/tp2.txt", "runs/ch9/alone.txt", "runs/ch9/batched.txt"]
+    chained = ["python sample.py --prompt 'x = ' > a.txt && python sample.py > b.txt && cmp a.txt b.txt && echo same"]
+    assert compared_files(chained) == [("a.txt", {"--prompt": "x = "}), ("b.txt", {})]
+    (tmp_path / "p.txt").write_text("def \nimport os\\nimport sys\n")
+    batched = "--- prompt 1 ---\ndef \n   \n--- prompt 2 ---\nimport os\nimport sys.path\n"
+    assert [t.strip() for t in generated_text(batched, {"--prompt-file": "p.txt"}, tmp_path)] == ["", ".path"]
+    assert generated_text("def   \n", {}, tmp_path) == ["  \n"]
+
+
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
 @pytest.mark.slow
-def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
+def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path, tmp_path_factory):
     commands, transcript = runnable_blocks()[index]
     made_with = CORPUS_PYTHON.search(tutorial_text())
     assert made_with, "tutorial.md says which Python version its figures were made with"
     masks = MEASURED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
+    if continues_previous(index):        # start from the runs/ the block above left
+        above = _RAN.get(index - 1)
+        if above is None:                # that block's test did not run (or failed): run it, unchecked
+            above = tmp_path_factory.mktemp(f"block{index - 1}")
+            rc, _, out = run_block(runnable_blocks()[index - 1][0], above)
+            assert rc == 0, f"block {index - 1}, which block {index} continues, failed:\n{out[-6000:]}"
+        shutil.copytree(above / "runs", tmp_path / "runs", symlinks=True)
     trace = tmp_path / ".trace"
     trace.mkdir()
     rc, outputs, out = run_block(commands, tmp_path, trace=str(trace))
+    if rc == 0:
+        _RAN[index] = tmp_path
     assert rc == 0, f"block {index} failed:\n{commands}\n{out[-6000:]}"
     problems = []
     for command, expected, actual in zip(commands, expected_outputs(commands, transcript), outputs):
@@ -242,6 +331,17 @@ def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path):
             problems += [f"$ {command}\n  {p}" for p in mismatches(expected, actual, masks)]
     assert not problems, ("tutorial.md shows other output than the commands print (fix the code or the "
                           "transcript):\n" + "\n".join(problems) + f"\n\nwhole output:\n{out[-6000:]}")
+    # a comparison of generated text proves something only when there is text: not white space alone
+    for path, flags in compared_files(commands):
+        with open(tmp_path / path) as f:
+            for i, continuation in enumerate(generated_text(f.read(), flags, tmp_path)):
+                assert continuation.strip(), f"block {index}: {path} compares white space (prompt {i + 1})"
+    for command, actual in zip(commands, outputs):
+        if command.startswith("python -m nanohlat.serving"):
+            printed = "\n".join(actual)
+            a = ACCEPTANCE.search(printed)
+            assert a and 0 < float(a.group("a")) < 1 and FORMULA.search(printed), \
+                f"block {index}: the speculative demo must show an acceptance below 1 beside the formula:\n{printed}"
     compare_needs(index, commands, needs.read_hits(str(trace)))
 
 
