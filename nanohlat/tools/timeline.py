@@ -40,6 +40,7 @@ tracing, not device time.
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 
@@ -195,6 +196,7 @@ def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
         blocked = ", ".join(f"{b * 1e3:.1f}-{e * 1e3:.1f}" for b, e in ev.blocked) or "-"
         lines.append(f"{'#' + str(n):>6s}  {ev.op:14s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
                      f"{where(ev.issued, ops):20s}  {done}  {blocked}")
+    last = max(ev.done if ev.done is not None else math.inf for ev in events)
     span = max([end_b] + [ev.done or 0.0 for ev in events] + [e for ev in events for _, e in ev.blocked])
     lines += ["", f"drawn to scale ({span * 1e3:.1f} ms; ~ issued, not known complete; w host blocked on it; "
                   f"^ the backward ends):"]
@@ -212,7 +214,9 @@ def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
     lines.append(f"dp gradient collectives: {len(events)}, {sum(ev.nbytes for ev in events):,} bytes; "
                  f"{len(during)} issued during the backward, {len(events) - len(during)} after it; "
                  f"{len(done_by_end)} known complete when it ended; host blocked on them "
-                 f"{blocked_in * 1e3:.1f} ms during the backward, {blocked_after * 1e3:.1f} ms after it")
+                 f"{blocked_in * 1e3:.1f} ms during the backward, {blocked_after * 1e3:.1f} ms after it; "
+                 f"the last seen complete {max(0.0, last - end_b) * 1e3:.1f} ms after it ended (or sooner: "
+                 f"seen when polled or waited for)")
     return lines
 
 
