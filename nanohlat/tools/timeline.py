@@ -187,7 +187,7 @@ def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
     done_by_end = [ev for ev in during if ev.done is not None and ev.done <= end_b]
     blocked_in = sum(max(0.0, min(e, end_b) - b) for ev in events for b, e in ev.blocked)
     blocked_after = sum(max(0.0, e - max(b, end_b)) for ev in events for b, e in ev.blocked)
-    lines = ["", f"dp gradient collectives on rank {rank}, last step (ms since its first op; "
+    lines = ["", f"dp gradient collectives on rank {rank}, last step (ms since the step began; "
                  f"its backward ended at {end_b * 1e3:.1f} ms):",
              "     #  collective          bytes   issued                        known complete   "
              "host blocked on it"]
