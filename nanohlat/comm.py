@@ -9,7 +9,9 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
-and not waited for: the overlapped gradient reduction (data_parallel.py).
+and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
+`trace` (--timeline: tools/timeline.py:CommTrace) is told when these and the two
+reductions are issued and end; it times them and changes nothing.
 
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
 on the xla backend, while an all-gather between two neighbours is a
@@ -65,6 +67,7 @@ class Group:
     rank: int                   # my index inside `ranks`
     pg: object = None           # torch.distributed ProcessGroup, None when size 1
     ledger: object = None       # CommLedger shared by all groups of the mesh
+    trace: object = None        # None, or told of its reductions (module docstring)
 
     @property
     def size(self) -> int:
@@ -135,7 +138,10 @@ def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     _check_device(x, group)
     _record(group, "all_reduce", x.numel() * x.element_size())
     out = x if inplace else x.clone()
+    traced = group.trace.issued("all_reduce", out) if group.trace else None
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.pg)
+    if traced:
+        traced.ended()
     return out
 
 
@@ -144,14 +150,16 @@ def start_all_reduce(x: torch.Tensor, group):
     `.wait()` on before x is read (overlapped gradient reduction, data_parallel.py). Same ledger entry."""
     _check_device(x, group)
     _record(group, "all_reduce", x.numel() * x.element_size())
-    return dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+    work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+    return group.trace.issued("all_reduce", x, work) if group.trace else work
 
 
 def start_reduce_scatter(x: torch.Tensor, out: torch.Tensor, group):
     """reduce_scatter of a flat x into `out` (x.numel() / size elements), started: returns the handle."""
     _check_device(x, group)
     _record(group, "reduce_scatter", x.numel() * x.element_size())
-    return _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+    work = _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
+    return group.trace.issued("reduce_scatter", x, work) if group.trace else work
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -177,7 +185,10 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] // group.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     _record(group, "reduce_scatter", xt.numel() * xt.element_size())
+    traced = group.trace.issued("reduce_scatter", xt) if group.trace else None
     _reduce_scatter_tensor(out, xt, op=dist.ReduceOp.SUM, group=group.pg)
+    if traced:
+        traced.ended()
     return out.movedim(0, dim)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -326,3 +327,39 @@ def test_eval_and_sample_read_a_zero3_checkpoint_as_the_zero0_one(stage_runs):
         assert torch.allclose(p, ref[name], rtol=0, atol=1e-5), name
     tokens = torch.arange(32).view(2, 16)
     assert torch.allclose(z3(tokens), z0(tokens), rtol=0, atol=1e-4)
+
+
+BUCKET_ROW = re.compile(r"^\s+#\d+\s+(all_reduce|reduce_scatter)\s+([\d,]+)\s+([\d.]+)\s+(in [FBW]\d+|after the backward)")
+
+
+def test_the_timeline_shows_each_buckets_collective_against_the_backward(cache_dir, tmp_path):
+    """--timeline at dp 2 lists every gradient bucket's collective: with overlap issued in the
+    last backward, before it ends; without, all after it. It times and changes nothing: the
+    same losses, norms and weights bitwise and the same comm ledger as without --timeline."""
+    import torch
+    from dist_utils import run_layouts
+    runs = {name: _flags(cache_dir, tmp_path / name, ["--dp", "2", "--steps", "3", "--save-every", "3"] + extra)
+            for name, extra in (("on", ["--timeline"]), ("off", ["--timeline", "--no-overlap-grad-reduce"]),
+                                ("plain", []))}
+    run_layouts(2, list(runs.values()), str(tmp_path / "errors"))
+    ledger = {name: {k: v for k, v in _summary(tmp_path / name).items() if k.startswith("comm_")} for name in runs}
+    assert ledger["on"] == ledger["plain"] == ledger["off"] and ledger["on"]["comm_calls"]
+    assert _metrics(tmp_path / "on") == _metrics(tmp_path / "plain") == _metrics(tmp_path / "off")
+    for rank in range(2):
+        a, b = (torch.load(f"{_ckpt(tmp_path / n, 3)}/shard_{rank:05d}.pt", weights_only=True)
+                for n in ("on", "plain"))
+        assert _same(a["model"], b["model"]) and _same(a["optim"], b["optim"])
+    for name in ("on", "off"):
+        text = (tmp_path / name / "timeline.txt").read_text()
+        end = float(re.search(r"its backward ended at ([\d.]+) ms", text).group(1))
+        rows = [m.groups() for m in map(BUCKET_ROW.match, text.splitlines()) if m]
+        # every bucket once per step (the ledger's all-reduces less the loss's), all its bytes
+        assert len(rows) == ledger[name]["comm_calls"]["dp.all_reduce"] - 1 and len(rows) > 2, text
+        assert sum(int(b.replace(",", "")) for _, b, _, _ in rows) == ledger[name]["comm_bytes"]["dp.all_reduce"] - 4
+        during = [r for r in rows if r[3].startswith("in B") and float(r[2]) <= end]
+        if name == "on":
+            assert during and all(r[3] == "in B1" for r in during), text       # the last micro-batch's backward
+            assert f"{len(rows)} issued during the backward, 0 after it" in text
+        else:
+            assert not during and all(r[3] == "after the backward" for r in rows), text
+            assert f"0 issued during the backward, {len(rows)} after it" in text

@@ -6,6 +6,8 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanohlat import optim, pipeline
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
@@ -45,6 +47,11 @@ def build(model_cfg, tcfg, mesh, dev):
     opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
+    if clock and mesh.dp > 1:
+        # --timeline: the DP strategy's own copy of the dp group (same process group, same ledger)
+        # tells a CommTrace when each gradient bucket's reduction is issued and ends
+        clock.trace = timeline.CommTrace(clock)
+        opt.dp.group = dataclasses.replace(opt.dp.group, trace=clock.trace)
     # xla: make the optimizer's new buffers device data now, so that the first step's graphs
     # read them as every later step does (else one more compile)
     dev.sync()

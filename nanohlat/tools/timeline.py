@@ -21,15 +21,26 @@ and says how much of the step was idle, the **bubble**:
    on this machine, not of the schedule; the report says when ranks
    outnumber cores.
 
+With dp > 1 the report also times each gradient bucket's dp collective
+against this rank's ops (`CommTrace`): when it was issued (during which
+backward, or after the backward: phase 1 of the optimizer step), when it was
+known to be complete, and how long the host was blocked on it. Known complete
+means: a blocking call returned, an async work's wait() returned, or its
+is_completed() said so when polled at an op boundary. gloo tells nothing in
+between, so "complete by" is an upper bound on when it finished.
+
 On CUDA the clock synchronises the device around every op (with --timeline
 only): kernels are launched asynchronously, and without the wait the
-timeline would show launches, not work. On XLA the host only records the
-graph, so the measured timeline shows tracing, not device time.
+timeline would show launches, not work. That wait includes collectives in
+flight, so there a bucket started in a backward is complete by that op's end.
+On XLA the host only records the graph, so the measured timeline shows
+tracing, not device time.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import time
 
@@ -58,13 +69,15 @@ class StepClock:
     (what it returns comes back to op_end as `started`), op_end(kind,
     micro-batch, started, chunk) after it and stop() after the last tick; `records`
     then holds (kind, micro-batch, start, end, chunk), times in seconds since start().
-    With `synchronize` each reading first waits for the device.
+    With `synchronize` each reading first waits for the device. With a `trace`
+    (CommTrace), every reading also polls the dp collectives in flight.
     """
 
     def __init__(self, device, synchronize: bool = False):
         self.device, self.synchronize = device, synchronize
         self.records: list[tuple[str, int, float, float]] = []
         self.t0 = self.t1 = 0.0
+        self.trace = None
 
     def _now(self) -> float:
         if self.synchronize:
@@ -74,20 +87,137 @@ class StepClock:
     def start(self) -> None:
         self.records = []
         self.t0 = self._now()
+        if self.trace:
+            self.trace.events = []
 
     def op_start(self) -> float:
-        return self._now()
+        return self._poll(self._now())
 
     def op_end(self, kind: str, i: int, started: float, chunk: int = 0) -> None:
-        self.records.append((kind, i, started - self.t0, self._now() - self.t0, chunk))
+        self.records.append((kind, i, started - self.t0, self._poll(self._now()) - self.t0, chunk))
 
     def stop(self) -> None:
-        self.t1 = self._now()
+        self.t1 = self._poll(self._now())
+
+    def _poll(self, now: float) -> float:
+        if self.trace:
+            for event in self.trace.events:
+                event.poll(now - self.t0)
+        return now
 
     def busy_fraction(self) -> float:
         """Share of the last step this stage spent inside its forwards and backwards."""
         busy = sum(e - b for _, _, b, e, _ in self.records)
         return busy / max(self.t1 - self.t0, 1e-9)
+
+
+class Reduction:
+    """One gradient bucket's dp collective, in seconds since the step's start: `issued`,
+    `done` (known complete by then, and `how`: 'returned' from a blocking call, 'polled'
+    is_completed() at an op boundary, 'wait' returned) and `blocked`, the (start, end)
+    spans the host spent in the blocking call or in wait(). For an async one it stands in
+    for the work: the caller's wait() and is_completed() go through it."""
+
+    def __init__(self, trace, op: str, nbytes: int, work=None):
+        self.trace, self.op, self.nbytes, self.work = trace, op, nbytes, work
+        # read without waiting for the device: on CUDA that wait would stall the backward
+        self.issued, self.done, self.how, self.blocked = trace.now(synchronize=False), None, "", []
+
+    def ended(self) -> None:                    # a blocking reduction returned
+        self.done, self.how = self.trace.now(), "returned"
+        self.blocked.append((self.issued, self.done))
+
+    def poll(self, t: float) -> None:
+        if self.done is None and self.work is not None and self.work.is_completed():
+            self.done, self.how = t, "polled"
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, *args, **kwargs):
+        begin = self.trace.now(synchronize=False)
+        self.poll(begin)
+        out = self.work.wait(*args, **kwargs)
+        end = self.trace.now()
+        if self.done is None:
+            self.done, self.how = end, "wait"
+        self.blocked.append((begin, end))
+        return out
+
+
+class CommTrace:
+    """--timeline, dp > 1: the group's `trace` (comm.py) on the copy of the dp group that
+    the optimizer's DP strategy uses (run/build.py), so it sees the gradient buckets' reductions
+    and no other collective: not the loss's or the check's; the norm's squares (ZeRO), one
+    number, it ignores. It changes no result and no byte of the comm ledger: it reads the clock."""
+
+    def __init__(self, clock):
+        self.clock, self.events = clock, []
+
+    def now(self, synchronize: bool = True) -> float:
+        """Seconds since the step's start (on CUDA after waiting for the device, unless told not to)."""
+        t = self.clock._now() if synchronize else time.perf_counter()
+        return t - self.clock.t0
+
+    def issued(self, op: str, x: torch.Tensor, work=None):
+        """A reduction of x is being issued (blocking: work None) or was (async): its Reduction,
+        or `work` itself for a number that is no bucket."""
+        if x.dim() != 1:
+            return work
+        event = Reduction(self, op, x.numel() * x.element_size(), work)
+        self.events.append(event)
+        return event
+
+
+def where(t: float, ops) -> str:
+    """The op of `ops` (kind, micro-batch, start, end, chunk) running at time t, or where t falls."""
+    for kind, i, b, e, c in ops:
+        if b <= t <= e:
+            return "in " + op_name((kind, i, c))
+    return "after the backward" if not ops or t > ops[-1][3] else "between ops"
+
+
+def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
+    """The dp collectives of the last step against this rank's ops (`ops`), as text lines."""
+    events = trace.events
+    if not events:
+        return []
+    end_b = max((e for kind, _, _, e, _ in ops if kind in "BW"), default=0.0)   # the backward's end
+    during = [ev for ev in events if ev.issued <= end_b]
+    done_by_end = [ev for ev in during if ev.done is not None and ev.done <= end_b]
+    blocked_in = sum(max(0.0, min(e, end_b) - b) for ev in events for b, e in ev.blocked)
+    blocked_after = sum(max(0.0, e - max(b, end_b)) for ev in events for b, e in ev.blocked)
+    lines = ["", f"dp gradient collectives on rank {rank}, last step (ms since the step began; "
+                 f"its backward ended at {end_b * 1e3:.1f} ms):",
+             "     #  collective          bytes   issued                        known complete   "
+             "host blocked on it"]
+    for n, ev in enumerate(events):
+        done = f"{ev.done * 1e3:7.1f} {ev.how:8s}" if ev.done is not None else "     never seen"
+        blocked = ", ".join(f"{b * 1e3:.1f}-{e * 1e3:.1f}" for b, e in ev.blocked) or "-"
+        lines.append(f"{'#' + str(n):>6s}  {ev.op:14s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
+                     f"{where(ev.issued, ops):20s}  {done}  {blocked}")
+    last = max(ev.done if ev.done is not None else math.inf for ev in events)
+    span = max([end_b] + [ev.done or 0.0 for ev in events] + [e for ev in events for _, e in ev.blocked])
+    lines += ["", f"drawn to scale ({span * 1e3:.1f} ms; ~ issued, not known complete; w host blocked on it; "
+                  f"^ the backward ends):"]
+    lines += _draw([ops], span, width)
+    for n, ev in enumerate(events):
+        row = [" "] * width
+        lo, hi = int(ev.issued / span * width), int((ev.done if ev.done is not None else span) / span * width)
+        for x in range(lo, min(max(hi, lo + 1), width)):
+            row[x] = "~"
+        for b, e in ev.blocked:
+            for x in range(int(b / span * width), min(max(int(e / span * width), int(b / span * width) + 1), width)):
+                row[x] = "w"
+        lines.append(f"{'#' + str(n):>7s} |" + "".join(row) + "|")
+    lines.append(" " * (len("stage 0 |") + min(int(end_b / span * width), width - 1)) + "^")
+    lines.append(f"dp gradient collectives: {len(events)}, {sum(ev.nbytes for ev in events):,} bytes; "
+                 f"{len(during)} issued during the backward, {len(events) - len(during)} after it; "
+                 f"{len(done_by_end)} known complete when it ended; host blocked on them "
+                 f"{blocked_in * 1e3:.1f} ms during the backward, {blocked_after * 1e3:.1f} ms after it; "
+                 f"the last seen complete {max(0.0, last - end_b) * 1e3:.1f} ms after it ended (or sooner: "
+                 f"seen when polled or waited for)")
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -289,6 +419,11 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
         lines.append(warning)
     if runner.device.kind == "xla":
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
+    if runner.clock.trace is not None and mesh.rank == 0:
+        lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank)
+        if runner.device.kind == "cuda":
+            lines.append("note: on CUDA the clock waits for the device at every op boundary, collectives in flight "
+                         "included")
     if png_path and mesh.rank == 0:
         draw_png(ideal, ideal_span, rows, total, png_path,
                  f"{schedule}: pp={pp}, m={m}{', v=' + str(v) if v > 1 else ''}; bubble ideal {ideal_b:.2f}, "
