@@ -586,8 +586,7 @@ def _zero3_gather_free(rank, world):
             on = gather_group or group
             want_comm = []
             for g in flats:
-                want = g.want
-                size = g.padded * g.flat.element_size()
+                want, size = g.want, g.padded * g.flat.element_size()
                 if g.flat.untyped_storage().nbytes() != size:
                     return (f"{name}: the {g.flat.dtype} flat buffer's storage holds "
                             f"{g.flat.untyped_storage().nbytes()} bytes on rank {rank} after gather; expected "
@@ -962,7 +961,7 @@ def check_1f1b() -> str | None:
 
 
 def oracle_interleaved(pp: int, m: int, v: int, stage: int) -> list[tuple[str, int, int]]:
-    """Interleaved 1F1B as the tutorial states it: the j-th forward of a stage
+    """Interleaved 1F1B from its definition: the j-th forward of a stage
     takes micro-batch (j // (pp v)) pp + j % pp through chunk (j // pp) % v,
     the j-th backward the same micro-batch through chunk v-1 - (j // pp) % v;
     2(pp-1-stage) + (v-1)pp warm-up forwards (at most v m), then alternate."""
