@@ -100,8 +100,9 @@ def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, in
     """Interleaved 1F1B (Megatron-LM): the ops (kind, micro-batch, chunk) of one
     stage. Micro-batches go through the chunks in groups of pp (m a multiple
     of pp): forwards take 0..pp-1 through chunk 0, then through chunk 1, ...,
-    then the next group; backwards the same, last chunk first. Warm-up:
-    2(pp-1-stage) + (v-1)pp forwards, then 1F1B, then the remaining backwards."""
+    then the next group; backwards the same, last chunk first. First some
+    warm-up forwards (how many?), then 1F1B, then the remaining backwards."""
+    # exercise 5c: begin
     total = v * m
 
     def unit(j: int, kind: str) -> tuple[str, int, int]:
@@ -119,6 +120,7 @@ def interleaved_order(pp: int, m: int, v: int, stage: int) -> list[tuple[str, in
         ops.append(unit(b, "B"))
         b += 1
     return ops
+    # exercise 5c: end
 
 
 def zb_h1_order(pp: int, m: int, stage: int) -> list[tuple[str, int, int]]:

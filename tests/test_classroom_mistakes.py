@@ -124,6 +124,7 @@ for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
 return full.view(-1)
 """
 WRONG_COMM = "right values, but"
+ZERO2_RS = "g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
 
 PLANTS = [
     # ---- 1a RMSNorm -------------------------------------------------------------------------------
@@ -248,6 +249,68 @@ PLANTS = [
               for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
                   full[:, a:b] = comm.all_gather(shard[a:b].view(1, -1).contiguous(), group, dim=0)
               return full.reshape(-1)""")),
+    # ---- 3d ZeRO-2 bucket (regions: 0 reduce_bucket, 1 finish) --------------------------------------
+    wrong("3d", "assigns the reduce-scattered columns instead of adding them: micro-batch 0's sum lost",
+          "dp=3, overlap off, n=10", sub(ZERO2_RS, "g.grad[a:b] = comm.reduce_scatter(piece, self.group)")),
+    wrong("3d", "all-reduces the bucket and adds its own row: right values, twice the bytes", WRONG_COMM,
+          sub(ZERO2_RS, "g.grad[a:b].add_(comm.all_reduce(piece, self.group).view(self.group.size, -1)"
+                        "[self.group.rank])")),
+    wrong("3d", "torch.distributed's reduce-scatter without its group", "default (world)",
+          sub(ZERO2_RS, "out = torch.empty(b - a)\n            torch.distributed.reduce_scatter_tensor(out, piece)\n"
+                        "            g.grad[a:b].add_(out)")),
+    wrong("3d", "overlap: never waits at the micro-batch's last bucket (in flight into the next)", "still in flight",
+          sub("if len(g.flight) == len(g.watch.buckets):", "if False:")),
+    wrong("3d", "overlap: waits once all but one bucket are in flight (off by one)", "still in flight",
+          sub("if len(g.flight) == len(g.watch.buckets):", "if len(g.flight) == len(g.watch.buckets) - 1:")),
+    wrong("3d", "keeps the staging (reads it instead of popping it)", "staging is still kept",
+          sub("piece, (a, b) = g.staged.pop(k), g.watch.buckets[k][0]",
+              "piece, (a, b) = g.staged[k], g.watch.buckets[k][0]")),
+    wrong("3d", "finish waits for the reduce-scatter but never adds its columns", "dp=3, overlap on, n=10",
+          body(1, "if k in g.flight:\n    work, out, _ = g.flight.pop(k)\n    work.wait()")),
+    right("3d", "always starts the reduce-scatter with torch.distributed, and without overlap waits at once",
+          body(0, """
+              self.finish(g, k)
+              a, b = g.watch.buckets[k][0]
+              piece = g.staged.pop(k)
+              out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
+              work = torch.distributed.reduce_scatter_tensor(out, piece, group=self.group.pg, async_op=True)
+              g.flight[k] = (work, out, piece)
+              if not self.overlap or len(g.flight) == len(g.watch.buckets):
+                  for j in list(g.flight):
+                      self.finish(g, j)""")),
+    # ---- 3e ZeRO-3 gather and free (regions: 0 gather, 1 free) -----------------------------------------
+    wrong("3e", "frees by putting an empty tensor in place of the flat buffer: the views keep the bytes",
+          "keeps only the shard", body(1, "for g in self.groups:\n    g.flat = g.flat.new_empty(0)\nself.whole = False")),
+    wrong("3e", "all-reduces a zero buffer holding its own shard: right values, twice the bytes", WRONG_COMM,
+          body(0, """
+              for g in self.groups if not self.whole else []:
+                  g.flat.untyped_storage().resize_(g.padded * g.flat.element_size())
+                  full = torch.zeros(g.padded, dtype=g.flat.dtype)
+                  full[g.start:g.stop] = g.param_shard
+                  torch.distributed.all_reduce(full, group=(group or self.dp.group).pg)
+                  g.fill.copy_(full)
+              self.whole = True""")),
+    wrong("3e", "gathers even when the unit is already whole", "then gather again (already whole)",
+          sub("for g in self.groups if not self.whole else []:", "for g in self.groups:")),
+    wrong("3e", "ignores the group it is given (a checkpoint's load gathers on another)", "another group given",
+          sub("g.fill.copy_(self.gathered(g, group))", "g.fill.copy_(self.gathered(g))")),
+    wrong("3e", "free forgets that the unit is no longer whole: the next gather does nothing", "the first gather",
+          body(1, "for g in self.groups:\n    g.flat.untyped_storage().resize_(0)")),
+    wrong("3e", "torch.distributed's all-gather without its group", "default (world)",
+          sub("g.fill.copy_(self.gathered(g, group))",
+              "torch.distributed.all_gather_into_tensor(g.fill, g.param_shard)")),
+    right("3e", "gathers through all_gather_buckets itself; frees only a storage that holds bytes",
+          body(0, """
+              if not self.whole:
+                  for g in self.groups:
+                      g.flat.untyped_storage().resize_(g.flat.numel() * g.flat.element_size())
+                      g.fill.copy_(all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems))
+                  self.whole = True"""),
+          body(1, """
+              for g in self.groups:
+                  if g.flat.untyped_storage().nbytes():
+                      g.flat.untyped_storage().resize_(0)
+              self.whole = False""")),
     # ---- 4a conjugate functions (regions: 0 _Copy.fwd 1 _Copy.bwd 2 _Reduce.fwd 3 _Reduce.bwd
     #      4 _GatherSeq.fwd 5 _GatherSeq.bwd 6 _ScatterSeq.fwd 7 _ScatterSeq.bwd) ---------------------
     wrong("4a", "_Copy.backward returns g without the all-reduce", "_Copy (enter, no SP) backward",
@@ -350,6 +413,31 @@ PLANTS = [
                   return op[1] if op and op[0] == kind else None
               row = self.ticks[t]
               return ran(row[boundary], "F"), ran(row[boundary + 1], "B")""")),
+    # ---- 5c interleaved order -------------------------------------------------------------------------
+    wrong("5c", "a warm-up of 2(pp-1-stage) forwards: the other chunks' forwards forgotten", "pp=2, m=2, v=2, stage=0",
+          sub("warmup = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)", "warmup = min(2 * (pp - 1 - stage), total)")),
+    wrong("5c", "a warm-up one forward longer (2(pp-stage) - 1 + (v-1)pp)", "pp=2, m=2, v=2, stage=1",
+          sub("warmup = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)",
+              "warmup = min(2 * (pp - stage) - 1 + (v - 1) * pp, total)")),
+    wrong("5c", "the warm-up not capped by the v m forwards there are", "pp=4, m=4, v=2, stage=0",
+          sub("warmup = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)", "warmup = 2 * (pp - 1 - stage) + (v - 1) * pp")),
+    wrong("5c", "backwards through the chunks in the forwards' order, not last chunk first", "pp=2, m=2, v=2, stage=0",
+          sub('(chunk if kind == "F" else v - 1 - chunk)', "chunk")),
+    wrong("5c", "micro-batches in groups of m instead of pp (all of them through chunk 0 first)", "pp=2, m=4, v=2, stage=0",
+          sub("group, pos = divmod(j, pp * v)\n        chunk = pos // pp\n        return kind, group * pp + pos % pp,",
+              "group, pos = divmod(j, m * v)\n        chunk = pos // m\n        return kind, group * m + pos % m,")),
+    right("5c", "the n-th op of a kind by a helper, warm-up, steady pairs and cool-down as list comprehensions",
+          body(0, """
+              total = v * m
+
+              def nth(j, kind):
+                  rnd, pos = divmod(j, pp * v)
+                  c = pos // pp
+                  return kind, rnd * pp + pos % pp, c if kind == "F" else v - 1 - c
+
+              warm = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)
+              steady = [op for j in range(total - warm) for op in (nth(warm + j, "F"), nth(j, "B"))]
+              return [nth(j, "F") for j in range(warm)] + steady + [nth(j, "B") for j in range(total - warm, total)]""")),
     # ---- 6a coordinates (regions: 0 coords, 1 rank_of) ----------------------------------------------
     wrong("6a", "numbers pp before dp (pipeline the faster of the two) in coords", "tp=2, pp=2, dp=2",
           body(0, "return rank // (tp * pp), (rank // tp) % pp, rank % tp")),
@@ -559,9 +647,9 @@ def test_the_plants_cover_every_exercise_and_chapter():
         assert n >= 3, f"exercise {e.id}: {n} planted mistakes"
     chapters = {e.chapter for e in kit.EXERCISES}
     assert chapters <= {int(p.ex[:-1]) for p in PLANTS if p.right}
-    for ex in ("3b", "3c", "4a", "4b", "4c"):
+    for ex in ("3b", "3c", "3d", "3e", "4a", "4b", "4c"):
         assert any(WRONG_COMM in p.catches for p in PLANTS if p.ex == ex), ex
-    for ex in ("3a", "3b", "4a"):
+    for ex in ("3a", "3b", "3d", "3e", "4a"):
         assert any("default (world)" in p.catches for p in PLANTS if p.ex == ex), ex
     for ex, words in (("4c", "large logits"), ("7a", "odd NaN"), ("7a", "noise drawn by the function"),
                       ("1a", "1.5 bf16 steps"), ("1c", "ragged rows")):

@@ -20,7 +20,7 @@ enters torch.distributed, and its kind, its process group, the number of
 calls and the bytes a ring implementation puts on the wire are held against
 the oracle's ("right values, but 1536 bytes on the wire where 768 suffice").
 A cheaper way to the same values passes; a dearer one, or one on the wrong
-group, fails. (The bucketed 3a-3c must also make exactly one call per bucket.)
+group, fails. (The bucketed 3a-3d must also make exactly one call per bucket.)
 
 Distributed checks run `world` gloo processes on the CPU (`spawn` below); each
 returns its own verdict, and the first failing rank's is reported. A rank
@@ -487,6 +487,139 @@ def check_all_gather() -> str | None:
     return spawn(_dp_buckets, 3, "all-gather")   # 3 ranks: uneven shards and padding show
 
 
+def _zero2_buckets(rank, world):
+    """ZeRO-2's reduce_bucket and finish on dp = world and dp = 2 (a group of ranks 0 and 1),
+    two micro-batches, the buckets filled last first as a backward fills them, overlap on and off."""
+    from types import SimpleNamespace
+    from nanohlat.zero2 import ZeroTwoDP
+    groups = [tp_group(rank, world, "dp"), tp_group(rank, world, "dp", [0, 1])]
+    for group in groups:
+        if rank not in group.ranks:
+            continue
+        dp, me = group.size, group.rank
+        for overlap in (False, True):
+            for n, bucket in ((10, 2 * dp), (37, 3 * dp), (6, 1000)):   # several buckets, a ragged last one, one
+                name = case(f"dp={dp}, overlap {'on' if overlap else 'off'}, n={n}, bucket_elems={bucket}")
+                zero = ZeroTwoDP(group, bucket, 2, overlap)
+                padded = (n + dp - 1) // dp * dp
+                buckets = zero.buckets(padded)
+                g = SimpleNamespace(staged={}, flight={}, watch=SimpleNamespace(buckets=buckets),
+                                    grad=torch.zeros(padded // dp))
+                bufs = [_flat_buffers(dp, n, seed=51 + n + 7 * i)[0] for i in range(2)]   # [micro-batch][rank]
+                Wire.reset()
+                for i in range(2):
+                    for k in reversed(range(len(buckets))):     # a backward completes the last bucket first
+                        a, b = buckets[k][0]
+                        g.staged[k] = bufs[i][me].view(dp, -1)[:, a:b].reshape(-1).clone()   # the hooks' part
+                        zero.reduce_bucket(g, k)
+                        if k in g.staged:
+                            return (f"{name}: bucket {k}'s staging is still kept after reduce_bucket on rank {rank}: "
+                                    f"take it out of g.staged (at the backward's midpoint the stagings are the "
+                                    f"whole buffer's 4 bytes per parameter)")
+                    if g.flight:
+                        return (f"{name}: after micro-batch {i}'s last bucket, bucket(s) {sorted(g.flight)} still in "
+                                f"flight on rank {rank}: once the micro-batch started its last bucket, wait for all "
+                                f"and add them (no staging kept between micro-batches)")
+                for k in sorted(g.flight):
+                    zero.finish(g, k)
+                want = sum(bufs[i][r].view(dp, -1)[me] for i in range(2) for r in range(dp))
+                cols = [b - a for a, b in (bk[0] for bk in buckets)]
+                v = (compare(f"{name}: the gradient shard after 2 micro-batches", g.grad, want, rank)
+                     or comm_verdict(f"{name}: reduce-scatter of each bucket", group,
+                                     [("reduce_scatter", c * dp * 4) for c in cols] * 2, rank))
+                if v:
+                    return v
+                if len(Wire.calls) != 2 * len(buckets):
+                    return (f"{name}: {len(Wire.calls)} collective call(s) on rank {rank} for 2 micro-batches of "
+                            f"{len(buckets)} bucket(s); expected one reduce-scatter per bucket per micro-batch")
+    return None
+
+
+def check_zero2_bucket() -> str | None:
+    return spawn(_zero2_buckets, 3)   # dp 3 and dp 2: uneven shards and padding show
+
+
+def _zero3_gather_free(rank, world):
+    """ZeRO-3's Unit.gather and Unit.free on dp = world and dp = 2: an fp32 and a bf16 flat buffer,
+    each with a parameter that is a view of it."""
+    from types import SimpleNamespace
+    from nanohlat.zero3 import Unit
+    groups = [tp_group(rank, world, "dp"), tp_group(rank, world, "dp", [0, 1])]
+    others = [tp_group(rank, world, "dp (a checkpoint's)", g.ranks) for g in groups]   # same ranks, other groups
+    g0 = torch.Generator().manual_seed(61)
+    for group, other in zip(groups, others):
+        if rank not in group.ranks:
+            continue
+        dp, me, bucket = group.size, group.rank, 2 * group.size
+        flats = []
+        for n, dtype in ((10, torch.float32), (7, torch.bfloat16)):
+            padded = (n + dp - 1) // dp * dp
+            flat = torch.randn(padded, generator=g0).to(dtype)
+            size = padded // dp
+            flats.append(SimpleNamespace(flat=flat, start=me * size, stop=(me + 1) * size, padded=padded,
+                                         master_is_params=True, master=None, params=[flat[:4].view(2, 2)],
+                                         want=flat.clone()))   # the oracle: every rank's shard, updated alike
+        name = case(f"dp={dp}: Unit(...) keeps only the shard")
+        unit = Unit(flats, SimpleNamespace(group=group, bucket_elems=bucket))
+
+        def freed(what):
+            for g in flats:
+                for t, which in ((g.flat, "flat buffer"), (g.params[0], "parameter view")):
+                    if t.untyped_storage().nbytes() != 0:
+                        return (f"{what}: the {g.flat.dtype} {which}'s storage holds {t.untyped_storage().nbytes()} "
+                                f"bytes on rank {rank}; expected 0 (resize the storage to 0: the views stay)")
+            return None
+
+        v = freed(name)
+        if v:
+            return v
+        step = 0
+        for when, gather_group in (("the first gather", None), ("a gather after free", None),
+                                   ("gather(group) with another group given (a checkpoint's load)", other)):
+            step += 1
+            name = case(f"dp={dp}: {when}")
+            for g in flats:                                   # an optimizer step changed every rank's shard
+                g.param_shard.add_(step)
+                g.want.add_(step)
+            Wire.reset()
+            unit.gather(gather_group)
+            on = gather_group or group
+            want_comm = []
+            for g in flats:
+                want, size = g.want, g.padded * g.flat.element_size()
+                if g.flat.untyped_storage().nbytes() != size:
+                    return (f"{name}: the {g.flat.dtype} flat buffer's storage holds "
+                            f"{g.flat.untyped_storage().nbytes()} bytes on rank {rank} after gather; expected "
+                            f"{size} ({g.padded} elements of {g.flat.element_size()} bytes)")
+                v = (compare(f"{name}: the {g.flat.dtype} flat buffer", g.flat, want, rank, rtol=0, atol=0)
+                     or compare(f"{name}: the {g.flat.dtype} parameter (a view of it)", g.params[0],
+                                want[:4].view(2, 2), rank, rtol=0, atol=0))
+                if v:
+                    return v
+                cols = g.padded // dp
+                want_comm += [("all_gather", (min(cols, a + max(1, bucket // dp)) - a) * dp * g.flat.element_size())
+                              for a in range(0, cols, max(1, bucket // dp))]
+            v = comm_verdict(f"{name}: all-gather", on, want_comm, rank)
+            if v:
+                return v
+            name = case(f"dp={dp}: {when}, then gather again (already whole)")
+            Wire.reset()
+            unit.gather(gather_group)
+            v = comm_verdict(name, on, [], rank)
+            if v:
+                return v
+            name = case(f"dp={dp}: {when}, then free")
+            unit.free()
+            v = freed(name)
+            if v:
+                return v
+    return None
+
+
+def check_zero3_gather() -> str | None:
+    return spawn(_zero3_gather_free, 3)   # dp 3 and dp 2
+
+
 # ---------------------------------------------------------------------------
 # Chapter 7: stochastic rounding
 # ---------------------------------------------------------------------------
@@ -827,6 +960,42 @@ def check_1f1b() -> str | None:
     return None
 
 
+def oracle_interleaved(pp: int, m: int, v: int, stage: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B from its definition: the j-th forward of a stage
+    takes micro-batch (j // (pp v)) pp + j % pp through chunk (j // pp) % v,
+    the j-th backward the same micro-batch through chunk v-1 - (j // pp) % v;
+    2(pp-1-stage) + (v-1)pp warm-up forwards (at most v m), then alternate."""
+    total = v * m
+    fwd = [("F", (j // (pp * v)) * pp + j % pp, (j // pp) % v) for j in range(total)]
+    bwd = [("B", (j // (pp * v)) * pp + j % pp, v - 1 - (j // pp) % v) for j in range(total)]
+    warm = min(2 * (pp - 1 - stage) + (v - 1) * pp, total)
+    order = fwd[:warm]
+    for j in range(total - warm):
+        order += [fwd[warm + j], bwd[j]]
+    return order + bwd[total - warm:]
+
+
+def check_interleaved() -> str | None:
+    from fractions import Fraction as Frac
+    from nanohlat.pipeline import interleaved_order, timetable
+    fmt = lambda ops: " ".join(f"{k}{i}.{c}" for k, i, c in ops)
+    for pp, m, v in ((2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (2, 6, 3)):
+        for stage in range(pp):
+            case(f"pp={pp}, m={m}, v={v}, stage={stage}")
+            got = [tuple(op) for op in interleaved_order(pp, m, v, stage)]
+            want = oracle_interleaved(pp, m, v, stage)
+            if got != want:
+                return (f"{_CASE['name']}: interleaved_order(pp={pp}, m={m}, v={v}, stage={stage}) "
+                        f"(op micro-batch.chunk):\n  got      {fmt(got)}\n  expected {fmt(want)}")
+        case(f"pp={pp}, m={m}, v={v}: the timetable's bubble")
+        ticks = timetable("interleaved", pp, m, v)
+        idle = Frac(sum(op is None for row in ticks for op in row), len(ticks) * pp)
+        if idle != Frac(pp - 1, v * m + pp - 1):
+            return (f"{_CASE['name']}: the stages idle {idle} of the time, where (pp-1)/(v m+pp-1) = "
+                    f"{Frac(pp - 1, v * m + pp - 1)}")
+    return None
+
+
 def check_exchange_plan() -> str | None:
     from types import SimpleNamespace
     from nanohlat.pipeline import PipelineRunner, timetable
@@ -901,11 +1070,14 @@ CHECKS = {
     "3a": [check_all_reduce],
     "3b": [check_reduce_scatter],
     "3c": [check_all_gather],
+    "3d": [check_zero2_bucket],
+    "3e": [check_zero3_gather],
     "4a": [check_conjugates],
     "4b": [check_linears],
     "4c": [check_cross_entropy],
     "5a": [check_1f1b],
     "5b": [check_exchange_plan],
+    "5c": [check_interleaved],
     "6a": [check_coords],
     "6b": [check_groups],
     "7a": [check_stochastic_rounding],
