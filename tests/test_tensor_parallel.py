@@ -277,18 +277,19 @@ def _check_sp_regather(rank, tp):
                 assert torch.equal(ga[name], gb[name]), (dtype, mode, name)
 
 
-def _regather_worker(rank, tp):
+def _gloo_worker(rank, tp, check):
+    """Run check(rank, tp) in a gloo group of tp processes (spawn_workers' fn)."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
-        _check_sp_regather(rank, tp)
+        check(rank, tp)
     finally:
         dist.destroy_process_group()
 
 
 def test_sp_regather_is_bitwise_the_kept_gather(tmp_path):
-    spawn_workers(_regather_worker, 2, (), str(tmp_path))
+    spawn_workers(_gloo_worker, 2, (_check_sp_regather,), str(tmp_path))
 
 
 def _check_split_backward(rank, tp):
@@ -350,19 +351,9 @@ def _check_split_backward(rank, tp):
                 assert in_b and all(n.endswith("norm.weight") or n == "embed.weight" for n in in_b), (what, in_b)
 
 
-def _split_worker(rank, tp):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    try:
-        _check_split_backward(rank, tp)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_split_backward_is_bitwise_the_unsplit_one_in_one_process():
     _check_split_backward(0, 1)
 
 
 def test_split_backward_is_bitwise_the_unsplit_one_with_tp_and_sp(tmp_path):
-    spawn_workers(_split_worker, 2, (), str(tmp_path))
+    spawn_workers(_gloo_worker, 2, (_check_split_backward,), str(tmp_path))
