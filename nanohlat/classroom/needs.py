@@ -39,6 +39,8 @@ import re
 import subprocess
 import sys
 
+from nanohlat.run import files
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 NEEDS_JSON = os.path.join(HERE, "needs.json")
@@ -293,9 +295,7 @@ def update(exercises: list[str], root: str = ROOT) -> int:
                      f"and tests/test_classroom.py",
             "commands": commands, "checks": checks}
     path = os.path.join(root, "nanohlat", "classroom", "needs.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
+    files.write_text(path, json.dumps(data, indent=1) + "\n")      # atomic, never through a link
     print(f"wrote {path}: {len(commands)} commands, {len(checks)} checks", file=sys.stderr)
     return 0
 
