@@ -49,6 +49,15 @@ def body(k: int, code: str):
     return ("body", k, textwrap.dedent(code).strip("\n"))
 
 
+def reference(ex: str, k: int = 0) -> str:
+    """Region k of exercise ex as the reference has it (dedented): the code a
+    mistake below edits, read from the source so that it cannot go stale."""
+    from nanohlat.classroom import kit
+    path, begin, end, _ = kit.find_regions(ROOT)[ex][k]
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return textwrap.dedent("\n".join(f.read().splitlines()[begin + 1:end])) + "\n"
+
+
 def sub(old: str, new: str):
     return ("sub", old, new)
 
@@ -74,18 +83,7 @@ S = self.columns
 mask = torch.arange(S, device=self.positions.device) <= self.positions.unsqueeze(-1)
 return cache_k[:, :, :S], cache_v[:, :, :S], mask.unsqueeze(1)
 """
-ONE_F_ONE_B = """
-warmup = min(pp - stage - 1, m)
-ops = [("F", i) for i in range(warmup)]
-f, b = warmup, 0
-while b < m:
-    if f < m:
-        ops.append(("F", f))
-        f += 1
-    ops.append(("B", b))
-    b += 1
-return ops
-"""
+ONE_F_ONE_B = reference("5a")
 SR = """
 x = x.float().contiguous()
 bits = x.view(torch.int32)
@@ -101,14 +99,7 @@ if tp_dim >= 0:
     size = full_shape[tp_dim] // parts
     dst, cov = out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)
 """
-MESH = """
-if kind == "tp":
-    return [[r(d, p, t) for t in range(tp)] for p in range(pp) for d in range(dp)]
-if kind == "dp":
-    return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
-if kind == "pp":
-    return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]
-"""
+MESH = reference("6b")
 ZERO_RS = """
 rows = flat.view(group.size, -1)
 shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
@@ -117,12 +108,7 @@ for a, b in bucket_ranges(rows.shape[1], bucket_elems // group.size):
     shard[a:b] = comm.reduce_scatter(piece, group)
 return shard
 """
-ZERO_AG = """
-full = torch.empty(group.size, shard.numel(), dtype=shard.dtype, device=shard.device)
-for a, b in bucket_ranges(shard.numel(), bucket_elems // group.size):
-    full[:, a:b] = comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)
-return full.view(-1)
-"""
+ZERO_AG = reference("3c")
 WRONG_COMM = "right values, but"
 ZERO2_RS = "g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
 
