@@ -47,12 +47,6 @@ def shard_range(numel: int, dp: int, dp_rank: int) -> tuple[int, int]:
     return dp_rank * size, (dp_rank + 1) * size
 
 
-def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
-    """Intersection of [a0, a1) and [b0, b1), or None."""
-    lo, hi = max(a0, b0), min(a1, b1)
-    return (lo, hi) if lo < hi else None
-
-
 def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
     """ZeRO-1's gradient step: sum over dp and keep only this rank's shard.
 
