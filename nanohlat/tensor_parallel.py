@@ -298,15 +298,7 @@ class ShardSpec:
     copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
     split weight, tp for a replicated one.
 
-    Who reads it: model.py:init_weights (full_shape, then `local_part`);
-    optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
-    sequence-parallel all-reduce, the grad norm counting each element once);
-    precision.py:shard_pieces (an element's index in the full tensor, for
-    the stochastic-rounding noise and the checkpoint's optimizer pieces);
-    run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
-    parts, part; which copy saves; loading through `local_part`);
-    run/replicas.py (which ranks must hold equal copies); serving/generate.py
-    (loading); device.py:Device.place (re-attaches it after a move to XLA).
+    Who reads it: whatever a search for `.shard` in nanohlat/ finds (this attribute).
     """
 
     full_shape: tuple
