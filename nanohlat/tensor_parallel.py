@@ -50,6 +50,7 @@ tp <= n_kv_heads there are no copies, so skip it on a first reading.
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -211,10 +212,10 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
+        gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> the forward's (B, T, C)
         if WEIGHT_GRADS.split:                               # zb-h1's B: the gather and each dW wait for W
-            WEIGHT_GRADS.stash.append((weights, x, ctx.group, grads))
-        dws = ([None] * len(weights) if WEIGHT_GRADS.split     # else gather again: the forward's (B, T, C)
-               else weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads))
+            WEIGHT_GRADS.stash.append((weights, x, gather, grads))
+        dws = [None] * len(weights) if WEIGHT_GRADS.split else weight_grads_of(gather(x), grads)   # else gather now
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
             d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
@@ -237,7 +238,7 @@ def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
 # and add nothing). The norm gains and the embedding keep their gradients in B.
 # ---------------------------------------------------------------------------
 
-WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, group, grads)
+WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, gather, grads)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -264,9 +265,9 @@ def weight_grads(stash: list) -> None:
     """The W op: each dW = g^T x one B stashed, accumulated as a backward would."""
     weights, dws = [], []
     with torch.no_grad():                      # (as in a backward: nothing here is differentiated)
-        for ws, x, group, grads in stash:      # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
+        for ws, x, gather, grads in stash:     # _GatherLinears kept the T/tp shard: `gather` gathers it
             weights += ws
-            dws += weight_grads_of(x if group is None else comm.all_gather(x, group, dim=SEQ_DIM), grads)
+            dws += weight_grads_of(x if gather is None else gather(x), grads)
     torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
 
 
