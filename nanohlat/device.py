@@ -76,7 +76,7 @@ class Device:
     def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """module.to(this device, dtype), keeping what parameters carry besides
         their values: `p.shard`, how the parameter is split over tp ranks
-        (tensor_parallel.py:ShardSpec). Moving to CPU or CUDA swaps the data
+        (shard_spec.py:ShardSpec). Moving to CPU or CUDA swaps the data
         inside the same Parameter objects; moving to XLA makes *new* Parameters
         (an XLA tensor cannot share a CPU tensor's internals), which would
         silently drop that attribute. So copy it over, by parameter name."""

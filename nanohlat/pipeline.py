@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from . import tensor_parallel as tpl
+from . import split_backward
 
 
 def chunk_layers(n_layers: int, pp: int, stage: int, chunk: int = 0, v: int = 1) -> range:
@@ -237,7 +237,7 @@ class PipelineRunner:
         accumulated so far stay on the device; the next graph adds to them."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
-        self.deferred, tpl.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
+        self.deferred, split_backward.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0, so that what the step queued before (zero_grad's reset of
@@ -258,13 +258,13 @@ class PipelineRunner:
                 elif kind == "B":
                     grad = self._backward(i, c)
                 else:                         # W: the weight gradients B left for later
-                    tpl.weight_grads(self.deferred.pop((i, c)))
+                    split_backward.weight_grads(self.deferred.pop((i, c)))
                 if self.clock:
                     self.clock.op_end(kind, i, started, c)
             self._exchange(t, act, grad)
             if self.pp > 1 or (op is not None and op[0] != "F"):
                 self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
-        tpl.WEIGHT_GRADS.split = False
+        split_backward.WEIGHT_GRADS.split = False
         assert not self.in_flight and not self.inputs and not self.grads_in and not self.deferred
         if self.clock:
             self.clock.stop()
@@ -302,7 +302,7 @@ class PipelineRunner:
         else:
             out.backward(self.grads_in.pop((i, c)))
         if self.split:                        # zb-h1: the linears' dW left for W
-            self.deferred[(i, c)], tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
+            self.deferred[(i, c)], split_backward.WEIGHT_GRADS.stash = split_backward.WEIGHT_GRADS.stash, []
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:

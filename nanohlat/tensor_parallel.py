@@ -37,10 +37,8 @@ sequence dimension is the first; ours is the second (SEQ_DIM):
     _GatherSeq   enter, SP    gather_from_sequence_parallel_region         g (SP paper)
     _ScatterSeq  leave, SP    reduce_scatter_to_sequence_parallel_region   g-bar (SP paper)
 
-Parameters carry their sharding as one object, `p.shard` (a `ShardSpec`:
-which dimension is cut, into how many parts, which part this rank holds, the
-full shape, and whether a sequence-parallel region makes its gradient a
-partial sum). Init, the optimizer, checkpoints and the replica checks read it.
+Each parameter carries its slice as `p.shard` (shard_spec.py); in a zb-h1
+step the linears leave their weight gradients for later (split_backward.py).
 
 More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
 heads) makes several ranks hold copies of one kv head, whose gradients the
@@ -51,14 +49,14 @@ tp <= n_kv_heads there are no copies, so skip it on a first reading.
 from __future__ import annotations
 
 import functools
-import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .shard_spec import _param
+from .split_backward import WEIGHT_GRADS, linear, weight_grads_of
 
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
@@ -221,119 +219,6 @@ class _GatherLinears(torch.autograd.Function):
             d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
             dx = d if dx is None else dx + d
         return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
-
-
-def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
-    """dW = g^T x for each linear fed x, as F.linear's backward: an mm of the (B*T, .) tensors."""
-    x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
-    return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
-
-
-# ---------------------------------------------------------------------------
-# ZB-H1's split backward (pipeline.py). A linear's backward computes dx = g W,
-# which the layer before waits for, and dW = g^T x, which nothing needs before
-# the step. B computes dx, stashing (W, x, g); W computes each dW with autograd's
-# mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
-# hooks (optim.py) as an unsplit backward does (in B they run with no gradient
-# and add nothing). The norm gains and the embedding keep their gradients in B.
-# ---------------------------------------------------------------------------
-
-WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, gather, grads)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x W^T: F.linear, or in a zb-h1 step the same product with its dW left for W."""
-    return _SplitLinear.apply(x, w) if WEIGHT_GRADS.split and torch.is_grad_enabled() else F.linear(x, w)
-
-
-class _SplitLinear(torch.autograd.Function):
-    """F.linear whose backward returns only dx (F.linear's mm)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        WEIGHT_GRADS.stash.append(((w,), x, None, (g,)))
-        return g.reshape(-1, g.shape[-1]).mm(w).view_as(x), None
-
-
-def weight_grads(stash: list) -> None:
-    """The W op: each dW = g^T x one B stashed, accumulated as a backward would."""
-    weights, dws = [], []
-    with torch.no_grad():                      # (as in a backward: nothing here is differentiated)
-        for ws, x, gather, grads in stash:     # _GatherLinears kept the T/tp shard: `gather` gathers it
-            weights += ws
-            dws += weight_grads_of(x if gather is None else gather(x), grads)
-    torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
-
-
-# ---------------------------------------------------------------------------
-# How a parameter is split over tp ranks: ShardSpec, attached as p.shard
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is split over the tp ranks, attached to it as `p.shard`
-    (by `_param`). The one contract between the parallel layers that create
-    parameters and everything else that must know their layout:
-
-        full_shape         the unsharded shape: what init draws, what a checkpoint stores
-        dim                the dimension cut over tp ranks; None: replicated, every rank
-                           holds the whole tensor
-        parts              the full tensor is cut into `parts` equal contiguous chunks
-                           along `dim` (1 when replicated) ...
-        part               ... and this rank holds chunk `part` (0 when replicated);
-                           `local_part` cuts it out of a full tensor
-        sequence_parallel  a replicated weight used inside a sequence-parallel region
-                           (the norms' gains): each rank sees only its T/tp tokens, so
-                           its gradient is a partial sum to be all-reduced over tp
-
-    Usually parts = tp and part = the tp rank. The one exception is kv-head
-    replication (only when tp > n_kv_heads; the section at the end of this
-    file): wk and wv are cut into n_kv_heads parts, fewer than tp, and each
-    part is held by copies = tp // parts neighbouring ranks (part = tp_rank //
-    copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
-    split weight, tp for a replicated one.
-
-    Who reads it: whatever a search for `.shard` in nanohlat/ finds (this attribute).
-    """
-
-    full_shape: tuple
-    dim: int | None = None
-    parts: int = 1
-    part: int = 0
-    sequence_parallel: bool = False
-
-
-def shard(full: torch.Tensor, dim, part: int, parts: int) -> torch.Tensor:
-    """Chunk `part` of `parts` contiguous chunks of a full tensor along `dim` (None: the
-    whole tensor). A tp rank's slice is chunk tp_rank of tp, or, for replicated kv
-    heads, chunk p.shard.part of p.shard.parts (`local_part`)."""
-    if dim is None or parts == 1:
-        return full
-    return full.chunk(parts, dim=dim)[part]
-
-
-def local_part(full: torch.Tensor, p) -> torch.Tensor:
-    """The part of a full tensor that parameter `p` holds on this rank (`p.shard`)."""
-    return shard(full, p.shard.dim, p.shard.part, p.shard.parts)
-
-
-def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False) -> nn.Parameter:
-    """A parameter holding part `part` of `parts` equal parts of a full tensor
-    cut along `dim` (dim None: the whole tensor, one part), its `ShardSpec`
-    attached as `p.shard`."""
-    shape = list(full_shape)
-    if dim is not None:
-        shape[dim] //= parts
-    p = nn.Parameter(torch.empty(shape))
-    parts, part = (parts, part) if dim is not None else (1, 0)
-    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel)
-    return p
 
 
 # ---------------------------------------------------------------------------

@@ -92,7 +92,7 @@ from nanohlat import comm, zero3
 from nanohlat.config import ModelConfig, UserError, model_from_dict
 from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.run.files import fsync_dir, sha256_file
-from nanohlat.tensor_parallel import local_part
+from nanohlat.shard_spec import local_part
 from nanohlat.xla import extract_graphs_only, to_host
 
 # how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
