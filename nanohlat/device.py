@@ -32,24 +32,18 @@ from nanohlat import xla
 from nanohlat.config import DEVICES, UserError
 
 
-_interop_threads_set = False
-
-
 def set_cpu_threads(n: int) -> None:
     """Threads for CPU math in this process. With several workers on one
     machine each must get its share, or they oversubscribe the cores and every
     step slows down. PyTorch allows the inter-op pool to be sized only once,
     before any parallel work, so later calls change the intra-op pool only."""
-    global _interop_threads_set
     if n < 1:
         raise UserError(f"--threads must be at least 1 per worker, got {n}")
     torch.set_num_threads(n)
-    if not _interop_threads_set:
-        try:
-            torch.set_num_interop_threads(n)
-        except RuntimeError:  # parallel work already ran in this process
-            pass
-        _interop_threads_set = True
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # sized already, or parallel work already ran in this process: torch refuses
+        pass
 
 
 class Device:
