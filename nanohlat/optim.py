@@ -107,10 +107,8 @@ class FlatGroup:
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
-        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it:
-        # cpu, cuda. XLA does not keep views aliased from one graph to the next (each would become
-        # a buffer of its own, and every graph would change), so there the parameters keep their
-        # storage and the step gathers the buffer from them and scatters it back (load, store).
+        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it: cpu, cuda;
+        # XLA keeps no view aliased across graphs (each one a new buffer, every graph new): see load, store
         self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
         mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters

@@ -227,23 +227,19 @@ class PipelineRunner:
 
         Each tick: this stage's op of the timetable (`_forward`, `_backward`,
         zb-h1's W), then the tick's exchanges (`_exchange`), then, on XLA, a
-        graph cut (`_cut_graph`) after every tick (pp > 1) or every
-        micro-batch's backward (pp = 1; zb-h1: B, W): a graph covers one op of one
-        micro-batch, whose inputs are device data of the same shapes for every
-        micro-batch (each is its own tensor, never `tokens[i]` of one big
-        tensor, which would bake i into the graph). So the graphs compiled do
-        not grow in number or size with m: a tick's graph is set by its op's
-        kind and chunk and by what crosses (tests/test_schedule.py). Gradients
-        accumulated so far stay on the device; the next graph adds to them."""
+        graph cut (`_cut_graph`) after every tick (pp > 1) or every backward
+        (pp = 1; zb-h1: B, W). A graph covers one op of one micro-batch, whose
+        inputs are tensors of their own (never `tokens[i]` of one big tensor,
+        which would bake i into the graph), so the graphs compiled do not grow
+        in number or size with m: a tick's graph is set by its op's kind and
+        chunk and by what crosses (tests/test_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
         self.deferred, split_backward.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
-        # before micro-batch 0, so that what the step queued before (zero_grad's reset of
-        # the flat gradient buffers) is a graph of its own; then every micro-batch runs the
-        # same graph (no gradient exists before one: FlatAdamW's hooks move each into the
-        # fp32 buffer and free it)
+        # before micro-batch 0: what the step queued before (zero_grad's reset) is a graph of its own,
+        # and every micro-batch runs the same graph (no gradient exists before one: the hooks free it)
         self._cut_graph()
         if self.clock:
             self.clock.start()

@@ -164,13 +164,9 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, regather: bool = True) -> tuple:
     """`enter`, then each column-parallel linear of `linears` on the full sequence
-    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each.
-
-    With sequence parallel and `regather` (--sp-regather, the default), both
-    steps are one function, `_GatherLinears`, that keeps only this rank's T/tp
-    tokens for backward and all-gathers them again there (Megatron-LM's way;
-    the section below). Otherwise `enter`'s gathered (B, T, C) is what each
-    F.linear keeps. The two ways compute the same bits."""
+    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each. With
+    sequence parallel and `regather` (--sp-regather, the default) both steps are
+    one function, `_GatherLinears` (the section below): the same bits, less kept."""
     if sequence_parallel and regather and group.size > 1:
         return _GatherLinears.apply(x, group, *(lin.weight for lin in linears))
     x = enter(x, group, sequence_parallel)
@@ -329,22 +325,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 # ---------------------------------------------------------------------------
-# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv heads).
-# With tp <= n_kv_heads there is no kv group and nothing here acts: skip it on
-# a first reading.
-#
-# A rank's query heads then all use one kv head, so the rank holds a copy of
-# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
-# group" of 4 replicas (mesh.py's kv section builds the groups;
-# ColumnParallelLinear's `replicas`, ShardSpec's parts < tp). Each replica's
-# gradient only covers its own query heads; the kv head's true gradient is
-# their sum. No code in this file adds them: each replica's micro-batch
-# gradients accumulate in its own fp32 flat buffer (wk and wv of every layer
-# form one flat group, parts < tp), and once per step, before the dp
-# reduction (ZeRO-2: after it, on the shard), optim.py:FlatAdamW.reduce_gradients
-# all-reduces that buffer over the kv group, as it does the sequence-parallel norm gains' over tp. Every
-# replica then holds the same full gradient, takes the same optimizer step,
-# and stays bitwise equal to its siblings. Cost per step: one all-reduce of
-# the group's fp32 buffer, 2 x layers x (head_dim, d_model) elements, however
-# many micro-batches the step has.
+# Kv-head replication: only when tp > n_kv_heads (module docstring; else nothing
+# here acts). A rank's query heads then all use one kv head, so the rank holds a
+# copy of that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
+# group" of 4 replicas (mesh.py's kv section; ColumnParallelLinear's `replicas`,
+# ShardSpec's parts < tp). Each replica's gradient covers only its own query
+# heads; the kv head's gradient is their sum, which no code in this file adds:
+# each replica accumulates its micro-batches in its own fp32 flat buffer (wk and
+# wv of every layer: one flat group), and once per step, before the dp reduction
+# (ZeRO-2: after it, on the shard), optim.py:FlatAdamW.reduce_gradients
+# all-reduces it over the kv group, as the sequence-parallel norm gains' over tp.
+# The replicas then take the same step and stay bitwise equal. Cost per step:
+# one all-reduce of 2 x layers x (head_dim, d_model) fp32 elements, however many
+# micro-batches the step has.
 # ---------------------------------------------------------------------------

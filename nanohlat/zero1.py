@@ -23,9 +23,8 @@ bytes), for N parameters on the rank: the same as one all-reduce (which *is*
 a reduce-scatter followed by an all-gather), so ZeRO-1 saves memory for free.
 
 Everything ZeRO-1 does lives here: the shard arithmetic, the two bucketed
-collectives and `ZeroOneDP`, the object FlatAdamW (optim.py) calls at the
-three places where sharding matters. Its plain-data-parallel twin is
-`data_parallel.ReplicatedDP`: same methods, no sharding.
+collectives and `ZeroOneDP`, which FlatAdamW (optim.py) calls where sharding
+matters, as it calls its twin without sharding, `data_parallel.ReplicatedDP`.
 """
 
 from __future__ import annotations
