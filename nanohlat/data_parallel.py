@@ -111,7 +111,7 @@ def wait_all(g) -> None:
 class ReplicatedDP:
     """Plain data parallelism: every dp rank keeps all of every flat buffer."""
 
-    sharded, in_backward = False, False
+    in_backward = False        # summed over dp in phase 1 (ZeRO-2: in the backward)
 
     def __init__(self, group, bucket_elems: int, microbatches: int = 1, overlap: bool = False):
         self.group, self.bucket_elems, self.every = group, bucket_elems, microbatches

@@ -85,8 +85,6 @@ class ZeroOneDP(ReplicatedDP):
     """The sharded update: this dp rank owns [start, stop) of every flat buffer.
     (ReplicatedDP's hooks and overlap; buckets are columns of the (dp, S) view.)"""
 
-    sharded = True
-
     def layout(self, numel: int) -> tuple[int, int, int]:
         """(padded length, start, stop) of a flat buffer of `numel` elements."""
         return (padded_size(numel, self.group.size),
