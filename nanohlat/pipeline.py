@@ -302,12 +302,11 @@ class PipelineRunner:
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:
-        """The communication phase of tick t: the left boundary first, then the
-        right one, then (interleaved) the wrap-around boundary (why this cannot
-        deadlock: the module docstring). `act` and `grad`: what this stage
-        produced in tick t, if anything (the plan says the same: it reads the
-        same timetable); what arrives is kept in inputs / grads_in, under the
-        micro-batch and the chunk it is for, for the ops of later ticks."""
+        """The communication phase of tick t: the left boundary first, then the right one,
+        then (interleaved) the wrap-around boundary (why this cannot deadlock: the module
+        docstring). `act` and `grad`: what this stage produced in tick t, if anything (the
+        plan says the same: it reads the same timetable); what arrives is kept in inputs /
+        grads_in, under the micro-batch and the chunk it is for, for later ticks' ops."""
         mesh, s, row = self.mesh, self.stage, self.ticks[t]
         if s > 0:                                            # boundary s-1 | s
             act_in, grad_out = self._exchange_plan(t, s - 1)
@@ -353,13 +352,12 @@ class PipelineRunner:
 
     @torch.no_grad()
     def forward_only(self, tokens, targets, loss_scale: float) -> torch.Tensor:
-        """Evaluation: forwards only, micro-batch by micro-batch down the chain
-        of chunks (virtual stages 0, 1, ..., pp*v - 1). Each chunk receives
-        from the one before (the previous stage, or for the first stage's
-        chunk c > 0 the last stage's chunk c-1, across the wrap pair),
-        computes, sends to the next; each exchange pairs a stage that just
-        computed with one waiting for its input, so the chain cannot
-        deadlock. Returns the scaled loss sum (zero off the last stage)."""
+        """Evaluation: forwards only, micro-batch by micro-batch down the chain of chunks
+        (virtual stages 0, 1, ..., pp*v - 1). Each chunk receives from the one before (the
+        previous stage; for the first stage's chunk c > 0 the last stage's chunk c-1, across
+        the wrap pair), computes, sends to the next: each exchange pairs a stage that just
+        computed with one waiting for it, so the chain cannot deadlock. Returns the scaled
+        loss sum (zero off the last stage)."""
         mesh = self.mesh
         total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for i in range(self.m):

@@ -1,6 +1,4 @@
-"""How a parameter is split over the tp ranks: `ShardSpec`, attached to it as `p.shard` by
-the layers that create it (tensor_parallel.py's, model.py's norms) through `_param`.
-"""
+"""`ShardSpec`, how a parameter is split over the tp ranks (`p.shard`); cutting a full tensor to it."""
 
 from __future__ import annotations
 
@@ -27,12 +25,11 @@ class ShardSpec:
                            (the norms' gains): each rank sees only its T/tp tokens, so
                            its gradient is a partial sum to be all-reduced over tp
 
-    Usually parts = tp and part = the tp rank. The one exception is kv-head
-    replication (only when tp > n_kv_heads; the last section of
-    tensor_parallel.py): wk and wv are cut into n_kv_heads parts, fewer than tp, and each
-    part is held by copies = tp // parts neighbouring ranks (part = tp_rank //
-    copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
-    split weight, tp for a replicated one.
+    Usually parts = tp and part = the tp rank. The one exception is kv-head replication
+    (only when tp > n_kv_heads; the last section of tensor_parallel.py): wk and wv are cut
+    into n_kv_heads parts, fewer than tp, and each part is held by copies = tp // parts
+    neighbouring ranks (part = tp_rank // copies). So `tp // parts` is how many tp ranks
+    hold each element: 1 for a split weight, tp for a replicated one.
 
     Who reads it: whatever a search for `.shard` in nanohlat/ finds (this attribute).
     """

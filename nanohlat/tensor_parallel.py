@@ -62,8 +62,7 @@ SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
 
 # ---------------------------------------------------------------------------
-# The region boundaries: four conjugate functions, and enter / leave, which
-# pick a pair (module docstring's tables)
+# The region boundaries: four conjugate functions; enter / leave pick a pair (tables above)
 # ---------------------------------------------------------------------------
 
 class _Copy(torch.autograd.Function):
@@ -140,18 +139,14 @@ class _ScatterSeq(torch.autograd.Function):
 
 
 def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank
-    (Megatron-LM: `gather_from_sequence_parallel_region` or
-    `copy_to_tensor_model_parallel_region`)."""
+    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank (table above)."""
     if group.size == 1:
         return x
     return _GatherSeq.apply(x, group) if sequence_parallel else _Copy.apply(x, group)
 
 
 def leave(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)
-    (Megatron-LM: `reduce_scatter_to_sequence_parallel_region` or
-    `reduce_from_tensor_model_parallel_region`)."""
+    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C) (table above)."""
     if group.size == 1:
         return x
     return _ScatterSeq.apply(x, group) if sequence_parallel else _Reduce.apply(x, group)
@@ -174,15 +169,14 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
 
 
 # ---------------------------------------------------------------------------
-# Sequence parallel, gathering again in backward. F.linear keeps its input for
-# the weight gradient (dW = g^T x), so after `enter` each matmul group keeps
-# the all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the
-# largest activation of a sequence-parallel block (hlat-70b's plan, one
-# micro-batch: 2 x 67 MB of a layer's 182 MB; 52 MB keeping the shards).
-# Megatron-LM keeps the T/tp shard instead and gathers it once more in
-# backward (LinearWithGradAccumulationAndAsyncCommunication with
-# sequence_parallel=True): one more all-gather per matmul group per
-# micro-batch, for tp times less kept.
+# Sequence parallel, gathering again in backward. F.linear keeps its input for the
+# weight gradient (dW = g^T x), so after `enter` each matmul group keeps the
+# all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the largest
+# activation of a sequence-parallel block (hlat-70b's plan, one micro-batch: 2 x 67 MB
+# of a layer's 182 MB; 52 MB keeping the shards). Megatron-LM keeps the T/tp shard
+# instead and gathers it once more in backward (LinearWithGradAccumulationAndAsyncCommunication
+# with sequence_parallel=True): one more all-gather per matmul group per micro-batch,
+# for tp times less kept.
 # ---------------------------------------------------------------------------
 
 class _GatherLinears(torch.autograd.Function):
@@ -190,11 +184,10 @@ class _GatherLinears(torch.autograd.Function):
     the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (zb-h1: in W), sums
     dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
 
-    The backward does exactly F.linear's backward ops (an mm of the flattened
-    (B*T, .) tensors each way), and adds the dx terms last linear first, the
-    order autograd's engine adds them when `enter` and the linears are separate
-    nodes: so losses and gradients are bitwise those of --no-sp-regather
-    (tests/test_tensor_parallel.py)."""
+    The backward does exactly F.linear's backward ops (an mm of the flattened (B*T, .)
+    tensors each way), and adds the dx terms last linear first, the order autograd's
+    engine adds them when `enter` and the linears are separate nodes: so losses and
+    gradients are bitwise those of --no-sp-regather (tests/test_tensor_parallel.py)."""
 
     @staticmethod
     def forward(ctx, x, group, *weights):
@@ -226,10 +219,8 @@ class ColumnParallelLinear(nn.Module):
     inside the tp region (call `enter` once before a group of these, e.g. once
     for wq, wk and wv). Output: this rank's 1/tp of the features.
 
-    `replicas`: the kv group when tp exceeds the kv heads (the kv-head
-    section at the end of this file): W is cut into tp / replicas.size parts,
-    and the ranks of the group hold the same part; the optimizer adds up
-    their gradients (optim.py:FlatAdamW.reduce_gradients)."""
+    `replicas`: the kv group when tp exceeds the kv heads (the section at the end
+    of this file): W is cut into tp / replicas.size parts, one per kv group."""
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
@@ -325,17 +316,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 # ---------------------------------------------------------------------------
-# Kv-head replication: only when tp > n_kv_heads (module docstring; else nothing
-# here acts). A rank's query heads then all use one kv head, so the rank holds a
-# copy of that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
-# group" of 4 replicas (mesh.py's kv section; ColumnParallelLinear's `replicas`,
-# ShardSpec's parts < tp). Each replica's gradient covers only its own query
-# heads; the kv head's gradient is their sum, which no code in this file adds:
-# each replica accumulates its micro-batches in its own fp32 flat buffer (wk and
-# wv of every layer: one flat group), and once per step, before the dp reduction
-# (ZeRO-2: after it, on the shard), optim.py:FlatAdamW.reduce_gradients
-# all-reduces it over the kv group, as the sequence-parallel norm gains' over tp.
-# The replicas then take the same step and stay bitwise equal. Cost per step:
-# one all-reduce of 2 x layers x (head_dim, d_model) fp32 elements, however many
-# micro-batches the step has.
+# Kv-head replication: only when tp > n_kv_heads (module docstring; else nothing here
+# acts). A rank's query heads then all use one kv head, so the rank holds a copy of
+# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv group" of 4
+# replicas (mesh.py's kv section; ColumnParallelLinear's `replicas`, ShardSpec's
+# parts < tp). Each replica's gradient covers only its own query heads; the kv head's
+# gradient is their sum, which no code in this file adds: each replica accumulates its
+# micro-batches in its own fp32 flat buffer (wk and wv of every layer: one flat group),
+# and once per step, before the dp reduction (ZeRO-2: after it, on the shard),
+# optim.py:FlatAdamW.reduce_gradients all-reduces it over the kv group, as the
+# sequence-parallel norm gains' over tp. The replicas then take the same step and stay
+# bitwise equal. Cost per step: one all-reduce of 2 x layers x (head_dim, d_model) fp32
+# elements, however many micro-batches the step has.
 # ---------------------------------------------------------------------------
