@@ -52,7 +52,7 @@ stage v times, so filling and draining the pipeline takes chunk-sized ops:
 bubble (p-1)/(v*m+p-1), for v times the exchanges (interleaved_order).
 ZB-H1 (--schedule zb-h1) splits each backward into B (the input's gradient,
 which the previous stage waits for) and W (the weights', which nobody waits
-for: tensor_parallel.py), and fills ticks a stage would idle in with W ops.
+for: split_backward.py), and fills ticks a stage would idle in with W ops.
 F = B = W = 1 unit: bubble (p-1)/(3m+p-1), at 1F1B's peak of p in flight.
 """
 
@@ -204,7 +204,8 @@ class PipelineRunner:
         self.v = tcfg.virtual_stages              # model chunks on this stage (one: None, all its layers, no range for --compile)
         self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)] if self.v > 1 else [None]
         self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
-        self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (tensor_parallel.py)
+        self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (split_backward.py)
+        self.split_backward = split_backward.SplitBackward(model if self.split else None)   # what the Bs leave W
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
         self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)
@@ -235,7 +236,7 @@ class PipelineRunner:
         chunk and by what crosses (tests/test_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
-        self.deferred, split_backward.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
+        self.deferred = {}                    # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0: what the step queued before (zero_grad's reset) is a graph of its own,
@@ -243,24 +244,24 @@ class PipelineRunner:
         self._cut_graph()
         if self.clock:
             self.clock.start()
-        for t, row in enumerate(self.ticks):
-            op = row[self.stage]
-            act = grad = None                 # what this stage produced in tick t, for its neighbours
-            if op is not None:
-                kind, i, c = op
-                started = self.clock.op_start() if self.clock else 0.0
-                if kind == "F":
-                    act = self._forward(i, c, tokens, targets, loss_scale)
-                elif kind == "B":
-                    grad = self._backward(i, c)
-                else:                         # W: the weight gradients B left for later
-                    split_backward.weight_grads(self.deferred.pop((i, c)))
-                if self.clock:
-                    self.clock.op_end(kind, i, started, c)
-            self._exchange(t, act, grad)
-            if self.pp > 1 or (op is not None and op[0] != "F"):
-                self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
-        split_backward.WEIGHT_GRADS.split = False
+        with self.split_backward:             # zb-h1: the linears defer their dW to it, in these ticks only
+            for t, row in enumerate(self.ticks):
+                op = row[self.stage]
+                act = grad = None                 # what this stage produced in tick t, for its neighbours
+                if op is not None:
+                    kind, i, c = op
+                    started = self.clock.op_start() if self.clock else 0.0
+                    if kind == "F":
+                        act = self._forward(i, c, tokens, targets, loss_scale)
+                    elif kind == "B":
+                        grad = self._backward(i, c)
+                    else:                         # W: the weight gradients B left for later
+                        split_backward.weight_grads(self.deferred.pop((i, c)))
+                    if self.clock:
+                        self.clock.op_end(kind, i, started, c)
+                self._exchange(t, act, grad)
+                if self.pp > 1 or (op is not None and op[0] != "F"):
+                    self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
         assert not self.in_flight and not self.inputs and not self.grads_in and not self.deferred
         if self.clock:
             self.clock.stop()
@@ -298,7 +299,7 @@ class PipelineRunner:
         else:
             out.backward(self.grads_in.pop((i, c)))
         if self.split:                        # zb-h1: the linears' dW left for W
-            self.deferred[(i, c)], split_backward.WEIGHT_GRADS.stash = split_backward.WEIGHT_GRADS.stash, []
+            self.deferred[(i, c)], self.split_backward.stash = self.split_backward.stash, []
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:

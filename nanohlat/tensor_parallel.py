@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .shard_spec import _param
-from .split_backward import WEIGHT_GRADS, linear, weight_grads_of
+from .split_backward import linear, weight_grads_of
 
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
@@ -163,7 +163,7 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
     sequence parallel and `regather` (--sp-regather, the default) both steps are
     one function, `_GatherLinears` (the section below): the same bits, less kept."""
     if sequence_parallel and regather and group.size > 1:
-        return _GatherLinears.apply(x, group, *(lin.weight for lin in linears))
+        return _GatherLinears.apply(x, group, linears[0].split_backward, *(lin.weight for lin in linears))
     x = enter(x, group, sequence_parallel)
     return tuple(lin(x) for lin in linears)
 
@@ -190,8 +190,8 @@ class _GatherLinears(torch.autograd.Function):
     gradients are bitwise those of --no-sp-regather (tests/test_tensor_parallel.py)."""
 
     @staticmethod
-    def forward(ctx, x, group, *weights):
-        ctx.group = group
+    def forward(ctx, x, group, split, *weights):
+        ctx.group, ctx.split = group, split                  # split: zb-h1's SplitBackward, or None
         ctx.save_for_backward(x, *weights)                   # the shard, not the gathered sequence
         full = comm.all_gather(x, group, dim=SEQ_DIM)        # (B, T, C), freed when forward returns
         return tuple(F.linear(full, w) for w in weights)
@@ -200,14 +200,14 @@ class _GatherLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> the forward's (B, T, C)
-        if WEIGHT_GRADS.split:                               # zb-h1's B: the gather and each dW wait for W
-            WEIGHT_GRADS.stash.append((weights, x, gather, grads))
-        dws = [None] * len(weights) if WEIGHT_GRADS.split else weight_grads_of(gather(x), grads)   # else gather now
+        if ctx.split is not None:                            # zb-h1's B: the gather and each dW wait for W
+            ctx.split.stash.append((weights, x, gather, grads))
+        dws = [None] * len(weights) if ctx.split is not None else weight_grads_of(gather(x), grads)   # else now
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
             d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
             dx = d if dx is None else dx + d
-        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, None, *dws)
 
 
 # ---------------------------------------------------------------------------
@@ -226,10 +226,11 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         r = replicas.size if replicas is not None else 1
         self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
+        self.split_backward = None   # zb-h1: a PipelineRunner's SplitBackward while it runs a step's ticks
 
     def forward(self, x):
         # exercise 4b: begin
-        return linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
+        return linear(x, self.weight, self.split_backward)  # (B, T, out/tp), or out*replicas/tp (kv replicas)
         # exercise 4b: end
 
 
@@ -240,12 +241,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.split_backward = group, sequence_parallel, None   # (zb-h1: above)
         self.weight = _param((out_features, in_features), 1, group.size, group.rank)
 
     def forward(self, x):  # x: (B, T, in/tp)
         # exercise 4b: begin
-        return leave(linear(x, self.weight), self.group, self.sequence_parallel)
+        return leave(linear(x, self.weight, self.split_backward), self.group, self.sequence_parallel)
         # exercise 4b: end
 
 

@@ -327,11 +327,10 @@ def _check_split_backward(rank, tp):
                     fired = []
                     for n, p in model.named_parameters():
                         p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n) if p.grad is not None else None)
-                    split_backward.WEIGHT_GRADS.split = split
-                    loss = model(tokens, targets).float().mean()
-                    loss.backward()                               # B (split) or the whole backward
-                    stash, split_backward.WEIGHT_GRADS.stash = split_backward.WEIGHT_GRADS.stash, []
-                    split_backward.WEIGHT_GRADS.split = False
+                    with split_backward.SplitBackward(model if split else None) as deferring:
+                        loss = model(tokens, targets).float().mean()
+                        loss.backward()                           # B (split) or the whole backward
+                        stash = deferring.stash
                     assert bool(stash) == split
                     in_b = {n for n, p in model.named_parameters() if p.grad is not None}
                     if split:    # what B left for W is what --plan counts (tools/plan.py:weight_grad_bytes)
