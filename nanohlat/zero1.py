@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .data_parallel import ReplicatedDP, bucket_ranges, wait_all
+from .data_parallel import Reduction, ReplicatedDP, bucket_ranges, wait_all
 
 
 def padded_size(numel: int, dp: int) -> int:
@@ -95,19 +95,19 @@ class ZeroOneDP(ReplicatedDP):
         n, cols = self.group.size, padded // self.group.size
         return [[(r * cols + a, r * cols + b) for r in range(n)] for a, b in bucket_ranges(cols, self.bucket_elems // n)]
 
-    def start(self, g, k: int) -> tuple:
-        """Overlap: reduce-scatter bucket k into its columns of this rank's shard (g.reduced)."""
-        if not g.pending:
-            g.reduced = torch.empty(g.padded // self.group.size, dtype=g.grad.dtype, device=g.grad.device)
-        (a, b), n = g.watch.buckets[k][0], self.group.size
-        piece = g.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
-        return comm.start_reduce_scatter(piece, g.reduced[a:b], self.group), piece
+    def start(self, r: Reduction, k: int) -> tuple:
+        """Overlap: reduce-scatter bucket k into its columns of this rank's shard (r.reduced)."""
+        if not r.pending:
+            r.reduced = torch.empty(r.grad.numel() // self.group.size, dtype=r.grad.dtype, device=r.grad.device)
+        (a, b), n = r.watch.buckets[k][0], self.group.size
+        piece = r.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
+        return comm.start_reduce_scatter(piece, r.reduced[a:b], self.group), piece
 
-    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(self, r: Reduction, flat: torch.Tensor) -> torch.Tensor:
         """Summed gradients of this rank's shard."""
-        if g.watch is not None:
-            wait_all(g)
-            out, g.reduced = g.reduced, None             # (kept no longer than without overlap)
+        if r.watch is not None:
+            wait_all(r)
+            out, r.reduced = r.reduced, None             # (kept no longer than without overlap)
             return out
         return reduce_scatter_buckets(flat, self.group, self.bucket_elems)
 
