@@ -205,7 +205,7 @@ class PipelineRunner:
         self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)] if self.v > 1 else [None]
         self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
         self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (split_backward.py)
-        self.split_backward = split_backward.SplitBackward(model if self.split else None)   # what the Bs leave W
+        self.split_backward = split_backward.SplitBackward(model if self.split else None)   # what Bs leave W
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
         self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)

@@ -4,8 +4,8 @@ A linear's backward computes dx = g W, which the layer before waits for, and dW 
 which nothing needs before the step. B computes dx, stashing (W, x, g); W computes each dW
 with autograd's mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
 hooks (optim.py) as an unsplit backward does (in B they run with no gradient and add nothing).
-The norm gains and the embedding keep theirs in B. The linears that defer are
-tensor_parallel.py's, only inside the `with SplitBackward` of the runner of the ticks.
+The norm gains and the embedding keep theirs in B. The linears that defer are tensor_parallel.py's,
+and only inside a `with` of the SplitBackward that the pipeline runner running the ticks owns.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
 
 
 class SplitBackward:
-    """What the Bs of a zb-h1 step leave for their Ws (`stash`). Inside `with` the model's linears hold
-    it (`split_backward`) and defer to it; after it, however it ends, None (whole) and the stash emptied."""
+    """What the Bs of a zb-h1 step leave for their Ws (`stash`). Inside `with` the model's linears hold it
+    (`split_backward`) and defer to it; after the block, however it ends, None again (whole), stash empty."""
 
     def __init__(self, model=None):
         self.layers = [m for m in model.modules() if hasattr(m, "split_backward")] if model is not None else []

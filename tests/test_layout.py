@@ -427,5 +427,5 @@ def test_the_state_finder_finds_state(tmp_path):
         "from . import a\nfrom .a import CACHE, TABLE\n\n"
         "def h():\n    a.CACHE.clear()\n    CACHE.update(TABLE)\n    return TABLE.get('k')\n")
     found = [line.split(": ", 1)[1] for line in core_state_findings(str(tmp_path))]
-    assert sorted(found) == sorted(["`global FLAG`", "writes into nanohlat.a.CACHE", "calls .clear() of nanohlat.a.CACHE",
-                                    "calls .update() of nanohlat.a.CACHE"]), found
+    assert sorted(found) == sorted(["`global FLAG`", "writes into nanohlat.a.CACHE",
+                                    "calls .clear() of nanohlat.a.CACHE", "calls .update() of nanohlat.a.CACHE"]), found
