@@ -2,7 +2,7 @@
 
 kit.py finds the exercise regions, writes student copies with stubs and runs
 the checks (`python -m nanohlat.classroom list | new DIR | check ID`);
-checks.py holds each exercise's check against an independent oracle;
+checks/ holds each exercise's check against an independent oracle, a file per chapter;
 needs.py traces which exercises each command, chapter and check runs through.
 docs/teaching.md is the teacher's guide.
 
