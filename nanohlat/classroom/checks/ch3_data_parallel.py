@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare, spawn, tp_group
+from nanohlat.classroom.checks.harness import case, compare, make_group, spawn
 from nanohlat.classroom.checks.wire import Wire, comm_verdict
 
 
@@ -18,7 +18,7 @@ def _flat_buffers(world, n, seed):
 
 def _dp_buckets(rank, world, which):
     from nanohlat import data_parallel, zero1
-    group = tp_group(rank, world, "dp")
+    group = make_group(rank, world, "dp")
     op = which.replace("-", "_")
     for n, bucket in ((10, 4), (37, 8), (37, 1000), (6, 3)):    # several buckets, a ragged last one, one bucket
         name = case(f"n={n}, bucket_elems={bucket}")
@@ -72,7 +72,7 @@ def _zero2_buckets(rank, world):
     two micro-batches, the buckets filled last first as a backward fills them, overlap on and off."""
     from types import SimpleNamespace
     from nanohlat.zero2 import ZeroTwoDP
-    groups = [tp_group(rank, world, "dp"), tp_group(rank, world, "dp", [0, 1])]
+    groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
     for group in groups:
         if rank not in group.ranks:
             continue
@@ -124,8 +124,8 @@ def _zero3_gather_free(rank, world):
     each with a parameter that is a view of it."""
     from types import SimpleNamespace
     from nanohlat.zero3 import Unit
-    groups = [tp_group(rank, world, "dp"), tp_group(rank, world, "dp", [0, 1])]
-    others = [tp_group(rank, world, "dp (a checkpoint's)", g.ranks) for g in groups]   # same ranks, other groups
+    groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
+    others = [make_group(rank, world, "dp (a checkpoint's)", g.ranks) for g in groups]   # same ranks, other groups
     g0 = torch.Generator().manual_seed(61)
     for group, other in zip(groups, others):
         if rank not in group.ranks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare, spawn, tp_group
+from nanohlat.classroom.checks.harness import case, compare, make_group, spawn
 from nanohlat.classroom.checks.wire import Wire, comm_verdict
 
 
@@ -13,7 +13,7 @@ TP_WORLD = 4   # chapter 4's checks: at 4 ranks an all-gather + sum costs more t
 
 def _conjugates(rank, world):
     from nanohlat import tensor_parallel as tpl
-    group = tp_group(rank, world)
+    group = make_group(rank, world, "tp")
     g = torch.Generator().manual_seed(41)
     B, T, C = 2, 2 * world, 3
     xs = [torch.randn(B, T, C, generator=g) for _ in range(world)]     # every rank's input, known to all
@@ -55,8 +55,8 @@ def check_conjugates() -> str | None:
 def _linears(rank, world):
     import torch.nn.functional as F
     from nanohlat import tensor_parallel as tpl
-    group = tp_group(rank, world)
-    kv_groups = [tp_group(rank, world, "kv", [r, r + 1]) for r in range(0, world, 2)]   # pairs of replicas
+    group = make_group(rank, world, "tp")
+    kv_groups = [make_group(rank, world, "kv", [r, r + 1]) for r in range(0, world, 2)]   # pairs of replicas
     kv = kv_groups[rank // 2]
     g = torch.Generator().manual_seed(42)
     B, T, Cin, Cout = 2, 2 * world, 2 * world, 2 * world
@@ -137,7 +137,7 @@ def check_linears() -> str | None:
 def _cross_entropy(rank, world):
     import torch.nn.functional as F
     from nanohlat import tensor_parallel as tpl
-    group = tp_group(rank, world)
+    group = make_group(rank, world, "tp")
     g = torch.Generator().manual_seed(43)
     B, T, vocab, padded = 2, 6, 4 * world - 3, 4 * world   # 3 padded entries, all on the last rank
     per = padded // world

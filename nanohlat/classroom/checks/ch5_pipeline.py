@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanohlat.classroom.checks.harness import _CASE, case
+from nanohlat.classroom.checks.harness import case
 
 
 def oracle_1f1b(pp: int, m: int, stage: int) -> list[tuple[str, int]]:
@@ -20,13 +20,35 @@ def check_1f1b() -> str | None:
     from nanohlat.pipeline import stage_order
     for pp, m in ((2, 1), (2, 4), (4, 4), (4, 8), (4, 2), (8, 3)):
         for stage in range(pp):
-            case(f"pp={pp}, m={m}, stage={stage}" + (" (fewer micro-batches than stages)" if m < pp - 1 - stage else ""))
+            name = case(f"pp={pp}, m={m}, stage={stage}" + (" (fewer micro-batches than stages)" if m < pp - 1 - stage else ""))
             got = stage_order("1f1b", pp, m, stage)
             want = oracle_1f1b(pp, m, stage)
             if [tuple(op) for op in got] != want:
                 fmt = lambda ops: " ".join(f"{k}{i}" for k, i in ops)
-                return (f"{_CASE['name']}: stage_order('1f1b', pp={pp}, m={m}, stage={stage}):\n"
+                return (f"{name}: stage_order('1f1b', pp={pp}, m={m}, stage={stage}):\n"
                         f"  got      {fmt(got)}\n  expected {fmt(want)}")
+    return None
+
+
+def check_exchange_plan() -> str | None:
+    from types import SimpleNamespace
+    from nanohlat.pipeline import PipelineRunner, timetable
+    for schedule in ("afab", "1f1b"):
+        for pp, m in ((2, 3), (4, 4), (4, 6)):
+            case(f"{schedule}, pp {pp}, m {m}")
+            ticks = timetable(schedule, pp, m)
+            runner = SimpleNamespace(ticks=ticks)
+            when = {(op[0], s, op[1]): t for t, row in enumerate(ticks) for s, op in enumerate(row) if op}
+            for t in range(len(ticks)):
+                for b in range(pp - 1):
+                    # oracle: after tick t, the activation of F(b, i) crosses b -> b+1 if F(b, i) ran at t,
+                    # and the gradient of B(b+1, j) crosses b+1 -> b if B(b+1, j) ran at t
+                    act = next((i for i in range(m) if when[("F", b, i)] == t), None)
+                    grad = next((j for j in range(m) if when[("B", b + 1, j)] == t), None)
+                    got = tuple(PipelineRunner._exchange_plan(runner, t, b))
+                    if got != (act, grad):
+                        return (f"{schedule}, pp {pp}, m {m}: _exchange_plan(tick {t}, boundary {b}->{b + 1}) = "
+                                f"{got} (activation, gradient), expected {(act, grad)}")
     return None
 
 
@@ -51,38 +73,16 @@ def check_interleaved() -> str | None:
     fmt = lambda ops: " ".join(f"{k}{i}.{c}" for k, i, c in ops)
     for pp, m, v in ((2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (2, 6, 3)):
         for stage in range(pp):
-            case(f"pp={pp}, m={m}, v={v}, stage={stage}")
+            name = case(f"pp={pp}, m={m}, v={v}, stage={stage}")
             got = [tuple(op) for op in interleaved_order(pp, m, v, stage)]
             want = oracle_interleaved(pp, m, v, stage)
             if got != want:
-                return (f"{_CASE['name']}: interleaved_order(pp={pp}, m={m}, v={v}, stage={stage}) "
+                return (f"{name}: interleaved_order(pp={pp}, m={m}, v={v}, stage={stage}) "
                         f"(op micro-batch.chunk):\n  got      {fmt(got)}\n  expected {fmt(want)}")
-        case(f"pp={pp}, m={m}, v={v}: the timetable's bubble")
+        name = case(f"pp={pp}, m={m}, v={v}: the timetable's bubble")
         ticks = timetable("interleaved", pp, m, v)
         idle = Frac(sum(op is None for row in ticks for op in row), len(ticks) * pp)
         if idle != Frac(pp - 1, v * m + pp - 1):
-            return (f"{_CASE['name']}: the stages idle {idle} of the time, where (pp-1)/(v m+pp-1) = "
+            return (f"{name}: the stages idle {idle} of the time, where (pp-1)/(v m+pp-1) = "
                     f"{Frac(pp - 1, v * m + pp - 1)}")
-    return None
-
-
-def check_exchange_plan() -> str | None:
-    from types import SimpleNamespace
-    from nanohlat.pipeline import PipelineRunner, timetable
-    for schedule in ("afab", "1f1b"):
-        for pp, m in ((2, 3), (4, 4), (4, 6)):
-            case(f"{schedule}, pp {pp}, m {m}")
-            ticks = timetable(schedule, pp, m)
-            runner = SimpleNamespace(ticks=ticks)
-            when = {(op[0], s, op[1]): t for t, row in enumerate(ticks) for s, op in enumerate(row) if op}
-            for t in range(len(ticks)):
-                for b in range(pp - 1):
-                    # oracle: after tick t, the activation of F(b, i) crosses b -> b+1 if F(b, i) ran at t,
-                    # and the gradient of B(b+1, j) crosses b+1 -> b if B(b+1, j) ran at t
-                    act = next((i for i in range(m) if when[("F", b, i)] == t), None)
-                    grad = next((j for j in range(m) if when[("B", b + 1, j)] == t), None)
-                    got = tuple(PipelineRunner._exchange_plan(runner, t, b))
-                    if got != (act, grad):
-                        return (f"{schedule}, pp {pp}, m {m}: _exchange_plan(tick {t}, boundary {b}->{b + 1}) = "
-                                f"{got} (activation, gradient), expected {(act, grad)}")
     return None

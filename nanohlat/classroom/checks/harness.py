@@ -124,8 +124,8 @@ def spawn(fn, world: int, *args) -> str | None:
     return None
 
 
-def tp_group(rank: int, world: int, name: str = "tp", ranks: list[int] | None = None):
-    """A group of `ranks` (all `world` by default) as the model's layers expect it,
+def make_group(rank: int, world: int, name: str, ranks: list[int] | None = None):
+    """A group `name` ("tp", "dp", ...) of `ranks` (all `world` by default) as the model's layers expect it,
     on a process group of its own, not the default (world) one: a collective
     called on the default group instead of the one given is then seen (`Wire`).
     Every rank must make the same groups in the same order (torch.distributed's rule)."""
