@@ -130,8 +130,7 @@ def make_group(rank: int, world: int, name: str, ranks: list[int] | None = None)
     called on the default group instead of the one given is then seen (`Wire`).
     Every rank must make the same groups in the same order (torch.distributed's rule)."""
     import torch.distributed as dist
-    from nanohlat import comm, mesh
-    group_cls = getattr(comm, "Group", None) or mesh.Group
+    from nanohlat.comm import Group
     ranks = list(range(world)) if ranks is None else ranks
     pg = dist.new_group(ranks)
-    return group_cls(name, ranks, ranks.index(rank) if rank in ranks else -1, pg)
+    return Group(name, ranks, ranks.index(rank) if rank in ranks else -1, pg)
