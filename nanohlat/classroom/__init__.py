@@ -9,7 +9,8 @@ docs/teaching.md is the teacher's guide.
 This file holds only what the commands themselves need to know of the kit
 (it imports nothing of nanohlat): how to recognise a stub that a student copy
 reached (`not_done`), so that every command ends with one line naming the
-exercise instead of a traceback or a misleading error.
+exercise instead of a traceback or a misleading error. The checks recognise
+a stub by the same pattern (classroom/checks/harness.py:explain).
 """
 
 from __future__ import annotations
