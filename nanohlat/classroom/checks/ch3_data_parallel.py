@@ -1,4 +1,14 @@
-"""Chapter 3: data parallelism and ZeRO-1 (3 gloo ranks)."""
+"""Chapter 3, data parallelism and ZeRO-1, 2 and 3, on 3 gloo ranks (uneven shards and padding show).
+
+3a (the bucketed all-reduce), 3b (ZeRO-1's reduce-scatter) and 3c (its
+all-gather) against the sum of every rank's buffer, known to all ranks, with
+one collective per bucket; 3d (ZeRO-2's reduction of one full bucket) on dp 3
+and on a dp-2 group, two micro-batches, overlap on and off, its staging freed;
+3e (ZeRO-3's gather and free of a unit) on fp32 and bf16 flat buffers: each
+gather whole (a second one moves nothing), on another group when given one,
+each free down to no storage. Every value, then every collective
+(wire.py:comm_verdict).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,12 @@
-"""Chapter 4: tensor and sequence parallelism (2 gloo ranks)."""
+"""Chapter 4, tensor and sequence parallelism, on 4 gloo ranks (TP_WORLD).
+
+4a (the four conjugate functions), 4b (column- and row-parallel linears,
+with and without sequence parallelism, and kv heads shared by ranks when
+tp > n_kv_heads) and 4c (the vocab-parallel cross-entropy, on logits of about
++-8 and on large ones where exp() overflows without the max, with padding)
+against plain dense PyTorch on one process: outputs, gradients, and each
+forward's and backward's collectives (wire.py:comm_verdict).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Chapter 5: pipeline parallelism."""
+"""Chapter 5, pipeline parallelism: the 1F1B order (5a), the exchange plan (5b), the interleaved order (5c).
+
+Against timetables derived by hand from each schedule's definition, for
+every stage of several (pp, m) and (pp, m, v), fewer micro-batches than
+stages included; 5b against what crosses each boundary after each tick of
+the AFAB and 1F1B timetables, 5c also against the bubble (pp-1)/(v m+pp-1).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Chapter 6: the mesh."""
+"""Chapter 6, the mesh: rank <-> (dp, pp, tp) coordinates (6a) and the process groups (6b).
+
+By exhaustive enumeration over LAYOUTS: every rank's coordinates both ways,
+and every tp, dp and pp group as the ranks that agree on the other two
+coordinates, each listed in increasing order.
+"""
 
 from __future__ import annotations
 

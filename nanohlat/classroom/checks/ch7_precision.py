@@ -1,4 +1,10 @@
-"""Chapter 7: stochastic rounding."""
+"""Chapter 7, stochastic rounding of fp32 to bf16 (7a).
+
+With given noise, bit for bit against the carry rule (an element rounds up
+exactly when its low 16 bits plus the noise carry); unbiased over many draws;
+NaN stays NaN and infinities stay themselves for odd bit patterns and any
+noise; with noise drawn by the function, repeatable from its generator.
+"""
 
 from __future__ import annotations
 

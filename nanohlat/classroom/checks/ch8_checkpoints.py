@@ -1,4 +1,10 @@
-"""Chapter 8: checkpoints."""
+"""Chapter 8, resharding a checkpoint (8a): ShardSet.full rebuilds a full tensor from saved tp parts.
+
+From shards written here by hand as a tp run saves them: a tensor split along
+dimension 0 or 1, two parts held by four ranks (a shared kv head), and a
+replicated one, in the model and the optimizer sections, exactly; and a
+missing shard noticed (an error), never read as zeros.
+"""
 
 from __future__ import annotations
 
