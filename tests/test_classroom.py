@@ -43,7 +43,7 @@ WRONG = {
     "6b": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
             "return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]"),
     "7a": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
-    "8a": ("nanohlat/run/checkpoint.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
+    "8a": ("nanohlat/run/checkpoint/reshard.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
             "out.narrow(tp_dim, part, size), covered.narrow(tp_dim, part, size)"),
 }
 
