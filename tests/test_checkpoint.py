@@ -126,6 +126,27 @@ def test_one_process_resume_is_bit_identical(one):
     assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1}
 
 
+def test_the_manifest_names_only_the_generator_a_shard_holds(one, cache_dir, tmp_path):
+    """The manifest's "rng" describes what each shard's "rng" holds: the torch CPU
+    generator, no stochastic-rounding one (there is none). A checkpoint saved while
+    it still named one resumes as exactly: the description is never read."""
+    from nanohlat.run.checkpoint import manifest as manifest_lib
+    path = ckpt(one / "resumed", N)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    shard = torch.load(os.path.join(path, "shard_00000.pt"), weights_only=True)
+    assert manifest["rng"] == manifest_lib.RNG and "torch CPU generator" in manifest["rng"]
+    assert "stochastic-rounding generator" not in manifest["rng"] and sorted(shard["rng"]) == ["torch_cpu"]
+    old = tmp_path / "old"
+    train_here(flags(cache_dir, old, "--stop-after", N))
+    mpath = os.path.join(ckpt(old, N), "manifest.json")
+    saved = json.load(open(mpath))
+    saved["rng"] = "per rank, in its shard (torch CPU generator, stochastic-rounding generator)"   # as saved before
+    with open(mpath, "w") as f:
+        json.dump(saved, f)
+    train_here(flags(cache_dir, old))
+    assert_bit_identical(old, one / "full")
+
+
 def test_keep_last_and_latest_pointer(one):
     """--save-every 2 --keep-last 2 over 6 steps: steps 4 and 6 remain, `latest` names 6."""
     root = one / "full" / "checkpoints"

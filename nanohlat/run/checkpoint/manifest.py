@@ -28,6 +28,9 @@ from nanohlat.run.files import sha256_file
 PICK_ANOTHER = "pick another checkpoint (a step_* folder: train.py --resume PATH, sample.py or eval.py --checkpoint PATH)"
 FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
 REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
+# the manifest's "rng": where the random state is. Only a description, never read: checkpoints
+# saved before it said this named a stochastic-rounding generator that does not exist, and load alike
+RNG = "per rank, in its shard: the torch CPU generator (stochastic rounding has none, precision.py)"
 TOKENIZER_COPY = "tokenizer.model"
 
 

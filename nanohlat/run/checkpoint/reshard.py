@@ -150,7 +150,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
     step_count = shards.manifest.get("schedule", {}).get("optimizer_step", 0)
     import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), step_count)
 
-    # Random generators are per rank: restore them only where ranks mean the
+    # The torch CPU generator is per rank: restore it only where ranks mean the
     # same thing as when saved. (The stochastic-rounding noise needs none: it
     # follows from the seed, the optimizer step and the element, in any layout.)
     layout = shards.manifest["layout"]

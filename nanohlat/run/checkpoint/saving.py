@@ -33,7 +33,7 @@ from nanohlat.config import ModelConfig, UserError
 from nanohlat.run.checkpoint.history import (ckpt_root, incomplete_checkpoints, list_checkpoints, remove_checkpoint,
                                              set_aside_newer)
 from nanohlat.run.checkpoint.io_errors import io_error, state_bytes
-from nanohlat.run.checkpoint.manifest import FORMAT, TOKENIZER_COPY, identity
+from nanohlat.run.checkpoint.manifest import FORMAT, RNG, TOKENIZER_COPY, identity
 from nanohlat.run.checkpoint.optimizer_state import export_state, export_weights, fetch_buffers
 from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.run.files import fsync_dir, sha256_file
@@ -170,7 +170,8 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                 "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
                 # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
                 "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
-                "rng": "per rank, in its shard (torch CPU generator, stochastic-rounding generator)",
+                # what each shard's "rng" holds; stochastic rounding has no generator (precision.py)
+                "rng": RNG,
                 "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
                 "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, data_fingerprint),
             })
