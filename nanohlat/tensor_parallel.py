@@ -303,7 +303,7 @@ class ShardSpec:
     sequence-parallel all-reduce, the grad norm counting each element once);
     precision.py:shard_pieces (an element's index in the full tensor, for
     the stochastic-rounding noise and the checkpoint's optimizer pieces);
-    run/checkpoint.py (a shard's metadata: full_shape, tp_dim = dim or -1,
+    run/checkpoint/ (a shard's metadata: full_shape, tp_dim = dim or -1,
     parts, part; which copy saves; loading through `local_part`);
     run/replicas.py (which ranks must hold equal copies); serving/generate.py
     (loading); device.py:Device.place (re-attaches it after a move to XLA).
