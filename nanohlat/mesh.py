@@ -68,11 +68,12 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     if pp > model.n_layers or model.n_layers % pp:
         raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
                         f"choose {_choices(divisors(model.n_layers))}")
-    v = tcfg.virtual_stages   # > 1: interleaved (config.py checked that the schedule is)
-    if v > 1 and (pp < 2 or model.n_layers % (pp * v) or tcfg.microbatches % pp):
-        raise UserError(f"--schedule interleaved needs --pp >= 2 (got {pp}), --pp x --virtual-stages = {pp * v} chunks "
-                        f"of equal size (--n-layers {model.n_layers}) and --microbatches {tcfg.microbatches} a "
-                        f"multiple of --pp (micro-batches go through the chunks in groups of pp)")
+    v = tcfg.virtual_stages   # > 1: interleaved (config.py checked that the schedule is); the refusal names what failed
+    needs = {f"--pp >= 2 (got {pp})": pp >= 2,
+             f"--pp x --virtual-stages = {pp * v} chunks of equal size (--n-layers {model.n_layers})": model.n_layers % (pp * v) == 0,
+             f"--microbatches {tcfg.microbatches} a multiple of --pp (micro-batches go through the chunks in groups of pp)": tcfg.microbatches % pp == 0}
+    if v > 1 and not all(needs.values()):
+        raise UserError("--schedule interleaved needs " + "; ".join(need for need, met in needs.items() if not met))
     if tcfg.schedule == "zb-h1" and tcfg.microbatches < pp:
         raise UserError(f"--schedule zb-h1 needs --microbatches >= --pp (got {tcfg.microbatches} < {pp}): W fills "
                         f"the bubble, (p-1)/(3m+p-1), once the pipeline holds a micro-batch per stage")

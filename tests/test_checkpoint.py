@@ -10,8 +10,8 @@ into a *different* layout adds the same numbers in another order, so it
 agrees to fp32 round-off only (the tolerance of test_parallel.py).
 
 How crashes are made deterministic, without a test-only user flag:
-  * in-process: `checkpoint._atomic_write` (every file a save writes goes
-    through it) is replaced by one that raises at a chosen write of a chosen
+  * in-process: `saving._atomic_write` (nanohlat/run/checkpoint/saving.py:
+    every file a save writes goes through it) is replaced by one that raises at a chosen write of a chosen
     save, after writing half a shard or before writing the manifest or the
     `latest` pointer. Nothing in save() or train() catches or cleans up, so
     the files on disk are exactly those a crash at that instant leaves;
@@ -126,6 +126,27 @@ def test_one_process_resume_is_bit_identical(one):
     assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1}
 
 
+def test_the_manifest_names_only_the_generator_a_shard_holds(one, cache_dir, tmp_path):
+    """The manifest's "rng" describes what each shard's "rng" holds: the torch CPU
+    generator, no stochastic-rounding one (there is none). A checkpoint saved while
+    it still named one resumes as exactly: the description is never read."""
+    from nanohlat.run.checkpoint import manifest as manifest_lib
+    path = ckpt(one / "resumed", N)
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    shard = torch.load(os.path.join(path, "shard_00000.pt"), weights_only=True)
+    assert manifest["rng"] == manifest_lib.RNG and "torch CPU generator" in manifest["rng"]
+    assert "stochastic-rounding generator" not in manifest["rng"] and sorted(shard["rng"]) == ["torch_cpu"]
+    old = tmp_path / "old"
+    train_here(flags(cache_dir, old, "--stop-after", N))
+    mpath = os.path.join(ckpt(old, N), "manifest.json")
+    saved = json.load(open(mpath))
+    saved["rng"] = "per rank, in its shard (torch CPU generator, stochastic-rounding generator)"   # as saved before
+    with open(mpath, "w") as f:
+        json.dump(saved, f)
+    train_here(flags(cache_dir, old))
+    assert_bit_identical(old, one / "full")
+
+
 def test_keep_last_and_latest_pointer(one):
     """--save-every 2 --keep-last 2 over 6 steps: steps 4 and 6 remain, `latest` names 6."""
     root = one / "full" / "checkpoints"
@@ -216,10 +237,11 @@ def test_crash_while_saving_leaves_a_resumable_run(point, one, cache_dir, tmp_pa
     from step 2 (or from step 4 if only the `latest` pointer was missing), and its
     losses are the uninterrupted run's, bit for bit."""
     from nanohlat.run import checkpoint
+    from nanohlat.run.checkpoint import saving
     nth, half = {"half_a_shard": (0, True), "before_manifest": (2, False), "before_latest": (3, False)}[point]
     argv = flags(cache_dir, tmp_path, "--save-every", 2, "--keep-last", 2)
     with monkeypatch.context() as m:
-        m.setattr(checkpoint, "_atomic_write", crash_on_write(checkpoint._atomic_write, 4, nth, half))
+        m.setattr(saving, "_atomic_write", crash_on_write(saving._atomic_write, 4, nth, half))
         with pytest.raises(Crash):
             train_here(argv)
     expect = 4 if point == "before_latest" else 2
@@ -260,7 +282,8 @@ def _fault_worker(*args, **kwargs):
     Runs in each worker process that `launch.spawn` starts; the fault comes from
     the test through the environment (the only way into a spawned worker that
     does not touch train.py's flags)."""
-    from nanohlat.run import checkpoint, launch, preflight
+    from nanohlat.run import launch, preflight
+    from nanohlat.run.checkpoint import saving
     from nanohlat import optim
     fault = json.loads(os.environ["TEST_CHECKPOINT_FAULT"])
 
@@ -270,7 +293,7 @@ def _fault_worker(*args, **kwargs):
 
     if int(os.environ["RANK"]) == fault["rank"] and launch.restart_count() == 0:
         if fault["at"] == "save":        # half-way through writing this rank's shard of a save
-            real = checkpoint._atomic_write
+            real = saving._atomic_write
 
             def write(path, fn):
                 if f".tmp_step_{fault['step']:08d}" in path:
@@ -281,15 +304,15 @@ def _fault_worker(*args, **kwargs):
                         f.flush()
                     die()
                 return real(path, fn)
-            checkpoint._atomic_write = write
+            saving._atomic_write = write
         elif fault["at"] == "full disk":     # the disk fills while this rank writes its shard of a save
-            real = checkpoint._atomic_write
+            real = saving._atomic_write
 
             def write(path, fn):
                 if f".tmp_step_{fault['step']:08d}" in path and "shard_" in path:
                     return real(path, lambda f: fn(_FullDisk(f, 100)))
                 return real(path, fn)
-            checkpoint._atomic_write = write
+            saving._atomic_write = write
         elif fault["at"] == "crash":         # a bug: an unexpected exception at the first optimizer step
             def reduce_gradients(self):
                 raise ZeroDivisionError("planted by the test")
@@ -527,15 +550,15 @@ class _FullDisk:
 
 
 def _fill_disk_at(monkeypatch, step: int, file: str = "shard_"):
-    """checkpoint._atomic_write: the disk fills half-way through `file` of step `step`'s save."""
-    from nanohlat.run import checkpoint
-    real = checkpoint._atomic_write
+    """saving._atomic_write: the disk fills half-way through `file` of step `step`'s save."""
+    from nanohlat.run.checkpoint import saving
+    real = saving._atomic_write
 
     def write(path, fn):
         if f".tmp_step_{step:08d}" in path and os.path.basename(path).startswith(file):
             return real(path, lambda f: fn(_FullDisk(f, 100)))
         return real(path, fn)
-    monkeypatch.setattr(checkpoint, "_atomic_write", write)
+    monkeypatch.setattr(saving, "_atomic_write", write)
 
 
 @pytest.mark.parametrize("file", ["shard_", "manifest"])
@@ -561,16 +584,16 @@ def test_full_disk_during_save_is_one_line_and_resume_is_exact(one, cache_dir, t
 
 def test_a_runtime_error_that_is_not_io_is_not_disguised():
     """Only torch.save's wrapped I/O errors become a disk-full line; another RuntimeError stays itself."""
-    from nanohlat.run import checkpoint
+    from nanohlat.run.checkpoint import io_errors
     with pytest.raises(RuntimeError, match="something else"):
-        checkpoint._io_error(RuntimeError("something else"), "/x/shard.pt", 10)
+        io_errors.io_error(RuntimeError("something else"), "/x/shard.pt", 10)
     try:
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")
     except RuntimeError as e:
-        line = str(checkpoint._io_error(e, "/x/shard.pt", 3 * 2**20))
+        line = str(io_errors.io_error(e, "/x/shard.pt", 3 * 2**20))
     assert "'/x/shard.pt'" in line and "No space left on device" in line and "\n" not in line
 
 

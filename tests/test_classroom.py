@@ -44,7 +44,7 @@ WRONG = {
     "6b": ("nanohlat/mesh.py", "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]",
             "return [[r(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)]"),
     "7a": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
-    "8a": ("nanohlat/run/checkpoint.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
+    "8a": ("nanohlat/run/checkpoint/reshard.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
             "out.narrow(tp_dim, part, size), covered.narrow(tp_dim, part, size)"),
 }
 
@@ -143,11 +143,13 @@ def test_typical_mistakes_fail_their_checks(tmp_path):
 
 
 def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
-    """An error raised inside checks.py (an oracle's comparison) is reported at
-    the last frame outside it: the student's line that led there."""
+    """An error raised inside the checks (an oracle's comparison, harness.py's
+    compare) is reported at the last frame outside them: the student's line
+    that led there."""
+    from nanohlat.classroom.checks import harness
     oracle = {}
     exec(compile("def compare():\n    raise ValueError('shapes differ')\n",
-                 classroom_checks.__file__, "exec"), oracle)
+                 harness.__file__, "exec"), oracle)
 
     def students_code():
         oracle["compare"]()   # the line the verdict names

@@ -138,12 +138,12 @@ def test_files_helpers_replace_links_and_never_follow_them(tmp_path):
 
 
 def test_removing_a_linked_checkpoint_folder_removes_the_link_only(tmp_path):
-    from nanohlat.run import checkpoint
+    from nanohlat.run.checkpoint import history
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "inside").write_bytes(b"mine\n")
     root = tmp_path / "run" / "checkpoints"
     root.mkdir(parents=True)
     os.symlink(victim, root / "step_00000002")     # e.g. an incomplete checkpoint to clear
-    checkpoint._remove(str(root / "step_00000002"))
+    history.remove_checkpoint(str(root / "step_00000002"))
     assert os.listdir(root) == [] and (victim / "inside").read_bytes() == b"mine\n"

@@ -90,6 +90,23 @@ def test_invalid_layouts_are_refused_with_the_valid_choices(kw, world, message):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("kw, world, named, not_named", [
+    # pp is fine here (2): only the micro-batch condition failed, so only it is named
+    (dict(pp=2, schedule="interleaved", virtual_stages=2, microbatches=1), 2, "--microbatches 1 a multiple of --pp",
+     ("--pp >= 2", "chunks of equal size")),
+    (dict(pp=4, schedule="interleaved", virtual_stages=2, microbatches=4), 4, "--pp x --virtual-stages = 8 chunks",
+     ("--pp >= 2", "--microbatches")),
+    (dict(schedule="interleaved", virtual_stages=2, microbatches=2), 1, "--pp >= 2 (got 1)",
+     ("chunks of equal size", "--microbatches")),
+])
+def test_the_interleaved_refusal_names_only_the_condition_that_failed(kw, world, named, not_named):
+    with pytest.raises(UserError) as e:
+        validate_layout(CFG, _train(**kw), world)
+    assert named in str(e.value)
+    for other in not_named:
+        assert other not in str(e.value), f"{other!r} is met but named: {e.value}"
+
+
 def test_kv_heads_and_ffn_limit_tp():
     # tp and n_kv_heads: one must divide the other (more tp ranks than kv heads: replicas)
     cfg = dataclasses.replace(CFG, n_heads=12, n_kv_heads=3, ffn_dim=192, vocab_size=384)

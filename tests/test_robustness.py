@@ -316,14 +316,15 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(ru
                                                                               monkeypatch):
     import errno
     from nanohlat.run import checkpoint
+    from nanohlat.run.checkpoint import saving
 
-    real = checkpoint._atomic_write
+    real = saving._atomic_write
 
     def full(path, write):
         if ".tmp_step_" not in path:
             return real(path, write)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    monkeypatch.setattr(checkpoint, "_atomic_write", full)
+    monkeypatch.setattr(saving, "_atomic_write", full)
     code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6), capsys)
     assert code == 2
     one_line_error(err, "shard_00000.pt", "No space left on device")
@@ -578,13 +579,14 @@ def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
 def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,
                                                                           monkeypatch):
     from nanohlat.run import checkpoint
-    real = checkpoint._atomic_write
+    from nanohlat.run.checkpoint import saving
+    real = saving._atomic_write
 
     def interrupted(path, write):
         if ".tmp_step_00000003" in path:
             raise KeyboardInterrupt
         return real(path, write)
-    monkeypatch.setattr(checkpoint, "_atomic_write", interrupted)
+    monkeypatch.setattr(saving, "_atomic_write", interrupted)
     out = tmp_path / "run"
     code, err = main_in_process(flags(cache_dir, out, "--save-every", 1, "--keep-last", 0), capsys)
     assert code == 130 and err.strip().endswith("interrupted") and "Traceback" not in err, err

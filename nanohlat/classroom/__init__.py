@@ -2,14 +2,15 @@
 
 kit.py finds the exercise regions, writes student copies with stubs and runs
 the checks (`python -m nanohlat.classroom list | new DIR | check ID`);
-checks.py holds each exercise's check against an independent oracle;
+checks/ holds each exercise's check against an independent oracle, a file per chapter;
 needs.py traces which exercises each command, chapter and check runs through.
 docs/teaching.md is the teacher's guide.
 
 This file holds only what the commands themselves need to know of the kit
 (it imports nothing of nanohlat): how to recognise a stub that a student copy
 reached (`not_done`), so that every command ends with one line naming the
-exercise instead of a traceback or a misleading error.
+exercise instead of a traceback or a misleading error. The checks recognise
+a stub by the same pattern (classroom/checks/harness.py:explain).
 """
 
 from __future__ import annotations

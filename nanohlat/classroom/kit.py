@@ -24,7 +24,7 @@ the real code, minus the part the student writes. Everything else runs.
 `check` runs an exercise's checks on the code it finds (the student's copy,
 or this repository, where every check passes). Each check compares the
 student's code with an independent oracle written in
-`checks.py`: a dense computation for a parallel layer, the
+`checks/` (a file per chapter): a dense computation for a parallel layer, the
 one-process result for a parallel layout, a hand-written timetable for a
 schedule. The verdict names what differs: the first mismatching tensor, its
 rank, the index and by how much. Distributed checks run on a few gloo worker
@@ -79,7 +79,7 @@ class Exercise:
         return f"exercise {self.id}: {self.task}, see tutorial.md section {self.section}"
 
 
-# In tutorial order. The checks of each id are checks.CHECKS[id].
+# In tutorial order. The checks of each id are checks.CHECKS[id] (classroom/checks/__init__.py).
 EXERCISES = [
     Exercise("1a", "RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32", "1"),
     Exercise("1b", "rotary embeddings: rotate each (x_i, x_{i+D/2}) pair by its position's angle", "1"),

@@ -1,5 +1,6 @@
 """Metrics: FLOPs per token, model FLOPs utilisation (MFU), tokens/s, the
-JSONL log every run writes, and `TrainLog`, everything train.py reports.
+JSONL log every run writes (cut back to the checkpoint's step on resume:
+truncate_metrics), and `TrainLog`, everything train.py reports.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) is the fraction of the hardware's
 peak that the *model's* arithmetic would need at the measured token rate:
@@ -21,7 +22,8 @@ import time
 
 import torch
 
-from nanohlat.run import checkpoint, files
+from nanohlat.run import files
+from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat import config, xla
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
@@ -231,6 +233,38 @@ class MetricsWriter:
         self.close()
 
 
+def truncate_metrics(path: str, step: int) -> None:
+    """Drop metrics.jsonl records after `step` (written by a run that was then
+    interrupted before its next checkpoint), so a resumed run continues cleanly.
+    A run that went back to an older checkpoint first moves the newer ones, and
+    these records, aside (set_aside_newer)."""
+    set_aside_newer(os.path.dirname(path) or ".", step + 1)
+    if not os.path.isfile(path):
+        return
+    keep, damaged = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            # Policy: a line that is not a JSON record with a whole-number step
+            # (cut short by a crash, or damaged: not UTF-8, not an object) is dropped
+            # with a note. It is a log, not state: training resumes from the
+            # checkpoint either way, and no step of a damaged line can be trusted.
+            try:
+                line = raw.decode()
+                record = json.loads(line)
+                rec_step = record.get("step", 0) if isinstance(record, dict) else None
+                if not isinstance(rec_step, int) or isinstance(rec_step, bool):
+                    raise ValueError("no step")
+            except ValueError:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                damaged += raw.strip() != b""
+                continue
+            if rec_step <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    if damaged:
+        print(f"note: {path}: {damaged} damaged line(s) (cut short by a crash, or not JSON records) dropped "
+              f"on resume; the checkpoint holds the training state", file=sys.stderr)
+    files.atomic_write(path, lambda f: f.write("".join(keep).encode()))
+
+
 def _to_python(value):
     # numpy scalars and 0-d CPU tensors have .item(); anything else is a bug.
     if hasattr(value, "item"):
@@ -301,7 +335,7 @@ class TrainLog:
             run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
                                                           "tokenizer_path": tokenizer_path}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), json.dumps(run_cfg, indent=2))
-            checkpoint.truncate_metrics(self.path, start_step)
+            truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
                                     v=tcfg.virtual_stages))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "

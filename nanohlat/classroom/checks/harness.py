@@ -1,0 +1,133 @@
+"""The checks' harness: verdicts, and the gloo workers that distributed checks run on."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+from nanohlat.classroom import STUB
+from nanohlat.classroom.checks.wire import Wire
+
+HERE = os.path.dirname(os.path.abspath(__file__))   # the checks' files: a verdict points past them
+TOL = dict(rtol=1e-5, atol=1e-5)   # fp32 round-off of the same sums added in another order
+TIME_LIMIT = float(os.environ.get("NANOHLAT_CHECK_TIME_LIMIT", "120"))   # seconds for one distributed check, start-up included
+
+
+# ---------------------------------------------------------------------------
+# Verdicts
+# ---------------------------------------------------------------------------
+
+def compare(what: str, got, want, rank: int | None = None, rtol=TOL["rtol"], atol=TOL["atol"]) -> str | None:
+    """None when `got` equals `want` within tolerance, else a one-paragraph verdict."""
+    where = f" on rank {rank}" if rank is not None else ""
+    if not isinstance(got, torch.Tensor):
+        return f"{what}{where}: expected a tensor, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{what}{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    got64, want64 = got.detach().double(), want.detach().double()
+    bad = ~((got64 - want64).abs() <= atol + rtol * want64.abs())
+    bad |= torch.isnan(got64) != torch.isnan(want64)
+    if not bad.any():
+        return None
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    diff = (got64 - want64).abs().nan_to_num(float("inf"))
+    return (f"{what}{where} differs from the oracle in {int(bad.sum())} of {bad.numel()} elements; "
+            f"first at index {list(idx)}: got {got64[idx].item():.6g}, expected {want64[idx].item():.6g} "
+            f"(largest difference {diff.max().item():.3g}; tolerance {atol:g} + {rtol:g} x |expected|)")
+
+
+_CASE = {"name": None}   # the case a check is running, named in an error raised during it
+
+
+def case(name: str) -> str:
+    """Mark the start of a named case: an exception raised from here on names it."""
+    _CASE["name"] = name
+    return name
+
+
+def explain(e: BaseException, exercise: str | None = None) -> str:
+    """A student's exception as a verdict: a stub (this exercise's, or one it
+    needs first; the stub's message may arrive wrapped in another error), or
+    where their code raised."""
+    stub = STUB.search(str(e))
+    if stub:
+        if exercise and stub.group(1) != exercise:
+            return f"not done yet: exercise {exercise} needs exercise {stub.group(1)} first ({stub.group(0)})"
+        return f"not done yet: {stub.group(0)}"
+    tb = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in tb if os.path.dirname(os.path.abspath(f.filename)) != HERE] or tb   # not these files
+    at = f" at {os.path.relpath(mine[-1].filename)}:{mine[-1].lineno}" if mine else ""
+    during = f"{_CASE['name']}: " if _CASE["name"] else ""
+    return f"{during}raised {type(e).__name__}: {e}{at}"
+
+
+# ---------------------------------------------------------------------------
+# gloo workers
+# ---------------------------------------------------------------------------
+
+def _worker(rank, world, port, fn, args, queue):
+    import datetime
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIME_LIMIT))
+        Wire.install()
+        try:
+            verdict = fn(rank, world, *args)
+        except Exception as e:
+            verdict = explain(e)
+        queue.put((rank, verdict))
+        dist.destroy_process_group()
+    except Exception as e:   # gloo itself failed (e.g. a peer died)
+        queue.put((rank, explain(e)))
+
+
+def spawn(fn, world: int, *args) -> str | None:
+    """Run fn(rank, world, *args) on `world` gloo processes; the first failing rank's verdict."""
+    import queue as queue_mod
+    import torch.multiprocessing as mp
+    from nanohlat.run.launch import free_port, start_method
+    ctx = mp.get_context(start_method())
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    verdicts = {}
+    import time
+    deadline = time.monotonic() + TIME_LIMIT
+    try:
+        while len(verdicts) < world:
+            try:
+                rank, v = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                break
+            verdicts[rank] = v
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(verdicts) == world else 0.1)
+            if p.is_alive():
+                p.kill()
+    if len(verdicts) < world:
+        stuck = [r for r in range(world) if r not in verdicts]
+        return (f"rank(s) {stuck} did not finish within {TIME_LIMIT:.0f} s: usually a collective that only "
+                f"some ranks call, so the others wait for it forever")
+    for r in range(world):
+        if verdicts[r]:
+            return verdicts[r]
+    return None
+
+
+def make_group(rank: int, world: int, name: str, ranks: list[int] | None = None):
+    """A group `name` ("tp", "dp", ...) of `ranks` (all `world` by default) as the model's layers expect it,
+    on a process group of its own, not the default (world) one: a collective
+    called on the default group instead of the one given is then seen (`Wire`).
+    Every rank must make the same groups in the same order (torch.distributed's rule)."""
+    import torch.distributed as dist
+    from nanohlat.comm import Group
+    ranks = list(range(world)) if ranks is None else ranks
+    pg = dist.new_group(ranks)
+    return Group(name, ranks, ranks.index(rank) if rank in ranks else -1, pg)

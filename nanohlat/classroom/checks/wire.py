@@ -1,0 +1,131 @@
+"""What moves: every collective, recorded where it enters torch.distributed."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+# torch.distributed function -> (kind, the argument whose bytes are the payload). The payload
+# is nanohlat/comm.py's: the input of an all-reduce, the gathered output of an all-gather, the
+# unreduced input of a reduce-scatter; the wire bytes follow from it as comm.wire_bytes says.
+_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "tensor"), "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"), "_all_gather_base": ("all_gather", "output_tensor"),
+    "all_gather_single": ("all_gather", "output_tensor"), "reduce_scatter": ("reduce_scatter", "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"), "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"), "all_to_all": ("all_to_all", "input_tensor_list"),
+    "all_to_all_single": ("all_to_all", "input"), "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"), "gather": ("gather", "tensor"), "scatter": ("scatter", "tensor"),
+    "send": ("send", "tensor"), "recv": ("recv", "tensor"), "isend": ("send", "tensor"), "irecv": ("recv", "tensor"),
+}
+
+
+def _wire(kind: str, n: int, payload: int) -> Fraction:
+    """A ring's bytes on the wire from one rank (comm.wire_bytes' formulas, not rounded down
+    per call: a check's small buckets would otherwise make more calls look cheaper)."""
+    if kind == "all_reduce":
+        return Fraction(2 * (n - 1) * payload, n)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return Fraction((n - 1) * payload, n)
+    return Fraction(payload)
+
+
+class Wire:
+    """The collectives this rank called since `reset`: (kind, process group, payload, wire bytes).
+
+    `install` wraps torch.distributed's collectives (and nanohlat/comm.py's
+    references to them) in this worker process, so a collective is seen
+    whether the student calls nanohlat.comm, torch.distributed or
+    torch.distributed.nn. Wire bytes are a ring implementation's, as the comm
+    ledger counts them: all-reduce 2 (n-1)/n x S, all-gather and
+    reduce-scatter (n-1)/n x S; anything else, the whole payload."""
+
+    calls: list = []
+    _depth = [0]
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.calls = []
+
+    @classmethod
+    def install(cls) -> None:
+        import inspect
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        wrapped = {}
+        for name, (kind, arg) in _COLLECTIVES.items():
+            orig = getattr(dist, name, None)
+            if orig is None or orig in wrapped:
+                continue
+            wrapped[orig] = cls._wrap(orig, kind, arg, inspect.signature(orig))
+            setattr(dist, name, wrapped[orig])
+            if getattr(c10d, name, None) is orig:
+                setattr(c10d, name, wrapped[orig])
+        from nanohlat import comm
+        for alias, value in list(vars(comm).items()):   # comm binds some at import (_all_gather_tensor ...)
+            if callable(value) and value in wrapped:
+                setattr(comm, alias, wrapped[value])
+
+    @classmethod
+    def _wrap(cls, orig, kind, arg, sig):
+        import torch.distributed as dist
+
+        def collective(*args, **kwargs):
+            outer = cls._depth[0] == 0    # one call, even if torch implements it with another
+            cls._depth[0] += 1
+            try:
+                if outer:
+                    bound = sig.bind_partial(*args, **kwargs).arguments
+                    pg = bound.get("group") or dist.group.WORLD
+                    n = dist.get_world_size(pg)
+                    payload = _nbytes(bound.get(arg))
+                    cls.calls.append((kind, pg, payload, _wire(kind, n, payload)))
+                return orig(*args, **kwargs)
+            finally:
+                cls._depth[0] -= 1
+        return collective
+
+
+def _describe(calls) -> str:
+    """'1 all_reduce (96 bytes) + 2 all_gather (64 bytes)': calls and payload by kind."""
+    if not calls:
+        return "no collective"
+    by = {}
+    for kind, _, payload, _ in calls:
+        n, b = by.get(kind, (0, 0))
+        by[kind] = (n + 1, b + payload)
+    return " + ".join(f"{n} {kind} ({b} bytes)" for kind, (n, b) in by.items())
+
+
+def comm_verdict(what: str, group, want: list[tuple[str, int]], rank: int) -> str | None:
+    """Hold the collectives recorded since `Wire.reset` against the oracle's `want`,
+    [(kind, payload bytes), ...] on `group`. None when every call ran on `group`,
+    with no more wire bytes and no more calls than the oracle's: a different
+    kind that costs no more passes (an all-reduce with op MAX for the all-gather
+    + max of the cross-entropy). Called once the values are right."""
+    import torch.distributed as dist
+    got = list(Wire.calls)
+    want_calls = [(k, group.pg, p, _wire(k, group.size, p)) for k, p in want]
+    for kind, pg, _, _ in got:
+        if pg is not group.pg:
+            which = "the default (world) process group" if pg is dist.group.WORLD else "another process group"
+            article = "an" if kind[0] in "aeiou" else "a"
+            return (f"{what} on rank {rank}: right values, but {article} {kind} ran on {which}, not on the {group.name} "
+                    f"group it was given (ranks {group.ranks}): in a job with several {group.name} groups it "
+                    f"would mix in ranks that hold other data (pass the group: group=...pg, or nanohlat.comm)")
+    got_wire, want_wire = sum(c[3] for c in got), sum(c[3] for c in want_calls)
+    if got_wire > want_wire:
+        return (f"{what} on rank {rank}: right values, but {round(got_wire)} bytes on the wire where "
+                f"{round(want_wire)} suffice (this rank called {_describe(got)}; {_describe(want_calls)} is enough)")
+    if len(got) > len(want_calls):
+        return (f"{what} on rank {rank}: right values, but {len(got)} collective call(s) where the oracle makes "
+                f"{len(want_calls)} (this rank called {_describe(got)}; the oracle {_describe(want_calls)})")
+    return None

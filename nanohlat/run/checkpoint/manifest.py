@@ -1,0 +1,190 @@
+"""Trusting a checkpoint: its manifest, its files and whose run it is.
+
+Trust: files load with weights_only=True, so no pickled code ever runs. Before
+anything is loaded, every file named by the manifest must exist with the
+recorded size and sha256 (each rank hashes 1/world of the files), so a
+missing, truncated or corrupt shard is a one-line UserError naming the file,
+never a silently wrong model.
+
+Identity: the manifest records the sha256 of the tokenizer file and the
+fingerprint of the data (data.Dataset.fingerprint). Resuming with another
+tokenizer would give every embedding row another token's meaning, so it is
+refused unless --allow-tokenizer-change; other data with the same tokenizer
+is allowed and announced (check_identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+from nanohlat.config import ModelConfig, UserError, model_from_dict
+from nanohlat.run.files import sha256_file
+
+# how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
+PICK_ANOTHER = "pick another checkpoint (a step_* folder: train.py --resume PATH, sample.py or eval.py --checkpoint PATH)"
+FORMAT = 2   # 2: per-file sha256, schedule/data/rng records in the manifest
+REQUIRED = ("format", "step", "tokens", "layout", "config", "tokenizer", "files")
+# the manifest's "rng": where the random state is. Only a description, never read: checkpoints
+# saved before it said this named a stochastic-rounding generator that does not exist, and load alike
+RNG = "per rank, in its shard: the torch CPU generator (stochastic rounding has none, precision.py)"
+TOKENIZER_COPY = "tokenizer.model"
+
+
+def read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, "manifest.json")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint manifest {mpath} is missing or unreadable ({e.__class__.__name__}); "
+                        f"pick another checkpoint") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise UserError(f"{mpath} has format {found}, this nanohlat reads {FORMAT}")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise UserError(f"checkpoint manifest {mpath} lacks {', '.join(missing)}: it is corrupt; "
+                        f"pick another checkpoint")
+    _check_fields(mpath, manifest)
+    copy = manifest.get("tokenizer_copy")   # the tokenizer saved with the checkpoint, when whole
+    if isinstance(copy, dict) and copy.get("file") == TOKENIZER_COPY:
+        cpath = os.path.join(path, TOKENIZER_COPY)
+        if os.path.isfile(cpath) and sha256_file(cpath) == copy.get("sha256"):
+            manifest["tokenizer"] = cpath
+    return manifest
+
+
+def _count(v, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _check_fields(mpath: str, m: dict) -> None:
+    """Types and ranges of every field a reader uses (a manifest edited by hand,
+    or damaged, is named in one line instead of failing deep inside a load)."""
+    def bad(what: str) -> UserError:
+        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} "
+                         f"or restore this one")
+    for k in ("step", "tokens"):
+        if not _count(m[k]):
+            raise bad(f"{k} is {m[k]!r}, not a whole number >= 0")
+    lay = m["layout"]
+    if not isinstance(lay, dict) or not all(_count(lay.get(k), 1) for k in ("tp", "pp", "dp", "world")):
+        raise bad(f"layout is {lay!r}, not tp, pp, dp and world >= 1")
+    if lay["world"] != lay["tp"] * lay["pp"] * lay["dp"]:
+        raise bad(f"layout world {lay['world']} is not tp*pp*dp = {lay['tp'] * lay['pp'] * lay['dp']}")
+    cfg = m["config"]
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
+        raise bad("config is not {'model': {...}, 'train': {...}}")
+    for f in dataclasses.fields(ModelConfig):   # ints whole, floats finite numbers (no strings, no bools)
+        v = cfg["model"].get(f.name, f.default)
+        ok = _count(v, 1) if isinstance(f.default, int) and not isinstance(f.default, bool) else \
+            isinstance(v, type(f.default)) if isinstance(f.default, bool) else \
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 \
+            if isinstance(f.default, float) else True
+        if not ok:
+            raise bad(f"config.model.{f.name} is {v!r}")
+    try:
+        model_from_dict(cfg["model"]).validate()
+    except (TypeError, ValueError, UserError) as e:
+        raise bad(f"config.model: {str(e).splitlines()[0] if str(e) else e.__class__.__name__}") from None
+    if not isinstance(m["tokenizer"], str):
+        raise bad(f"tokenizer is {m['tokenizer']!r}, not a path")
+    files = m["files"]
+    if not isinstance(files, dict) or not files:
+        raise bad("files is not a non-empty {name: {bytes, sha256}}")
+    for name, info in files.items():
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise bad(f"file name {name!r} is not a plain name inside the checkpoint")
+        if not isinstance(info, dict) or not _count(info.get("bytes")) or not isinstance(info.get("sha256"), str) \
+                or len(info["sha256"]) != 64 or any(c not in "0123456789abcdef" for c in info["sha256"]):
+            raise bad(f"files[{name!r}] is not {{bytes: n >= 0, sha256: 64 hex digits}}")
+    for k, fields_ in (("schedule", ("optimizer_step", "bad_steps")), ("data", ())):
+        v = m.get(k, {})
+        if not isinstance(v, dict) or not all(_count(v.get(f, 0)) for f in fields_):
+            raise bad(f"{k} is {v!r}")
+    for k in ("identity", "tokenizer_copy"):
+        if not isinstance(m.get(k) or {}, dict):
+            raise bad(f"{k} is {m[k]!r}, not a record")
+
+
+def check_files(path: str, manifest: dict) -> None:
+    """Every file the manifest names exists with the recorded size (cheap: no reading)."""
+    for name, info in sorted(manifest["files"].items()):
+        fpath = os.path.join(path, name)
+        if not isinstance(info, dict) or not {"bytes", "sha256"} <= set(info):
+            raise UserError(f"checkpoint manifest {os.path.join(path, 'manifest.json')} has no size and "
+                            f"checksum for {name}: it is corrupt; pick another checkpoint")
+        if not os.path.isfile(fpath):
+            raise UserError(f"checkpoint shard {fpath} is missing; the checkpoint is incomplete, "
+                            f"{PICK_ANOTHER}")
+        if os.path.getsize(fpath) != info["bytes"]:
+            raise UserError(f"checkpoint shard {fpath} has {os.path.getsize(fpath)} bytes, the manifest "
+                            f"says {info['bytes']}: the file is truncated or corrupt")
+
+
+def check_model(path: str, manifest: dict, cfg: ModelConfig) -> None:
+    """The checkpoint was saved for a model of this shape."""
+    saved = manifest["config"]["model"]
+    mine = dataclasses.asdict(cfg)
+    diff = [k for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                        "vocab_multiple") if saved.get(k) != mine[k]]
+    if diff:
+        desc = ", ".join(f"{k} {saved.get(k)} vs {mine[k]}" for k in diff)
+        raise UserError(f"checkpoint {os.path.join(path, 'manifest.json')} is for a different model shape "
+                        f"({desc}: saved vs this run); pick a matching checkpoint or --out-dir")
+
+
+def identity(tokenizer_path: str, data_fingerprint: str | None) -> dict:
+    """What makes a run this run: its tokenizer (file hash) and its data."""
+    return {"tokenizer_sha256": sha256_file(tokenizer_path), "data": data_fingerprint}
+
+
+def check_identity(path: str, tokenizer_path: str, data_fingerprint: str | None,
+                   allow_tokenizer_change: bool = False) -> None:
+    """Refuse to resume checkpoint `path` with another tokenizer; announce other data."""
+    manifest = read_manifest(path)
+    saved = manifest.get("identity") or {}
+    saved_tok = saved.get("tokenizer_sha256")
+    if saved_tok is None and os.path.isfile(manifest["tokenizer"]):   # a checkpoint from before identities
+        saved_tok = sha256_file(manifest["tokenizer"])
+    mine = sha256_file(tokenizer_path)
+    if saved_tok is not None and saved_tok != mine:
+        if not allow_tokenizer_change:
+            raise UserError(f"checkpoint {path} was trained with another tokenizer ({manifest['tokenizer']}, "
+                            f"sha256 {saved_tok[:12]}) than this run's ({tokenizer_path}, {mine[:12]}): its token "
+                            f"ids would change meaning. Start fresh with --resume never --overwrite, keep the "
+                            f"run's tokenizer for new data with --tokenizer {manifest['tokenizer']}, or continue "
+                            f"anyway with --allow-tokenizer-change")
+        print(f"warning: resuming {path} with another tokenizer (--allow-tokenizer-change): "
+              f"its token ids change meaning", file=sys.stderr)
+    elif saved.get("data") and data_fingerprint and saved["data"] != data_fingerprint:
+        print(f"note: resuming {path} on other data than it was trained on (same tokenizer)", file=sys.stderr)
+
+
+def corrupt_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> list[str]:
+    """Files whose sha256 differs from the manifest's, among this rank's 1/world of them."""
+    names = sorted(manifest["files"])
+    return [n for i, n in enumerate(names)
+            if i % world == rank and sha256_file(os.path.join(path, n)) != manifest["files"][n]["sha256"]]
+
+
+def corrupt_error(path: str, name: str) -> UserError:
+    return UserError(f"checkpoint shard {os.path.join(path, name)} does not match the sha256 in its manifest: "
+                     f"the file is corrupt; {PICK_ANOTHER}")
+
+
+def check(path: str, cfg: ModelConfig, checksums: bool = False) -> dict:
+    """Checks before workers start (train.py's pre-flight, preflight.py), so that a bad checkpoint is one
+    line from one process: manifest, files, model shape, and (reading every byte
+    once) the checksums."""
+    manifest = read_manifest(path)
+    check_files(path, manifest)
+    check_model(path, manifest, cfg)
+    bad = corrupt_files(path, manifest) if checksums else []
+    if bad:
+        raise corrupt_error(path, bad[0])
+    return manifest
