@@ -15,9 +15,8 @@ model, schedule and optimizer) and runs the steps. The rest lives elsewhere:
   * before `train()`, pre-flight, once (nanohlat/run/preflight.py, which
     `main()` calls): flags, checks, data, what to resume from, the workers;
   * around the steps, nanohlat/run/session.py: `Session(...)` resumes and
-    opens the log; `end_step` ends each step (count a non-finite step, check
-    replicas, `dev.sync()`, report the first step's traffic, the stop vote: one
-    all-reduce of a flag, log, evaluate, save); `close` writes the summary.
+    opens the log; `end_step` ends each step (what that takes, in order: its
+    body, a commented line each); `close` writes the summary.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
         opt.write_back()                                # ZeRO-1, 2: all-gather into the parameters (ZeRO-3: its shard)
-        # the step ends (dev.sync); then the stop vote, logging, evaluation, checkpoints (run/session.py)
+        # the end of the step, and what a run does between steps (run/session.py:Session.end_step)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break
     return session.close()

@@ -121,7 +121,7 @@ class TrainConfig:
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
-    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py)
+    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py), 3 + parameters (zero3.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True   # start a bucket's dp collective in the backward (cpu, cuda)

@@ -19,9 +19,8 @@ is added over tp first, so its buckets wait for phase 1 as without overlap.)
 
 Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
 
-`ReplicatedDP` is what FlatAdamW (optim.py) calls at the places where data
-parallelism matters; with --zero 1, 2 or 3 it calls `zero1.ZeroOneDP`,
-`zero2.ZeroTwoDP` or `zero3.ZeroThreeDP` instead.
+`ReplicatedDP` (--zero 1, 2, 3: its subclasses in zero1.py, zero2.py, zero3.py) is the DP
+strategy FlatAdamW (optim.py) calls, its state for each flat group an object of its own (`Reduction`).
 train.py's loop calls the other two: `split_batch` (this rank's micro-batches
 of the global batch) and `global_mean` (the loss of the whole global batch).
 """
@@ -98,20 +97,28 @@ class BucketWatch:
         self.got = [0] * len(self.buckets)
 
 
-def wait_all(g) -> None:
-    """Phase 1 with overlap: finish the collectives the backward started on group g's buckets."""
-    if len(g.pending) != len(g.watch.buckets):   # else a bucket would go unsummed, silently
-        raise RuntimeError(f"overlapped gradient reduction: {len(g.pending)} of {len(g.watch.buckets)} buckets "
+class Reduction:
+    """A DP strategy's own state for one flat group (FlatGroup.dp_state): its fp32 gradient buffer; with
+    overlap, which buckets are full (`watch`, else None), the collectives started, (ZeRO-1) the shard they fill."""
+
+    def __init__(self, g, watch=None):
+        self.grad, self.watch, self.pending, self.reduced = g.grad, watch, [], None
+
+
+def wait_all(r: Reduction) -> None:
+    """Phase 1 with overlap: finish the collectives the backward started on a group's buckets."""
+    if len(r.pending) != len(r.watch.buckets):   # else a bucket would go unsummed, silently
+        raise RuntimeError(f"overlapped gradient reduction: {len(r.pending)} of {len(r.watch.buckets)} buckets "
                            f"started (a parameter got no gradient); run with --no-overlap-grad-reduce")
-    for work, *_ in g.pending:
+    for work, *_ in r.pending:
         work.wait()
-    g.pending.clear()
+    r.pending.clear()
 
 
 class ReplicatedDP:
     """Plain data parallelism: every dp rank keeps all of every flat buffer."""
 
-    sharded, in_backward = False, False
+    in_backward = False        # summed over dp in phase 1 (ZeRO-2: in the backward)
 
     def __init__(self, group, bucket_elems: int, microbatches: int = 1, overlap: bool = False):
         self.group, self.bucket_elems, self.every = group, bucket_elems, microbatches
@@ -128,35 +135,36 @@ class ReplicatedDP:
     def buckets(self, padded: int) -> list:
         return [[r] for r in bucket_ranges(padded, self.bucket_elems)]
 
-    def watch(self, g):
-        """With overlap, group g's BucketWatch (None: reduced in phase 1)."""
-        return BucketWatch(self.buckets(g.padded), g.numel, self.every) if self.overlap and not g.partial else None
+    def track(self, g) -> Reduction:
+        """Group g's Reduction; with overlap, a BucketWatch of its buckets (else: reduced in phase 1)."""
+        return Reduction(g, BucketWatch(self.buckets(g.padded), g.numel, self.every)
+                         if self.overlap and not g.partial else None)
 
-    def grad_hook(self, g, off: int, numel: int):
-        """The hook of the parameter at `off` of group g: add its gradient into the fp32
-        buffer (accumulate_hook); with overlap, also start each bucket it completes."""
-        add = accumulate_hook(g.grad, off, numel)
-        if g.watch is None:
+    def grad_hook(self, r: Reduction, off: int, numel: int):
+        """The hook of the parameter at `off` of a group (its Reduction r): add its gradient into
+        the fp32 buffer (accumulate_hook); with overlap, also start each bucket it completes."""
+        add = accumulate_hook(r.grad, off, numel)
+        if r.watch is None:
             return add
-        pieces = g.watch.pieces(off, numel)
+        pieces = r.watch.pieces(off, numel)
 
         def hook(p):
-            if p.grad is None:                # zb-h1's B: a linear's gradient comes in its W (tensor_parallel.py)
+            if p.grad is None:                # zb-h1's B: a linear's gradient comes in its W (split_backward.py)
                 return
             add(p)
             for k, lo, hi, _ in pieces:
-                if g.watch.filled(k, hi - lo):
-                    g.pending.append(self.start(g, k))
+                if r.watch.filled(k, hi - lo):
+                    r.pending.append(self.start(r, k))
         return hook
 
-    def start(self, g, k: int) -> tuple:
-        (lo, hi), = g.watch.buckets[k]
-        return (comm.start_all_reduce(g.grad[lo:hi], self.group),)
+    def start(self, r: Reduction, k: int) -> tuple:
+        (lo, hi), = r.watch.buckets[k]
+        return (comm.start_all_reduce(r.grad[lo:hi], self.group),)
 
-    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(self, r: Reduction, flat: torch.Tensor) -> torch.Tensor:
         """The gradients summed over dp, in place."""
-        if g.watch is not None:
-            wait_all(g)
+        if r.watch is not None:
+            wait_all(r)
             return flat
         return all_reduce_buckets(flat, self.group, self.bucket_elems)
 

@@ -32,24 +32,18 @@ from nanohlat import xla
 from nanohlat.config import DEVICES, UserError
 
 
-_interop_threads_set = False
-
-
 def set_cpu_threads(n: int) -> None:
     """Threads for CPU math in this process. With several workers on one
     machine each must get its share, or they oversubscribe the cores and every
     step slows down. PyTorch allows the inter-op pool to be sized only once,
     before any parallel work, so later calls change the intra-op pool only."""
-    global _interop_threads_set
     if n < 1:
         raise UserError(f"--threads must be at least 1 per worker, got {n}")
     torch.set_num_threads(n)
-    if not _interop_threads_set:
-        try:
-            torch.set_num_interop_threads(n)
-        except RuntimeError:  # parallel work already ran in this process
-            pass
-        _interop_threads_set = True
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # sized already, or parallel work already ran in this process: torch refuses
+        pass
 
 
 class Device:
@@ -76,7 +70,7 @@ class Device:
     def place(self, module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
         """module.to(this device, dtype), keeping what parameters carry besides
         their values: `p.shard`, how the parameter is split over tp ranks
-        (tensor_parallel.py:ShardSpec). Moving to CPU or CUDA swaps the data
+        (shard_spec.py:ShardSpec). Moving to CPU or CUDA swaps the data
         inside the same Parameter objects; moving to XLA makes *new* Parameters
         (an XLA tensor cannot share a CPU tensor's internals), which would
         silently drop that attribute. So copy it over, by parameter name."""

@@ -212,11 +212,8 @@ class Mesh:
 
 
 # ---------------------------------------------------------------------------
-# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv
-# heads). Then each kv head is held by tp / n_kv_heads neighbouring tp ranks,
-# a "kv group", whose gradients for it are summed (tensor_parallel.py's
-# kv-head section). With tp <= n_kv_heads there are no kv groups: skip this
-# section on a first reading.
+# Kv-head replication, only when tp > n_kv_heads (tensor_parallel.py's last
+# section says why): the "kv groups" of ranks holding copies of one kv head.
 # ---------------------------------------------------------------------------
 
 def kv_replicas(model: ModelConfig, tp: int) -> int:

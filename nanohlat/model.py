@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import tensor_parallel as tpl
+from . import shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, sequence_parallel: bool):
         super().__init__()
         self.eps = eps
-        self.weight = tpl._param((dim,), None, 1, sequence_parallel=sequence_parallel)
+        self.weight = shard_spec._param((dim,), None, 1, sequence_parallel=sequence_parallel)
 
     def forward(self, x):
         # exercise 1a: begin
@@ -271,4 +271,4 @@ def init_weights(model: Transformer, seed: int) -> None:
     The replicas of a kv head cut the same part: equal from the start."""
     for name, p in model.named_parameters():
         full = full_init(name, p.shard.full_shape, model.cfg, seed)
-        p.copy_(tpl.local_part(full, p))
+        p.copy_(shard_spec.local_part(full, p))

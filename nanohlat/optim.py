@@ -107,32 +107,29 @@ class FlatGroup:
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
-        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it:
-        # cpu, cuda. XLA does not keep views aliased from one graph to the next (each would become
-        # a buffer of its own, and every graph would change), so there the parameters keep their
-        # storage and the step gathers the buffer from them and scatters it back (load, store).
+        # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it: cpu, cuda;
+        # XLA keeps no view aliased across graphs (each one a new buffer, every graph new): see load, store
         self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
-        mine = self.flat[self.start:self.stop]           # this rank's (shard of the) parameters
+        # fp32 gradients (ZeRO-2: this rank's shard), added in by the hooks (dp.grad_hook); later AdamW's scratch
+        self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
+        self.dp_state = dp.track(self)                   # the DP strategy's own object for this group
+        # this rank's (shard of the) parameters: a view of the flat buffer, or ZeRO-3's own copy (zero3.Shard)
+        mine = getattr(self.dp_state, "param_shard", self.flat[self.start:self.stop])
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
-        self.param_shard = self.unit = None              # ZeRO-3: the kept shard, its unit (zero3.Unit)
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        # fp32 gradients (ZeRO-2: this rank's shard of them), added micro-batch by micro-batch by
-        # the hooks (dp.grad_hook: data_parallel.accumulate_hook, or ZeRO-2's); later AdamW's scratch space
-        self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
-        self.watch, self.pending = dp.watch(self), []    # overlap, ZeRO-2: buckets filled, collectives started
         for p, off in zip(params, self.offsets):
             if self.aliased:
                 p.data = self.flat[off:off + p.numel()].view_as(p)
-            p.register_post_accumulate_grad_hook(dp.grad_hook(self, off, p.numel()))
+            p.register_post_accumulate_grad_hook(dp.grad_hook(self.dp_state, off, p.numel()))
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
         """The flat parameter buffer: kept (aliased), all-gathered (ZeRO-3) or gathered from the parameters (xla)."""
-        if self.unit is not None:
-            return self.unit.gathered(self)
+        if isinstance(self.dp_state, zero3.Shard):
+            return self.dp_state.unit.gathered(self.dp_state)
         return self.flat if self.aliased else self.flatten([p.detach() for p in self.params], self.params[0].dtype)
 
     def load(self) -> None:
@@ -185,8 +182,8 @@ class FlatAdamW:
         """Start a step's gradient accumulation: clear the fp32 buffers."""
         for g in self.groups:
             g.grad.zero_()
-            if g.watch is not None:
-                g.watch.reset()
+            if g.dp_state.watch is not None:
+                g.dp_state.watch.reset()
             for p in g.params:
                 p.grad = None
 
@@ -208,8 +205,8 @@ class FlatAdamW:
         for g in self.groups:
             def tp_sum(flat):
                 return comm.all_reduce(flat, self.mesh.group(g.partial), inplace=True) if g.partial else flat
-            grads.append(tp_sum(self.dp.reduce_gradients(g, g.grad)) if self.dp.in_backward
-                         else self.dp.reduce_gradients(g, tp_sum(g.grad)))
+            grads.append(tp_sum(self.dp.reduce_gradients(g.dp_state, g.grad)) if self.dp.in_backward
+                         else self.dp.reduce_gradients(g.dp_state, tp_sum(g.grad)))
         return grads
 
     @torch.no_grad()

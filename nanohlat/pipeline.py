@@ -52,7 +52,7 @@ stage v times, so filling and draining the pipeline takes chunk-sized ops:
 bubble (p-1)/(v*m+p-1), for v times the exchanges (interleaved_order).
 ZB-H1 (--schedule zb-h1) splits each backward into B (the input's gradient,
 which the previous stage waits for) and W (the weights', which nobody waits
-for: tensor_parallel.py), and fills ticks a stage would idle in with W ops.
+for: split_backward.py), and fills ticks a stage would idle in with W ops.
 F = B = W = 1 unit: bubble (p-1)/(3m+p-1), at 1F1B's peak of p in flight.
 """
 
@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from . import tensor_parallel as tpl
+from . import split_backward
 
 
 def chunk_layers(n_layers: int, pp: int, stage: int, chunk: int = 0, v: int = 1) -> range:
@@ -204,7 +204,8 @@ class PipelineRunner:
         self.v = tcfg.virtual_stages              # model chunks on this stage (one: None, all its layers, no range for --compile)
         self.chunks = [chunk_layers(model.cfg.n_layers, self.pp, self.stage, c, self.v) for c in range(self.v)] if self.v > 1 else [None]
         self.ticks = timetable(tcfg.schedule, self.pp, self.m, self.v)
-        self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (tensor_parallel.py)
+        self.split = tcfg.schedule == "zb-h1"    # backward split into B and W (split_backward.py)
+        self.split_backward = split_backward.SplitBackward(model if self.split else None)   # what Bs leave W
         self.act_shape, self.act_dtype = act_shape, act_dtype   # (mb, T or T/tp, C)
         self.peak_in_flight = 0      # most (micro-batch, chunk) activations held, last step
         self.clock = clock     # None, or told the start and end of each F and B (tools/timeline.py:StepClock)
@@ -227,44 +228,40 @@ class PipelineRunner:
 
         Each tick: this stage's op of the timetable (`_forward`, `_backward`,
         zb-h1's W), then the tick's exchanges (`_exchange`), then, on XLA, a
-        graph cut (`_cut_graph`) after every tick (pp > 1) or every
-        micro-batch's backward (pp = 1; zb-h1: B, W): a graph covers one op of one
-        micro-batch, whose inputs are device data of the same shapes for every
-        micro-batch (each is its own tensor, never `tokens[i]` of one big
-        tensor, which would bake i into the graph). So the graphs compiled do
-        not grow in number or size with m: a tick's graph is set by its op's
-        kind and chunk and by what crosses (tests/test_schedule.py). Gradients
-        accumulated so far stay on the device; the next graph adds to them."""
+        graph cut (`_cut_graph`) after every tick (pp > 1) or every backward
+        (pp = 1; zb-h1: B, W). A graph covers one op of one micro-batch, whose
+        inputs are tensors of their own (never `tokens[i]` of one big tensor,
+        which would bake i into the graph), so the graphs compiled do not grow
+        in number or size with m: a tick's graph is set by its op's kind and
+        chunk and by what crosses (tests/test_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
-        self.deferred, tpl.WEIGHT_GRADS.split = {}, self.split   # zb-h1: (mb, chunk) -> what its W needs, B to W
+        self.deferred = {}                    # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
-        # before micro-batch 0, so that what the step queued before (zero_grad's reset of
-        # the flat gradient buffers) is a graph of its own; then every micro-batch runs the
-        # same graph (no gradient exists before one: FlatAdamW's hooks move each into the
-        # fp32 buffer and free it)
+        # before micro-batch 0: what the step queued before (zero_grad's reset) is a graph of its own,
+        # and every micro-batch runs the same graph (no gradient exists before one: the hooks free it)
         self._cut_graph()
         if self.clock:
             self.clock.start()
-        for t, row in enumerate(self.ticks):
-            op = row[self.stage]
-            act = grad = None                 # what this stage produced in tick t, for its neighbours
-            if op is not None:
-                kind, i, c = op
-                started = self.clock.op_start() if self.clock else 0.0
-                if kind == "F":
-                    act = self._forward(i, c, tokens, targets, loss_scale)
-                elif kind == "B":
-                    grad = self._backward(i, c)
-                else:                         # W: the weight gradients B left for later
-                    tpl.weight_grads(self.deferred.pop((i, c)))
-                if self.clock:
-                    self.clock.op_end(kind, i, started, c)
-            self._exchange(t, act, grad)
-            if self.pp > 1 or (op is not None and op[0] != "F"):
-                self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
-        tpl.WEIGHT_GRADS.split = False
+        with self.split_backward:             # zb-h1: the linears defer their dW to it, in these ticks only
+            for t, row in enumerate(self.ticks):
+                op = row[self.stage]
+                act = grad = None                 # what this stage produced in tick t, for its neighbours
+                if op is not None:
+                    kind, i, c = op
+                    started = self.clock.op_start() if self.clock else 0.0
+                    if kind == "F":
+                        act = self._forward(i, c, tokens, targets, loss_scale)
+                    elif kind == "B":
+                        grad = self._backward(i, c)
+                    else:                         # W: the weight gradients B left for later
+                        split_backward.weight_grads(self.deferred.pop((i, c)))
+                    if self.clock:
+                        self.clock.op_end(kind, i, started, c)
+                self._exchange(t, act, grad)
+                if self.pp > 1 or (op is not None and op[0] != "F"):
+                    self._cut_graph()             # one graph per tick (pp = 1: per micro-batch, zb-h1: per B, W)
         assert not self.in_flight and not self.inputs and not self.grads_in and not self.deferred
         if self.clock:
             self.clock.stop()
@@ -302,16 +299,15 @@ class PipelineRunner:
         else:
             out.backward(self.grads_in.pop((i, c)))
         if self.split:                        # zb-h1: the linears' dW left for W
-            self.deferred[(i, c)], tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
+            self.deferred[(i, c)], self.split_backward.stash = self.split_backward.stash, []
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:
-        """The communication phase of tick t: the left boundary first, then the
-        right one, then (interleaved) the wrap-around boundary (why this cannot
-        deadlock: the module docstring). `act` and `grad`: what this stage
-        produced in tick t, if anything (the plan says the same: it reads the
-        same timetable); what arrives is kept in inputs / grads_in, under the
-        micro-batch and the chunk it is for, for the ops of later ticks."""
+        """The communication phase of tick t: the left boundary first, then the right one,
+        then (interleaved) the wrap-around boundary (why this cannot deadlock: the module
+        docstring). `act` and `grad`: what this stage produced in tick t, if anything (the
+        plan says the same: it reads the same timetable); what arrives is kept in inputs /
+        grads_in, under the micro-batch and the chunk it is for, for later ticks' ops."""
         mesh, s, row = self.mesh, self.stage, self.ticks[t]
         if s > 0:                                            # boundary s-1 | s
             act_in, grad_out = self._exchange_plan(t, s - 1)
@@ -357,13 +353,12 @@ class PipelineRunner:
 
     @torch.no_grad()
     def forward_only(self, tokens, targets, loss_scale: float) -> torch.Tensor:
-        """Evaluation: forwards only, micro-batch by micro-batch down the chain
-        of chunks (virtual stages 0, 1, ..., pp*v - 1). Each chunk receives
-        from the one before (the previous stage, or for the first stage's
-        chunk c > 0 the last stage's chunk c-1, across the wrap pair),
-        computes, sends to the next; each exchange pairs a stage that just
-        computed with one waiting for its input, so the chain cannot
-        deadlock. Returns the scaled loss sum (zero off the last stage)."""
+        """Evaluation: forwards only, micro-batch by micro-batch down the chain of chunks
+        (virtual stages 0, 1, ..., pp*v - 1). Each chunk receives from the one before (the
+        previous stage; for the first stage's chunk c > 0 the last stage's chunk c-1, across
+        the wrap pair), computes, sends to the next: each exchange pairs a stage that just
+        computed with one waiting for it, so the chain cannot deadlock. Returns the scaled
+        loss sum (zero off the last stage)."""
         mesh = self.mesh
         total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for i in range(self.m):

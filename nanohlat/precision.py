@@ -156,7 +156,7 @@ def rounding_noise(param_key: torch.Tensor, index: torch.Tensor) -> torch.Tensor
 def full_index(local: torch.Tensor, shape, tp_dim, chunk: int, chunks: int) -> torch.Tensor:
     """Flat indices into the full parameter of the elements at flat indices
     `local` of this rank's shard (shape `shape`), which is chunk number `chunk`
-    of `chunks` contiguous chunks along `tp_dim` (tensor_parallel.shard)."""
+    of `chunks` contiguous chunks along `tp_dim` (shard_spec.shard)."""
     if tp_dim is None or chunks == 1:
         return local
     block = math.prod(shape[tp_dim:])          # one chunk's elements per index of the leading dims
@@ -193,7 +193,7 @@ def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp
         lo, hi = max(off, start), min(off + p.numel(), stop)
         if lo >= hi:
             continue
-        chunks = 1 if p.shard.dim is None else p.shard.parts   # (tensor_parallel.ShardSpec)
+        chunks = 1 if p.shard.dim is None else p.shard.parts   # (shard_spec.ShardSpec)
         pieces.append(Piece(name, name_key(name), lo - start, hi - start, lo - off, hi - off, tuple(p.shape),
                             p.shard.dim, tp_rank * chunks // tp, chunks))   # tp ranks sharing a chunk hold copies
     return pieces

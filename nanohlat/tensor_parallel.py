@@ -37,10 +37,8 @@ sequence dimension is the first; ours is the second (SEQ_DIM):
     _GatherSeq   enter, SP    gather_from_sequence_parallel_region         g (SP paper)
     _ScatterSeq  leave, SP    reduce_scatter_to_sequence_parallel_region   g-bar (SP paper)
 
-Parameters carry their sharding as one object, `p.shard` (a `ShardSpec`:
-which dimension is cut, into how many parts, which part this rank holds, the
-full shape, and whether a sequence-parallel region makes its gradient a
-partial sum). Init, the optimizer, checkpoints and the replica checks read it.
+Each parameter carries its slice as `p.shard` (shard_spec.py); in a zb-h1
+step the linears leave their weight gradients for later (split_backward.py).
 
 More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
 heads) makes several ranks hold copies of one kv head, whose gradients the
@@ -50,21 +48,21 @@ tp <= n_kv_heads there are no copies, so skip it on a first reading.
 
 from __future__ import annotations
 
-import types
-from dataclasses import dataclass
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm
+from .shard_spec import _param
+from .split_backward import linear, weight_grads_of
 
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
 
 # ---------------------------------------------------------------------------
-# The region boundaries: four conjugate functions, and enter / leave, which
-# pick a pair (module docstring's tables)
+# The region boundaries: four conjugate functions; enter / leave pick a pair (tables above)
 # ---------------------------------------------------------------------------
 
 class _Copy(torch.autograd.Function):
@@ -141,18 +139,14 @@ class _ScatterSeq(torch.autograd.Function):
 
 
 def enter(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank
-    (Megatron-LM: `gather_from_sequence_parallel_region` or
-    `copy_to_tensor_model_parallel_region`)."""
+    """Before column-parallel layers: (B, T/tp, C) or (B, T, C) -> (B, T, C) on every rank (table above)."""
     if group.size == 1:
         return x
     return _GatherSeq.apply(x, group) if sequence_parallel else _Copy.apply(x, group)
 
 
 def leave(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
-    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C)
-    (Megatron-LM: `reduce_scatter_to_sequence_parallel_region` or
-    `reduce_from_tensor_model_parallel_region`)."""
+    """After a row-parallel layer: partial sums (B, T, C) -> (B, T/tp, C) or (B, T, C) (table above)."""
     if group.size == 1:
         return x
     return _ScatterSeq.apply(x, group) if sequence_parallel else _Reduce.apply(x, group)
@@ -165,29 +159,24 @@ def reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, regather: bool = True) -> tuple:
     """`enter`, then each column-parallel linear of `linears` on the full sequence
-    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each.
-
-    With sequence parallel and `regather` (--sp-regather, the default), both
-    steps are one function, `_GatherLinears`, that keeps only this rank's T/tp
-    tokens for backward and all-gathers them again there (Megatron-LM's way;
-    the section below). Otherwise `enter`'s gathered (B, T, C) is what each
-    F.linear keeps. The two ways compute the same bits."""
+    (wq, wk, wv; gate, up; the head): their outputs, (B, T, out/tp) each. With
+    sequence parallel and `regather` (--sp-regather, the default) both steps are
+    one function, `_GatherLinears` (the section below): the same bits, less kept."""
     if sequence_parallel and regather and group.size > 1:
-        return _GatherLinears.apply(x, group, *(lin.weight for lin in linears))
+        return _GatherLinears.apply(x, group, linears[0].split_backward, *(lin.weight for lin in linears))
     x = enter(x, group, sequence_parallel)
     return tuple(lin(x) for lin in linears)
 
 
 # ---------------------------------------------------------------------------
-# Sequence parallel, gathering again in backward. F.linear keeps its input for
-# the weight gradient (dW = g^T x), so after `enter` each matmul group keeps
-# the all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the
-# largest activation of a sequence-parallel block (hlat-70b's plan, one
-# micro-batch: 2 x 67 MB of a layer's 182 MB; 52 MB keeping the shards).
-# Megatron-LM keeps the T/tp shard instead and gathers it once more in
-# backward (LinearWithGradAccumulationAndAsyncCommunication with
-# sequence_parallel=True): one more all-gather per matmul group per
-# micro-batch, for tp times less kept.
+# Sequence parallel, gathering again in backward. F.linear keeps its input for the
+# weight gradient (dW = g^T x), so after `enter` each matmul group keeps the
+# all-gathered (B, T, C): tp times the T/tp tokens the rank holds, the largest
+# activation of a sequence-parallel block (hlat-70b's plan, one micro-batch: 2 x 67 MB
+# of a layer's 182 MB; 52 MB keeping the shards). Megatron-LM keeps the T/tp shard
+# instead and gathers it once more in backward (LinearWithGradAccumulationAndAsyncCommunication
+# with sequence_parallel=True): one more all-gather per matmul group per micro-batch,
+# for tp times less kept.
 # ---------------------------------------------------------------------------
 
 class _GatherLinears(torch.autograd.Function):
@@ -195,15 +184,14 @@ class _GatherLinears(torch.autograd.Function):
     the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (zb-h1: in W), sums
     dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
 
-    The backward does exactly F.linear's backward ops (an mm of the flattened
-    (B*T, .) tensors each way), and adds the dx terms last linear first, the
-    order autograd's engine adds them when `enter` and the linears are separate
-    nodes: so losses and gradients are bitwise those of --no-sp-regather
-    (tests/test_tensor_parallel.py)."""
+    The backward does exactly F.linear's backward ops (an mm of the flattened (B*T, .)
+    tensors each way), and adds the dx terms last linear first, the order autograd's
+    engine adds them when `enter` and the linears are separate nodes: so losses and
+    gradients are bitwise those of --no-sp-regather (tests/test_tensor_parallel.py)."""
 
     @staticmethod
-    def forward(ctx, x, group, *weights):
-        ctx.group = group
+    def forward(ctx, x, group, split, *weights):
+        ctx.group, ctx.split = group, split                  # split: zb-h1's SplitBackward, or None
         ctx.save_for_backward(x, *weights)                   # the shard, not the gathered sequence
         full = comm.all_gather(x, group, dim=SEQ_DIM)        # (B, T, C), freed when forward returns
         return tuple(F.linear(full, w) for w in weights)
@@ -211,136 +199,15 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        if WEIGHT_GRADS.split:                               # zb-h1's B: the gather and each dW wait for W
-            WEIGHT_GRADS.stash.append((weights, x, ctx.group, grads))
-        dws = ([None] * len(weights) if WEIGHT_GRADS.split     # else gather again: the forward's (B, T, C)
-               else weight_grads_of(comm.all_gather(x, ctx.group, dim=SEQ_DIM), grads))
+        gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> the forward's (B, T, C)
+        if ctx.split is not None:                            # zb-h1's B: the gather and each dW wait for W
+            ctx.split.stash.append((weights, x, gather, grads))
+        dws = [None] * len(weights) if ctx.split is not None else weight_grads_of(gather(x), grads)   # else now
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
             d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
             dx = d if dx is None else dx + d
-        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, *dws)
-
-
-def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
-    """dW = g^T x for each linear fed x, as F.linear's backward: an mm of the (B*T, .) tensors."""
-    x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
-    return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
-
-
-# ---------------------------------------------------------------------------
-# ZB-H1's split backward (pipeline.py). A linear's backward computes dx = g W,
-# which the layer before waits for, and dW = g^T x, which nothing needs before
-# the step. B computes dx, stashing (W, x, g); W computes each dW with autograd's
-# mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
-# hooks (optim.py) as an unsplit backward does (in B they run with no gradient
-# and add nothing). The norm gains and the embedding keep their gradients in B.
-# ---------------------------------------------------------------------------
-
-WEIGHT_GRADS = types.SimpleNamespace(split=False, stash=[])  # pipeline.py sets split; stash: (weights, x, group, grads)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x W^T: F.linear, or in a zb-h1 step the same product with its dW left for W."""
-    return _SplitLinear.apply(x, w) if WEIGHT_GRADS.split and torch.is_grad_enabled() else F.linear(x, w)
-
-
-class _SplitLinear(torch.autograd.Function):
-    """F.linear whose backward returns only dx (F.linear's mm)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        WEIGHT_GRADS.stash.append(((w,), x, None, (g,)))
-        return g.reshape(-1, g.shape[-1]).mm(w).view_as(x), None
-
-
-def weight_grads(stash: list) -> None:
-    """The W op: each dW = g^T x one B stashed, accumulated as a backward would."""
-    weights, dws = [], []
-    with torch.no_grad():                      # (as in a backward: nothing here is differentiated)
-        for ws, x, group, grads in stash:      # _GatherLinears kept the T/tp shard: gather it (tp, this stage)
-            weights += ws
-            dws += weight_grads_of(x if group is None else comm.all_gather(x, group, dim=SEQ_DIM), grads)
-    torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
-
-
-# ---------------------------------------------------------------------------
-# How a parameter is split over tp ranks: ShardSpec, attached as p.shard
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is split over the tp ranks, attached to it as `p.shard`
-    (by `_param`). The one contract between the parallel layers that create
-    parameters and everything else that must know their layout:
-
-        full_shape         the unsharded shape: what init draws, what a checkpoint stores
-        dim                the dimension cut over tp ranks; None: replicated, every rank
-                           holds the whole tensor
-        parts              the full tensor is cut into `parts` equal contiguous chunks
-                           along `dim` (1 when replicated) ...
-        part               ... and this rank holds chunk `part` (0 when replicated);
-                           `local_part` cuts it out of a full tensor
-        sequence_parallel  a replicated weight used inside a sequence-parallel region
-                           (the norms' gains): each rank sees only its T/tp tokens, so
-                           its gradient is a partial sum to be all-reduced over tp
-
-    Usually parts = tp and part = the tp rank. The one exception is kv-head
-    replication (only when tp > n_kv_heads; the section at the end of this
-    file): wk and wv are cut into n_kv_heads parts, fewer than tp, and each
-    part is held by copies = tp // parts neighbouring ranks (part = tp_rank //
-    copies). So `tp // parts` is how many tp ranks hold each element: 1 for a
-    split weight, tp for a replicated one.
-
-    Who reads it: model.py:init_weights (full_shape, then `local_part`);
-    optim.py:FlatAdamW (its flat groups by (dim is None, parts), the
-    sequence-parallel all-reduce, the grad norm counting each element once);
-    precision.py:shard_pieces (an element's index in the full tensor, for
-    the stochastic-rounding noise and the checkpoint's optimizer pieces);
-    run/checkpoint/ (a shard's metadata: full_shape, tp_dim = dim or -1,
-    parts, part; which copy saves; loading through `local_part`);
-    run/replicas.py (which ranks must hold equal copies); serving/generate.py
-    (loading); device.py:Device.place (re-attaches it after a move to XLA).
-    """
-
-    full_shape: tuple
-    dim: int | None = None
-    parts: int = 1
-    part: int = 0
-    sequence_parallel: bool = False
-
-
-def shard(full: torch.Tensor, dim, part: int, parts: int) -> torch.Tensor:
-    """Chunk `part` of `parts` contiguous chunks of a full tensor along `dim` (None: the
-    whole tensor). A tp rank's slice is chunk tp_rank of tp, or, for replicated kv
-    heads, chunk p.shard.part of p.shard.parts (`local_part`)."""
-    if dim is None or parts == 1:
-        return full
-    return full.chunk(parts, dim=dim)[part]
-
-
-def local_part(full: torch.Tensor, p) -> torch.Tensor:
-    """The part of a full tensor that parameter `p` holds on this rank (`p.shard`)."""
-    return shard(full, p.shard.dim, p.shard.part, p.shard.parts)
-
-
-def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False) -> nn.Parameter:
-    """A parameter holding part `part` of `parts` equal parts of a full tensor
-    cut along `dim` (dim None: the whole tensor, one part), its `ShardSpec`
-    attached as `p.shard`."""
-    shape = list(full_shape)
-    if dim is not None:
-        shape[dim] //= parts
-    p = nn.Parameter(torch.empty(shape))
-    parts, part = (parts, part) if dim is not None else (1, 0)
-    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel)
-    return p
+        return (comm.reduce_scatter(dx, ctx.group, dim=SEQ_DIM), None, None, *dws)
 
 
 # ---------------------------------------------------------------------------
@@ -352,19 +219,18 @@ class ColumnParallelLinear(nn.Module):
     inside the tp region (call `enter` once before a group of these, e.g. once
     for wq, wk and wv). Output: this rank's 1/tp of the features.
 
-    `replicas`: the kv group when tp exceeds the kv heads (the kv-head
-    section at the end of this file): W is cut into tp / replicas.size parts,
-    and the ranks of the group hold the same part; the optimizer adds up
-    their gradients (optim.py:FlatAdamW.reduce_gradients)."""
+    `replicas`: the kv group when tp exceeds the kv heads (the section at the end
+    of this file): W is cut into tp / replicas.size parts, one per kv group."""
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
         r = replicas.size if replicas is not None else 1
         self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
+        self.split_backward = None   # zb-h1: a PipelineRunner's SplitBackward while it runs a step's ticks
 
     def forward(self, x):
         # exercise 4b: begin
-        return linear(x, self.weight)  # (B, T, out/tp), or out*replicas/tp for replicated kv heads
+        return linear(x, self.weight, self.split_backward)  # (B, T, out/tp), or out*replicas/tp (kv replicas)
         # exercise 4b: end
 
 
@@ -375,12 +241,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.split_backward = group, sequence_parallel, None   # (zb-h1: above)
         self.weight = _param((out_features, in_features), 1, group.size, group.rank)
 
     def forward(self, x):  # x: (B, T, in/tp)
         # exercise 4b: begin
-        return leave(linear(x, self.weight), self.group, self.sequence_parallel)
+        return leave(linear(x, self.weight, self.split_backward), self.group, self.sequence_parallel)
         # exercise 4b: end
 
 
@@ -451,22 +317,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 # ---------------------------------------------------------------------------
-# Kv-head replication: only when tp > n_kv_heads (HLAT-70B: tp 32, 8 kv heads).
-# With tp <= n_kv_heads there is no kv group and nothing here acts: skip it on
-# a first reading.
-#
-# A rank's query heads then all use one kv head, so the rank holds a copy of
-# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv
-# group" of 4 replicas (mesh.py's kv section builds the groups;
-# ColumnParallelLinear's `replicas`, ShardSpec's parts < tp). Each replica's
-# gradient only covers its own query heads; the kv head's true gradient is
-# their sum. No code in this file adds them: each replica's micro-batch
-# gradients accumulate in its own fp32 flat buffer (wk and wv of every layer
-# form one flat group, parts < tp), and once per step, before the dp
-# reduction (ZeRO-2: after it, on the shard), optim.py:FlatAdamW.reduce_gradients
-# all-reduces that buffer over the kv group, as it does the sequence-parallel norm gains' over tp. Every
-# replica then holds the same full gradient, takes the same optimizer step,
-# and stays bitwise equal to its siblings. Cost per step: one all-reduce of
-# the group's fp32 buffer, 2 x layers x (head_dim, d_model) elements, however
-# many micro-batches the step has.
+# Kv-head replication: only when tp > n_kv_heads (module docstring; else nothing here
+# acts). A rank's query heads then all use one kv head, so the rank holds a copy of
+# that kv head's rows of wk and wv: ranks 4k..4k+3 hold kv head k, a "kv group" of 4
+# replicas (mesh.py's kv section; ColumnParallelLinear's `replicas`, ShardSpec's
+# parts < tp). Each replica's gradient covers only its own query heads; the kv head's
+# gradient is their sum, which no code in this file adds: each replica accumulates its
+# micro-batches in its own fp32 flat buffer (wk and wv of every layer: one flat group),
+# and once per step, before the dp reduction (ZeRO-2: after it, on the shard),
+# optim.py:FlatAdamW.reduce_gradients all-reduces it over the kv group, as the
+# sequence-parallel norm gains' over tp. The replicas then take the same step and stay
+# bitwise equal. Cost per step: one all-reduce of 2 x layers x (head_dim, d_model) fp32
+# elements, however many micro-batches the step has.
 # ---------------------------------------------------------------------------

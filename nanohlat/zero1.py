@@ -23,9 +23,8 @@ bytes), for N parameters on the rank: the same as one all-reduce (which *is*
 a reduce-scatter followed by an all-gather), so ZeRO-1 saves memory for free.
 
 Everything ZeRO-1 does lives here: the shard arithmetic, the two bucketed
-collectives and `ZeroOneDP`, the object FlatAdamW (optim.py) calls at the
-three places where sharding matters. Its plain-data-parallel twin is
-`data_parallel.ReplicatedDP`: same methods, no sharding.
+collectives and `ZeroOneDP`, which FlatAdamW (optim.py) calls where sharding
+matters, as it calls its twin without sharding, `data_parallel.ReplicatedDP`.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .data_parallel import ReplicatedDP, bucket_ranges, wait_all
+from .data_parallel import Reduction, ReplicatedDP, bucket_ranges, wait_all
 
 
 def padded_size(numel: int, dp: int) -> int:
@@ -45,12 +44,6 @@ def shard_range(numel: int, dp: int, dp_rank: int) -> tuple[int, int]:
     """[start, stop) of the flat buffer that dp rank `dp_rank` owns."""
     size = padded_size(numel, dp) // dp
     return dp_rank * size, (dp_rank + 1) * size
-
-
-def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
-    """Intersection of [a0, a1) and [b0, b1), or None."""
-    lo, hi = max(a0, b0), min(a1, b1)
-    return (lo, hi) if lo < hi else None
 
 
 def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Tensor:
@@ -92,8 +85,6 @@ class ZeroOneDP(ReplicatedDP):
     """The sharded update: this dp rank owns [start, stop) of every flat buffer.
     (ReplicatedDP's hooks and overlap; buckets are columns of the (dp, S) view.)"""
 
-    sharded = True
-
     def layout(self, numel: int) -> tuple[int, int, int]:
         """(padded length, start, stop) of a flat buffer of `numel` elements."""
         return (padded_size(numel, self.group.size),
@@ -104,19 +95,19 @@ class ZeroOneDP(ReplicatedDP):
         n, cols = self.group.size, padded // self.group.size
         return [[(r * cols + a, r * cols + b) for r in range(n)] for a, b in bucket_ranges(cols, self.bucket_elems // n)]
 
-    def start(self, g, k: int) -> tuple:
-        """Overlap: reduce-scatter bucket k into its columns of this rank's shard (g.reduced)."""
-        if not g.pending:
-            g.reduced = torch.empty(g.padded // self.group.size, dtype=g.grad.dtype, device=g.grad.device)
-        (a, b), n = g.watch.buckets[k][0], self.group.size
-        piece = g.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
-        return comm.start_reduce_scatter(piece, g.reduced[a:b], self.group), piece
+    def start(self, r: Reduction, k: int) -> tuple:
+        """Overlap: reduce-scatter bucket k into its columns of this rank's shard (r.reduced)."""
+        if not r.pending:
+            r.reduced = torch.empty(r.grad.numel() // self.group.size, dtype=r.grad.dtype, device=r.grad.device)
+        (a, b), n = r.watch.buckets[k][0], self.group.size
+        piece = r.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
+        return comm.start_reduce_scatter(piece, r.reduced[a:b], self.group), piece
 
-    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(self, r: Reduction, flat: torch.Tensor) -> torch.Tensor:
         """Summed gradients of this rank's shard."""
-        if g.watch is not None:
-            wait_all(g)
-            out, g.reduced = g.reduced, None             # (kept no longer than without overlap)
+        if r.watch is not None:
+            wait_all(r)
+            out, r.reduced = r.reduced, None             # (kept no longer than without overlap)
             return out
         return reduce_scatter_buckets(flat, self.group, self.bucket_elems)
 

@@ -33,70 +33,78 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .data_parallel import BucketWatch
+from .data_parallel import BucketWatch, Reduction
 from .zero1 import ZeroOneDP
+
+
+class Staging(Reduction):
+    """ZeRO-2's own state for one flat group: also each filling bucket's staging, the reduce-scatters in flight."""
+
+    def __init__(self, g, watch):
+        super().__init__(g, watch)
+        self.staged, self.flight = {}, {}   # bucket -> its staging; bucket -> (work, out, staging)
 
 
 class ZeroTwoDP(ZeroOneDP):
     """ZeRO-1's sharded update, with the gradient buffer itself the shard [start, stop)."""
 
     in_backward = True         # summed over dp in the backward: tp sums come after (optim.py)
+    state = Staging            # its per-group state (ZeRO-3: zero3.Shard)
 
     def grad_length(self, padded: int) -> int:
         return padded // self.group.size
 
-    def watch(self, g) -> BucketWatch:
-        """Every micro-batch fills every bucket once; nothing in flight, nothing staged yet."""
-        g.staged, g.flight = {}, {}
-        return BucketWatch(self.buckets(g.padded), g.numel, 1)
+    def track(self, g) -> Staging:
+        """Group g's state: every micro-batch fills every bucket once; nothing staged or in flight yet."""
+        return self.state(g, BucketWatch(self.buckets(g.padded), g.numel, 1))
 
-    def grad_hook(self, g, off: int, numel: int):
+    def grad_hook(self, s: Staging, off: int, numel: int):
         """Copy the parameter's gradient into the staging of each bucket it falls in, and
         reduce-scatter each bucket it completes (the staging is zeros where nothing falls: padding)."""
-        pieces = g.watch.pieces(off, numel)
+        pieces = s.watch.pieces(off, numel)
 
         def hook(p: torch.Tensor) -> None:
             if p.grad is None:
                 return
             grad = p.grad.reshape(-1)
             for k, lo, hi, at in pieces:
-                if k not in g.staged:
-                    size = sum(b - a for a, b in g.watch.buckets[k])
-                    g.staged[k] = torch.zeros(size, dtype=torch.float32, device=grad.device)
-                g.staged[k][at:at + hi - lo].copy_(grad[lo - off:hi - off])
-                if g.watch.filled(k, hi - lo):
-                    self.reduce_bucket(g, k)
+                if k not in s.staged:
+                    size = sum(b - a for a, b in s.watch.buckets[k])
+                    s.staged[k] = torch.zeros(size, dtype=torch.float32, device=grad.device)
+                s.staged[k][at:at + hi - lo].copy_(grad[lo - off:hi - off])
+                if s.watch.filled(k, hi - lo):
+                    self.reduce_bucket(s, k)
             p.grad = None
         return hook
 
-    def reduce_bucket(self, g, k: int) -> None:
+    def reduce_bucket(self, s: Staging, k: int) -> None:
         """Bucket k is full: reduce-scatter it (started, with overlap) and free its staging."""
         # exercise 3d: begin
-        self.finish(g, k)                                # the previous micro-batch's, if still in flight
-        piece, (a, b) = g.staged.pop(k), g.watch.buckets[k][0]
+        self.finish(s, k)                                # the previous micro-batch's, if still in flight
+        piece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]
         if self.overlap:
             out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
-            g.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)
-            if len(g.flight) == len(g.watch.buckets):    # this micro-batch's last: keep no staging after it
-                for j in sorted(g.flight):
-                    self.finish(g, j)
+            s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)
+            if len(s.flight) == len(s.watch.buckets):    # this micro-batch's last: keep no staging after it
+                for j in sorted(s.flight):
+                    self.finish(s, j)
         else:
-            g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
+            s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
         # exercise 3d: end
 
-    def finish(self, g, k: int) -> None:
+    def finish(self, s: Staging, k: int) -> None:
         # exercise 3d: begin
-        if k in g.flight:
-            work, out, _ = g.flight.pop(k)
+        if k in s.flight:
+            work, out, _ = s.flight.pop(k)
             work.wait()
-            g.grad[g.watch.buckets[k][0][0]:g.watch.buckets[k][0][1]].add_(out)
+            s.grad[s.watch.buckets[k][0][0]:s.watch.buckets[k][0][1]].add_(out)
         # exercise 3d: end
 
-    def reduce_gradients(self, g, flat: torch.Tensor) -> torch.Tensor:
+    def reduce_gradients(self, s: Staging, flat: torch.Tensor) -> torch.Tensor:
         """Phase 1: the shard already holds the dp sum; finish what is still in flight."""
-        if g.staged:
-            raise RuntimeError(f"ZeRO-2: buckets {sorted(g.staged)} of a gradient buffer never filled "
+        if s.staged:
+            raise RuntimeError(f"ZeRO-2: buckets {sorted(s.staged)} of a gradient buffer never filled "
                                f"(a parameter got no gradient in some micro-batch); run with --zero 1")
-        for k in sorted(g.flight):
-            self.finish(g, k)
+        for k in sorted(s.flight):
+            self.finish(s, k)
         return flat

@@ -50,59 +50,71 @@ import contextlib
 import torch
 
 from .zero1 import all_gather_buckets
-from .zero2 import ZeroTwoDP
+from .zero2 import Staging, ZeroTwoDP
+
+
+class Shard(Staging):
+    """ZeRO-3's own state for one flat group: ZeRO-2's, and the parameters kept as this rank's shard while the
+    flat buffer's storage is empty (fp32, bf16, bf16-sr: also the master); writes go through `fill`, an alias
+    of that storage, so autograd sees no in-place change."""
+
+    def __init__(self, g, watch):
+        super().__init__(g, watch)
+        self.flat, self.padded, self.start, self.stop, self.params = g.flat, g.padded, g.start, g.stop, g.params
+        self.param_shard = g.flat[g.start:g.stop].clone()
+        self.fill = g.flat.new_empty(0).set_(g.flat.untyped_storage(), 0, (g.padded,))
+        self.unit = None                          # the Unit it is gathered and freed with (`attach`)
 
 
 class ZeroThreeDP(ZeroTwoDP):
-    """ZeRO-2's sharded gradients and update; the parameters kept as the shard (FlatGroup.param_shard)."""
+    """ZeRO-2's sharded gradients and update; the parameters kept as the shard (Shard.param_shard)."""
 
-    def grad_hook(self, g, off: int, numel: int):
+    state = Shard
+
+    def grad_hook(self, s: Shard, off: int, numel: int):
         """ZeRO-2's hook, then: was this the unit's last gradient of the micro-batch? Free it."""
-        hook = super().grad_hook(g, off, numel)
+        hook = super().grad_hook(s, off, numel)
 
         def then_count(p: torch.Tensor) -> None:
             hook(p)
-            g.unit.gradient_in()
+            s.unit.gradient_in()
         return then_count
 
     def write_back(self, g) -> None:
         """Phase 4: the kept shard is the new weights (bf16-mixed: its fp32 master, rounded). No all-gather."""
         if not g.master_is_params:
-            g.param_shard.copy_(g.master)
+            g.dp_state.param_shard.copy_(g.master)
 
 
 class Unit:
-    """The flat groups of one layer (or of the rest), gathered and freed together."""
+    """The flat groups of one layer (or of the rest), their Shards gathered and freed together."""
 
-    def __init__(self, groups, dp: ZeroThreeDP):
-        self.groups, self.dp = groups, dp
-        self.params = sum(len(g.params) for g in groups)   # gradients to wait for in a backward
+    def __init__(self, shards, dp: ZeroThreeDP):
+        self.shards, self.dp = shards, dp
+        self.params = sum(len(s.params) for s in shards)   # gradients to wait for in a backward
         self.got, self.whole, self.in_backward = 0, True, False
-        for g in groups:
-            g.unit, g.param_shard = self, g.flat[g.start:g.stop].clone()   # the kept shard of the parameters
-            g.master = g.param_shard if g.master_is_params else g.master   # (fp32, bf16, bf16-sr: the master too)
-            # writes go through an alias of the storage, so autograd sees no in-place change
-            g.fill = g.flat.new_empty(0).set_(g.flat.untyped_storage(), 0, (g.padded,))
+        for s in shards:
+            s.unit = self
         self.free()
 
-    def gathered(self, g, group=None) -> torch.Tensor:
-        """Group g's whole flat buffer, all-gathered from every rank's shard (also a checkpoint's export)."""
-        return all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems)
+    def gathered(self, s: Shard, group=None) -> torch.Tensor:
+        """A group's whole flat buffer, all-gathered from every rank's shard (also a checkpoint's export)."""
+        return all_gather_buckets(s.param_shard, group or self.dp.group, self.dp.bucket_elems)
 
     def gather(self, group=None) -> None:
         """Give each flat buffer its storage back and all-gather every rank's shard into it."""
         # exercise 3e: begin
-        for g in self.groups if not self.whole else []:
-            g.flat.untyped_storage().resize_(g.padded * g.flat.element_size())
-            g.fill.copy_(self.gathered(g, group))
+        for s in self.shards if not self.whole else []:
+            s.flat.untyped_storage().resize_(s.padded * s.flat.element_size())
+            s.fill.copy_(self.gathered(s, group))
         self.whole = True
         # exercise 3e: end
 
     def free(self) -> None:
         """Keep only the shard: the parameters' views stay, their storage holds 0 bytes."""
         # exercise 3e: begin
-        for g in self.groups:
-            g.flat.untyped_storage().resize_(0)
+        for s in self.shards:
+            s.flat.untyped_storage().resize_(0)
         self.whole = False
         # exercise 3e: end
 
@@ -136,9 +148,9 @@ def unit_of(name: str) -> int:
 
 
 def attach(model, groups, dp: ZeroThreeDP) -> list:
-    """One Unit per layer (and one for the rest) over FlatAdamW's groups, hooked to its module."""
+    """One Unit per layer (and one for the rest) over FlatAdamW's groups' Shards, hooked to its module."""
     ids = sorted({unit_of(g.names[0]) for g in groups})
-    units = {u: Unit([g for g in groups if unit_of(g.names[0]) == u], dp) for u in ids}
+    units = {u: Unit([g.dp_state for g in groups if unit_of(g.names[0]) == u], dp) for u in ids}
     for u, unit in units.items():
         unit.attach(model if u < 0 else model.layers[str(u)])
     return list(units.values())
@@ -154,7 +166,7 @@ def whole(opt, group=None):
         yield
     finally:
         for u in units:
-            for g in u.groups:
-                g.param_shard.copy_(g.flat[g.start:g.stop])
+            for s in u.shards:
+                s.param_shard.copy_(s.flat[s.start:s.stop])
             u.free()
 

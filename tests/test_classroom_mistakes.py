@@ -110,7 +110,7 @@ return shard
 """
 ZERO_AG = reference("3c")
 WRONG_COMM = "right values, but"
-ZERO2_RS = "g.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
+ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
 
 PLANTS = [
     # ---- 1a RMSNorm -------------------------------------------------------------------------------
@@ -237,65 +237,65 @@ PLANTS = [
               return full.reshape(-1)""")),
     # ---- 3d ZeRO-2 bucket (regions: 0 reduce_bucket, 1 finish) --------------------------------------
     wrong("3d", "assigns the reduce-scattered columns instead of adding them: micro-batch 0's sum lost",
-          "dp=3, overlap off, n=10", sub(ZERO2_RS, "g.grad[a:b] = comm.reduce_scatter(piece, self.group)")),
+          "dp=3, overlap off, n=10", sub(ZERO2_RS, "s.grad[a:b] = comm.reduce_scatter(piece, self.group)")),
     wrong("3d", "all-reduces the bucket and adds its own row: right values, twice the bytes", WRONG_COMM,
-          sub(ZERO2_RS, "g.grad[a:b].add_(comm.all_reduce(piece, self.group).view(self.group.size, -1)"
+          sub(ZERO2_RS, "s.grad[a:b].add_(comm.all_reduce(piece, self.group).view(self.group.size, -1)"
                         "[self.group.rank])")),
     wrong("3d", "torch.distributed's reduce-scatter without its group", "default (world)",
           sub(ZERO2_RS, "out = torch.empty(b - a)\n            torch.distributed.reduce_scatter_tensor(out, piece)\n"
-                        "            g.grad[a:b].add_(out)")),
+                        "            s.grad[a:b].add_(out)")),
     wrong("3d", "overlap: never waits at the micro-batch's last bucket (in flight into the next)", "still in flight",
-          sub("if len(g.flight) == len(g.watch.buckets):", "if False:")),
+          sub("if len(s.flight) == len(s.watch.buckets):", "if False:")),
     wrong("3d", "overlap: waits once all but one bucket are in flight (off by one)", "still in flight",
-          sub("if len(g.flight) == len(g.watch.buckets):", "if len(g.flight) == len(g.watch.buckets) - 1:")),
+          sub("if len(s.flight) == len(s.watch.buckets):", "if len(s.flight) == len(s.watch.buckets) - 1:")),
     wrong("3d", "keeps the staging (reads it instead of popping it)", "staging is still kept",
-          sub("piece, (a, b) = g.staged.pop(k), g.watch.buckets[k][0]",
-              "piece, (a, b) = g.staged[k], g.watch.buckets[k][0]")),
+          sub("piece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]",
+              "piece, (a, b) = s.staged[k], s.watch.buckets[k][0]")),
     wrong("3d", "finish waits for the reduce-scatter but never adds its columns", "dp=3, overlap on, n=10",
-          body(1, "if k in g.flight:\n    work, out, _ = g.flight.pop(k)\n    work.wait()")),
+          body(1, "if k in s.flight:\n    work, out, _ = s.flight.pop(k)\n    work.wait()")),
     right("3d", "always starts the reduce-scatter with torch.distributed, and without overlap waits at once",
           body(0, """
-              self.finish(g, k)
-              a, b = g.watch.buckets[k][0]
-              piece = g.staged.pop(k)
+              self.finish(s, k)
+              a, b = s.watch.buckets[k][0]
+              piece = s.staged.pop(k)
               out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
               work = torch.distributed.reduce_scatter_tensor(out, piece, group=self.group.pg, async_op=True)
-              g.flight[k] = (work, out, piece)
-              if not self.overlap or len(g.flight) == len(g.watch.buckets):
-                  for j in list(g.flight):
-                      self.finish(g, j)""")),
+              s.flight[k] = (work, out, piece)
+              if not self.overlap or len(s.flight) == len(s.watch.buckets):
+                  for j in list(s.flight):
+                      self.finish(s, j)""")),
     # ---- 3e ZeRO-3 gather and free (regions: 0 gather, 1 free) -----------------------------------------
     wrong("3e", "frees by putting an empty tensor in place of the flat buffer: the views keep the bytes",
-          "keeps only the shard", body(1, "for g in self.groups:\n    g.flat = g.flat.new_empty(0)\nself.whole = False")),
+          "keeps only the shard", body(1, "for s in self.shards:\n    s.flat = s.flat.new_empty(0)\nself.whole = False")),
     wrong("3e", "all-reduces a zero buffer holding its own shard: right values, twice the bytes", WRONG_COMM,
           body(0, """
-              for g in self.groups if not self.whole else []:
-                  g.flat.untyped_storage().resize_(g.padded * g.flat.element_size())
-                  full = torch.zeros(g.padded, dtype=g.flat.dtype)
-                  full[g.start:g.stop] = g.param_shard
+              for s in self.shards if not self.whole else []:
+                  s.flat.untyped_storage().resize_(s.padded * s.flat.element_size())
+                  full = torch.zeros(s.padded, dtype=s.flat.dtype)
+                  full[s.start:s.stop] = s.param_shard
                   torch.distributed.all_reduce(full, group=(group or self.dp.group).pg)
-                  g.fill.copy_(full)
+                  s.fill.copy_(full)
               self.whole = True""")),
     wrong("3e", "gathers even when the unit is already whole", "then gather again (already whole)",
-          sub("for g in self.groups if not self.whole else []:", "for g in self.groups:")),
+          sub("for s in self.shards if not self.whole else []:", "for s in self.shards:")),
     wrong("3e", "ignores the group it is given (a checkpoint's load gathers on another)", "another group given",
-          sub("g.fill.copy_(self.gathered(g, group))", "g.fill.copy_(self.gathered(g))")),
+          sub("s.fill.copy_(self.gathered(s, group))", "s.fill.copy_(self.gathered(s))")),
     wrong("3e", "free forgets that the unit is no longer whole: the next gather does nothing", "the first gather",
-          body(1, "for g in self.groups:\n    g.flat.untyped_storage().resize_(0)")),
+          body(1, "for s in self.shards:\n    s.flat.untyped_storage().resize_(0)")),
     wrong("3e", "torch.distributed's all-gather without its group", "default (world)",
-          sub("g.fill.copy_(self.gathered(g, group))",
-              "torch.distributed.all_gather_into_tensor(g.fill, g.param_shard)")),
+          sub("s.fill.copy_(self.gathered(s, group))",
+              "torch.distributed.all_gather_into_tensor(s.fill, s.param_shard)")),
     right("3e", "gathers through all_gather_buckets itself; frees only a storage that holds bytes",
           body(0, """
               if not self.whole:
-                  for g in self.groups:
-                      g.flat.untyped_storage().resize_(g.flat.numel() * g.flat.element_size())
-                      g.fill.copy_(all_gather_buckets(g.param_shard, group or self.dp.group, self.dp.bucket_elems))
+                  for s in self.shards:
+                      s.flat.untyped_storage().resize_(s.flat.numel() * s.flat.element_size())
+                      s.fill.copy_(all_gather_buckets(s.param_shard, group or self.dp.group, self.dp.bucket_elems))
                   self.whole = True"""),
           body(1, """
-              for g in self.groups:
-                  if g.flat.untyped_storage().nbytes():
-                      g.flat.untyped_storage().resize_(0)
+              for s in self.shards:
+                  if s.flat.untyped_storage().nbytes():
+                      s.flat.untyped_storage().resize_(0)
               self.whole = False""")),
     # ---- 4a conjugate functions (regions: 0 _Copy.fwd 1 _Copy.bwd 2 _Reduce.fwd 3 _Reduce.bwd
     #      4 _GatherSeq.fwd 5 _GatherSeq.bwd 6 _ScatterSeq.fwd 7 _ScatterSeq.bwd) ---------------------

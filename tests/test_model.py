@@ -10,7 +10,7 @@ from nanohlat.config import PRESETS
 from nanohlat.model import Transformer, full_init, init_weights
 from nanohlat.mesh import Group
 from nanohlat.serving import generate as gen
-from nanohlat.tensor_parallel import shard
+from nanohlat.shard_spec import shard
 
 CFG = PRESETS["tiny"][0]
 

@@ -721,9 +721,9 @@ def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bub
 def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
     """weight_grad_bytes against the tensors B really leaves for W (tp 1, one
     process; with sequence parallel at tp 1 nothing is gathered): every distinct
-    tensor in tensor_parallel.WEIGHT_GRADS's stash, on the last stage (head too)
+    tensor in a split_backward.SplitBackward's stash, on the last stage (head too)
     and a middle one."""
-    from nanohlat import tensor_parallel as tpl
+    from nanohlat import split_backward
     from nanohlat.model import Transformer, init_weights
     model_cfg, t = config.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
     mb = plan.micro_batch_size(t, 1)
@@ -732,13 +732,10 @@ def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
         model = Transformer(model_cfg, layers=layers, first=first, last=last)
         init_weights(model, 0)
         x = torch.randn(mb, t.seq_len, model_cfg.d_model, requires_grad=True)
-        tpl.WEIGHT_GRADS.split = True
-        try:
+        with split_backward.SplitBackward(model) as deferring:
             out = model(x, torch.zeros(mb, t.seq_len, dtype=torch.long)) if last else model(x)
             out.sum().backward()
-            stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
-        finally:
-            tpl.WEIGHT_GRADS.split = False
+            stash = deferring.stash
         kept = {id(a): a for _, x_in, _, grads in stash for a in (x_in, *grads)}
         assert sum(a.nbytes for a in kept.values()) == plan.weight_grad_bytes(model_cfg, t, 1, 4, 1, stage)
 

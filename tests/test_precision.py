@@ -25,7 +25,7 @@ from nanohlat import comm, config, optim
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights
-from nanohlat import tensor_parallel as tpl
+from nanohlat import shard_spec
 from nanohlat.precision import (full_index, master_dtype, mix64, name_key, param_dtype, round_update, rounding_noise,
                                 step_key, stochastic_round_to_bf16)
 
@@ -110,10 +110,10 @@ def test_noise_names_an_element_by_its_place_in_the_full_parameter(shape, tp_dim
     n = math.prod(shape)
     full_noise = rounding_noise(key, torch.arange(n)).view(shape)
     for rank in range(tp):
-        local_shape = tpl.shard(full_noise, tp_dim, rank, tp).shape
+        local_shape = shard_spec.shard(full_noise, tp_dim, rank, tp).shape
         local = torch.arange(math.prod(local_shape))
         mine = rounding_noise(key, full_index(local, local_shape, tp_dim, rank, tp)).view(local_shape)
-        assert torch.equal(mine, tpl.shard(full_noise, tp_dim, rank, tp))
+        assert torch.equal(mine, shard_spec.shard(full_noise, tp_dim, rank, tp))
     other_step = rounding_noise(mix64(step_key(1234, torch.tensor(8)) ^ name_key("w")), torch.arange(n))
     other_name = rounding_noise(mix64(step_key(1234, torch.tensor(7)) ^ name_key("v")), torch.arange(n))
     assert (other_step != full_noise.view(-1)).float().mean() > 0.99

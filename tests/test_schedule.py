@@ -212,3 +212,73 @@ def test_zb_h1_pp4_m8_bubble_is_011_against_1f1b_027():
     from nanohlat.tools import timeline
     assert f"{timeline.ideal_bubble('zb-h1', 4, 8):.2f}" == "0.11"
     assert f"{timeline.formula_bubble(4, 8, 'zb-h1'):.2f}" == "0.11"
+
+
+@pytest.mark.parametrize("tick", ["B", "W"])
+def test_an_exception_in_a_zb_h1_tick_leaves_the_next_backward_whole(tick):
+    """The split-backward mode belongs to the PipelineRunner running the ticks
+    (pipeline.py, split_backward.py:SplitBackward): the model's linears defer
+    their weight gradients only inside its run, however the run ends. Here a
+    parameter hook raises in the middle of a zb-h1 step (pp 1, 2 micro-batches):
+    in a B (the embedding's gradient comes in B), or in a W (wq's comes in W),
+    while every linear holds the runner's SplitBackward. After it every linear
+    holds None again; the next plain backward is whole: every parameter gets its
+    gradient, bitwise a fresh model's; and the next zb-h1 step of the same runner
+    is bitwise a 1F1B step of a fresh model (nothing the failed B stashed is used)."""
+    import dataclasses
+    import torch
+    from nanohlat import device, pipeline, tensor_parallel as tpl
+    from nanohlat.config import PRESETS, TrainConfig
+    from nanohlat.mesh import Mesh
+    from nanohlat.model import Transformer, init_weights
+    cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
+    mesh, dev = Mesh(1, 1, 1).build_groups(None), device.get_device("cpu")
+    g = torch.Generator().manual_seed(7)
+    tokens, targets = ([torch.randint(0, cfg.vocab_size, (2, 16), generator=g) for _ in range(2)] for _ in range(2))
+
+    def runner(schedule):
+        model = Transformer(cfg)
+        init_weights(model, 0)
+        t = dataclasses.replace(TrainConfig(), batch_size=4, seq_len=16, microbatches=2, schedule=schedule)
+        return pipeline.PipelineRunner(model, mesh, t, (2, 16, cfg.d_model), torch.float32, dev)
+
+    def linears(model):
+        return [m for m in model.modules() if isinstance(m, (tpl.ColumnParallelLinear, tpl.RowParallelLinear))]
+
+    def grads(model):
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    zb = runner("zb-h1")
+    model = zb.model
+    held = []
+
+    def boom(p):
+        held.append([m.split_backward for m in linears(model)])
+        raise KeyError(f"planted in a {tick} tick")
+    name = "embed.weight" if tick == "B" else "layers.0.attn.wq.weight"
+    hook = dict(model.named_parameters())[name].register_post_accumulate_grad_hook(boom)
+    with pytest.raises(KeyError, match=f"planted in a {tick} tick"):
+        zb.run(tokens, targets, 1.0)
+    hook.remove()
+    assert held and all(s is zb.split_backward for s in held[0]), "the hook ran inside the split step"
+    assert all(m.split_backward is None for m in linears(model)), "a linear still defers after the failed step"
+    assert zb.split_backward.stash == []
+
+    # the next backward outside the runner: whole, every gradient there and a fresh model's
+    fresh = runner("1f1b").model
+    for m in (model, fresh):
+        for p in m.parameters():
+            p.grad = None
+        m(tokens[0], targets[0]).sum().backward()
+    want = grads(fresh)
+    assert all(p is not None for p in grads(model).values())
+    assert all(torch.equal(p, want[n]) for n, p in grads(model).items())
+
+    # the same runner's next zb-h1 step: bitwise 1F1B's on a fresh model
+    one_f_one_b = runner("1f1b")
+    for r in (zb, one_f_one_b):
+        for p in r.model.parameters():
+            p.grad = None
+    assert torch.equal(zb.run(tokens, targets, 1.0), one_f_one_b.run(tokens, targets, 1.0))
+    want = grads(one_f_one_b.model)
+    assert all(torch.equal(p, want[n]) for n, p in grads(model).items())

@@ -201,7 +201,7 @@ def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
     `dim`; only replicated weights of a sequence-parallel model (the norms) are
     marked sequence_parallel; at tp 8 > 4 kv heads wk and wv have 4 parts,
     each held by 2 ranks."""
-    from nanohlat import tensor_parallel as tpl
+    from nanohlat import shard_spec
     from nanohlat.config import ModelConfig
     from nanohlat.mesh import Group
     from nanohlat.model import Transformer
@@ -211,7 +211,7 @@ def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
     model = Transformer(cfg, Group("tp", list(range(tp)), rank), sp, kv_group=kv)
     for name, p in model.named_parameters():
         s = p.shard
-        assert isinstance(s, tpl.ShardSpec) and set(vars(p)) == {"shard"}, name
+        assert isinstance(s, shard_spec.ShardSpec) and set(vars(p)) == {"shard"}, name
         local = list(s.full_shape)
         if s.dim is not None:
             local[s.dim] //= s.parts
@@ -304,7 +304,7 @@ def _check_split_backward(rank, tp):
     import dataclasses
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
-    from nanohlat import tensor_parallel as tpl
+    from nanohlat import split_backward
     from nanohlat.config import PRESETS
     from nanohlat.mesh import Group
     from nanohlat.config import TrainConfig
@@ -327,11 +327,10 @@ def _check_split_backward(rank, tp):
                     fired = []
                     for n, p in model.named_parameters():
                         p.register_post_accumulate_grad_hook(lambda p, n=n: fired.append(n) if p.grad is not None else None)
-                    tpl.WEIGHT_GRADS.split = split
-                    loss = model(tokens, targets).float().mean()
-                    loss.backward()                               # B (split) or the whole backward
-                    stash, tpl.WEIGHT_GRADS.stash = tpl.WEIGHT_GRADS.stash, []
-                    tpl.WEIGHT_GRADS.split = False
+                    with split_backward.SplitBackward(model if split else None) as deferring:
+                        loss = model(tokens, targets).float().mean()
+                        loss.backward()                           # B (split) or the whole backward
+                        stash = deferring.stash
                     assert bool(stash) == split
                     in_b = {n for n, p in model.named_parameters() if p.grad is not None}
                     if split:    # what B left for W is what --plan counts (tools/plan.py:weight_grad_bytes)
@@ -339,7 +338,7 @@ def _check_split_backward(rank, tp):
                         tcfg = TrainConfig(batch_size=2, seq_len=16, sequence_parallel=sp, sp_regather=regather,
                                            precision="fp32" if dtype == torch.float32 else "bf16")
                         assert sum(kept.values()) == plan.weight_grad_bytes(cfg, tcfg, tp, 1, 1, 0), (dtype, mode, sp)
-                    tpl.weight_grads(stash)                       # W
+                    split_backward.weight_grads(stash)                       # W
                     assert sorted(fired) == sorted(n for n, _ in model.named_parameters())
                     results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, in_b))
                 (a, ga, _), (b, gb, in_b) = results

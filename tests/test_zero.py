@@ -81,7 +81,7 @@ def log_collectives(rank: int) -> None:
     after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none) and
     the ZeRO-3 flat buffers still whole ('whole0': none)."""
     import train
-    from nanohlat import comm, optim, pipeline, zero2
+    from nanohlat import comm, optim, pipeline, zero2, zero3
     path = os.path.join(os.environ["ZERO_TEST_LOG"], f"rank{rank}.txt")
 
     def noting(fn, what):
@@ -91,18 +91,20 @@ def log_collectives(rank: int) -> None:
             return fn(*args, **kwargs)
         return wrapper
     train.train = noting(train.train, "run")
-    # after each micro-batch's backward: the ZeRO-2 staging still held (its groups, as the optimizer makes them)
-    groups = []
-    watch = zero2.ZeroTwoDP.watch
-    zero2.ZeroTwoDP.watch = lambda self, g: groups.append(g) or watch(self, g)
+    # after each micro-batch's backward: the ZeRO-2 staging still held (each group's Staging, as the optimizer
+    # makes them)
+    states = []
+    track = zero2.ZeroTwoDP.track
+    zero2.ZeroTwoDP.track = lambda self, g: states.append(track(self, g)) or states[-1]
     backward = pipeline.PipelineRunner._backward
 
     def backward_then_note(self, i, *chunk):
         out = backward(self, i, *chunk)
         with open(path, "a") as f:
-            held = sum(t.numel() for g in groups for t in g.staged.values())
-            held += sum(out.numel() + piece.numel() for g in groups for _, out, piece in g.flight.values())
-            f.write(f"staged{held}\nwhole{sum(g.flat.untyped_storage().nbytes() > 0 for g in groups if g.unit)}\n")
+            held = sum(t.numel() for s in states for t in s.staged.values())
+            held += sum(out.numel() + piece.numel() for s in states for _, out, piece in s.flight.values())
+            whole = sum(s.flat.untyped_storage().nbytes() > 0 for s in states if isinstance(s, zero3.Shard))
+            f.write(f"staged{held}\nwhole{whole}\n")
         return out
     pipeline.PipelineRunner._backward = backward_then_note
     comm.start_all_reduce = noting(comm.start_all_reduce, "start")

@@ -7,12 +7,8 @@ happens here, in this order:
   * at the start (`Session(...)`): resume from a checkpoint (model, optimizer
     and its step count, RNGs; the lr and the data follow from the step), and
     open the run's record (metrics.TrainLog: prints, progress bar, files);
-  * after each step (`end_step`): count a non-finite step (on the device,
-    inside the step's graph), compare replicas (--check-replicas), end the
-    step (`dev.sync()`: on XLA its graph compiles once, then runs), report the
-    first step's communication beside plan.py's formula, agree with every
-    rank whether to stop (SIGTERM / Ctrl-C, preempt.py), log the step,
-    evaluate (--eval-every) and save a checkpoint (--save-every, and the last);
+  * after each step (`end_step`): what the end of a step takes, in order, a
+    commented line each in its body;
   * at the end (`close`): the pipeline timeline (--timeline) and summary.json.
 """
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from nanohlat.run import checkpoint
 from nanohlat import comm
-from nanohlat import tensor_parallel as tpl
+from nanohlat import shard_spec
 from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
 from nanohlat.mesh import Group, validate_layout
 from nanohlat.model import Transformer
@@ -75,7 +75,7 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
         if not bool(torch.isfinite(full).all()):   # every rank sees the full tensor: all refuse together
             raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: nothing "
                             f"can be sampled from it; use an earlier checkpoint (a step_* folder)")
-        p.copy_(tpl.local_part(full, p))
+        p.copy_(shard_spec.local_part(full, p))
     return model.to(dev.torch_device).eval(), shards.manifest
 
 

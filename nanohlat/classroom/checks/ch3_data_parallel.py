@@ -133,7 +133,7 @@ def _zero3_gather_free(rank, world):
     """ZeRO-3's Unit.gather and Unit.free on dp = world and dp = 2: an fp32 and a bf16 flat buffer,
     each with a parameter that is a view of it."""
     from types import SimpleNamespace
-    from nanohlat.zero3 import Unit
+    from nanohlat.zero3 import Shard, Unit
     groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
     others = [make_group(rank, world, "dp (a checkpoint's)", g.ranks) for g in groups]   # same ranks, other groups
     g0 = torch.Generator().manual_seed(61)
@@ -146,9 +146,9 @@ def _zero3_gather_free(rank, world):
             padded = (n + dp - 1) // dp * dp
             flat = torch.randn(padded, generator=g0).to(dtype)
             size = padded // dp
-            flats.append(SimpleNamespace(flat=flat, start=me * size, stop=(me + 1) * size, padded=padded,
-                                         master_is_params=True, master=None, params=[flat[:4].view(2, 2)],
-                                         want=flat.clone()))   # the oracle: every rank's shard, updated alike
+            flats.append(Shard(SimpleNamespace(flat=flat, start=me * size, stop=(me + 1) * size, padded=padded,
+                                               grad=None, params=[flat[:4].view(2, 2)]), None))
+            flats[-1].want = flat.clone()   # the oracle: every rank's shard, updated alike
         name = case(f"dp={dp}: Unit(...) keeps only the shard")
         unit = Unit(flats, SimpleNamespace(group=group, bucket_elems=bucket))
 

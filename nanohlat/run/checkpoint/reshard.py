@@ -21,7 +21,7 @@ from nanohlat.config import UserError, model_from_dict
 from nanohlat.run.checkpoint.history import resolve
 from nanohlat.run.checkpoint.manifest import check_files, check_model, corrupt_error, corrupt_files, read_manifest
 from nanohlat.run.checkpoint.optimizer_state import import_state
-from nanohlat.tensor_parallel import local_part
+from nanohlat.shard_spec import local_part
 
 
 class ShardSet:
