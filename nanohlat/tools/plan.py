@@ -1104,7 +1104,7 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
         elif predicted is not None:
             row.append("")
         rows.append(row)
-    header = ["collective", "calls", "payload", "wire", "padding"] + (["plan.py"] if predicted is not None else [])
+    header = ["collective", "calls", "payload", "wire", "padding"] + (["plan"] if predicted is not None else [])
     return _table(header, rows)
 
 
