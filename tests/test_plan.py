@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/tools/plan.py, the arithmetic behind `train.py --plan`.
+"""Specifications for nanohlat/tools/plan/, the arithmetic behind `train.py --plan`.
 
 The plan is held to two standards.
 
@@ -38,6 +38,7 @@ from dist_utils import spawn_workers
 from nanohlat import config
 from nanohlat.run import metrics, preflight
 from nanohlat.tools import plan
+from nanohlat.tools.plan import layout_search
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -601,7 +602,7 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
     assert {(c.zero, c.overlap_grad_reduce) for c in layouts if c.tp * c.pp < 4} == \
         {(z, o) for z in (0, 1, 2, 3) for o in (True, False)}
     assert {c.pp for c in layouts if c.zero == 3} == {1}
-    step = {plan._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
+    step = {layout_search._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
     for name, s in step.items():
         if name[-1] and name[0] * name[1] < 4:    # overlapped at dp > 1: faster than the same layout without
             assert s < step[name[:-1] + (False,)], name

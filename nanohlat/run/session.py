@@ -10,8 +10,9 @@ happens here, in this order:
   * after each step (`end_step`): count a non-finite step (on the device,
     inside the step's graph), compare replicas (--check-replicas), end the
     step (`dev.sync()`: on XLA its graph compiles once, then runs), report the
-    first step's communication beside plan.py's formula, agree with every
-    rank whether to stop (SIGTERM / Ctrl-C, preempt.py), log the step,
+    first step's communication beside the plan's formula
+    (tools/plan/communication.py), agree with every rank whether to stop
+    (SIGTERM / Ctrl-C, preempt.py), log the step,
     evaluate (--eval-every) and save a checkpoint (--save-every, and the last);
   * at the end (`close`): the pipeline timeline (--timeline) and summary.json.
 """
