@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import re
@@ -539,6 +540,19 @@ def test_dp_ring_is_modelled_hop_by_hop():
     # with pipeline stages, more rings run at once: pp 2 x tp 4 = 8 rings; 8 dp ranks per node
     ring = plan.dp_ring(4, 2, 256, net)
     assert (ring.ranks_per_node, ring.off_node, ring.sharing) == (8, 32, 4)
+
+
+def test_the_dp_rings_the_plan_walks_are_the_groups_every_rank_joins():
+    """hardware.dp_groups, the rings whose hops the estimate walks, are mesh.py's dp groups: one per
+    (stage, tp rank), in dp-rank order (the ring order), and each rank's own dp group, built as
+    training builds it, is one of them: for every small layout."""
+    from nanohlat.mesh import rank_of
+    from nanohlat.tools.plan import hardware
+    for tp, pp, dp in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2, 4, 5)):
+        rings = hardware.dp_groups(tp, pp, dp)
+        assert rings == [[rank_of(d, s, t, tp, dp) for d in range(dp)] for s in range(pp) for t in range(tp)]
+        for rank in range(tp * pp * dp):
+            assert Mesh(tp, pp, dp, rank).build_groups().group("dp").ranks in rings, (tp, pp, dp, rank)
 
 
 def test_plan_says_where_the_dp_bytes_go():

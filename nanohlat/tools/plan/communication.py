@@ -8,7 +8,7 @@ import functools
 
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import coords
+from nanohlat.mesh import coords, kv_replicas
 from nanohlat.pipeline import timetable
 from nanohlat.tools.plan.params import dtype_bytes, group_kinds
 from nanohlat.zero1 import padded_size
@@ -123,7 +123,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         if sp and kind == "replicated":        # norm grads (ZeRO-3: one group per unit)
             _add(out, "tp.all_reduce", padded_size(n, shards) // kept * 4, 1, tp)
         if kind == "kv":   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
-            _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, tp // cfg.n_kv_heads)
+            _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, kv_replicas(cfg, tp))
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:

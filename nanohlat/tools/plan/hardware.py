@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from nanohlat.mesh import rank_of
+from nanohlat.mesh import Mesh
 from nanohlat.tools.plan.fmt import GiB
 
 
@@ -98,8 +98,9 @@ def ring_hops(ranks: list[int], per_node: int) -> list[tuple[int, int, bool]]:
 
 
 def dp_groups(tp: int, pp: int, dp: int) -> list[list[int]]:
-    """Every dp group, ranks in ring order: one per (stage, tp rank); all reduce at the same time."""
-    return [[rank_of(d, s, t, tp, dp) for d in range(dp)] for s in range(pp) for t in range(tp)]
+    """Every dp group, ranks in ring order, as mesh.py builds them: one per (stage, tp rank), rank 0's
+    first; all reduce at the same time."""
+    return Mesh(tp, pp, dp)._all("dp")
 
 
 def rings_leaving_a_node(groups: list[list[int]], per_node: int) -> int:
@@ -128,12 +129,13 @@ class Ring:
 @functools.lru_cache(maxsize=4096)
 def dp_ring(tp: int, pp: int, dp: int, net: Network) -> Ring:
     """Rank 0's dp ring, hop by hop, on `net` (every dp ring has the same shape)."""
-    hops = ring_hops(dp_groups(tp, 1, dp)[0], net.per_node)
+    rings = dp_groups(tp, pp, dp)
+    hops = ring_hops(rings[0], net.per_node)
     off = sum(1 for *_, o in hops if o)
-    sharing = rings_leaving_a_node(dp_groups(tp, pp, dp), net.per_node) if off else 0
+    sharing = rings_leaving_a_node(rings, net.per_node) if off else 0
     off_bw = net.across * net.per_node / sharing if off else 0.0   # the node's whole network, shared
     on_node = len(hops) - off
     bandwidth = min([net.inside] * (on_node > 0) + [off_bw] * (off > 0), default=net.inside)
-    per_node = sum(1 for d in range(dp) if rank_of(d, 0, 0, tp, dp) // net.per_node == 0)
+    per_node = sum(1 for r in rings[0] if r // net.per_node == 0)
     return Ring(per_node, on_node, off, sharing, off_bw, bandwidth,
                 net.latency_across if off else net.latency_inside)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.tools.plan.fmt import _table, fmt_bytes
-from nanohlat.tools.plan.params import dtype_bytes, local_kv_heads, stage_param_counts
+from nanohlat.tools.plan.params import dtype_bytes, stage_param_counts
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, e: int, kv_heads: int | None = None) -> int:
@@ -19,7 +19,7 @@ def _kv_cache_section(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
     """Serving with this model (sample.py, generate.py): the KV cache for a
     context of --seq-len tokens, per sequence and per batch, whole and per tp rank."""
     tp, e, T = tcfg.tp, dtype_bytes(tcfg.precision), tcfg.seq_len
-    kv_local = local_kv_heads(cfg, tp)
+    kv_local = cfg.kv_heads_per_rank(tp)
     per_layer = kv_cache_bytes(cfg, 1, e) // cfg.n_layers
     L = ["", f"KV cache when serving (generate.py), {e}-byte values: per token per layer 2 (k, v) x "
              f"{cfg.n_kv_heads} kv heads x {cfg.head_dim} head dim x {e} B = {fmt_bytes(per_layer)}; x {cfg.n_layers} "

@@ -7,6 +7,7 @@ import dataclasses
 import textwrap
 
 from nanohlat.config import ModelConfig, TrainConfig, UserError
+from nanohlat.mesh import divisors
 from nanohlat.tools.plan.fmt import _table, fmt_bytes, fmt_count, fmt_seconds
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
 from nanohlat.tools.plan.memory import peak_memory_per_rank
@@ -17,16 +18,12 @@ from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step
 SEARCH_DEVICE = {"xla": "NeuronCore-v2", "auto": "NeuronCore-v2", "cuda": "H100", "cpu": "cpu"}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     """Every valid (tp, pp, dp, micro-batches, ZeRO stage, sequence parallel,
     checkpointing, and on cpu and cuda overlapped gradient reduction or not)
     for this model, batch and world size, as TrainConfigs."""
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
             # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
             sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
                      else dict(schedule=tcfg.schedule, virtual_stages=tcfg.virtual_stages))
@@ -38,7 +35,7 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                                                                       virtual_stages=1), world)
             except UserError:
                 continue
-            for m in _divisors(tcfg.batch_size // dp):
+            for m in divisors(tcfg.batch_size // dp):
                 if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
                     continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
                 for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):

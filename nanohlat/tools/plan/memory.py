@@ -69,7 +69,7 @@ import dataclasses
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.pipeline import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
-from nanohlat.tools.plan.params import dtype_bytes, flat_groups, local_kv_heads, stage_param_counts, zero3_gathered
+from nanohlat.tools.plan.params import dtype_bytes, flat_groups, stage_param_counts, zero3_gathered
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -97,7 +97,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     if mode == "full":
         return e * n
     q = N // tp                              # (mb, T, C/tp): local query heads
-    kv = mb * T * local_kv_heads(cfg, tp) * D   # local kv heads, not repeated
+    kv = mb * T * cfg.kv_heads_per_rank(tp) * D   # local kv heads, not repeated
     heads = cfg.n_heads // tp
     norms = 2 * (4 * n + e * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
     # the column-parallel matmuls after each norm keep their input: the norm's
@@ -163,7 +163,7 @@ def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp:
     N = mb * T * C
     n = N // tp if sp else N
     norm_out = N if sp and not tcfg.sp_regather else n
-    q, kv, f = N // tp, mb * T * local_kv_heads(cfg, tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
+    q, kv, f = N // tp, mb * T * cfg.kv_heads_per_rank(tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
     layer = 2 * norm_out + q + f + (q + 2 * kv) + N + 2 * f + N
     head = norm_out + mb * T * cfg.padded_vocab // tp if stage == pp - 1 else 0
     return e * (cfg.n_layers // pp * layer + head)

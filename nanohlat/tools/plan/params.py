@@ -13,10 +13,6 @@ def dtype_bytes(precision: str) -> int:
     return param_dtype(precision).itemsize
 
 
-def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
-    return cfg.kv_heads_per_rank(tp)
-
-
 def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
     """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms;
     "kv": of the matrices, the wk and wv rows replicated over a kv group (tp > n_kv_heads)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import Mesh, layout_table, rank_of, stage_layer_text, validate_layout
+from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
 from nanohlat.run.metrics import flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.fmt import _table, fmt_bytes, fmt_count, fmt_flop, fmt_seconds
@@ -34,7 +34,7 @@ def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tup
     if tcfg.tp <= cfg.n_kv_heads:
         return dp, []
     return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
-                f"its query heads use (each shared by {tcfg.tp // cfg.n_kv_heads} ranks, as HLAT-70B ran); their wk and "
+                f"its query heads use (each shared by {kv_replicas(cfg, tcfg.tp)} ranks, as HLAT-70B ran); their wk and "
                 f"wv gradients are summed over those ranks once per step, in fp32 (kv.all_reduce below)."]
 
 
@@ -227,7 +227,7 @@ def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: l
     dp = world // (tp * pp)
     if dp == 1:
         return []
-    ranks = dp_groups(tp, 1, dp)[0]
+    ranks = dp_groups(tp, pp, dp)[0]
     shown = " -> ".join(map(str, ranks[:4])) + (" -> ... -> " + str(ranks[-1]) if dp > 4 else "") + f" -> {ranks[0]}"
     L = ["", f"where the dp bytes go: rank 0's dp ring {shown} ({dp} hops); {tp * pp} such rings reduce at "
              f"once, one per (stage, tp rank)"]
