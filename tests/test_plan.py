@@ -732,6 +732,32 @@ def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bub
     assert "schedule zb-h1" in text and "the bubble is (p-1)/(3m+p-1)" in text and "4 mb: " in text
 
 
+def test_exchanges_per_boundary_count_every_tick_that_moves_a_tensor():
+    """Every schedule, pp 2 to 6, m up to 12 (interleaved: v 2 and 3): at each boundary the plan
+    counts the ticks in which the left stage ran a forward (its activation crosses) or the right
+    one a backward (its gradient crosses); interleaved adds the wrap boundary, where the last
+    stage's forward of a chunk c < v-1 or the first stage's backward of a chunk c > 0 crosses:
+    read here from the timetable op by op, beside the runner's rule that the plan calls."""
+    from nanohlat.pipeline import timetable
+
+    def ran(op, kind, chunk=lambda c: True) -> bool:
+        return op is not None and op[0] == kind and chunk(op[2])
+    cases = 0
+    for schedule in ("afab", "1f1b", "zb-h1", "interleaved"):
+        for pp, m in itertools.product(range(2, 7), range(1, 13)):
+            for v in ((2, 3) if schedule == "interleaved" else (1,)):
+                if schedule == "interleaved" and m % pp or schedule == "zb-h1" and m < pp:
+                    continue                      # (layouts mesh.validate_layout refuses)
+                ticks = timetable(schedule, pp, m, v)
+                want = [sum(ran(row[b], "F") or ran(row[b + 1], "B") for row in ticks) for b in range(pp - 1)]
+                if v > 1:
+                    want.append(sum(ran(row[-1], "F", lambda c: c < v - 1) or ran(row[0], "B", lambda c: c > 0)
+                                    for row in ticks))
+                assert plan.exchanges_per_boundary(schedule, pp, m, v) == tuple(want), (schedule, pp, m, v)
+                cases += 1
+    assert cases > 150
+
+
 @pytest.mark.parametrize("sp, regather", [(False, True), (True, True), (True, False)])
 def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
     """weight_grad_bytes against the tensors B really leaves for W (tp 1, one

@@ -5,11 +5,12 @@ the model's shape and the layout alone."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import coords, kv_replicas
-from nanohlat.pipeline import timetable
+from nanohlat.pipeline import PipelineRunner, timetable
 from nanohlat.tools.plan.params import dtype_bytes, group_kinds
 from nanohlat.zero1 import padded_size
 
@@ -34,16 +35,18 @@ def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: 
 
 @functools.lru_cache(maxsize=1024)
 def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
-    """Ticks in which something crosses boundary b|b+1: b runs a forward or b+1
-    a backward; interleaved (v > 1) adds the wrap boundary, last | first stage,
-    last in the tuple: the last stage runs a forward of a chunk c < v-1, or the
-    first a backward of a chunk c > 0."""
-    ticks = timetable(schedule, pp, m, v)
-    out = [sum(1 for row in ticks if (row[b] and row[b][0] == "F") or (row[b + 1] and row[b + 1][0] == "B"))
-           for b in range(pp - 1)]
+    """Ticks in which something crosses boundary b|b+1, by the pipeline runner's
+    own rule (PipelineRunner._exchange_plan: b ran a forward or b+1 a backward);
+    interleaved (v > 1) adds the wrap boundary, last | first stage, last in the
+    tuple (PipelineRunner._wrap_plan: the last stage ran a forward of a chunk
+    c < v-1, or the first a backward of a chunk c > 0)."""
+    # the two rules read only the runner's timetable and v: a stand-in holding those is enough
+    runner = SimpleNamespace(ticks=timetable(schedule, pp, m, v), v=v)
+    ticks = range(len(runner.ticks))
+    moves = lambda plan: plan != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
+    out = [sum(moves(PipelineRunner._exchange_plan(runner, t, b)) for t in ticks) for b in range(pp - 1)]
     if v > 1:
-        out.append(sum(1 for row in ticks if (row[-1] and row[-1][0] == "F" and row[-1][2] < v - 1)
-                       or (row[0] and row[0][0] == "B" and row[0][2] > 0)))
+        out.append(sum(moves(PipelineRunner._wrap_plan(runner, t)) for t in ticks))
     return tuple(out)
 
 
