@@ -476,15 +476,15 @@ def test_step_time_estimate_by_hand():
     node: tp pairs inside a node, the pipeline pair across."""
     net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
     model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
-    e = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
-    assert e["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
+    est = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
+    assert est["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
 
     # compute: 6 x matmul weights + 12 L d T per token, 256 tokens, 4 ranks, 40% of 95 GFLOP/s
     d, L, T, kv, ffn, V = 64, 4, 32, 4 * 8, 176, 512
     per_token = 6 * (L * (2 * d * d + 2 * d * kv + 3 * d * ffn) + d * V) + 12 * L * d * T
     assert per_token == 1_400_832
     compute = per_token * 256 / 4 / (95e9 * 0.4)
-    assert e["compute"] == pytest.approx(compute, rel=1e-12)
+    assert est["compute"] == pytest.approx(compute, rel=1e-12)
 
     # tp, last stage (the slower): per micro-batch its 2 layers x 4 all-reduces of (4, 32, 64) fp32 =
     # 32 KiB, each sending 2(n-1)/n = 1 x its size; the head's all-reduce; the loss's all-gather of
@@ -497,16 +497,16 @@ def test_step_time_estimate_by_hand():
     # pp: 1F1B on 2 stages with 2 micro-batches has 4 ticks with traffic at the boundary
     # (F0, F1 cross; then B0, B1): 2 activations sent, 2 zero tensors; + loss and grad-norm scalars
     pp = (2 * act + 2 * act + 2 * 4) / 1e8 + (4 + 2) * 1e-4
-    assert e["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
-    assert e["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
-    assert e["comm"]["dp"] == 0
+    assert est["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
+    assert est["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
+    assert est["comm"]["dp"] == 0
 
     # a micro-batch's forward + backward with its communication; m = 2 of them, plus p - 1 = 1 of bubble
     per_mb = (compute + tp + pp) / 2
-    assert e["bubble"] == pytest.approx(per_mb, rel=1e-12)
-    assert e["step"] == pytest.approx(3 * per_mb, rel=1e-12)
-    assert e["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
-    assert e["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
+    assert est["bubble"] == pytest.approx(per_mb, rel=1e-12)
+    assert est["step"] == pytest.approx(3 * per_mb, rel=1e-12)
+    assert est["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
+    assert est["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
 
 
 def test_dp_ring_is_modelled_hop_by_hop():
@@ -526,10 +526,10 @@ def test_dp_ring_is_modelled_hop_by_hop():
     assert ring.latency == net.latency_across
 
     model, train = config.parse_args(["--preset", "hlat-7b"])
-    e = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
+    est = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
     wire = plan.comm_per_step(model, train, Mesh(8, 1, 256, 0))["dp.all_reduce"]
-    assert e["dp_bytes"] == wire["wire"]
-    assert e["comm"]["dp"] == pytest.approx(wire["wire"] / 12.5e9 + wire["calls"] * 30e-6, rel=1e-12)
+    assert est["dp_bytes"] == wire["wire"]
+    assert est["comm"]["dp"] == pytest.approx(wire["wire"] / 12.5e9 + wire["calls"] * 30e-6, rel=1e-12)
 
     # one dp rank per node (tp 32): every hop leaves it, 32 rings share it, as before
     ring = plan.dp_ring(32, 1, 64, net)
@@ -683,8 +683,8 @@ def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
     x = 1 * 32 * 64 * 4                                         # one (mb, T, C) fp32 tensor
     comm = plan.comm_per_step(model, t, Mesh(1, 4, 1, 0, virtual_stages=2))["pp.exchange"]
     assert comm["payload"] == (2 * 16 + 2 * 8) * x and comm["wire"] == (16 + 8) * x
-    e = plan.estimate_step(model, t, 4, "cpu")
-    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
+    est = plan.estimate_step(model, t, 4, "cpu")
+    assert est["bubble"] / est["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
     text = plan.report(model, t, 4)
     assert "schedule interleaved (v=2 chunks per stage)" in text and "0-0,4-4" in text
     assert "the bubble is (p-1)/(v*m+p-1)" in text
@@ -726,8 +726,8 @@ def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bub
     # neighbour's B in different ticks more often: more exchange calls, each half padding
     assert plan.exchanges_per_boundary("zb-h1", 4, 8) == (16, 15, 14)
     assert plan.exchanges_per_boundary("1f1b", 4, 8) == (12, 11, 10)
-    e = plan.estimate_step(model, t, 4, "cpu")
-    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
+    est = plan.estimate_step(model, t, 4, "cpu")
+    assert est["bubble"] / est["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
     text = plan.report(model, t, 4)
     assert "schedule zb-h1" in text and "the bubble is (p-1)/(3m+p-1)" in text and "4 mb: " in text
 

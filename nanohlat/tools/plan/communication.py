@@ -18,10 +18,10 @@ from nanohlat.zero1 import padded_size
 def _add(out: dict, key: str, payload: int, calls: int, n: int) -> None:
     """`calls` collectives of `payload` bytes each over a group of n ranks."""
     if calls and payload:
-        e = out.setdefault(key, dict.fromkeys(comm.FIGURES, 0))
-        e["payload"] += payload * calls
-        e["wire"] += comm.wire_bytes(key.split(".")[1], n, payload) * calls
-        e["calls"] += calls
+        entry = out.setdefault(key, dict.fromkeys(comm.FIGURES, 0))
+        entry["payload"] += payload * calls
+        entry["wire"] += comm.wire_bytes(key.split(".")[1], n, payload) * calls
+        entry["calls"] += calls
 
 
 def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: int, n: int) -> None:
@@ -62,12 +62,12 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         whole_block_replay = tcfg.device == "xla"
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     dp_rank, stage, _ = coords(mesh.rank, tp, pp, dp)
-    s = dtype_bytes(tcfg.precision)
+    itemsize = dtype_bytes(tcfg.precision)
     m = tcfg.microbatches
     mb = tcfg.batch_size // (dp * m)
     T, C = tcfg.seq_len, cfg.d_model
     sp = tcfg.sequence_parallel and tp > 1
-    act = mb * T * C * s                       # one full-sequence residual-stream tensor
+    act = mb * T * C * itemsize                # one full-sequence residual-stream tensor
     layers = cfg.n_layers // pp
     out: dict = {}
     if tp > 1:
@@ -106,18 +106,18 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         # sends m real tensors (activations right, or gradients left) and receives m,
         # and sends zeros in the other ticks (padding). Interleaved: m per chunk, v
         # chunks; the wrap boundary (last stage | first) carries v-1 of them.
-        x = mb * (T // tp if sp else T) * C * s
+        x = mb * (T // tp if sp else T) * C * itemsize
         v = tcfg.virtual_stages
         ticks = exchanges_per_boundary(tcfg.schedule, pp, m, v)
         crossing = [(b, v * m) for b in (stage - 1, stage) if 0 <= b < pp - 1]
         if v > 1 and stage in (0, pp - 1):
             crossing.append((pp - 1, (v - 1) * m))                 # ticks[pp - 1]: the wrap boundary
         for b, n in crossing:
-            e = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
-            e["payload"] += 2 * n * x
-            e["wire"] += n * x
-            e["padding"] += (ticks[b] - n) * x
-            e["calls"] += ticks[b]
+            entry = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
+            entry["payload"] += 2 * n * x
+            entry["wire"] += n * x
+            entry["padding"] += (ticks[b] - n) * x
+            entry["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
     groups = group_kinds(cfg, tp, pp, stage, tcfg.zero)
     shards = dp if tcfg.zero else 1
@@ -139,7 +139,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
                     _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
                 # the new weights after the step; ZeRO-3: each micro-batch's forward and backward instead
                 for _ in range(2 * m if tcfg.zero == 3 else 1):
-                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, s, dp)
+                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, itemsize, dp)
             else:
                 _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
         if tcfg.zero:

@@ -72,13 +72,13 @@ def _layout_name(c: TrainConfig) -> tuple:
 
 
 def _search_row(i, r, world) -> list[str]:
-    c, e = r["t"], r["estimate"]
+    c, est = r["t"], r["estimate"]
     return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, c.zero or "-",
             "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
-            fmt_bytes(r["peak_memory"]), fmt_seconds(e["compute"]),
-            fmt_seconds(e["comm"]["tp"] + e["comm"]["pp"] + e["comm"]["dp"]),
-            fmt_seconds(e["bubble"]) if c.pp > 1 else "-",
-            fmt_seconds(e["step"]), f"{e['tokens_per_s']:,.0f}", f"{e['mfu']:.0%}"] + (
+            fmt_bytes(r["peak_memory"]), fmt_seconds(est["compute"]),
+            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"]),
+            fmt_seconds(est["bubble"]) if c.pp > 1 else "-",
+            fmt_seconds(est["step"]), f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}"] + (
             ["on" if c.overlap_grad_reduce and c.tp * c.pp < world else "-"] if c.device in ("cpu", "cuda") else [])
 
 
@@ -93,7 +93,7 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
     rows = search(cfg, tcfg, world, device)
     fits = [r for r in rows if r["fits"]]
     cap = DEVICE_MEMORY.get(device)
-    L = [f"layout search for preset {tcfg.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
+    lines = [f"layout search for preset {tcfg.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
          f"{len(rows)} valid layouts, {len(fits)} fit "
          + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
          f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {schedule_text(tcfg)}; "
@@ -102,21 +102,21 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
          + ("the gradients' dp reduction overlapped with the backward where 'overlap' says on)"
             if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
     header = SEARCH_HEADER + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
-    L += _table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+    lines += _table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
     if mine is None:
-        return "\n".join(L + ["", f"the preset's own layout is not valid for {world} ranks"])
+        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
-    L += ["", f"{who}:"] + _table(header, [_search_row("-", mine, world)])
-    L += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
-    return "\n".join(L)
+    lines += ["", f"{who}:"] + _table(header, [_search_row("-", mine, world)])
+    lines += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)
 
 
 def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
     """Where `mine` ranks among the layouts that fit, and what separates it from the first."""
     best = fits[0] if fits else None
-    e = mine["estimate"]
+    est = mine["estimate"]
     parts = ("compute", "tp", "pp", "dp", "bubble")
     def costs(x):
         return {"compute": x["compute"], "tp": x["comm"]["tp"], "pp": x["comm"]["pp"], "dp": x["comm"]["dp"],
@@ -132,14 +132,14 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
         rank = next(i for i, r in enumerate(fits) if r is mine) + 1
         text = f"  it ranks {rank} of {len(fits)} layouts that fit."
     if best is not None and best is not mine:
-        diff = {k: costs(e)[k] - costs(best["estimate"])[k] for k in parts}
+        diff = {k: costs(est)[k] - costs(best["estimate"])[k] for k in parts}
         big = sorted(diff, key=lambda k: -abs(diff[k]))[:3]
         names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble"}
         text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
-                 f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(e['step'])} vs "
+                 f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(est['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
-    if e["step_overlapped"] < 0.99 * e["step"]:
+    if est["step_overlapped"] < 0.99 * est["step"]:
         text += (f" Overlapping all the dp reduction with the backward, which nanohlat does not do "
-                 f"{'on XLA' if e['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "
-                 f"would bring it to {fmt_seconds(e['step_overlapped'])}.")
+                 f"{'on XLA' if est['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "
+                 f"would bring it to {fmt_seconds(est['step_overlapped'])}.")
     return text

@@ -1,7 +1,9 @@
 """What one rank holds: weights, optimizer state, gradient buffers and
 activations, and the peak they reach together.
 
-Memory per rank, at its peak, the larger of the step's two phases:
+Memory per rank, at its peak, the larger of the step's two phases (e: the
+bytes of one value in the parameter dtype, `itemsize` in the code; mb
+sequences of T tokens per micro-batch; V the padded vocabulary):
 
     weights + gradients + optimizer state + fp32 gradient buffers
         + max(activations + loss backward,              forward/backward
@@ -30,8 +32,8 @@ Memory per rank, at its peak, the larger of the step's two phases:
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
 RMSNorm, SwiGLU, rotary, grouped-query attention, no dropout, no biases).
-Per layer and micro-batch of mb sequences of T tokens, e bytes per activation
-(the parameter dtype), with N = mb*T*C, n = N/tp with sequence parallel else N:
+Per layer and micro-batch, e bytes per activation value (the parameter dtype),
+with N = mb*T*C, n = N/tp with sequence parallel else N:
 
     each RMSNorm (x2)  fp32 copy of its input 4n, normalised input e*n, and its output
                        as the input of the next matmuls: e*n; with sequence parallel
@@ -53,7 +55,7 @@ norm and the vocab-parallel loss, which keeps two (mb, T, V/tp) fp32 tensors
 (the masked logits and their exp): at a 32k vocabulary, the largest single
 tensors of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
 at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
-v chunks of L/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
+v chunks of n_layers/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
@@ -87,7 +89,7 @@ def micro_batch_size(tcfg: TrainConfig, dp: int) -> int:
 SP_SAVED_GATHERS = 2
 
 
-def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, mode: str, sp: bool,
+def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize: int, mode: str, sp: bool,
                            fused: bool, regather: bool = True) -> int:
     """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
     C, D = cfg.d_model, cfg.head_dim
@@ -95,22 +97,22 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, e: int, m
     N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
     n = N // tp if sp else N                 # the residual stream this rank holds
     if mode == "full":
-        return e * n
+        return itemsize * n
     q = N // tp                              # (mb, T, C/tp): local query heads
     kv = mb * T * cfg.kv_heads_per_rank(tp) * D   # local kv heads, not repeated
     heads = cfg.n_heads // tp
-    norms = 2 * (4 * n + e * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
+    norms = 2 * (4 * n + itemsize * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
     # the column-parallel matmuls after each norm keep their input: the norm's
     # output (one tensor for wq, wk, wv, another for gate, up; with sequence
     # parallel its T/tp shard), or, with --no-sp-regather, the gathered sequence
-    inputs = SP_SAVED_GATHERS * e * N if sp and not regather else 2 * e * n
+    inputs = SP_SAVED_GATHERS * itemsize * N if sp and not regather else 2 * itemsize * n
     if mode == "selective":
-        core = e * (q + 2 * kv) + e * q
+        core = itemsize * (q + 2 * kv) + itemsize * q
     elif fused:
-        core = 4 * e * q + 4 * mb * heads * T
+        core = 4 * itemsize * q + 4 * mb * heads * T
     else:
-        core = 4 * e * q + e * mb * heads * T * T
-    mlp = 4 * e * mb * T * cfg.ffn_dim // tp
+        core = 4 * itemsize * q + itemsize * mb * heads * T * T
+    mlp = 4 * itemsize * mb * T * cfg.ffn_dim // tp
     return norms + inputs + core + mlp
 
 
@@ -121,21 +123,21 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     --virtual-stages chunks, `chunk`). mode/sp default to the config's."""
     mode = tcfg.activation_checkpointing if mode is None else mode
     sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
-    e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
     n = mb * (T // tp if sp else T) * C
     regather = tcfg.sp_regather
     v = tcfg.virtual_stages
-    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, e, mode, sp, fused, regather)
+    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
-        total += 8 * mb * T + e * mb * T
-    elif mode != "full" and e != 4:
-        total += e * n  # the received input, kept for its gradient (fp32: it is the norm's input)
+        total += 8 * mb * T + itemsize * mb * T
+    elif mode != "full" and itemsize != 4:
+        total += itemsize * n  # the received input, kept for its gradient (fp32: it is the norm's input)
     if not last:
-        total += e * n  # the stage's output, kept by the runner until its backward
+        total += itemsize * n  # the stage's output, kept by the runner until its backward
     else:           # final norm, then the loss
         V = cfg.padded_vocab // tp
-        total += 4 * n + e * n + (e * mb * T * C if sp and not regather else e * n) + 4 * (n // C)
+        total += 4 * n + itemsize * n + (itemsize * mb * T * C if sp and not regather else itemsize * n) + 4 * (n // C)
         if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
             total += 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
         else:         # vocab-parallel: masked fp32 logits and their exp, and per-token scalars
@@ -159,14 +161,14 @@ def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp:
     gate, up and down's outputs; the last stage adds the head's input and its
     (mb, T, V/tp) output gradient. Any checkpointing mode: B recomputed them."""
     sp = tcfg.sequence_parallel and tp > 1
-    e, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
     N = mb * T * C
     n = N // tp if sp else N
     norm_out = N if sp and not tcfg.sp_regather else n
     q, kv, f = N // tp, mb * T * cfg.kv_heads_per_rank(tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
     layer = 2 * norm_out + q + f + (q + 2 * kv) + N + 2 * f + N
     head = norm_out + mb * T * cfg.padded_vocab // tp if stage == pp - 1 else 0
-    return e * (cfg.n_layers // pp * layer + head)
+    return itemsize * (cfg.n_layers // pp * layer + head)
 
 
 def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -202,13 +204,13 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
     """What --precision and --moments keep per parameter, before any ZeRO-1 sharding."""
-    s, m = dtype_bytes(tcfg.precision), moment_dtype(tcfg.moments).itemsize
-    sep = state_bytes_per_param(tcfg) - 2 * m
-    weights = f"weights {s} ({'fp32' if s == 4 else 'bf16'}" + (", also the master weights)" if not sep else ")")
+    itemsize, moment_itemsize = dtype_bytes(tcfg.precision), moment_dtype(tcfg.moments).itemsize
+    sep = state_bytes_per_param(tcfg) - 2 * moment_itemsize
+    weights = f"weights {itemsize} ({'fp32' if itemsize == 4 else 'bf16'}" + (", also the master weights)" if not sep else ")")
     master = f" + fp32 master weights {sep}" if sep else ""
-    moments = f"Adam moments 2 x {m} ({'fp32' if m == 4 else 'bf16, stochastically rounded'})"
+    moments = f"Adam moments 2 x {moment_itemsize} ({'fp32' if moment_itemsize == 4 else 'bf16, stochastically rounded'})"
     return (f"bytes per parameter: {weights}{master} + {moments} + fp32 gradient buffer 4 (micro-batches and "
-            f"the dp sum added exactly) = {s + sep + 2 * m + 4}")
+            f"the dp sum added exactly) = {itemsize + sep + 2 * moment_itemsize + 4}")
 
 
 def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
@@ -263,7 +265,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
     params = stage_param_counts(cfg, tp, pp, stage)["total"]
-    s = dtype_bytes(tcfg.precision)
+    itemsize = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
@@ -276,14 +278,14 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
            # gradient of the fp32 logits and of the head's output (parameter
            # dtype), while most activations are still alive (measured on CUDA)
-           "loss_backward": (4 + s) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
+           "loss_backward": (4 + itemsize) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
            "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
                             if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
            # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
-           "gathered": s * (zero3_gathered(cfg, tp, dp)
+           "gathered": itemsize * (zero3_gathered(cfg, tp, dp)
                             + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends

@@ -27,7 +27,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str) -> floa
 
 def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, utilisation: float = DEFAULT_MFU,
                   network: Network | None = None) -> dict:
-    """Seconds per step on `device`, part by part, for the layout in `t` (see
+    """Seconds per step on `device`, part by part, for the layout in `tcfg` (see
     `_time_section` for the assumptions). Slowest of the first and last stage."""
     tp, pp = tcfg.tp, tcfg.pp
     dp = world // (tp * pp)
@@ -52,16 +52,16 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
         entries = comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp)))
-        dp_wire = max(dp_wire, sum(e["wire"] + e["padding"] for k, e in entries.items() if k.startswith("dp.")))
-        for key, e in entries.items():
+        dp_wire = max(dp_wire, sum(entry["wire"] + entry["padding"] for k, entry in entries.items() if k.startswith("dp.")))
+        for key, entry in entries.items():
             g = key.split(".")[0]
             bw, lat = links[g]
-            per[g] += (e["wire"] + e["padding"]) / bw + e["calls"] * lat   # nanohlat sends the padding too
+            per[g] += (entry["wire"] + entry["padding"]) / bw + entry["calls"] * lat   # nanohlat sends the padding too
         bw, lat = links["dp"]   # the gradients' dp collective, the one --overlap-grad-reduce starts in backward
-        e = entries.get("dp.reduce_scatter" if tcfg.zero else "dp.all_reduce")
+        entry = entries.get("dp.reduce_scatter" if tcfg.zero else "dp.all_reduce")
         loss = 0 if tcfg.zero else 1                       # (ZeRO-0: the loss's all-reduce, after the backward)
-        grad_s = max(grad_s, ((e["wire"] - loss * comm.wire_bytes("all_reduce", dp, 4)) / bw
-                              + (e["calls"] - loss) * lat) if e else 0.0)
+        grad_s = max(grad_s, ((entry["wire"] - loss * comm.wire_bytes("all_reduce", dp, 4)) / bw
+                              + (entry["calls"] - loss) * lat) if entry else 0.0)
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     # each micro-batch's forward + backward, with its tp collectives and pp exchanges
