@@ -627,6 +627,20 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
         {(True, z) for z in (0, 1, 2)}
 
 
+def test_the_older_zero1_spelling_leaves_the_search_and_the_memory_table_whole():
+    """--zero1 is --zero 1, folded into the config once: the layouts the search copies from it
+    still try every ZeRO stage, and the memory table's replicated column is still replicated."""
+    model, t = config.parse_args(TINY + ["--device", "cpu", "--zero1"])
+    _, t0 = config.parse_args(TINY + ["--device", "cpu"])
+    assert (t.zero, t.zero1) == (1, False)
+    assert {c.zero for c in plan.candidate_layouts(model, t, 4)} == {0, 1, 2, 3}
+    assert [layout_search._layout_name(c) for c in plan.candidate_layouts(model, t, 4)] == \
+        [layout_search._layout_name(c) for c in plan.candidate_layouts(model, dataclasses.replace(t0, zero=1), 4)]
+    mem, mem0 = plan.memory_per_rank(model, t, 1, 1, 4, 0), plan.memory_per_rank(model, t0, 1, 1, 4, 0)
+    assert mem["optimizer"] == mem["optimizer_zero1"] == mem0["optimizer_zero1"] < mem["optimizer_replicated"]
+    assert mem["optimizer_replicated"] == mem0["optimizer_replicated"] == mem0["optimizer"]
+
+
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
     """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
     schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""

@@ -49,7 +49,7 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                             for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
                                        else (tcfg.overlap_grad_reduce,)):
                                 yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m,
-                                                          sequence_parallel=sp, zero=zero, zero1=False,
+                                                          sequence_parallel=sp, zero=zero,
                                                           activation_checkpointing=mode, overlap_grad_reduce=ov,
                                                           **sched)
 

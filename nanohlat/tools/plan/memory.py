@@ -66,8 +66,6 @@ checkpointing that is more than the block input the forward kept).
 
 from __future__ import annotations
 
-import dataclasses
-
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.pipeline import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
@@ -195,11 +193,13 @@ def state_bytes_per_param(tcfg: TrainConfig) -> int:
 
 
 def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
-                    dp_rank: int = 0) -> int:
-    """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1)."""
-    shards = dp if tcfg.zero else 1
+                    zero: int | None = None) -> int:
+    """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1, 2 and 3),
+    under ZeRO stage `zero` (default: the config's)."""
+    zero = tcfg.zero if zero is None else zero
+    shards = dp if zero else 1
     return sum(padded_size(n, shards) // shards
-               for n in flat_groups(cfg, tp, pp, stage, tcfg.zero)) * state_bytes_per_param(tcfg)
+               for n in flat_groups(cfg, tp, pp, stage, zero)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -271,8 +271,8 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
            "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
-           "optimizer_zero1": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero=1, zero1=False), tp, pp, dp, stage),
-           "optimizer_replicated": optimizer_bytes(cfg, dataclasses.replace(tcfg, zero=0, zero1=False), tp, pp, dp, stage),
+           "optimizer_zero1": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage, zero=1),
+           "optimizer_replicated": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage, zero=0),
            "in_flight": flight,
            "activations": activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
