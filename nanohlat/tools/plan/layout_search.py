@@ -124,10 +124,10 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
     if not mine["fits"]:
         text = (f"  it does not fit: {fmt_bytes(mine['peak_memory'])} per device at its peak against "
                 f"{fmt_bytes(cap)} (the memory table of --plan says where it goes).")
-        zero = next((i for i, r in enumerate(fits) if _layout_name(r["t"]) == _layout_name(mine["t"])[:3]
-                     + (True,) + _layout_name(mine["t"])[4:]), None)
-        if zero is not None:
-            text += f" With --zero1 added it fits and ranks {zero + 1} of {len(fits)}."
+        name = _layout_name(mine["t"])
+        with_zero1 = next((i for i, r in enumerate(fits) if _layout_name(r["t"]) == name[:3] + (1,) + name[4:]), None)
+        if with_zero1 is not None:      # (only a layout without ZeRO can fit by adding ZeRO-1)
+            text += f" With --zero 1 it fits and ranks {with_zero1 + 1} of {len(fits)}."
     else:
         rank = next(i for i, r in enumerate(fits) if r is mine) + 1
         text = f"  it ranks {rank} of {len(fits)} layouts that fit."
