@@ -36,7 +36,7 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "  " + "  ".join(str(c).rjust(w) if i else str(c).ljust(w)
                                       for i, (c, w) in enumerate(zip(r, widths)))

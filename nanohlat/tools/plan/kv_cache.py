@@ -4,7 +4,7 @@ whole and per tp rank, and the section of the plan that prints them."""
 from __future__ import annotations
 
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.tools.plan.fmt import _table, fmt_bytes
+from nanohlat.tools.plan.fmt import fmt_bytes, table
 from nanohlat.tools.plan.params import dtype_bytes, stage_param_counts
 
 
@@ -15,7 +15,7 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, itemsize: int, kv_heads: int |
     return tokens * cfg.n_layers * 2 * kv * cfg.head_dim * itemsize
 
 
-def _kv_cache_section(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
+def kv_cache_section(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
     """Serving with this model (sample.py, generate.py): the KV cache for a
     context of --seq-len tokens, per sequence and per batch, whole and per tp rank."""
     tp, itemsize, T = tcfg.tp, dtype_bytes(tcfg.precision), tcfg.seq_len
@@ -30,7 +30,7 @@ def _kv_cache_section(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
     for batch in (1, 8, 64):
         whole = kv_cache_bytes(cfg, batch * T, itemsize)
         rows.append([batch, f"{batch * T:,}", fmt_bytes(whole), fmt_bytes(kv_cache_bytes(cfg, batch * T, itemsize, kv_local))])
-    lines += _table(["batch", f"tokens at context {T}", "whole model", f"per tp rank (tp {tp})"], rows)
+    lines += table(["batch", f"tokens at context {T}", "whole model", f"per tp rank (tp {tp})"], rows)
     if cfg.n_kv_heads < cfg.n_heads:
         lines.append(f"  grouped-query attention: {cfg.n_kv_heads} kv heads for {cfg.n_heads} query heads; with one kv "
                  f"head per query head the cache would be {cfg.n_heads // cfg.n_kv_heads}x larger "

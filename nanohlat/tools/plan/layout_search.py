@@ -8,7 +8,7 @@ import textwrap
 
 from nanohlat.config import ModelConfig, TrainConfig, UserError
 from nanohlat.mesh import divisors
-from nanohlat.tools.plan.fmt import _table, fmt_bytes, fmt_count, fmt_seconds
+from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
 from nanohlat.tools.plan.memory import peak_memory_per_rank
 from nanohlat.tools.plan.sheets import schedule_text, validate_plan_layout
@@ -102,13 +102,13 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
          + ("the gradients' dp reduction overlapped with the backward where 'overlap' says on)"
             if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
     header = SEARCH_HEADER + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
-    lines += _table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+    lines += table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
     if mine is None:
         return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
-    lines += ["", f"{who}:"] + _table(header, [_search_row("-", mine, world)])
+    lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world)])
     lines += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 

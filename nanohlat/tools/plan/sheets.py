@@ -9,9 +9,9 @@ from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
 from nanohlat.run.metrics import flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
-from nanohlat.tools.plan.fmt import _table, fmt_bytes, fmt_count, fmt_flop, fmt_seconds
+from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
-from nanohlat.tools.plan.kv_cache import _kv_cache_section
+from nanohlat.tools.plan.kv_cache import kv_cache_section
 from nanohlat.tools.plan.memory import (activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
@@ -59,7 +59,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     lines += _memory_section(cfg, tcfg, dp)
     lines += _comm_section(cfg, tcfg, dp)
     lines += _time_section(cfg, tcfg, world)
-    lines += _kv_cache_section(cfg, tcfg)
+    lines += kv_cache_section(cfg, tcfg)
     return "\n".join(lines)
 
 
@@ -87,7 +87,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
                     + ([fmt_bytes(r["grad_staging"])] if staging else [])
                     + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
-    lines += _table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
+    lines += table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
                  "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
                 + ["optimizer step", "peak"], rows)
     lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
@@ -114,7 +114,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
             this = (mode, sp) == (tcfg.activation_checkpointing, tcfg.sequence_parallel and tp > 1)
             rows.append([mode, sp_label if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
                          fmt_bytes(fused), fmt_bytes(flight * fused), "<- this run" if this else ""])
-    lines += _table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
+    lines += table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
                  "fused attn: 1 mb", "in flight", ""], rows)
     lines.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
              "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
@@ -153,7 +153,7 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
             row.append("")
         rows.append(row)
     header = ["collective", "calls", "payload", "wire", "padding"] + (["plan"] if predicted is not None else [])
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
@@ -189,7 +189,7 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
                     + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
                        f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
                        fmt_seconds(est["step"] * tcfg.steps)])
-    lines += _table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
+    lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
                  "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     lines += ["  assumptions:",
@@ -240,7 +240,7 @@ def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: l
                      f"{r.off_node_bw / 1e9:.3g} GB/s" if r.off_node else "-", fmt_bytes(b),
                      fmt_seconds(b / net.inside) if r.on_node else "-",
                      fmt_seconds(b / r.off_node_bw) if r.off_node else "-", fmt_seconds(est["comm"]["dp"])])
-    lines += _table(["device", "ring ranks per node", "hops on node", "off node", "hops leaving a node at once",
+    lines += table(["device", "ring ranks per node", "hops on node", "off node", "hops leaving a node at once",
                  "off-node hop gets", "bytes per hop", "on-node hop", "off-node hop", "dp comm"], rows)
     lines += ["  every hop carries the same bytes (each rank's wire bytes of the dp collectives); the ring moves at "
           "its slowest hop's pace, so dp comm = bytes / the slowest hop + calls x latency. An off-node hop gets "
