@@ -43,7 +43,7 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[
     # the two rules read only the runner's timetable and v: a stand-in holding those is enough
     runner = SimpleNamespace(ticks=timetable(schedule, pp, m, v), v=v)
     ticks = range(len(runner.ticks))
-    moves = lambda plan: plan != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
+    moves = lambda pair: pair != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
     out = [sum(moves(PipelineRunner._exchange_plan(runner, t, b)) for t in ticks) for b in range(pp - 1)]
     if v > 1:
         out.append(sum(moves(PipelineRunner._wrap_plan(runner, t)) for t in ticks))
