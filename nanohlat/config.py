@@ -151,8 +151,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.zero1 and self.zero == 0:   # --zero1 is --zero 1 (validate refuses --zero1 --zero 2)
-            self.zero = 1
+        if self.zero1:   # --zero1 is --zero 1 (validate refuses --zero1 --zero 2), folded in once: a copy
+            self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):

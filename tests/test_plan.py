@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/tools/plan.py, the arithmetic behind `train.py --plan`.
+"""Specifications for nanohlat/tools/plan/, the arithmetic behind `train.py --plan`.
 
 The plan is held to two standards.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from dist_utils import spawn_workers
 from nanohlat import config
 from nanohlat.run import metrics, preflight
 from nanohlat.tools import plan
+from nanohlat.tools.plan import layout_search
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -474,15 +476,15 @@ def test_step_time_estimate_by_hand():
     node: tp pairs inside a node, the pipeline pair across."""
     net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
     model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
-    e = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
-    assert e["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
+    est = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
+    assert est["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
 
     # compute: 6 x matmul weights + 12 L d T per token, 256 tokens, 4 ranks, 40% of 95 GFLOP/s
     d, L, T, kv, ffn, V = 64, 4, 32, 4 * 8, 176, 512
     per_token = 6 * (L * (2 * d * d + 2 * d * kv + 3 * d * ffn) + d * V) + 12 * L * d * T
     assert per_token == 1_400_832
     compute = per_token * 256 / 4 / (95e9 * 0.4)
-    assert e["compute"] == pytest.approx(compute, rel=1e-12)
+    assert est["compute"] == pytest.approx(compute, rel=1e-12)
 
     # tp, last stage (the slower): per micro-batch its 2 layers x 4 all-reduces of (4, 32, 64) fp32 =
     # 32 KiB, each sending 2(n-1)/n = 1 x its size; the head's all-reduce; the loss's all-gather of
@@ -495,16 +497,16 @@ def test_step_time_estimate_by_hand():
     # pp: 1F1B on 2 stages with 2 micro-batches has 4 ticks with traffic at the boundary
     # (F0, F1 cross; then B0, B1): 2 activations sent, 2 zero tensors; + loss and grad-norm scalars
     pp = (2 * act + 2 * act + 2 * 4) / 1e8 + (4 + 2) * 1e-4
-    assert e["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
-    assert e["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
-    assert e["comm"]["dp"] == 0
+    assert est["comm"]["tp"] == pytest.approx(tp, rel=1e-12)
+    assert est["comm"]["pp"] == pytest.approx(pp, rel=1e-12)
+    assert est["comm"]["dp"] == 0
 
     # a micro-batch's forward + backward with its communication; m = 2 of them, plus p - 1 = 1 of bubble
     per_mb = (compute + tp + pp) / 2
-    assert e["bubble"] == pytest.approx(per_mb, rel=1e-12)
-    assert e["step"] == pytest.approx(3 * per_mb, rel=1e-12)
-    assert e["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
-    assert e["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
+    assert est["bubble"] == pytest.approx(per_mb, rel=1e-12)
+    assert est["step"] == pytest.approx(3 * per_mb, rel=1e-12)
+    assert est["tokens_per_s"] == pytest.approx(256 / (3 * per_mb), rel=1e-12)
+    assert est["mfu"] == pytest.approx(per_token * 256 / (3 * per_mb * 4 * 95e9), rel=1e-12)
 
 
 def test_dp_ring_is_modelled_hop_by_hop():
@@ -524,10 +526,10 @@ def test_dp_ring_is_modelled_hop_by_hop():
     assert ring.latency == net.latency_across
 
     model, train = config.parse_args(["--preset", "hlat-7b"])
-    e = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
+    est = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
     wire = plan.comm_per_step(model, train, Mesh(8, 1, 256, 0))["dp.all_reduce"]
-    assert e["dp_bytes"] == wire["wire"]
-    assert e["comm"]["dp"] == pytest.approx(wire["wire"] / 12.5e9 + wire["calls"] * 30e-6, rel=1e-12)
+    assert est["dp_bytes"] == wire["wire"]
+    assert est["comm"]["dp"] == pytest.approx(wire["wire"] / 12.5e9 + wire["calls"] * 30e-6, rel=1e-12)
 
     # one dp rank per node (tp 32): every hop leaves it, 32 rings share it, as before
     ring = plan.dp_ring(32, 1, 64, net)
@@ -538,6 +540,19 @@ def test_dp_ring_is_modelled_hop_by_hop():
     # with pipeline stages, more rings run at once: pp 2 x tp 4 = 8 rings; 8 dp ranks per node
     ring = plan.dp_ring(4, 2, 256, net)
     assert (ring.ranks_per_node, ring.off_node, ring.sharing) == (8, 32, 4)
+
+
+def test_the_dp_rings_the_plan_walks_are_the_groups_every_rank_joins():
+    """hardware.dp_groups, the rings whose hops the estimate walks, are mesh.py's dp groups: one per
+    (stage, tp rank), in dp-rank order (the ring order), and each rank's own dp group, built as
+    training builds it, is one of them: for every small layout."""
+    from nanohlat.mesh import rank_of
+    from nanohlat.tools.plan import hardware
+    for tp, pp, dp in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2, 4, 5)):
+        rings = hardware.dp_groups(tp, pp, dp)
+        assert rings == [[rank_of(d, s, t, tp, dp) for d in range(dp)] for s in range(pp) for t in range(tp)]
+        for rank in range(tp * pp * dp):
+            assert Mesh(tp, pp, dp, rank).build_groups().group("dp").ranks in rings, (tp, pp, dp, rank)
 
 
 def test_plan_says_where_the_dp_bytes_go():
@@ -601,7 +616,7 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
     assert {(c.zero, c.overlap_grad_reduce) for c in layouts if c.tp * c.pp < 4} == \
         {(z, o) for z in (0, 1, 2, 3) for o in (True, False)}
     assert {c.pp for c in layouts if c.zero == 3} == {1}
-    step = {plan._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
+    step = {layout_search._layout_name(c): plan.estimate_step(model, c, 4, "cpu")["step"] for c in layouts}
     for name, s in step.items():
         if name[-1] and name[0] * name[1] < 4:    # overlapped at dp > 1: faster than the same layout without
             assert s < step[name[:-1] + (False,)], name
@@ -610,6 +625,20 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
     model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing, no ZeRO-3
     assert {(c.overlap_grad_reduce, c.zero) for c in plan.candidate_layouts(model, t, 4)} == \
         {(True, z) for z in (0, 1, 2)}
+
+
+def test_the_older_zero1_spelling_leaves_the_search_and_the_memory_table_whole():
+    """--zero1 is --zero 1, folded into the config once: the layouts the search copies from it
+    still try every ZeRO stage, and the memory table's replicated column is still replicated."""
+    model, t = config.parse_args(TINY + ["--device", "cpu", "--zero1"])
+    _, t0 = config.parse_args(TINY + ["--device", "cpu"])
+    assert (t.zero, t.zero1) == (1, False)
+    assert {c.zero for c in plan.candidate_layouts(model, t, 4)} == {0, 1, 2, 3}
+    assert [layout_search._layout_name(c) for c in plan.candidate_layouts(model, t, 4)] == \
+        [layout_search._layout_name(c) for c in plan.candidate_layouts(model, dataclasses.replace(t0, zero=1), 4)]
+    mem, mem0 = plan.memory_per_rank(model, t, 1, 1, 4, 0), plan.memory_per_rank(model, t0, 1, 1, 4, 0)
+    assert mem["optimizer"] == mem["optimizer_zero1"] == mem0["optimizer_zero1"] < mem["optimizer_replicated"]
+    assert mem["optimizer_replicated"] == mem0["optimizer_replicated"] == mem0["optimizer"]
 
 
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
@@ -668,8 +697,8 @@ def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
     x = 1 * 32 * 64 * 4                                         # one (mb, T, C) fp32 tensor
     comm = plan.comm_per_step(model, t, Mesh(1, 4, 1, 0, virtual_stages=2))["pp.exchange"]
     assert comm["payload"] == (2 * 16 + 2 * 8) * x and comm["wire"] == (16 + 8) * x
-    e = plan.estimate_step(model, t, 4, "cpu")
-    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
+    est = plan.estimate_step(model, t, 4, "cpu")
+    assert est["bubble"] / est["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
     text = plan.report(model, t, 4)
     assert "schedule interleaved (v=2 chunks per stage)" in text and "0-0,4-4" in text
     assert "the bubble is (p-1)/(v*m+p-1)" in text
@@ -711,10 +740,36 @@ def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bub
     # neighbour's B in different ticks more often: more exchange calls, each half padding
     assert plan.exchanges_per_boundary("zb-h1", 4, 8) == (16, 15, 14)
     assert plan.exchanges_per_boundary("1f1b", 4, 8) == (12, 11, 10)
-    e = plan.estimate_step(model, t, 4, "cpu")
-    assert e["bubble"] / e["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
+    est = plan.estimate_step(model, t, 4, "cpu")
+    assert est["bubble"] / est["pipeline"] == pytest.approx(3 / (3 * 8 + 3))
     text = plan.report(model, t, 4)
     assert "schedule zb-h1" in text and "the bubble is (p-1)/(3m+p-1)" in text and "4 mb: " in text
+
+
+def test_exchanges_per_boundary_count_every_tick_that_moves_a_tensor():
+    """Every schedule, pp 2 to 6, m up to 12 (interleaved: v 2 and 3): at each boundary the plan
+    counts the ticks in which the left stage ran a forward (its activation crosses) or the right
+    one a backward (its gradient crosses); interleaved adds the wrap boundary, where the last
+    stage's forward of a chunk c < v-1 or the first stage's backward of a chunk c > 0 crosses:
+    read here from the timetable op by op, beside the runner's rule that the plan calls."""
+    from nanohlat.pipeline import timetable
+
+    def ran(op, kind, chunk=lambda c: True) -> bool:
+        return op is not None and op[0] == kind and chunk(op[2])
+    cases = 0
+    for schedule in ("afab", "1f1b", "zb-h1", "interleaved"):
+        for pp, m in itertools.product(range(2, 7), range(1, 13)):
+            for v in ((2, 3) if schedule == "interleaved" else (1,)):
+                if schedule == "interleaved" and m % pp or schedule == "zb-h1" and m < pp:
+                    continue                      # (layouts mesh.validate_layout refuses)
+                ticks = timetable(schedule, pp, m, v)
+                want = [sum(ran(row[b], "F") or ran(row[b + 1], "B") for row in ticks) for b in range(pp - 1)]
+                if v > 1:
+                    want.append(sum(ran(row[-1], "F", lambda c: c < v - 1) or ran(row[0], "B", lambda c: c > 0)
+                                    for row in ticks))
+                assert plan.exchanges_per_boundary(schedule, pp, m, v) == tuple(want), (schedule, pp, m, v)
+                cases += 1
+    assert cases > 150
 
 
 @pytest.mark.parametrize("sp, regather", [(False, True), (True, True), (True, False)])

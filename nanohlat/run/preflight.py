@@ -110,7 +110,7 @@ def rotary_bytes(model_cfg: config.ModelConfig) -> int:
 def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int, local: int,
                  spawns: bool) -> None:
     """Refuse, before anything is allocated, a model or sequence that cannot fit:
-    the plan's peak per rank (tools/plan.py: weights, optimizer, gradient buffers,
+    the plan's peak per rank (tools/plan/memory.py: weights, optimizer, gradient buffers,
     activations) plus the rotary tables, against this machine's memory (cpu: all
     `local` ranks share the RAM) or one GPU's (cuda). Only what truly cannot fit is
     refused (the estimate is of what must be held at once, not an upper bound).

@@ -85,7 +85,7 @@ class Session:
         if not measured:
             return "communication: none (one process)"
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
-        lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and plan.py's prediction"]
+        lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
         return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])
 
     def write_timeline(self) -> None:

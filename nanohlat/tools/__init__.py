@@ -1,6 +1,6 @@
 """Measuring and planning: tools a student runs beside training, not inside it.
 
-The memory/communication/time plan behind `train.py --plan` (plan.py), the
+The memory/communication/time plan behind `train.py --plan` (plan/), the
 pipeline timeline and its bubble (timeline.py), the speed benchmark against
 Hugging Face's Llama (bench.py, `python -m nanohlat.bench`), torch.compile of
 the stage (compile.py, `--compile`), the optimizer's faster passes (fast_adamw.py:

@@ -1,0 +1,34 @@
+"""Before a run: what each rank holds, computes and sends, and how long a step
+should take (`train.py --plan`); which layouts fit and are fastest (`--search`).
+
+Everything here is arithmetic on the config: no devices, no tensors, so it
+answers for hlat-70b on 2048 ranks in a moment. The same formulas are checked
+against what small real runs measure (tests/test_plan.py: the comm ledger,
+the optimizer's bytes, the bytes autograd keeps after a forward), so the plan
+is a prediction you can trust, not a guess.
+
+One idea a file, in the order they build on each other:
+
+    params.py         the parameters one rank holds, in FlatAdamW's flat groups
+    memory.py         weights, optimizer state, gradient buffers, activations: the peak per rank
+    communication.py  every collective per step, counted like the comm ledger
+    hardware.py       device memory, the interconnects, the dp ring hop by hop
+    step_time.py      compute + communication + bubble: an estimated step
+    kv_cache.py       the KV cache when serving
+    fmt.py            human units and aligned tables
+    sheets.py         the printed plan (`--plan`), and the comm table a run prints
+    layout_search.py  `--plan --search`: every layout that fits, fastest first
+
+The names below are what the rest of nanohlat and the tests use
+(`from nanohlat.tools import plan; plan.report(...)`).
+"""
+
+from nanohlat.tools.plan.communication import comm_bytes_per_step, comm_per_step, exchanges_per_boundary
+from nanohlat.tools.plan.fmt import GiB
+from nanohlat.tools.plan.hardware import NETWORKS, Network, dp_ring, ring_hops
+from nanohlat.tools.plan.kv_cache import kv_cache_bytes
+from nanohlat.tools.plan.layout_search import candidate_layouts, search, search_report
+from nanohlat.tools.plan.memory import (activation_bytes, memory_per_rank, micro_batch_size, microbatches_in_flight,
+                                        peak_memory_per_rank, weight_grad_bytes)
+from nanohlat.tools.plan.sheets import COMM_LEGEND_SHORT, comm_table, report
+from nanohlat.tools.plan.step_time import estimate_step, recompute_flops_per_token

@@ -1,0 +1,152 @@
+"""What one rank sends per optimizer step, collective by collective, keyed
+and counted like comm.py's CommLedger (payload, wire, padding, calls), from
+the model's shape and the layout alone."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from nanohlat import comm
+from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.mesh import coords, kv_replicas
+from nanohlat.pipeline import PipelineRunner, timetable
+from nanohlat.tools.plan.params import dtype_bytes, group_kinds
+from nanohlat.zero1 import padded_size
+
+
+def _add(out: dict, key: str, payload: int, calls: int, n: int) -> None:
+    """`calls` collectives of `payload` bytes each over a group of n ranks."""
+    if calls and payload:
+        entry = out.setdefault(key, dict.fromkeys(comm.FIGURES, 0))
+        entry["payload"] += payload * calls
+        entry["wire"] += comm.wire_bytes(key.split(".")[1], n, payload) * calls
+        entry["calls"] += calls
+
+
+def _add_buckets(out: dict, key: str, elems: int, bucket: int, rows: int, size: int, n: int) -> None:
+    """data_parallel's bucketed collectives: `elems` columns cut into buckets of
+    at most `bucket` columns, each call moving rows x columns x size bytes."""
+    bucket = max(1, bucket)
+    full, rest = divmod(elems, bucket)
+    _add(out, key, rows * bucket * size, full, n)
+    _add(out, key, rows * rest * size, 1 if rest else 0, n)
+
+
+@functools.lru_cache(maxsize=1024)
+def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Ticks in which something crosses boundary b|b+1, by the pipeline runner's
+    own rule (PipelineRunner._exchange_plan: b ran a forward or b+1 a backward);
+    interleaved (v > 1) adds the wrap boundary, last | first stage, last in the
+    tuple (PipelineRunner._wrap_plan: the last stage ran a forward of a chunk
+    c < v-1, or the first a backward of a chunk c > 0)."""
+    # the two rules read only the runner's timetable and v: a stand-in holding those is enough
+    runner = SimpleNamespace(ticks=timetable(schedule, pp, m, v), v=v)
+    ticks = range(len(runner.ticks))
+    moves = lambda pair: pair != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
+    out = [sum(moves(PipelineRunner._exchange_plan(runner, t, b)) for t in ticks) for b in range(pp - 1)]
+    if v > 1:
+        out.append(sum(moves(PipelineRunner._wrap_plan(runner, t)) for t in ticks))
+    return tuple(out)
+
+
+def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Per optimizer step on `mesh.rank`, keyed like the CommLedger ('tp.all_reduce',
+    'pp.exchange', ...): {payload, wire, padding, calls}. See comm.py for what
+    each figure counts.
+
+    whole_block_replay: whether full activation checkpointing replays a whole
+    block's forward in backward (torch_xla's reentrant checkpoint; default: on
+    --device xla) or stops early (torch's non-reentrant one, cpu and cuda)."""
+    if whole_block_replay is None:
+        whole_block_replay = tcfg.device == "xla"
+    tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
+    dp_rank, stage, _ = coords(mesh.rank, tp, pp, dp)
+    itemsize = dtype_bytes(tcfg.precision)
+    m = tcfg.microbatches
+    mb = tcfg.batch_size // (dp * m)
+    T, C = tcfg.seq_len, cfg.d_model
+    sp = tcfg.sequence_parallel and tp > 1
+    act = mb * T * C * itemsize                # one full-sequence residual-stream tensor
+    layers = cfg.n_layers // pp
+    out: dict = {}
+    if tp > 1:
+        # Per block, attention and MLP each enter the tp region (fwd: sp all-gather
+        # or nothing; bwd: reduce-scatter or all-reduce) and leave it (fwd:
+        # reduce-scatter or all-reduce; bwd: all-gather or nothing). Full activation
+        # checkpointing replays the forward ones in backward: torch's checkpoint
+        # stops replaying once it has recomputed all that backward needs, i.e.
+        # before the MLP's leave (nothing after it keeps a tensor); torch_xla's
+        # replays the whole block.
+        # With --sp-regather each enter all-gathers once more in backward.
+        full = tcfg.activation_checkpointing == "full"
+        enters_fwd = 2 * (1 + full)
+        regathers = 2 if tcfg.sp_regather else 0
+        leaves_fwd = 2 + full + (full and whole_block_replay)
+        per_layer = m * layers                 # calls per collective per block
+        if sp:
+            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2 + regathers), tp)   # + leaves' backward
+            _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2), tp)  # + the enters' backward
+        else:
+            _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2), tp)
+        if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
+            _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", act, m if sp else 0, tp)
+        if stage == pp - 1:
+            # final norm -> head enters the region; the loss moves three (mb, T) fp32 tensors
+            if sp:
+                _add(out, "tp.all_gather", act, m * (1 + (regathers > 0)), tp)
+                _add(out, "tp.reduce_scatter", act, m, tp)
+            else:
+                _add(out, "tp.all_reduce", act, m, tp)
+            _add(out, "tp.all_gather", tp * mb * T * 4, m, tp)      # local maxima
+            _add(out, "tp.all_reduce", mb * T * 4, 2 * m, tp)      # sum of exps, target logit
+    if pp > 1:
+        # Each boundary of this stage: one exchange per tick with traffic; this rank
+        # sends m real tensors (activations right, or gradients left) and receives m,
+        # and sends zeros in the other ticks (padding). Interleaved: m per chunk, v
+        # chunks; the wrap boundary (last stage | first) carries v-1 of them.
+        x = mb * (T // tp if sp else T) * C * itemsize
+        v = tcfg.virtual_stages
+        ticks = exchanges_per_boundary(tcfg.schedule, pp, m, v)
+        crossing = [(b, v * m) for b in (stage - 1, stage) if 0 <= b < pp - 1]
+        if v > 1 and stage in (0, pp - 1):
+            crossing.append((pp - 1, (v - 1) * m))                 # ticks[pp - 1]: the wrap boundary
+        for b, n in crossing:
+            entry = out.setdefault("pp.exchange", dict.fromkeys(comm.FIGURES, 0))
+            entry["payload"] += 2 * n * x
+            entry["wire"] += n * x
+            entry["padding"] += (ticks[b] - n) * x
+            entry["calls"] += ticks[b]
+        _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
+    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero)
+    shards = dp if tcfg.zero else 1
+    kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
+    for kind, n in groups:
+        if sp and kind == "replicated":        # norm grads (ZeRO-3: one group per unit)
+            _add(out, "tp.all_reduce", padded_size(n, shards) // kept * 4, 1, tp)
+        if kind == "kv":   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
+            _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, kv_replicas(cfg, tp))
+    if tp > 1:
+        _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
+    if dp > 1:
+        _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
+        bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
+        for _, n in groups:   # one flat buffer after the other (optim.FlatGroup)
+            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
+                cols = padded_size(n, dp) // dp
+                for _ in range(m if tcfg.zero >= 2 else 1):
+                    _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
+                # the new weights after the step; ZeRO-3: each micro-batch's forward and backward instead
+                for _ in range(2 * m if tcfg.zero == 3 else 1):
+                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, itemsize, dp)
+            else:
+                _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
+        if tcfg.zero:
+            _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
+    return dict(sorted(out.items()))
+
+
+def comm_bytes_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:
+    """Payload bytes per collective (comm_per_step's 'payload' figure)."""
+    return {k: v["payload"] for k, v in comm_per_step(cfg, tcfg, mesh, whole_block_replay).items()}

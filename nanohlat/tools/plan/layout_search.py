@@ -1,0 +1,145 @@
+"""`--plan --search`: every layout that fits, fastest first, and where the
+preset's own layout ranks among them."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+from nanohlat.config import ModelConfig, TrainConfig, UserError
+from nanohlat.mesh import divisors
+from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
+from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
+from nanohlat.tools.plan.memory import peak_memory_per_rank
+from nanohlat.tools.plan.sheets import schedule_text, validate_plan_layout
+from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step
+
+
+SEARCH_DEVICE = {"xla": "NeuronCore-v2", "auto": "NeuronCore-v2", "cuda": "H100", "cpu": "cpu"}
+
+
+def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
+    """Every valid (tp, pp, dp, micro-batches, ZeRO stage, sequence parallel,
+    checkpointing, and on cpu and cuda overlapped gradient reduction or not)
+    for this model, batch and world size, as TrainConfigs."""
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
+            sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
+                     else dict(schedule=tcfg.schedule, virtual_stages=tcfg.virtual_stages))
+            if cfg.n_layers % (pp * sched["virtual_stages"]):
+                continue
+            try:
+                dp, _ = validate_plan_layout(cfg, dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=1,
+                                                                      sequence_parallel=False, schedule="1f1b",
+                                                                      virtual_stages=1), world)
+            except UserError:
+                continue
+            for m in divisors(tcfg.batch_size // dp):
+                if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
+                    continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
+                for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
+                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks or zb-h1's B and W;
+                    # ZeRO-3: pp 1 on cpu and cuda only, config.py)
+                    split = sched["virtual_stages"] > 1 or sched["schedule"] == "zb-h1"
+                    zeros = (0, 1) if split else (0, 1, 2)
+                    zeros += (3,) if pp == 1 and not split and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
+                    for zero in (zeros if dp > 1 else (0,)):
+                        for mode in ("none", "selective", "full"):
+                            for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
+                                       else (tcfg.overlap_grad_reduce,)):
+                                yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m,
+                                                          sequence_parallel=sp, zero=zero,
+                                                          activation_checkpointing=mode, overlap_grad_reduce=ov,
+                                                          **sched)
+
+
+def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list[dict]:
+    """Every candidate layout with its estimate and peak memory, fastest first."""
+    cap = DEVICE_MEMORY.get(device)
+    out = []
+    for c in candidate_layouts(cfg, tcfg, world):
+        peak = peak_memory_per_rank(cfg, c, world)
+        out.append({"t": c, "peak_memory": peak, "fits": cap is None or peak <= cap,
+                    "estimate": estimate_step(cfg, c, world, device)})
+    out.sort(key=lambda r: (r["estimate"]["step"], r["peak_memory"]))
+    return out
+
+
+def _layout_name(c: TrainConfig) -> tuple:
+    return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing,
+            c.overlap_grad_reduce)
+
+
+def _search_row(i, r, world) -> list[str]:
+    c, est = r["t"], r["estimate"]
+    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, c.zero or "-",
+            "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
+            fmt_bytes(r["peak_memory"]), fmt_seconds(est["compute"]),
+            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"]),
+            fmt_seconds(est["bubble"]) if c.pp > 1 else "-",
+            fmt_seconds(est["step"]), f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}"] + (
+            ["on" if c.overlap_grad_reduce and c.tp * c.pp < world else "-"] if c.device in ("cpu", "cuda") else [])
+
+
+SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
+                 "step", "tokens/s", "MFU"]   # + "overlap" on cpu and cuda
+
+
+def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10) -> str:
+    """`train.py --plan --search`: the fastest layouts that fit, and where the
+    preset's own layout ranks."""
+    device = SEARCH_DEVICE[tcfg.device]
+    rows = search(cfg, tcfg, world, device)
+    fits = [r for r in rows if r["fits"]]
+    cap = DEVICE_MEMORY.get(device)
+    lines = [f"layout search for preset {tcfg.preset} ({fmt_count(cfg.num_params())} parameters) on {world} x {device}: "
+         f"{len(rows)} valid layouts, {len(fits)} fit "
+         + (f"{fmt_bytes(cap)} per device" if cap else "(no memory limit known)"),
+         f"  batch {tcfg.batch_size} x {tcfg.seq_len} tokens, precision {tcfg.precision}, schedule {schedule_text(tcfg)}; "
+         f"ranked by the estimated step time (the assumptions of --plan: {DEFAULT_MFU:.0%} of peak, "
+         f"{NETWORKS[device].node} links, "
+         + ("the gradients' dp reduction overlapped with the backward where 'overlap' says on)"
+            if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
+    header = SEARCH_HEADER + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
+    lines += table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+    own = _layout_name(tcfg)
+    mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
+    if mine is None:
+        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
+    who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
+    lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world)])
+    lines += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)
+
+
+def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
+    """Where `mine` ranks among the layouts that fit, and what separates it from the first."""
+    best = fits[0] if fits else None
+    est = mine["estimate"]
+    parts = ("compute", "tp", "pp", "dp", "bubble")
+    def costs(x):
+        return {"compute": x["compute"], "tp": x["comm"]["tp"], "pp": x["comm"]["pp"], "dp": x["comm"]["dp"],
+                "bubble": x["bubble"]}
+    if not mine["fits"]:
+        text = (f"  it does not fit: {fmt_bytes(mine['peak_memory'])} per device at its peak against "
+                f"{fmt_bytes(cap)} (the memory table of --plan says where it goes).")
+        name = _layout_name(mine["t"])
+        with_zero1 = next((i for i, r in enumerate(fits) if _layout_name(r["t"]) == name[:3] + (1,) + name[4:]), None)
+        if with_zero1 is not None:      # (only a layout without ZeRO can fit by adding ZeRO-1)
+            text += f" With --zero 1 it fits and ranks {with_zero1 + 1} of {len(fits)}."
+    else:
+        rank = next(i for i, r in enumerate(fits) if r is mine) + 1
+        text = f"  it ranks {rank} of {len(fits)} layouts that fit."
+    if best is not None and best is not mine:
+        diff = {k: costs(est)[k] - costs(best["estimate"])[k] for k in parts}
+        big = sorted(diff, key=lambda k: -abs(diff[k]))[:3]
+        names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble"}
+        text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
+                 f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(est['step'])} vs "
+                 f"{fmt_seconds(best['estimate']['step'])}).")
+    if est["step_overlapped"] < 0.99 * est["step"]:
+        text += (f" Overlapping all the dp reduction with the backward, which nanohlat does not do "
+                 f"{'on XLA' if est['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "
+                 f"would bring it to {fmt_seconds(est['step_overlapped'])}.")
+    return text

@@ -1,0 +1,304 @@
+"""What one rank holds: weights, optimizer state, gradient buffers and
+activations, and the peak they reach together.
+
+Memory per rank, at its peak, the larger of the step's two phases (e: the
+bytes of one value in the parameter dtype, `itemsize` in the code; mb
+sequences of T tokens per micro-batch; V the padded vocabulary):
+
+    weights + gradients + optimizer state + fp32 gradient buffers
+        + max(activations + loss backward,              forward/backward
+              ZeRO shards and gathers (+ temporaries))   optimizer step
+
+    weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
+    gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
+                  the fp32 buffer (below) as autograd makes it, and free it
+    optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
+                  weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
+                  in fp32, bf16-sr and bf16 they are the parameters (0 B);
+                  1/dp of all that with ZeRO-1, 2 and 3
+    activations   what autograd keeps per micro-batch (below) x micro-batches in flight
+    loss backward the loss's backward briefly holds the logits' gradients, (4 + e) mb*T*V/tp
+    fp32 grads    FlatAdamW accumulates the gradients in one flat fp32 buffer per group, kept between
+                  steps (4 B/param; ZeRO-2, 3: its 1/dp shard), also the update's scratch space; ZeRO-1
+                  adds the reduce-scattered 1/dp shards, ZeRO-1 and 2 the all-gathered new weights
+    grad staging  ZeRO-2, during each backward: the buckets being filled before their
+                  reduce-scatter, at most the whole padded buffer (4 B/param; zero2.py);
+                  ZeRO-3: at most the rest's unit's and one layer's (its groups are per layer)
+    gathered      ZeRO-3, in the forward and backward: the layers' weights whole at once,
+                  at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
+    temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
+                  still allocates (EAGER_STEP_COPIES); XLA fuses them away
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
+RMSNorm, SwiGLU, rotary, grouped-query attention, no dropout, no biases).
+Per layer and micro-batch, e bytes per activation value (the parameter dtype),
+with N = mb*T*C, n = N/tp with sequence parallel else N:
+
+    each RMSNorm (x2)  fp32 copy of its input 4n, normalised input e*n, and its output
+                       as the input of the next matmuls: e*n; with sequence parallel
+                       that is the T/tp shard too, all-gathered again in backward
+                       (--sp-regather, Megatron's way); with --no-sp-regather the
+                       all-gathered full sequence instead (SP_SAVED_GATHERS e*N).
+    attention          q after rotary, k and v after repeating kv heads, the kernel's
+                       output: 4 * e*N/tp, plus
+                         fused kernel (SDPA flash/efficient on cpu/cuda): fp32 log-sum-exp
+                         T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax):
+                         the softmax probabilities e*mb*(heads/tp)*T*T
+    SwiGLU             gate, silu(gate), up, their product: 4 * e*mb*T*ffn/tp
+    selective          the attention core is recomputed: keep its inputs q, k, v (kv
+                       heads not repeated) and output, and no T*T term at all
+    full               each block is recomputed: keep only its input, e*n
+
+The first stage adds the token ids and embedding mask, the last the final
+norm and the vocab-parallel loss, which keeps two (mb, T, V/tp) fp32 tensors
+(the masked logits and their exp): at a 32k vocabulary, the largest single
+tensors of the 7B model. A pipeline stage holds min(pp - stage, M) micro-batches
+at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
+v chunks of n_layers/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
+activations, the embedding's extras on the first stage's chunk 0 only and the
+loss's on the last stage's last chunk only (activations_in_flight_bytes).
+ZB-H1 holds p micro-batches on every stage, each from its forward until its
+W: until its B all the forward's activations, from B to W only what W needs,
+its linears' inputs and output gradients (weight_grad_bytes; with full
+checkpointing that is more than the block input the forward kept).
+"""
+
+from __future__ import annotations
+
+from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.pipeline import stage_ops
+from nanohlat.precision import master_dtype, moment_dtype, param_dtype
+from nanohlat.tools.plan.params import dtype_bytes, flat_groups, stage_param_counts, zero3_gathered
+from nanohlat.tools.timeline import in_flight
+from nanohlat.zero1 import padded_size
+
+
+def micro_batch_size(tcfg: TrainConfig, dp: int) -> int:
+    return tcfg.batch_size // (dp * tcfg.microbatches)
+
+
+# With sequence parallel and --no-sp-regather, comm.all_gather returns the
+# gathered (mb, T, C) sequence as one contiguous tensor that the matmuls after
+# each norm (wq, wk, wv; gate, up) all save for backward: 2 full-sequence
+# tensors per layer. With --sp-regather (the default, Megatron-LM's way) they
+# keep only the 1/tp shard and gather it again in backward
+# (tensor_parallel._GatherLinears): one more all-gather per norm.
+SP_SAVED_GATHERS = 2
+
+
+def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize: int, mode: str, sp: bool,
+                           fused: bool, regather: bool = True) -> int:
+    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
+    C, D = cfg.d_model, cfg.head_dim
+    sp = sp and tp > 1
+    N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
+    n = N // tp if sp else N                 # the residual stream this rank holds
+    if mode == "full":
+        return itemsize * n
+    q = N // tp                              # (mb, T, C/tp): local query heads
+    kv = mb * T * cfg.kv_heads_per_rank(tp) * D   # local kv heads, not repeated
+    heads = cfg.n_heads // tp
+    norms = 2 * (4 * n + itemsize * n + 4 * (n // C))   # fp32 copy of the input, normalised input, fp32 rsqrt
+    # the column-parallel matmuls after each norm keep their input: the norm's
+    # output (one tensor for wq, wk, wv, another for gate, up; with sequence
+    # parallel its T/tp shard), or, with --no-sp-regather, the gathered sequence
+    inputs = SP_SAVED_GATHERS * itemsize * N if sp and not regather else 2 * itemsize * n
+    if mode == "selective":
+        core = itemsize * (q + 2 * kv) + itemsize * q
+    elif fused:
+        core = 4 * itemsize * q + 4 * mb * heads * T
+    else:
+        core = 4 * itemsize * q + itemsize * mb * heads * T * T
+    mlp = 4 * itemsize * mb * T * cfg.ffn_dim // tp
+    return norms + inputs + core + mlp
+
+
+def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                     mode: str | None = None, sp: bool | None = None, fused: bool = True, chunk: int = 0) -> int:
+    """Bytes autograd (and the pipeline runner) keep for ONE micro-batch on a rank
+    of `stage`, at the end of its forward (interleaved: of one of its
+    --virtual-stages chunks, `chunk`). mode/sp default to the config's."""
+    mode = tcfg.activation_checkpointing if mode is None else mode
+    sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    n = mb * (T // tp if sp else T) * C
+    regather = tcfg.sp_regather
+    v = tcfg.virtual_stages
+    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather)
+    first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
+    if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
+        total += 8 * mb * T + itemsize * mb * T
+    elif mode != "full" and itemsize != 4:
+        total += itemsize * n  # the received input, kept for its gradient (fp32: it is the norm's input)
+    if not last:
+        total += itemsize * n  # the stage's output, kept by the runner until its backward
+    else:           # final norm, then the loss
+        V = cfg.padded_vocab // tp
+        total += 4 * n + itemsize * n + (itemsize * mb * T * C if sp and not regather else itemsize * n) + 4 * (n // C)
+        if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
+            total += 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
+        else:         # vocab-parallel: masked fp32 logits and their exp, and per-token scalars
+            total += 8 * mb * T * V + V + 13 * mb * T
+    return total
+
+
+def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
+    """Most micro-batches (interleaved: chunk activations) whose activations a
+    stage holds at once (1F1B: min(pp - stage, m); zb-h1: from F to W, min(pp, m);
+    tools/timeline.py:in_flight_formula)."""
+    return in_flight(stage_ops(schedule, pp, m, stage, v))
+
+
+def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int) -> int:
+    """zb-h1: what one micro-batch's B leaves for its W on a rank of `stage`
+    (split_backward.SplitBackward's stash): each linear's input and output
+    gradient. Per layer: the two norms' outputs (with sequence parallel their
+    T/tp shard, gathered again in W; with --no-sp-regather the gathered
+    sequence), wo's and down's inputs, and the gradients of wq, wk, wv, wo,
+    gate, up and down's outputs; the last stage adds the head's input and its
+    (mb, T, V/tp) output gradient. Any checkpointing mode: B recomputed them."""
+    sp = tcfg.sequence_parallel and tp > 1
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    N = mb * T * C
+    n = N // tp if sp else N
+    norm_out = N if sp and not tcfg.sp_regather else n
+    q, kv, f = N // tp, mb * T * cfg.kv_heads_per_rank(tp) * cfg.head_dim, mb * T * cfg.ffn_dim // tp
+    layer = 2 * norm_out + q + f + (q + 2 * kv) + N + 2 * f + N
+    head = norm_out + mb * T * cfg.padded_vocab // tp if stage == pp - 1 else 0
+    return itemsize * (cfg.n_layers // pp * layer + head)
+
+
+def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                                fused: bool = True) -> int:
+    """The most activation bytes a rank of `stage` holds at once: its order
+    walked op by op, each forward adding its chunk's bytes until its backward
+    (one chunk per stage: in-flight micro-batches x activation_bytes)."""
+    v = tcfg.virtual_stages
+    size = [activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, chunk=c) for c in range(v)]
+    left = weight_grad_bytes(cfg, tcfg, tp, pp, dp, stage) if tcfg.schedule == "zb-h1" else 0   # from B to W
+    held = peak = 0
+    for kind, _, c in stage_ops(tcfg.schedule, pp, tcfg.microbatches, stage, v):
+        held += {"F": size[c], "B": left - size[c], "W": -left}[kind]
+        peak = max(peak, held)
+    return peak
+
+
+def state_bytes_per_param(tcfg: TrainConfig) -> int:
+    """Optimizer state per parameter: two Adam moments (4 B each, 2 B with --moments bf16), plus
+    4 B of fp32 master weights only where they differ from the parameters' dtype (bf16-mixed);
+    elsewhere the master weights are the parameters themselves (precision.py)."""
+    master = master_dtype(tcfg.precision)
+    return 2 * moment_dtype(tcfg.moments).itemsize + (master.itemsize if master != param_dtype(tcfg.precision) else 0)
+
+
+def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0,
+                    zero: int | None = None) -> int:
+    """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1, 2 and 3),
+    under ZeRO stage `zero` (default: the config's)."""
+    zero = tcfg.zero if zero is None else zero
+    shards = dp if zero else 1
+    return sum(padded_size(n, shards) // shards
+               for n in flat_groups(cfg, tp, pp, stage, zero)) * state_bytes_per_param(tcfg)
+
+
+def bytes_per_param_line(tcfg: TrainConfig) -> str:
+    """What --precision and --moments keep per parameter, before any ZeRO-1 sharding."""
+    itemsize, moment_itemsize = dtype_bytes(tcfg.precision), moment_dtype(tcfg.moments).itemsize
+    sep = state_bytes_per_param(tcfg) - 2 * moment_itemsize
+    weights = f"weights {itemsize} ({'fp32' if itemsize == 4 else 'bf16'}" + (", also the master weights)" if not sep else ")")
+    master = f" + fp32 master weights {sep}" if sep else ""
+    moments = f"Adam moments 2 x {moment_itemsize} ({'fp32' if moment_itemsize == 4 else 'bf16, stochastically rounded'})"
+    return (f"bytes per parameter: {weights}{master} + {moments} + fp32 gradient buffer 4 (micro-batches and "
+            f"the dp sum added exactly) = {itemsize + sep + 2 * moment_itemsize + 4}")
+
+
+def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
+    """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO;
+    ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
+    shards = dp if tcfg.zero else 1
+    kept = shards if tcfg.zero == 3 else 1
+    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
+                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero))
+
+
+# Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
+# update works in place in the flat gradient buffer, so fp32 and bf16-mixed
+# allocate almost nothing more (bf16-mixed: the bf16 copy of the new weights,
+# half an fp32 copy); pure bf16 works on an fp32 copy of its bf16 master (1.5
+# copies with the rounding); software stochastic rounding adds its int32 noise
+# and bit buffers (4.5 copies). Counted in fp32-sized copies of the largest
+# group's shard (measured on CUDA: tests/test_plan.py). --moments bf16 adds the
+# fp32 copies of the two moments, alive beside the master's while each is
+# rounded back: 2 more (derived from the above, not measured). XLA fuses the
+# update into one kernel and needs none of them.
+EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
+EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
+
+
+def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                         eager: bool) -> tuple[int, int]:
+    """(flat fp32 gradient buffers kept between steps, extra bytes during FlatAdamW.step).
+
+    One buffer per group (tp-sharded matrices, replicated norms), padded to a
+    multiple of dp under ZeRO-1; ZeRO-2 keeps only its 1/dp shard. During the
+    step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
+    are the buffers) and, one group at a time, the all-gathered new weights in
+    the parameter dtype."""
+    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero)
+    shards = dp if tcfg.zero else 1
+    kept = shards if tcfg.zero >= 2 else 1
+    buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
+    largest_shard = max(padded_size(n, shards) // shards for n in groups)
+    during = 0
+    if shards > 1:
+        during += 4 * sum(padded_size(n, shards) // shards for n in groups) if tcfg.zero == 1 else 0
+        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups) if tcfg.zero < 3 else 0
+    if eager:
+        copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
+        during += int(4 * copies * largest_shard)
+    return buffers, during
+
+
+def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                    fused: bool = True, eager: bool = False) -> dict:
+    """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
+    the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
+    params = stage_param_counts(cfg, tp, pp, stage)["total"]
+    itemsize = dtype_bytes(tcfg.precision)
+    flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
+    flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
+    out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
+           "grads": 0,   # accumulated in the fp32 buffers
+           "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
+           "optimizer_zero1": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage, zero=1),
+           "optimizer_replicated": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage, zero=0),
+           "in_flight": flight,
+           "activations": activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
+           # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
+           # gradient of the fp32 logits and of the head's output (parameter
+           # dtype), while most activations are still alive (measured on CUDA)
+           "loss_backward": (4 + itemsize) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
+                            if stage == pp - 1 else 0,
+           "flat_grads": flat, "step_temporaries": temporaries,
+           # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
+           "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
+           # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
+           "gathered": itemsize * (zero3_gathered(cfg, tp, dp)
+                            + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
+    if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
+        # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
+        out["grad_staging"] += out["grad_staging"] // dp
+    out["forward_backward"] = out["activations"] + out["loss_backward"] + out["grad_staging"] + out["gathered"]
+    out["optimizer_step"] = temporaries
+    out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat
+                   + max(out["forward_backward"], out["optimizer_step"]))
+    return out
+
+
+def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
+    """The plan's peak over the first and last stage (the largest ones)."""
+    dp, eager = world // (tcfg.tp * tcfg.pp), tcfg.device in ("cpu", "cuda")
+    return max(memory_per_rank(cfg, tcfg, tcfg.tp, tcfg.pp, dp, s, fused=eager, eager=eager)["peak"]
+               for s in sorted({0, tcfg.pp - 1}))

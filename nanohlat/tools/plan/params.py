@@ -1,0 +1,57 @@
+"""The parameters one rank holds: per pipeline stage and tp rank, and in the
+flat buffers of optim.FlatAdamW (one per kind: tp-sharded matrices, replicated
+kv heads, replicated norms), which ZeRO pads to a multiple of dp."""
+
+from __future__ import annotations
+
+from nanohlat.config import ModelConfig
+from nanohlat.precision import param_dtype
+from nanohlat.zero1 import padded_size
+
+
+def dtype_bytes(precision: str) -> int:
+    return param_dtype(precision).itemsize
+
+
+def stage_param_counts(cfg: ModelConfig, tp: int, pp: int, stage: int) -> dict:
+    """Parameters of one (stage, tp rank): tp-sharded matrices and tp-replicated norms;
+    "kv": of the matrices, the wk and wv rows replicated over a kv group (tp > n_kv_heads)."""
+    d, layers = cfg.d_model, cfg.n_layers // pp
+    sharded = layers * cfg.layer_matrix_params(tp)
+    norms = layers * 2 * d
+    kv = layers * 2 * d * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
+    if stage == 0:
+        sharded += cfg.padded_vocab * d // tp
+    if stage == pp - 1:
+        sharded += cfg.padded_vocab * d // tp
+        norms += d
+    return {"sharded": sharded, "replicated": norms, "kv": kv, "total": sharded + norms}
+
+
+def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[tuple[str, int]]:
+    """(kind, elements) of each of optim.FlatAdamW's flat buffers on one rank: the tp-split
+    matrices ("sharded"), the replicated kv heads' ("kv", if any: summed over their kv group), the
+    norms ("replicated": summed over tp under SP). Each is padded to a multiple of dp under ZeRO,
+    so the plan sums them group by group. ZeRO-3 (pp 1): the same kinds per unit (zero3.py), each
+    layer's, then the rest's (embedding and head; final norm)."""
+    if zero == 3:
+        d, kv = cfg.d_model, 2 * cfg.d_model * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
+        layer = [("sharded", cfg.layer_matrix_params(tp) - kv), ("kv", kv), ("replicated", 2 * d)]
+        groups = layer * cfg.n_layers + [("sharded", 2 * cfg.padded_vocab * d // tp), ("replicated", d)]
+    else:
+        c = stage_param_counts(cfg, tp, pp, stage)
+        groups = [("sharded", c["sharded"] - c["kv"]), ("kv", c["kv"]), ("replicated", c["replicated"])]
+    return [(kind, n) for kind, n in groups if n]
+
+
+def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0) -> list[int]:
+    """Elements of each flat buffer on one rank (group_kinds)."""
+    return [n for _, n in group_kinds(cfg, tp, pp, stage, zero)]
+
+
+def zero3_gathered(cfg: ModelConfig, tp: int, dp: int) -> int:
+    """ZeRO-3: elements of the flat buffers whole at once in a backward, at most: the rest's unit
+    (whole through a micro-batch's forward and backward) and one layer's (zero3.py)."""
+    groups = [padded_size(n, dp) for n in flat_groups(cfg, tp, 1, 0, 3)]
+    rest = sum(groups[-2:])                           # (the last unit's two groups: embedding + head, final norm)
+    return rest + sum(groups[:len(groups) - 2]) // cfg.n_layers

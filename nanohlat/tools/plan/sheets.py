@@ -1,0 +1,248 @@
+"""The printed plan (`train.py --plan`): the layout and the mesh, memory per
+rank, communication per step, the estimated step time and where the dp bytes
+go, then the KV cache; and the comm table a run prints beside its ledger."""
+
+from __future__ import annotations
+
+from nanohlat import comm
+from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
+from nanohlat.run.metrics import flops_per_token
+from nanohlat.tools.plan.communication import comm_per_step
+from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
+from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
+from nanohlat.tools.plan.kv_cache import kv_cache_section
+from nanohlat.tools.plan.memory import (activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
+                                        weight_grad_bytes)
+from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
+from nanohlat.tools.timeline import FORMULAS
+
+
+def shown_stages(pp: int) -> list[int]:
+    return list(range(pp)) if pp <= 16 else [0, 1, pp - 2, pp - 1]
+
+
+def schedule_text(tcfg: TrainConfig) -> str:
+    """'1f1b', or 'interleaved (v=2 chunks per stage)'."""
+    v = tcfg.virtual_stages
+    return tcfg.schedule + (f" (v={v} chunks per stage)" if v > 1 else "")
+
+
+def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tuple[int, list[str]]:
+    """mesh.validate_layout, and what to note about the layout. Returns dp and notes to print."""
+    dp = validate_layout(cfg, tcfg, world)
+    if tcfg.tp <= cfg.n_kv_heads:
+        return dp, []
+    return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "
+                f"its query heads use (each shared by {kv_replicas(cfg, tcfg.tp)} ranks, as HLAT-70B ran); their wk and "
+                f"wv gradients are summed over those ranks once per step, in fp32 (kv.all_reduce below)."]
+
+
+def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
+    """Everything above as text: the answer to `train.py --plan`."""
+    dp, notes = validate_plan_layout(cfg, tcfg, world)
+    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    sp = tcfg.sequence_parallel and tp > 1
+    tokens = tcfg.batch_size * tcfg.seq_len
+    lines = [f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters "
+         f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
+         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
+         f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
+         f"activation checkpointing {tcfg.activation_checkpointing}; "
+         f"{f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {schedule_text(tcfg)}",
+         f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
+         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
+    lines.append("  " + bytes_per_param_line(tcfg))
+    lines += ["  " + n for n in notes]
+    lines += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
+          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages)]
+    lines += _memory_section(cfg, tcfg, dp)
+    lines += _comm_section(cfg, tcfg, dp)
+    lines += _time_section(cfg, tcfg, world)
+    lines += kv_cache_section(cfg, tcfg)
+    return "\n".join(lines)
+
+
+def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    eager = tcfg.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
+    mems = {s: memory_per_rank(cfg, tcfg, tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
+    largest = max(range(pp), key=lambda s: mems[s]["peak"])
+    lines = ["", "parameters and memory per rank (every rank of a stage holds the same), assuming "
+             + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
+                "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
+                "--device cpu or cuda for eager")]
+    rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
+    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
+              eager and "in-place AdamW temporaries")
+    step_parts = " + ".join(x for x in during if x) or "nothing more"
+    gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
+    for s in shown_stages(pp):
+        r = mems[s]
+        step = fmt_bytes(r["step_temporaries"])
+        rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
+                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
+                     (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
+                     + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
+                     fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
+                    + ([fmt_bytes(r["grad_staging"])] if staging else [])
+                    + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
+    lines += table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
+                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
+                + ["optimizer step", "peak"], rows)
+    lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
+             f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
+             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
+             + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
+    biggest = mems[largest]["peak"]
+    for dev in PLAN_DEVICES[tcfg.device]:
+        if dev in DEVICE_MEMORY:
+            cap = DEVICE_MEMORY[dev]
+            lines.append(f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(cap)} on one {dev}: "
+                     + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
+
+    flight = mems[largest]["in_flight"]
+    held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
+            if tcfg.virtual_stages > 1 else f"{flight} of {m} micro-batch(es)")
+    lines += ["", f"activations per rank of stage {largest}, by checkpointing mode ({held} "
+              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
+    rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
+    for mode in ("none", "selective", "full"):
+        for sp in ((False, True) if tp > 1 else (False,)):
+            kept = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=False)
+            fused = activation_bytes(cfg, tcfg, tp, pp, dp, largest, mode, sp, fused=True)
+            this = (mode, sp) == (tcfg.activation_checkpointing, tcfg.sequence_parallel and tp > 1)
+            rows.append([mode, sp_label if sp else "off", fmt_bytes(kept), fmt_bytes(flight * kept),
+                         fmt_bytes(fused), fmt_bytes(flight * fused), "<- this run" if this else ""])
+    lines += table(["checkpointing", "seq-parallel", "T*T kept: 1 mb", "in flight",
+                 "fused attn: 1 mb", "in flight", ""], rows)
+    lines.append("  'T*T kept': softmax probabilities stored (Korthikanti et al.; torch_xla's matmul+softmax); "
+             "'fused': a flash/efficient SDPA kernel (cpu, cuda)")
+    if tcfg.schedule == "zb-h1":
+        lines.append(f"  zb-h1: 'in flight' counts each micro-batch whole; from its B to its W it keeps only its linears' "
+                 f"inputs and output gradients, {fmt_bytes(weight_grad_bytes(cfg, tcfg, tp, pp, dp, largest))} "
+                 f"(any checkpointing mode): {fmt_bytes(mems[largest]['activations'])} at most, walking its order")
+    if tp > 1:
+        lines.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
+                         "all-gather it again in backward" if tcfg.sp_regather else
+                         "'kept' (--no-sp-regather): the matmuls after each norm keep the all-gathered sequence"))
+    return lines
+
+
+COMM_LEGEND = ["  payload: what the collective delivers; wire: what a ring implementation sends from the rank",
+               "  (all-reduce 2(n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x payload, exchange: the",
+               "  real tensor); padding: the zeros an exchange sends for an idle direction (comm.py)"]
+COMM_LEGEND_SHORT = ("  (bytes; wire: what a ring sends from this rank, 2(n-1)/n x payload for an all-reduce, "
+                     "(n-1)/n for the rest)")
+
+
+def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
+    """Rows of calls, payload, wire and padding per collective, and their total.
+    With `predicted` (the plan beside a measured ledger) a last column says
+    whether all four agree, or gives the prediction."""
+    keys = sorted(set(entries) | set(predicted or {}))
+    zero = dict.fromkeys(comm.FIGURES, 0)
+    rows = []
+    for k in keys + ["total"]:
+        entry = entries.get(k, zero) if k != "total" else {f: sum(v[f] for v in entries.values()) for f in comm.FIGURES}
+        row = [k, f"{entry['calls']:,}" if k != "total" else "", f"{entry['payload']:,}", f"{entry['wire']:,}", f"{entry['padding']:,}"]
+        if predicted is not None and k != "total":
+            p = predicted.get(k, zero)
+            row.append("same" if p == entry else "predicted: " + " ".join(f"{f} {p[f]:,}" for f in comm.FIGURES))
+        elif predicted is not None:
+            row.append("")
+        rows.append(row)
+    header = ["collective", "calls", "payload", "wire", "padding"] + (["plan"] if predicted is not None else [])
+    return table(header, rows)
+
+
+def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    tp, pp = tcfg.tp, tcfg.pp
+    lines = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
+    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    if not by_stage[0]:
+        return lines + ["  none: one process"]
+    for s in sorted({0, pp - 1}):
+        lines.append(f"  rank {rank_of(0, s, 0, tp, dp)} (stage {s}):")
+        lines += comm_table(by_stage[s])
+    everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp
+    lines.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    if tcfg.activation_checkpointing == "full" and tp > 1:
+        lines.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
+                 "all 4 with torch_xla's (--device xla)")
+    return lines
+def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
+    tokens = tcfg.batch_size * tcfg.seq_len
+    f_tok = flops_per_token(cfg, tcfg.seq_len)
+    lines = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params + 12 x layers x d_model x seq_len, "
+             f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_tok * tokens)} per step, "
+             f"{fmt_flop(f_tok * tokens / world)} per rank",
+         "", "estimated time per step (rank 0's groups; the slower of the first and last stage)"]
+    rows = []
+    devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
+    for dev in devices:
+        est = estimate_step(cfg, tcfg, world, dev)
+        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp)}
+        comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
+                      for g in ("tp", "pp", "dp")]
+        rows.append([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
+                    + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
+                       f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
+                       fmt_seconds(est["step"] * tcfg.steps)])
+    lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
+                 "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
+    net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
+    lines += ["  assumptions:",
+          f"  - the matmuls run at {DEFAULT_MFU:.0%} of the device's peak, recomputation included (activation "
+          f"checkpointing {tcfg.activation_checkpointing}: "
+          f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
+          f"MFU counts the model's FLOPs only",
+          "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
+          "the group: 'in' = all its ranks in one node, 'across' = over the network, 'mixed' = a ring with hops "
+          "of both kinds; tp and pp: all devices of a node share its network equally; dp: hop by hop, at the "
+          "pace of the ring's slowest hop (below)",
+          "  - " + "\n  - ".join(net_notes),
+          "  - per-call latency: 10 us inside a node, 20-30 us across (accelerators), 50 us (cpu): assumptions",
+          "  - stages take equal time; the bubble is " + FORMULAS[tcfg.schedule] + " of the pipeline's time, an op "
+          "starting as soon "
+          "as its input exists (nanohlat's lock-step ticks lose more: timeline.py)",
+          "  - overlap: the tp collectives sit between the matmuls, pipeline exchanges between ticks; on cpu and "
+          "cuda --overlap-grad-reduce starts the gradients' dp collective in the backward of the last micro-batch "
+          "(ZeRO-2: of each), hiding up to 2/3 of that backward's compute ('step' counts it), on XLA nanohlat "
+          "overlaps none of it; 'dp overlapped' hides all the dp reduction behind the whole backward (2/3 of the "
+          "compute), as Megatron-LM does (an XLA compiler may schedule it so inside one step graph)"]
+    return lines + _dp_ring_section(cfg, tcfg, world, devices)
+
+
+def _where(est: dict, group: str) -> str:
+    """'in', 'across' or (a dp ring with hops of both kinds) 'mixed'."""
+    if group == "dp" and est["dp_ring"].on_node and est["dp_ring"].off_node:
+        return "mixed"
+    return "in" if est["inside"][group] else "across"
+
+
+def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: list[str]) -> list[str]:
+    """"where the dp bytes go": rank 0's dp ring, hop by hop, on each device's network."""
+    tp, pp = tcfg.tp, tcfg.pp
+    dp = world // (tp * pp)
+    if dp == 1:
+        return []
+    ranks = dp_groups(tp, pp, dp)[0]
+    shown = " -> ".join(map(str, ranks[:4])) + (" -> ... -> " + str(ranks[-1]) if dp > 4 else "") + f" -> {ranks[0]}"
+    lines = ["", f"where the dp bytes go: rank 0's dp ring {shown} ({dp} hops); {tp * pp} such rings reduce at "
+             f"once, one per (stage, tp rank)"]
+    rows = []
+    for dev in devices:
+        est = estimate_step(cfg, tcfg, world, dev)
+        r, b = est["dp_ring"], est["dp_bytes"]
+        net = est["network"]
+        rows.append([dev, r.ranks_per_node, r.on_node, r.off_node, r.sharing if r.off_node else "-",
+                     f"{r.off_node_bw / 1e9:.3g} GB/s" if r.off_node else "-", fmt_bytes(b),
+                     fmt_seconds(b / net.inside) if r.on_node else "-",
+                     fmt_seconds(b / r.off_node_bw) if r.off_node else "-", fmt_seconds(est["comm"]["dp"])])
+    lines += table(["device", "ring ranks per node", "hops on node", "off node", "hops leaving a node at once",
+                 "off-node hop gets", "bytes per hop", "on-node hop", "off-node hop", "dp comm"], rows)
+    lines += ["  every hop carries the same bytes (each rank's wire bytes of the dp collectives); the ring moves at "
+          "its slowest hop's pace, so dp comm = bytes / the slowest hop + calls x latency. An off-node hop gets "
+          "the node's network divided by the hops that leave that node at the same time (all rings together)"]
+    return lines
