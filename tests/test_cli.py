@@ -129,7 +129,7 @@ def test_interleaved_pp4_v2_with_timeline_equals_one_process(cache_dir, tmp_path
              "--schedule", "interleaved", "--virtual-stages", "2", "--timeline"])
     assert losses(four) == pytest.approx(losses(one), abs=2e-5)
     assert len(val_losses(four)) == 1 and val_losses(four) == pytest.approx(val_losses(one), abs=2e-5)
-    # rank 0's exchanges (boundary 0|1 and the wrap 3|0), as the comm ledger counted them: plan.py's prediction
+    # rank 0's exchanges (boundary 0|1 and the wrap 3|0), as the comm ledger counted them: the plan's prediction
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith("  pp.")]
     assert rows and all(r[-1] == "same" for r in rows), p.stdout
     assert "   0   0   0   0  0-0,4-4  +embedding" in p.stdout
