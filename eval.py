@@ -27,7 +27,7 @@ from nanohlat.run import checkpoint, data, launch
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.run.files import atomic_write, os_error_message
+from nanohlat.system.files import atomic_write, os_error_message
 
 
 def parse_args(argv=None):

@@ -150,7 +150,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_partial(tmp_path):
     """files.atomic_write (checkpoints, the data cache, eval.json): a write that
     fails part-way keeps the old file whole and removes its `.partial`."""
     import errno
-    from nanohlat.run.files import atomic_write
+    from nanohlat.system.files import atomic_write
     target = tmp_path / "eval.json"
     target.write_text("old")
 

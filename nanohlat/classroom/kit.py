@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanohlat.run import files
+from nanohlat.system import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

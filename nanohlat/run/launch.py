@@ -42,7 +42,7 @@ import time
 import uuid
 
 from nanohlat.config import UserError
-from nanohlat.run import files
+from nanohlat.system import files
 
 ENV_HINT = "RANK, WORLD_SIZE (and MASTER_ADDR, MASTER_PORT)"
 

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from nanohlat.run import files
 from nanohlat.run.checkpoint.history import set_aside_newer
+from nanohlat.system import files
 from nanohlat import config, xla
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table

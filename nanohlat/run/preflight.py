@@ -39,7 +39,7 @@ from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
 from nanohlat.run import checkpoint, data, launch, preempt, runlock
-from nanohlat.run.files import os_error_message
+from nanohlat.system.files import os_error_message
 
 
 def main(train, argv: list[str]) -> int:

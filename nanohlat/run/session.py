@@ -24,7 +24,8 @@ import torch
 
 from nanohlat import config
 from nanohlat.data_parallel import global_mean, split_batch
-from nanohlat.run import checkpoint, files, metrics, preempt, replicas
+from nanohlat.run import checkpoint, metrics, preempt, replicas
+from nanohlat.system import files
 from nanohlat.tools import plan, timeline
 
 

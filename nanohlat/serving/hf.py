@@ -39,7 +39,7 @@ import sys
 import torch
 
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.run import files
+from nanohlat.system import files
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -331,7 +331,7 @@ def main(argv=None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except OSError as err:
-        from nanohlat.run.files import os_error_message
+        from nanohlat.system.files import os_error_message
         print(f"error: {os_error_message(err)}", file=sys.stderr)
         sys.exit(2)
 
