@@ -23,9 +23,10 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, launch
+from nanohlat.run import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate
+from nanohlat.system import cli
 from nanohlat.config import DEVICES, UserError, check_seed
 from nanohlat.system.files import atomic_write, os_error_message
 
@@ -219,4 +220,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(launch.command(main))
+    sys.exit(cli.command(main))

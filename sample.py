@@ -28,6 +28,7 @@ import torch.distributed
 
 from nanohlat.run import checkpoint, data, launch
 from nanohlat.serving import generate
+from nanohlat.system import cli
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import DEVICES, UserError, check_seed, model_from_dict
@@ -185,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(launch.command(main))
+    sys.exit(cli.command(main))

@@ -1,7 +1,7 @@
 import sys
 
 from nanohlat.tools.bench import main
-from nanohlat.run.launch import command
+from nanohlat.system.cli import command
 
 sys.argv[0] = "python -m nanohlat.bench"   # argparse's usage line names the command, not __main__.py
 sys.exit(command(main))   # an exercise stub reached: one line naming it

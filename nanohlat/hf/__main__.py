@@ -1,6 +1,6 @@
 import sys
 
 from nanohlat.serving.hf import main
-from nanohlat.run.launch import command
+from nanohlat.system.cli import command
 
 sys.exit(command(main))   # an exercise stub reached: one line naming it

@@ -192,5 +192,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from nanohlat.run.launch import command
+    from nanohlat.system.cli import command
     sys.exit(command(main))
