@@ -207,7 +207,7 @@ def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     assert first > 0 and metrics.device_peak(cpu, "bf16") == first == metrics.measure_cpu_peak()
     assert calls == [(32, 32), (32, 32), (64, 64), (64, 64)]          # measured once, both sizes
     assert "64" in metrics.describe_peak(cpu, "fp32", 2) and "2 x" in metrics.describe_peak(cpu, "fp32", 2)
-    for path in ("train.py", "nanohlat/tools/bench.py"):   # neither has a peak of its own
+    for path in ("train.py", "nanohlat/bench/bench.py"):   # neither has a peak of its own
         with open(os.path.join(REPO, path)) as f:
             source = f.read()
         assert "measure_cpu_peak(" not in source and "peak_flops(" not in source, path

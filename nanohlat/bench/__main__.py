@@ -1,6 +1,6 @@
 import sys
 
-from nanohlat.tools.bench import main
+from nanohlat.bench.bench import main
 from nanohlat.system.cli import command
 
 sys.argv[0] = "python -m nanohlat.bench"   # argparse's usage line names the command, not __main__.py
