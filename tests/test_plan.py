@@ -36,7 +36,8 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat import config
-from nanohlat.run import metrics, preflight
+from nanohlat.run import preflight
+from nanohlat.tools import metrics
 from nanohlat.tools import plan
 from nanohlat.mesh import Mesh
 

@@ -297,12 +297,12 @@ def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path
     """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
     out-dir the run created is gone again, so `--resume never` is not refused later."""
     import errno
-    from nanohlat.run import metrics
+    from nanohlat.run import trainlog
     out = tmp_path / "run"
 
     def full(self, record):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(out), "metrics.jsonl"))
-    monkeypatch.setattr(metrics.MetricsWriter, "write", full)
+    monkeypatch.setattr(trainlog.MetricsWriter, "write", full)
     code, err = main_in_process(flags(cache_dir, out), capsys)
     assert code == 2
     one_line_error(err, "metrics.jsonl", "No space left on device")

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat import comm, config, xla
-from nanohlat.run import metrics
+from nanohlat.tools import metrics
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib

@@ -5,6 +5,6 @@ workers (launch.py), building this rank's model, runner and optimizer
 (build.py), the token data and its cache (data.py), everything around the
 step (session.py): checkpoint files and the run directory's safety
 (checkpoint/, runlock.py; every file is written through system/files.py), stopping on a signal (preempt.py),
-replica checks (replicas.py), and what a run prints and writes (metrics.py). train.py calls into these;
+replica checks (replicas.py), and what a run prints and writes (trainlog.py). train.py calls into these;
 the core modules one folder up never import them.
 """

@@ -78,7 +78,7 @@ from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.config import UserError
 from nanohlat.mesh import Mesh, coords, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
-from nanohlat.run.metrics import flops_per_token, peak_flops
+from nanohlat.tools.metrics import flops_per_token, peak_flops
 from nanohlat.tools.timeline import FORMULAS, in_flight
 from nanohlat.pipeline import stage_ops, timetable
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
