@@ -35,7 +35,6 @@ from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import launch, preflight, runlock
 from nanohlat.run.build import build
 from nanohlat.run.session import Session
-from nanohlat.system import cli
 
 
 def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, world: int = 1,
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: pre-flight once (nanohlat/run/preflight.py), then `train`
     here, in --nproc local workers, or as this torchrun rank. Returns the exit code:
     0, 2 (refused, one line on stderr), 130 / 143 (stopped by Ctrl-C / SIGTERM, saved)."""
-    return cli.command(preflight.main, train, sys.argv[1:] if argv is None else argv)
+    return preflight.main(train, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

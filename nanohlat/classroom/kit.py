@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanohlat.system import files
+from nanohlat.system import cli, files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -310,6 +310,7 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+@cli.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
