@@ -23,11 +23,12 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, launch
+from nanohlat.run import checkpoint, data
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate
+from nanohlat.system import cli
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.run.files import atomic_write, os_error_message
+from nanohlat.system.files import atomic_write
 
 
 def parse_args(argv=None):
@@ -175,48 +176,39 @@ def check_json_path(path: str) -> None:
         raise UserError(f"cannot write {path!r}: {parent!r} is not writable; choose another --json")
 
 
+@cli.command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        check_args(args)
-        for t in args.task:     # a bad task file should fail before any model is loaded
-            if t != "builtin":
-                evaluate.load_task_file(t)
-        out = args.json or os.path.join(args.out_dir, "eval.json")
-        check_json_path(out)
-        dev = devicelib.get_device(args.device)
-        if args.all_checkpoints:
-            paths = checkpoint.list_checkpoints(args.out_dir)
-            if not paths:
-                raise UserError(f"--out-dir {args.out_dir!r} has no saved checkpoints; train first, or give "
-                                f"the run directory that holds checkpoints/")
-        else:
-            paths = [checkpoint.resolve(args.checkpoint or args.out_dir, say_skipped=True)]
-        cache: dict = {}
-        rows = []
-        for p in paths:
-            rows.append(evaluate_checkpoint(p, args, dev, cache))
-        if args.all_checkpoints:
-            print_curves(rows)
-        else:
-            print_single(rows[0])
-        settings = {k: getattr(args, k) for k in ("task", "shots", "examples", "batch_size", "max_batches", "seed")}
-        write_json(out, {"settings": settings, "results": rows})
-        log(f"eval: wrote {out}")
-        if args.all_checkpoints:
-            png = os.path.join(args.out_dir, "eval_curves.png")
-            log(f"eval: wrote {png}" if plot_curves(rows, png) else "eval: pip install matplotlib for eval_curves.png")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:     # e.g. the disk filled while writing the results
-        print(f"error: {os_error_message(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:   # Ctrl-C: nothing half-written (write_json), no traceback
-        print("interrupted", file=sys.stderr)
-        return 130
+    check_args(args)
+    for t in args.task:     # a bad task file should fail before any model is loaded
+        if t != "builtin":
+            evaluate.load_task_file(t)
+    out = args.json or os.path.join(args.out_dir, "eval.json")
+    check_json_path(out)
+    dev = devicelib.get_device(args.device)
+    if args.all_checkpoints:
+        paths = checkpoint.list_checkpoints(args.out_dir)
+        if not paths:
+            raise UserError(f"--out-dir {args.out_dir!r} has no saved checkpoints; train first, or give "
+                            f"the run directory that holds checkpoints/")
+    else:
+        paths = [checkpoint.resolve(args.checkpoint or args.out_dir, say_skipped=True)]
+    cache: dict = {}
+    rows = []
+    for p in paths:
+        rows.append(evaluate_checkpoint(p, args, dev, cache))
+    if args.all_checkpoints:
+        print_curves(rows)
+    else:
+        print_single(rows[0])
+    settings = {k: getattr(args, k) for k in ("task", "shots", "examples", "batch_size", "max_batches", "seed")}
+    write_json(out, {"settings": settings, "results": rows})
+    log(f"eval: wrote {out}")
+    if args.all_checkpoints:
+        png = os.path.join(args.out_dir, "eval_curves.png")
+        log(f"eval: wrote {png}" if plot_curves(rows, png) else "eval: pip install matplotlib for eval_curves.png")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(launch.command(main))
+    sys.exit(main())

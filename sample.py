@@ -28,6 +28,7 @@ import torch.distributed
 
 from nanohlat.run import checkpoint, data, launch
 from nanohlat.serving import generate
+from nanohlat.system import cli
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import DEVICES, UserError, check_seed, model_from_dict
@@ -161,28 +162,22 @@ def worker(argv: list[str]) -> None:
     torch.distributed.destroy_process_group()
 
 
+@cli.command
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    try:
-        read_prompts(args)
-        env = launch.torchrun_env()
-        launch.check_nproc(args.nproc, env)
-        check_args(args, env[1] if env else args.nproc)
-        if env:
-            worker(argv)
-        elif args.nproc > 1:
-            return launch.spawn(worker, (argv,), args.nproc, stop_hint="")   # (nothing to resume)
-        else:
-            sample(args, devicelib.get_device(args.device))
-        return 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    read_prompts(args)
+    env = launch.torchrun_env()
+    launch.check_nproc(args.nproc, env)
+    check_args(args, env[1] if env else args.nproc)
+    if env:
+        worker(argv)
+    elif args.nproc > 1:
+        return launch.spawn(worker, (argv,), args.nproc, stop_hint="")   # (nothing to resume)
+    else:
+        sample(args, devicelib.get_device(args.device))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(launch.command(main))
+    sys.exit(main())

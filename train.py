@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line: pre-flight once (nanohlat/run/preflight.py), then `train`
     here, in --nproc local workers, or as this torchrun rank. Returns the exit code:
     0, 2 (refused, one line on stderr), 130 / 143 (stopped by Ctrl-C / SIGTERM, saved)."""
-    return launch.command(preflight.main, train, sys.argv[1:] if argv is None else argv)
+    return preflight.main(train, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

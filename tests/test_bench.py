@@ -1,12 +1,12 @@
 """The benchmark's printed figures: the ratio lines the README quotes, and the
-round-by-round spread printed beside them (nanohlat/tools/bench.py)."""
+round-by-round spread printed beside them (nanohlat/bench/bench.py)."""
 
 import importlib.util
 import re
 
 import pytest
 
-from nanohlat.tools import bench
+from nanohlat.bench import bench
 
 TINY = ["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2", "--ffn-dim", "128",
         "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2", "--warmup", "1", "--threads", "1"]

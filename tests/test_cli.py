@@ -7,13 +7,16 @@ tests/test_parallel.py's `tp2_pp2_dp2_zero1_sp`."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, read_metrics
+from nanohlat.config import UserError
 
 TINY = ["--preset", "tiny", "--steps", "5", "--eval-every", "0", "--no-progress"]
 
@@ -76,6 +79,75 @@ def test_errors_exit_2_without_traceback_as_a_process(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1
     p = run(["sample.py", "--out-dir", str(tmp_path / "missing")], check=False)
     assert p.returncode == 2 and "no complete checkpoint" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- one end for every command: system/cli.py:command -----------------------
+
+STUB_MESSAGE = "exercise 4b: column- and row-parallel linear layers, see tutorial.md section 4"
+
+
+@pytest.mark.parametrize("raised, code", [
+    (UserError("--steps must be positive, got 0"), 2),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/full/disk/metrics.jsonl"), 2),
+    (KeyboardInterrupt(), 130),
+    (NotImplementedError(STUB_MESSAGE), 2),
+], ids=["bad input", "OSError", "Ctrl-C", "exercise stub"])
+def test_the_one_error_tail_ends_a_command_with_one_line(raised, code, capsys):
+    from nanohlat.system import cli
+    from nanohlat.system.files import os_error_message
+
+    @cli.command
+    def main(argv):
+        raise raised
+    assert main([]) == code
+    out, err = capsys.readouterr()
+    if isinstance(raised, UserError):
+        want = f"error: {raised}"
+    elif isinstance(raised, OSError):
+        want = f"error: {os_error_message(raised)}"
+        assert "/full/disk/metrics.jsonl" in want and "No space left on device" in want
+    elif isinstance(raised, KeyboardInterrupt):
+        want = "interrupted"
+    else:
+        want = f"error: {cli.not_done(raised)}"
+        assert "exercise 4b is not done yet" in want
+    assert err == want + "\n" and not out, err
+
+
+def test_the_one_error_tail_passes_exit_codes_through_and_keeps_a_crash_traceback():
+    from nanohlat.system import cli
+    assert cli.command(lambda: 143)() == 143          # stopped by SIGTERM, saved: the command's own code
+    assert cli.command(lambda: 0)() == 0
+
+    @cli.command
+    def crash():
+        raise RuntimeError("a bug")                    # not bad input: the traceback stays
+    with pytest.raises(RuntimeError, match="a bug"):
+        crash()
+
+
+def test_every_command_ends_through_the_one_error_tail():
+    """train.py (its pre-flight), sample.py, eval.py and every `python -m` command's
+    main is system/cli.py:command around it: none writes an error tail of its own."""
+    import eval as eval_py
+    import sample
+    from nanohlat.bench import bench
+    from nanohlat.classroom import kit
+    from nanohlat.run import preflight
+    from nanohlat.serving import hf, server
+    from nanohlat.system import cli
+    from nanohlat.tools import compile_lessons
+    mains = {"run/preflight.py (train.py)": preflight.main, "sample.py": sample.main, "eval.py": eval_py.main,
+             "bench/bench.py": bench.main, "serving/server.py": server.main, "serving/hf.py": hf.main,
+             "classroom/kit.py": kit.main, "tools/compile_lessons.py": compile_lessons.main}
+    try:
+        from nanohlat.serving import harness
+        mains["serving/harness.py"] = harness.main
+    except ImportError:   # lm_eval is optional
+        pass
+    tail = cli.command(lambda: 0).__code__
+    bare = [name for name, main in mains.items() if main.__code__ is not tail or not hasattr(main, "__wrapped__")]
+    assert not bare, f"these commands' main is not wrapped by system/cli.py:command: {', '.join(bare)}"
 
 
 # -- a run: loss falls, metrics.jsonl, sample.py ----------------------------

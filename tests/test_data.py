@@ -321,7 +321,7 @@ def test_the_range_check_catches_what_the_hash_cannot(big, tmp_path):
     """An out-of-range id under a matching hash (a build gone wrong, a hand-edited meta.json)."""
     import shutil
     from nanohlat.run.data import verify_shards
-    from nanohlat.run.files import sha256_file
+    from nanohlat.system.files import sha256_file
     corpus, cache, good = big
     entry = shutil.copytree(good.directory, tmp_path / "entry")
     put_token(str(entry / "train.bin"), good.meta["dtype"], VOCAB)

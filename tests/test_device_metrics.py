@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/device.py, nanohlat/xla.py and nanohlat/run/metrics.py."""
+"""Specifications for nanohlat/device.py, nanohlat/xla.py, nanohlat/tools/metrics.py and nanohlat/run/trainlog.py."""
 
 import importlib.util
 import json
@@ -15,8 +15,9 @@ from nanohlat.config import PRESETS, ModelConfig, UserError
 from dist_utils import free_port
 from nanohlat import xla
 from nanohlat.device import get_device
-from nanohlat.run.metrics import (PEAK_FLOPS, MetricsWriter, Throughput, flops_per_token, mfu, peak_flops,
-                              peak_memory)
+from nanohlat.run import trainlog
+from nanohlat.run.trainlog import MetricsWriter
+from nanohlat.tools.metrics import PEAK_FLOPS, Throughput, flops_per_token, mfu, peak_flops, peak_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -183,7 +184,7 @@ def test_peak_flops_and_mfu_arithmetic():
 
 
 def test_mfu_above_one_is_not_reported_but_warned_once(monkeypatch, capsys):
-    from nanohlat.run import metrics
+    from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_mfu_warned", False)
     assert mfu(1000.0, 6e9, 5e12) is None                   # 120%: the peak is wrong, not the model
     assert mfu(1000.0, 6e9, 4e12) is None
@@ -195,7 +196,7 @@ def test_mfu_above_one_is_not_reported_but_warned_once(monkeypatch, capsys):
 def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     """train.py and bench.py both divide by metrics.device_peak; on the CPU that is
     the best of CPU_PEAK_MATMULS (2048^3 among them), measured once per thread count."""
-    from nanohlat.run import metrics
+    from nanohlat.tools import metrics
     assert max(n for n, _ in metrics.CPU_PEAK_MATMULS) >= 2048
     calls = []
     monkeypatch.setattr(metrics, "CPU_PEAK_MATMULS", ((32, 2), (64, 2)))
@@ -207,7 +208,7 @@ def test_cpu_peak_is_one_definition_measured_once_per_process(monkeypatch):
     assert first > 0 and metrics.device_peak(cpu, "bf16") == first == metrics.measure_cpu_peak()
     assert calls == [(32, 32), (32, 32), (64, 64), (64, 64)]          # measured once, both sizes
     assert "64" in metrics.describe_peak(cpu, "fp32", 2) and "2 x" in metrics.describe_peak(cpu, "fp32", 2)
-    for path in ("train.py", "nanohlat/tools/bench.py"):   # neither has a peak of its own
+    for path in ("train.py", "nanohlat/bench/bench.py"):   # neither has a peak of its own
         with open(os.path.join(REPO, path)) as f:
             source = f.read()
         assert "measure_cpu_peak(" not in source and "peak_flops(" not in source, path
@@ -239,7 +240,7 @@ def test_resampling_the_cpu_peak_keeps_the_best(monkeypatch):
     """bench.py samples the peak again after every round: a slow first sample
     (a busy moment of a shared machine) is replaced by a better later one, and
     a worse later one changes nothing."""
-    from nanohlat.run import metrics
+    from nanohlat.tools import metrics
     rates = iter([1e9, 3e9, 2e9])
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: next(rates))
     monkeypatch.setattr(metrics, "_cpu_peaks", {})
@@ -253,23 +254,24 @@ def test_a_stale_cpu_peak_is_measured_again_when_beaten_and_unknown_mfu_prints_a
     the peak is measured again (once a minute at most) and MFU is read against
     the new one; the CPU generator is left as it was (training numerics)."""
     import types
-    from nanohlat.run import metrics
+    from nanohlat.tools import metrics
     rates = iter([4e9, 4e9])
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: (torch.randn(3), next(rates))[1])
     monkeypatch.setattr(metrics, "_cpu_peaks", {torch.get_num_threads(): 1e9})   # the stale, busy sample
     log = types.SimpleNamespace(peak_total=1e9, dev=types.SimpleNamespace(kind="cpu"), flops_tok=1e6,
                                 world=1, resampled_at=None)
     state = torch.get_rng_state()
-    assert metrics.TrainLog._mfu(log, 2000.0) == pytest.approx(0.5)     # 2 GFLOP/s over the new 4
+    assert trainlog.TrainLog._mfu(log, 2000.0) == pytest.approx(0.5)     # 2 GFLOP/s over the new 4
     assert torch.equal(torch.get_rng_state(), state) and log.peak_total == 4e9
     again = log.resampled_at
-    assert metrics.TrainLog._mfu(log, 3000.0) == pytest.approx(0.75) and log.resampled_at == again   # not beaten
+    assert trainlog.TrainLog._mfu(log, 3000.0) == pytest.approx(0.75) and log.resampled_at == again   # not beaten
 
 
 def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, cache_dir, tmp_path, capsys):
     import train
     from nanohlat import config
-    from nanohlat.run import metrics, preflight
+    from nanohlat.run import preflight
+    from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1.0)       # a peak every rate beats
     monkeypatch.setattr(metrics, "_cpu_peaks", {})
     monkeypatch.setattr(metrics, "_mfu_warned", False)

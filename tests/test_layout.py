@@ -1,11 +1,13 @@
 """The shape of the repository, read from the source with `ast` (nothing is imported).
 
 The teaching core sits on top of nanohlat/ and stays small; tooling lives in
-subpackages (run/, tools/, serving/, classroom/, ...) and hooks into the core
-from outside. docs/design.md 1 states the rules; these tests keep them:
+subpackages (system/, tools/, run/, serving/, classroom/, ...) and hooks into the
+core from outside. docs/design.md 1 states the rules; these tests keep them:
 
 - the top level holds at most MAX_CORE_MODULES modules and MAX_CORE_LINES lines;
 - no top-level module imports from a subpackage, not even inside a function;
+- the subpackages stand in one strict order of floors (FLOORS, drawn in the same
+  order in docs/design.md 1), and no module imports from a floor above its own;
 - no import cycle among the modules of nanohlat/ (function-level imports count);
 - each subpackage says what it holds in its __init__.py's docstring;
 - README.md's reading-order table gives each core file's true length;
@@ -40,6 +42,21 @@ MAX_CORE_LINES = 3532      # those modules together (3000 until ZeRO-2 and overl
 # optim: ~230 asked, + the 20-line reference AdamW, the flat parameter buffers and XLA's in-graph gather/scatter
 # of them, + ZeRO-3's per-layer groups and kept shard (5)
 MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 280}
+
+# The floors, lowest first: (name, the folders of nanohlat/ on it). A module imports only from
+# its own floor or one below it. The core is nanohlat/*.py; the commands are the top floor:
+# train.py, sample.py, eval.py, the packages that only name a `python -m` command, and every
+# __main__.py. docs/design.md 1 says what lives on each floor, in this order.
+FLOORS = (
+    ("core", ()),
+    ("system", ("system",)),
+    ("tools", ("tools",)),
+    ("run", ("run",)),
+    ("serving", ("serving",)),
+    ("classroom", ("classroom",)),
+    ("commands", ("bench", "hf", "harness")),
+)
+SCRIPTS = ("train.py", "sample.py", "eval.py")   # the commands outside nanohlat/
 
 
 def count_lines(path: str) -> int:
@@ -142,8 +159,12 @@ def imports_of(module: str, path: str, modules: dict[str, str]) -> list[Import]:
     return found
 
 
-def import_graph() -> tuple[dict[str, str], list[Import]]:
+def import_graph(scripts: bool = False) -> tuple[dict[str, str], list[Import]]:
+    """(module -> file, every import among them); with `scripts`, train.py,
+    sample.py and eval.py count as modules too ('train', ...)."""
     modules = all_modules()
+    if scripts:
+        modules.update({name[:-len(".py")]: os.path.join(ROOT, name) for name in SCRIPTS})
     edges = []
     for name, path in modules.items():
         edges += [e for e in imports_of(name, path, modules) if e.target != name]
@@ -255,6 +276,77 @@ def test_no_core_module_imports_from_a_subpackage():
     assert not bad, ("a top-level module of nanohlat/ imports from a subpackage "
                      f"({', '.join(subs)}); hook the tool in from outside instead:\n  "
                      + "\n  ".join(str(e) for e in bad))
+
+
+def floor_of(module: str, path: str) -> int | None:
+    """The index in FLOORS of the floor `module` (its file: `path`) is on; None for a
+    subpackage on no floor."""
+    if module.rpartition(".")[2] == "__main__" or relpath(path) in SCRIPTS:
+        return len(FLOORS) - 1
+    if os.path.dirname(path) == PACKAGE:   # nanohlat/*.py and nanohlat/__init__.py
+        return 0
+    folder = relpath(path).split("/")[1]
+    return next((i for i, (_, folders) in enumerate(FLOORS) if folder in folders), None)
+
+
+def climbs(modules: dict[str, str], edges: list[Import]) -> list[str]:
+    """Each import from a floor below the floor of what it imports, as one line."""
+    bad = []
+    for e in edges:
+        low, high = floor_of(e.source, modules[e.source]), floor_of(e.target, modules[e.target])
+        if low is not None and high is not None and high > low:
+            inside = f" inside {e.where}" if e.where else ""
+            bad.append(f"{relpath(e.path)}:{e.line}{inside}: {e.source} (floor {FLOORS[low][0]}) imports "
+                       f"{e.target} (floor {FLOORS[high][0]}, above it)")
+    return bad
+
+
+def test_every_subpackage_is_on_a_floor():
+    lost = [f"nanohlat/{name}/" for name in subpackages()
+            if not any(name in folders for _, folders in FLOORS)]
+    assert not lost, (f"{', '.join(lost)} on no floor: put each in tests/test_layout.py's FLOORS and say in "
+                      f"docs/design.md 1 what lives there")
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    """The floors, lowest first: core < system < tools < run < serving < classroom < the commands.
+    A function-level import counts as much as one at the top of the file."""
+    modules, edges = import_graph(scripts=True)
+    bad = climbs(modules, edges)
+    assert not bad, (f"{len(bad)} import(s) climb to a higher floor (FLOORS, docs/design.md 1): move what is "
+                     f"imported down, or the importer up:\n  " + "\n  ".join(bad))
+
+
+def test_the_floor_check_sees_a_climb():
+    """climbs() on two planted imports: run/ into classroom/ inside a function (a climb), and
+    classroom/ into run/ (down: allowed)."""
+    modules = {"nanohlat.run.launch": os.path.join(PACKAGE, "run", "launch.py"),
+               "nanohlat.classroom": os.path.join(PACKAGE, "classroom", "__init__.py")}
+    up = Import("nanohlat.run.launch", "nanohlat.classroom", modules["nanohlat.run.launch"], 7, "worker_stub")
+    down = Import("nanohlat.classroom", "nanohlat.run.launch", modules["nanohlat.classroom"], 3, "")
+    assert climbs(modules, [up, down]) == [
+        "nanohlat/run/launch.py:7 inside worker_stub: nanohlat.run.launch (floor run) imports "
+        "nanohlat.classroom (floor classroom, above it)"]
+
+
+def test_design_notes_draw_the_floors_in_order():
+    """docs/design.md 1's table of floors names each floor's folders in FLOORS' order."""
+    with open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert "\n**The floors.**" in text, "docs/design.md 1 has no '**The floors.**' paragraph and table"
+    rows = []
+    for line in text.split("\n**The floors.**", 1)[1].splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:   # the end of the first table after the heading
+            break
+    order = []
+    for _, folders in FLOORS[1:]:
+        found = [i for i, row in enumerate(rows) for folder in folders if f"`{folder}/`" in row.split("|")[1]]
+        assert found, f"docs/design.md's floors table has no row for {', '.join(f + '/' for f in folders)}"
+        order.append(min(found))
+    assert order == sorted(order), ("docs/design.md's floors table draws the floors in another order than "
+                                    "tests/test_layout.py's FLOORS")
 
 
 def test_no_import_cycles():

@@ -108,8 +108,8 @@ def test_eval_and_export_never_write_through_a_link(cache_dir, tmp_path, capsys)
 
 
 def test_files_helpers_replace_links_and_never_follow_them(tmp_path):
-    from nanohlat.run import files
-    from nanohlat.run.metrics import MetricsWriter
+    from nanohlat.system import files
+    from nanohlat.run.trainlog import MetricsWriter
     victim = tmp_path / "victim"
     victim.write_bytes(b"mine\n")
     missing = tmp_path / "never_created"

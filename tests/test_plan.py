@@ -37,7 +37,8 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat import config
-from nanohlat.run import metrics, preflight
+from nanohlat.run import preflight
+from nanohlat.tools import metrics
 from nanohlat.tools import plan
 from nanohlat.tools.plan import layout_search
 from nanohlat.mesh import Mesh

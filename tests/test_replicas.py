@@ -36,7 +36,7 @@ WORLD4 = {"tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--mic
 
 def _skip_cpu_peak() -> None:
     """The MFU's CPU matmul-rate measurement takes seconds per run and is not under test."""
-    from nanohlat.run import metrics
+    from nanohlat.tools import metrics
     metrics.measure_cpu_peak = lambda *args, **kwargs: 1e12
 
 

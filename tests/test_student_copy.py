@@ -59,7 +59,7 @@ def assert_names_exercise(r: subprocess.CompletedProcess, ex: str | None = None)
 
 
 def test_not_done_reads_a_stub_even_when_wrapped():
-    from nanohlat.classroom import not_done
+    from nanohlat.system.cli import not_done
     stub = NotImplementedError(classroom.BY_ID["8a"].stub_message())
     assert "exercise 8a is not done yet" in not_done(stub)
     try:

@@ -1,2 +1,4 @@
-"""`python -m nanohlat.bench`: the speed benchmark. The code is nanohlat/tools/bench.py; this
-package only keeps the command's short name."""
+"""`python -m nanohlat.bench`: the speed benchmark (bench.py), one training
+step of train.py's (run/build.py) beside Hugging Face's Llama, and generation
+(serving/). It sits on the top floor with the other commands: it uses every
+floor below it, and nothing imports it."""

@@ -32,7 +32,7 @@ processes on the CPU, seconds each; a check that hangs (a collective called
 on one rank only) is stopped after its time limit and reported as such.
 
 What a command or check needs: a student copy's command stops at the first
-stub it reaches, with one line naming it (nanohlat/classroom/__init__.py:not_done);
+stub it reaches, with one line naming it (nanohlat/system/cli.py:not_done);
 which exercises each tutorial command and each check runs through is traced on
 the reference (needs.py), printed by `list`, written at the top of a copy's
 README.md, and a check that reaches another exercise's stub names every one of
@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanohlat.run import files
+from nanohlat.system import cli, files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -310,6 +310,7 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+@cli.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)

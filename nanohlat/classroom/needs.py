@@ -39,7 +39,7 @@ import re
 import subprocess
 import sys
 
-from nanohlat.run import files
+from nanohlat.system import files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

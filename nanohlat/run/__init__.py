@@ -1,10 +1,13 @@
 """Running a training job: everything around the step that is not the lesson.
 
-Pre-flight, once before any worker starts (preflight.py), and launching N
-workers (launch.py), building this rank's model, runner and optimizer
-(build.py), the token data and its cache (data.py), everything around the
-step (session.py): checkpoint files and the run directory's safety
-(checkpoint/, files.py, runlock.py), stopping on a signal (preempt.py),
-replica checks (replicas.py), and what a run prints and writes (metrics.py). train.py calls into these;
-the core modules one folder up never import them.
+Pre-flight, once before any worker starts (preflight.py), launching N
+workers (launch.py), building this rank's model, runner and optimizer with
+the step's tools (build.py), the token data and its cache (data.py),
+everything around the step (session.py), what a run prints and writes
+(trainlog.py), checkpoints (checkpoint/), one run per out-dir (runlock.py),
+stopping on a signal (preempt.py) and replica checks (replicas.py).
+
+train.py calls into these. They stand on the core, system/ and tools/
+(docs/design.md 1); serving/, the classroom and the commands stand on them,
+and nothing below imports them.
 """

@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from nanohlat.config import UserError
-from nanohlat.run.files import atomic_write, sha256_file
+from nanohlat.system.files import atomic_write, sha256_file
 
 FORMAT_VERSION = 1                    # bump when the cache layout or packing changes
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json")

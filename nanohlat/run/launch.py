@@ -42,7 +42,8 @@ import time
 import uuid
 
 from nanohlat.config import UserError
-from nanohlat.run import files
+from nanohlat.system import files
+from nanohlat.system.cli import not_done
 
 ENV_HINT = "RANK, WORLD_SIZE (and MASTER_ADDR, MASTER_PORT)"
 
@@ -266,32 +267,14 @@ def report_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
-def command(main, *args) -> int:
-    """Run a command's `main(*args)` (train.py, sample.py, eval.py, python -m
-    nanohlat.serving, ...) and return its exit code. An exercise stub of a
-    classroom student copy reached anywhere in it (nanohlat/classroom) ends it
-    with one line naming the exercise, exit code 2; any other exception is a
-    crash and keeps its traceback. (Workers say it through `worker_stub`.)"""
-    from nanohlat.classroom import not_done
-    try:
-        return main(*args)
-    except Exception as e:
-        line = not_done(e)
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return 2
-
-
 def worker_stub(e: BaseException) -> None:
-    """In a worker's catch-all: an exercise stub reached (`command`) is this
+    """In a worker's catch-all: an exercise stub reached (system/cli.py:command) is this
     worker's one-line error (report_error) and exit code 2; else nothing.
     A worker whose peer stopped at a stub (its collective then fails:
     "connection closed by peer") says so in one line, exit 2, no traceback:
     the peer's line, which `_report_failures` prints last, is the cause.
     os._exit: a process group torn down at interpreter exit can abort the
     process (gloo, see preflight.worker) and turn the 2 into a signal."""
-    from nanohlat.classroom import not_done
     from nanohlat.run import runlock
     line = not_done(e)
     if line is None and _peer_reached_a_stub():
@@ -304,7 +287,7 @@ def worker_stub(e: BaseException) -> None:
         os._exit(2)
 
 
-NOT_DONE = re.compile(r"exercise \d+[a-z] is not done yet \(")   # classroom.not_done's line
+NOT_DONE = re.compile(r"exercise \d+[a-z] is not done yet \(")   # system/cli.py:not_done's line
 
 
 def _peer_reached_a_stub() -> bool:

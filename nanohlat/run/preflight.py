@@ -39,11 +39,14 @@ from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
 from nanohlat.run import checkpoint, data, launch, preempt, runlock
-from nanohlat.run.files import os_error_message
+from nanohlat.system import cli
+from nanohlat.system.files import os_error_message
 
 
+@cli.command
 def main(train, argv: list[str]) -> int:
-    """train.py's command line; `train` is train.py:train. Returns the exit code."""
+    """train.py's command line; `train` is train.py:train. Returns the exit code
+    (its errors as one line: system/cli.py:command)."""
     lock = None
     try:
         model_cfg, tcfg = config.parse_args(argv)
@@ -87,15 +90,6 @@ def main(train, argv: list[str]) -> int:
                 train(model_cfg, tcfg, ds, resume_from)
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
         return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {os_error_message(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     finally:
         if lock:
             lock.release()

@@ -6,7 +6,7 @@ happens here, in this order:
 
   * at the start (`Session(...)`): resume from a checkpoint (model, optimizer
     and its step count, RNGs; the lr and the data follow from the step), and
-    open the run's record (metrics.TrainLog: prints, progress bar, files);
+    open the run's record (trainlog.TrainLog: prints, progress bar, files);
   * after each step (`end_step`): what the end of a step takes, in order, a
     commented line each in its body;
   * at the end (`close`): the pipeline timeline (--timeline) and summary.json.
@@ -20,8 +20,9 @@ import torch
 
 from nanohlat import config
 from nanohlat.data_parallel import global_mean, split_batch
-from nanohlat.run import checkpoint, files, metrics, preempt, replicas
-from nanohlat.tools import plan, timeline
+from nanohlat.run import checkpoint, preempt, replicas, trainlog
+from nanohlat.system import files
+from nanohlat.tools import metrics, plan, timeline
 
 
 class Session:
@@ -35,8 +36,8 @@ class Session:
             bad_steps = manifest.get("schedule", {}).get("bad_steps", 0)
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         # prints (rank 0), the progress bar, config.json, metrics.jsonl, summary.json, non-finite steps
-        self.log = metrics.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
-                                    bad_steps, resumed_from=resume_from)
+        self.log = trainlog.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
+                                     bad_steps, resumed_from=resume_from)
         mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
 
     def end_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor, lr: float) -> bool:

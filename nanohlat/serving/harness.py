@@ -33,6 +33,7 @@ except ImportError as e:   # optional dependency: say what to install, not just 
 
 from nanohlat.serving.evaluate import encode_pair, score_continuations
 from nanohlat.serving.generate import generate
+from nanohlat.system import cli
 
 
 @register_model("nanohlat")
@@ -98,19 +99,17 @@ class NanoHLATLM(LM):
         return out
 
 
+@cli.command
 def main() -> int:
+    """lm-eval's command line on nanohlat's model; a bad path=, a device this
+    machine lacks: one line, exit 2, as every command (system/cli.py)."""
     from lm_eval.__main__ import cli_evaluate
 
-    from nanohlat.config import UserError
     sys.argv[0] = "python -m nanohlat.harness"
     # the harness's own default device is "cuda:0"; nanohlat's is auto (what this machine has)
     if not any(a == "--device" or a.startswith("--device=") for a in sys.argv[1:]):
         sys.argv += ["--device", "auto"]
-    try:
-        cli_evaluate()
-    except UserError as e:   # a bad path=, a device this machine lacks: one line, as everywhere
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cli_evaluate()
     return 0
 
 

@@ -39,7 +39,7 @@ import sys
 import torch
 
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.run import files
+from nanohlat.system import cli, files
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -307,7 +307,8 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     return path
 
 
-def main(argv=None) -> None:
+@cli.command
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
@@ -322,19 +323,12 @@ def main(argv=None) -> None:
                    help="pad the vocabulary to a multiple of this (default: 128 if it divides, else no padding)")
     i.add_argument("--overwrite", action="store_true", help="replace the run (checkpoints, metrics) in OUT_DIR")
     args = p.parse_args(argv)
-    try:
-        if args.command == "export":
-            export(args.checkpoint, args.hf_dir, args.overwrite)
-        else:
-            import_(args.hf_dir, args.out_dir, args.tokenizer, args.vocab_multiple, args.overwrite)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as err:
-        from nanohlat.run.files import os_error_message
-        print(f"error: {os_error_message(err)}", file=sys.stderr)
-        sys.exit(2)
+    if args.command == "export":
+        export(args.checkpoint, args.hf_dir, args.overwrite)
+    else:
+        import_(args.hf_dir, args.out_dir, args.tokenizer, args.vocab_multiple, args.overwrite)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -54,6 +54,7 @@ import torch
 
 from nanohlat.serving import generate as gen
 from nanohlat.config import DEVICES, UserError, check_seed
+from nanohlat.system import cli
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +300,7 @@ def _same_tokenizer(a: str, b: str) -> bool:
         return False
 
 
+@cli.command
 def main(argv=None) -> int:
     from nanohlat.run import data
     from nanohlat import device as devicelib
@@ -313,33 +315,22 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = PyTorch's default)")
     args = p.parse_args(argv)
-    try:
-        if args.k <= 0 or args.max_new_tokens <= 0:
-            raise UserError("--k and --max-new-tokens must be positive")
-        check_seed(args.seed)
-        if not (math.isfinite(args.temperature) and args.temperature >= 0):
-            raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-        if args.threads < 0:
-            raise UserError(f"--threads must be at least 1 (0 = PyTorch's default), got {args.threads}")
-        dev = devicelib.get_device(args.device)
-        if args.threads and dev.kind == "cpu":
-            devicelib.set_cpu_threads(args.threads)
-        target, tm = gen.load_model(args.target, dev)
-        draft, dm = gen.load_model(args.draft, dev)
-        if target.cfg.vocab_size != draft.cfg.vocab_size or not _same_tokenizer(tm["tokenizer"], dm["tokenizer"]):
-            raise UserError(f"the draft ({args.draft}) and the target ({args.target}) must share one tokenizer; "
-                            f"train the draft with the target's --tokenizer (or the same corpus and --vocab-size)")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return compare(args, target, draft, data.load_tokenizer(tm["tokenizer"]))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    if args.k <= 0 or args.max_new_tokens <= 0:
+        raise UserError("--k and --max-new-tokens must be positive")
+    check_seed(args.seed)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.threads < 0:
+        raise UserError(f"--threads must be at least 1 (0 = PyTorch's default), got {args.threads}")
+    dev = devicelib.get_device(args.device)
+    if args.threads and dev.kind == "cpu":
+        devicelib.set_cpu_threads(args.threads)
+    target, tm = gen.load_model(args.target, dev)
+    draft, dm = gen.load_model(args.draft, dev)
+    if target.cfg.vocab_size != draft.cfg.vocab_size or not _same_tokenizer(tm["tokenizer"], dm["tokenizer"]):
+        raise UserError(f"the draft ({args.draft}) and the target ({args.target}) must share one tokenizer; "
+                        f"train the draft with the target's --tokenizer (or the same corpus and --vocab-size)")
+    return compare(args, target, draft, data.load_tokenizer(tm["tokenizer"]))
 
 
 def tokens_per_pass_formula(a: float, k: int) -> float:

@@ -1,9 +1,16 @@
-"""Measuring and planning: tools a student runs beside training, not inside it.
+"""The step's tools: what runs inside a training step beside the lesson, and
+what measures and predicts a step.
 
-The memory/communication/time plan behind `train.py --plan` (plan/), the
-pipeline timeline and its bubble (timeline.py), the speed benchmark against
-Hugging Face's Llama (bench.py, `python -m nanohlat.bench`), torch.compile of
-the stage (compile.py, `--compile`), the optimizer's faster passes (fast_adamw.py:
-cache-blocked on the CPU, compiled with --compile) and tutorial chapter 2's
-graph-compiler lessons (compile_lessons.py). The core modules never import these.
+Inside the step, when asked for: torch.compile of the stage (compile.py,
+`--compile`), the optimizer's faster passes (fast_adamw.py: cache-blocked on
+the CPU, compiled with --compile), the step clock and the comm trace that time
+every forward, backward and gradient bucket's reduction (timeline.py,
+`--timeline`). Beside it: the timeline's report and its bubble (timeline.py),
+what a step is measured in (metrics.py: FLOPs per token, peaks, MFU, tokens/s,
+bytes), the memory/communication/time plan behind `train.py --plan`
+(plan/), and tutorial chapter 2's graph-compiler lessons (compile_lessons.py).
+
+run/ builds its step with these and consults the plan; nothing here starts,
+resumes or saves a run, so nothing here imports run/ or any floor above it
+(docs/design.md 1). The core never imports these.
 """

@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from nanohlat.config import UserError
+from nanohlat.system import cli
 from nanohlat.tools import compile as compilelib
 from nanohlat.optim import cosine_lr
 
@@ -175,6 +177,7 @@ def lesson_sync(xla: bool) -> list[str]:
 LESSONS = {"lr": lesson_lr, "branch": lesson_branch, "sync": lesson_sync}
 
 
+@cli.command
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tutorial chapter 2: graph compiler lessons, counted.")
     p.add_argument("lesson", nargs="+", choices=sorted(LESSONS), help="one or more, run in this order")
@@ -184,13 +187,11 @@ def main(argv=None) -> int:
         try:
             import torch_xla  # noqa: F401
         except ImportError:
-            print("error: --xla needs torch_xla (bash .ci/xla-lane installs it into .venv-xla)", file=sys.stderr)
-            return 2
+            raise UserError("--xla needs torch_xla (bash .ci/xla-lane installs it into .venv-xla)") from None
     for lesson in args.lesson:
         print("\n".join(LESSONS[lesson](args.xla)))
     return 0
 
 
 if __name__ == "__main__":
-    from nanohlat.run.launch import command
-    sys.exit(command(main))
+    sys.exit(main())

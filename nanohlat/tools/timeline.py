@@ -47,7 +47,7 @@ import time
 import torch
 
 from nanohlat import comm, pipeline
-from nanohlat.run import files
+from nanohlat.system import files
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
 W_UNITS = 1.0                   # zb-h1: the backward's weight-gradient part W; its B takes B_UNITS - W_UNITS

@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-from nanohlat.classroom import STUB
+from nanohlat.system.cli import STUB
 from nanohlat.classroom.checks.wire import Wire
 
 HERE = os.path.dirname(os.path.abspath(__file__))   # the checks' files: a verdict points past them

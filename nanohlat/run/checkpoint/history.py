@@ -25,7 +25,7 @@ import sys
 import time
 
 from nanohlat.config import UserError
-from nanohlat.run.files import fsync_dir
+from nanohlat.system.files import fsync_dir
 
 
 def remove_checkpoint(path: str) -> None:

@@ -22,7 +22,7 @@ import os
 import sys
 
 from nanohlat.config import ModelConfig, UserError, model_from_dict
-from nanohlat.run.files import sha256_file
+from nanohlat.system.files import sha256_file
 
 # how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
 PICK_ANOTHER = "pick another checkpoint (a step_* folder: train.py --resume PATH, sample.py or eval.py --checkpoint PATH)"

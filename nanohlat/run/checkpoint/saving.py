@@ -35,8 +35,8 @@ from nanohlat.run.checkpoint.history import (ckpt_root, incomplete_checkpoints, 
 from nanohlat.run.checkpoint.io_errors import io_error, state_bytes
 from nanohlat.run.checkpoint.manifest import FORMAT, RNG, TOKENIZER_COPY, identity
 from nanohlat.run.checkpoint.optimizer_state import export_state, export_weights, fetch_buffers
-from nanohlat.run.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
-from nanohlat.run.files import fsync_dir, sha256_file
+from nanohlat.system.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
+from nanohlat.system.files import fsync_dir, sha256_file
 from nanohlat.xla import extract_graphs_only
 
 

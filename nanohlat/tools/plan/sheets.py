@@ -7,7 +7,7 @@ from __future__ import annotations
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
-from nanohlat.run.metrics import flops_per_token
+from nanohlat.tools.metrics import flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups

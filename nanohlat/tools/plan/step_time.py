@@ -6,7 +6,7 @@ from __future__ import annotations
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, rank_of
-from nanohlat.run.metrics import flops_per_token, peak_flops
+from nanohlat.tools.metrics import flops_per_token, peak_flops
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.hardware import NETWORKS, Network, dp_ring, group_inside_node
 

@@ -57,12 +57,13 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat import comm, config, xla
-from nanohlat.run import metrics
+from nanohlat.tools import metrics
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.run.build import build
 from nanohlat.config import UserError
+from nanohlat.system import cli
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
 
@@ -248,13 +249,10 @@ def parse(argv):
     return model_cfg, tcfg, argparse.Namespace(**own)
 
 
+@cli.command
 def main(argv=None) -> int:
-    try:
-        model_cfg, tcfg, args = parse(sys.argv[1:] if argv is None else argv)
-        dev = devicelib.get_device(tcfg.device)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model_cfg, tcfg, args = parse(sys.argv[1:] if argv is None else argv)
+    dev = devicelib.get_device(tcfg.device)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or os.cpu_count() or 1)
     threads = torch.get_num_threads() if dev.kind == "cpu" else None
