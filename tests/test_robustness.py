@@ -244,6 +244,32 @@ def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, cap
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_new_run_waits_for_the_workers_of_a_dead_launcher(tmp_path, monkeypatch):
+    """run.lock names a launcher that is gone, but its workers still hold the lock
+    (shared, as `--nproc N` workers do): a new run waits for them, and takes the lock
+    once they are gone; if they stay, it says so in one line (UserError)."""
+    import fcntl
+    import threading
+    from nanohlat.config import UserError
+    from nanohlat.run import runlock
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("999999999\n")       # no such process
+    worker = os.open(out / "run.lock", os.O_RDWR)         # another open file: a worker's shared lock
+    fcntl.flock(worker, fcntl.LOCK_SH)
+    threading.Timer(0.5, os.close, (worker,)).start()     # the worker dies half a second later
+    runlock.acquire(str(out)).release()
+    worker = os.open(out / "run.lock", os.O_RDWR)
+    fcntl.flock(worker, fcntl.LOCK_SH)
+    os.pwrite(worker, b"999999999\n", 0)
+    monkeypatch.setattr(runlock, "WAIT_FOR_ORPHANS_S", 0.3)
+    try:
+        with pytest.raises(UserError, match=r"still held by the workers of a run whose launcher \(PID 999999999\)"):
+            runlock.acquire(str(out))
+    finally:
+        os.close(worker)
+
+
 def test_a_run_killed_before_its_first_step_does_not_block_resume_never(tmp_path, cache_dir, capsys):
     """kill -9 before step 1 leaves config.json and an empty metrics.jsonl (no
     cleanup runs); nothing was trained, so a retry with --resume never starts."""
@@ -557,6 +583,76 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_di
     assert sorted(losses(out)) == list(range(1, k + 1))
     from nanohlat.run import checkpoint
     assert sorted(checkpoint.read_manifest(ckpt(out, k))["files"]) == ["shard_00000.pt", "shard_00001.pt"]
+
+
+def _slow_save_worker(*args, **kwargs):
+    """preflight.worker whose shard of one save (TEST_SLOW_SAVE's step) waits a few
+    seconds first, each rank noting its pid in TEST_SLOW_SAVE's folder: a window in
+    which to kill the launcher during the save. Runs in each spawned worker."""
+    import time
+    from nanohlat.run import preflight
+    from nanohlat.run.checkpoint import saving
+    hook = json.loads(os.environ["TEST_SLOW_SAVE"])
+    real = saving._atomic_write
+
+    def write(path, fn):
+        if f".tmp_step_{hook['step']:08d}" in path and "shard_" in path:
+            with open(os.path.join(hook["notes"], f"rank{os.environ['RANK']}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(hook["sleep"])
+        return real(path, fn)
+    saving._atomic_write = write
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_dir):
+    """The issue's case: `kill -9` of the --nproc 2 launcher as the step-4 save starts.
+    Its workers die with it (within 5 s: at once on Linux) and publish nothing; a run
+    started right away into the same out-dir is its only writer: it trains steps 1-8
+    itself and nothing of the dead run is moved to abandoned_*."""
+    import signal
+    import time
+    from nanohlat.run import checkpoint, runlock
+    out, notes = tmp_path / "run", tmp_path / "notes"
+    notes.mkdir()
+    argv = flags(cache_dir, out, "--nproc", 2, "--zero", 3, "--steps", 8, "--save-every", 4)
+    code = ("import sys\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            "import test_robustness, train\n"
+            "from nanohlat.run import preflight\n"
+            "preflight.worker = test_robustness._slow_save_worker\n"
+            f"sys.exit(train.main({argv!r}))\n")
+    env = dict(os.environ, TEST_SLOW_SAVE=json.dumps({"step": 4, "notes": str(notes), "sleep": 20}))
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while len(os.listdir(notes)) < 2:
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
+            time.sleep(0.05)
+        workers = [int((notes / name).read_text()) for name in sorted(os.listdir(notes))]
+        first.send_signal(signal.SIGKILL)           # the launcher, mid-save
+        first.wait()
+        killed = time.time()
+        second = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        while any(runlock._alive(pid) for pid in workers) and time.time() < killed + 5:
+            time.sleep(0.05)
+        alive = [pid for pid in workers if runlock._alive(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"workers {alive} outlived their launcher by 5 s"
+        stdout, stderr = second.communicate(timeout=300)
+    finally:
+        first.kill()
+        first.stderr.close()
+    assert second.returncode == 0 and "Traceback" not in stderr, stdout[-2000:] + stderr[-3000:]
+    names = os.listdir(out / "checkpoints")
+    assert not [n for n in names if n.startswith("abandoned_")], names
+    assert checkpoint.latest(str(out)) == ckpt(out, 8)
+    steps = [m["step"] for m in read_metrics(str(out))]
+    assert steps == list(range(1, 9)), steps      # each step once: the second run's
 
 
 def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
