@@ -66,6 +66,11 @@ def run_py(args, check=True, timeout=240, **kw):
     (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
     (["--threads", "100000"], "--threads 100000 is more than 1024"),
     (["--resume", ""], "--resume is empty; give auto"),
+    # in range, but what they would cause is refused (preflight.check_values)
+    (["--bucket-mb", "1e-30"], "--bucket-mb 1e-30 cuts a rank's ~250,432 gradients into 250,432 buckets"),
+    (["--collective-timeout", "1e300"], "--collective-timeout 1e+300 is outside [1, 604800] seconds"),
+    (["--collective-timeout", "1e-9"], "--collective-timeout 1e-09 is outside [1, 604800] seconds"),
+    (["--rendezvous-timeout", "1e300"], "--rendezvous-timeout 1e+300 is outside [1, 604800] seconds"),
 ])
 def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, capsys, cache_dir):
     out = tmp_path / "run"

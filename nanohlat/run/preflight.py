@@ -4,9 +4,11 @@
 
   1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
      plan and stops here;
-  2. refuses a layout that cannot work (mesh.validate_layout), a --device
-     this machine lacks, and a model or sequence too large for its memory
-     (check_memory), before any tokenizer work;
+  2. refuses a layout that cannot work (mesh.validate_layout), values that
+     are in range but would break the run later (check_values: buckets too
+     small, timeouts the runtime cannot take), a --device this machine lacks,
+     and a model or sequence too large for its memory (check_memory), before
+     any tokenizer work;
   3. prepares the data: trains the tokenizer and builds the token shards if
      the cache has none (data.prepare_data), and sets the model's vocabulary
      to the tokenizer's (a new vocabulary must split over --tp too);
@@ -28,6 +30,7 @@ clears the run. A worker that the launcher restarted after a failure
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -55,6 +58,7 @@ def main(train, argv: list[str]) -> int:
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        check_values(model_cfg, tcfg)
         if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
                             "layer's parameters between uses means nothing to the compiler; use --zero 2 (or 1)")
@@ -99,6 +103,39 @@ def main(train, argv: list[str]) -> int:
     finally:
         if lock:
             lock.release()
+
+
+MAX_BUCKETS = 10_000            # gradient buckets per flat buffer (collectives per step) at most
+TIMEOUTS_S = (1.0, 7 * 86400.0)  # --collective-timeout / --rendezvous-timeout: one second to a week
+
+
+def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> None:
+    """Values that config.validate accepts (finite, positive) but that would break
+    the run later, refused in one line each:
+      * --bucket-mb so small that a step's gradient reduction becomes a flood of
+        tiny collectives (1e-30: one element each, ~250,000 a step for the tiny
+        preset, each with a fixed cost: no step ends, and --collective-timeout never
+        fires because every collective makes progress): at most MAX_BUCKETS per
+        rank's gradients;
+      * --collective-timeout / --rendezvous-timeout outside TIMEOUTS_S: below a
+        second, joining the job (bounded by them) fails and blames MASTER_ADDR;
+        far above a week, the runtime's clocks overflow (1e300: OverflowError in
+        every worker)."""
+    params = model_cfg.num_params() // (tcfg.tp * tcfg.pp)      # about one rank's gradients
+    elems = max(1, int(tcfg.bucket_mb * 2**20 / 4))             # as optim.py cuts them (fp32)
+    buckets = -(-params // elems)
+    if buckets > MAX_BUCKETS:
+        least = math.ceil(params * 4 / MAX_BUCKETS / 2**20 * 1e4) / 1e4
+        raise UserError(f"--bucket-mb {tcfg.bucket_mb:g} cuts a rank's ~{params:,} gradients into {buckets:,} "
+                        f"buckets, as many collectives every step (at most {MAX_BUCKETS:,}: each has a fixed "
+                        f"cost); give --bucket-mb >= {least:g} (the default is 25)")
+    low, high = TIMEOUTS_S
+    for name in ("collective_timeout", "rendezvous_timeout"):
+        value = getattr(tcfg, name)
+        if not low <= value <= high:
+            raise UserError(f"--{name.replace('_', '-')} {value:g} is outside [{low:g}, {high:g}] seconds (one "
+                            f"second to a week): a shorter one can end the job before every rank has joined, a "
+                            f"longer one overflows the runtime's timers")
 
 
 def rotary_bytes(model_cfg: config.ModelConfig) -> int:
