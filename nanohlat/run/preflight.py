@@ -115,8 +115,8 @@ def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> Non
       * --bucket-mb so small that a step's gradient reduction becomes a flood of
         tiny collectives (1e-30: one element each, ~250,000 a step for the tiny
         preset, each with a fixed cost: no step ends, and --collective-timeout never
-        fires because every collective makes progress): at most MAX_BUCKETS per
-        rank's gradients;
+        fires because every collective makes progress): at most MAX_BUCKETS
+        buckets under 1 MB for one rank's gradients;
       * --collective-timeout / --rendezvous-timeout outside TIMEOUTS_S: below a
         second, joining the job (bounded by them) fails and blames MASTER_ADDR;
         far above a week, the runtime's clocks overflow (1e300: OverflowError in
@@ -124,11 +124,11 @@ def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> Non
     params = model_cfg.num_params() // (tcfg.tp * tcfg.pp)      # about one rank's gradients
     elems = max(1, int(tcfg.bucket_mb * 2**20 / 4))             # as optim.py cuts them (fp32)
     buckets = -(-params // elems)
-    if buckets > MAX_BUCKETS:
-        least = math.ceil(params * 4 / MAX_BUCKETS / 2**20 * 1e4) / 1e4
+    if buckets > MAX_BUCKETS and tcfg.bucket_mb < 1:   # (buckets of 1 MB or more: their count is the model's)
+        least = min(1.0, math.ceil(params * 4 / MAX_BUCKETS / 2**20 * 1e4) / 1e4)
         raise UserError(f"--bucket-mb {tcfg.bucket_mb:g} cuts a rank's ~{params:,} gradients into {buckets:,} "
-                        f"buckets, as many collectives every step (at most {MAX_BUCKETS:,}: each has a fixed "
-                        f"cost); give --bucket-mb >= {least:g} (the default is 25)")
+                        f"buckets, as many collectives every step (at most {MAX_BUCKETS:,} smaller than 1 MB: "
+                        f"each has a fixed cost); give --bucket-mb >= {least:g} (the default is 25)")
     low, high = TIMEOUTS_S
     for name in ("collective_timeout", "rendezvous_timeout"):
         value = getattr(tcfg, name)
