@@ -160,22 +160,38 @@ def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world:
         return
     per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
         + rotary_bytes(model_cfg)
+    ranks = 1 if kind == "cuda" else max(1, min(local, world))
+    refuse_if_too_big(ranks * per_rank, memory_of(kind), f"weights, optimizer, activations and the rotary tables "
+                      f"of --max-seq-len {model_cfg.max_seq_len:,}",
+                      "choose a smaller --d-model / --n-layers / --max-seq-len / --batch-size, or split it with "
+                      "--tp / --pp over more machines (python train.py --plan ... shows the estimate)", ranks)
+
+
+GiB = 2**30
+
+
+def memory_of(kind: str) -> tuple[int, str] | None:
+    """(bytes, who has them) one process on device `kind` can fill: one GPU's memory
+    on cuda, this machine's RAM on cpu; None when unknown (xla, a system that does not say)."""
     if kind == "cuda":
-        ranks, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "this GPU has"
-    else:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):   # (not every system says)
-            return
-        ranks, where = max(1, min(local, world)), "this machine has"
-    need = ranks * per_rank
-    if need > have:
-        each = f" ({ranks} ranks of {per_rank / plan.GiB:,.1f} GiB)" if ranks > 1 else ""
-        raise UserError(f"this model does not fit: it needs about {need / plan.GiB:,.1f} GiB{each} (weights, "
-                        f"optimizer, activations and the rotary tables of --max-seq-len "
-                        f"{model_cfg.max_seq_len:,}), {where} {have / plan.GiB:,.1f} GiB; choose a smaller "
-                        f"--d-model / --n-layers / --max-seq-len / --batch-size, or split it with --tp / --pp "
-                        f"over more machines (python train.py --plan ... shows the estimate)")
+        return torch.cuda.get_device_properties(0).total_memory, "this GPU has"
+    if kind != "cpu":
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    except (ValueError, OSError, AttributeError):   # (not every system says)
+        return None
+
+
+def refuse_if_too_big(need: int, memory: tuple[int, str] | None, holds: str, advice: str, ranks: int = 1) -> None:
+    """check_memory's refusal, one line: `need` bytes (of `ranks` ranks, saying what
+    they `hold`) against `memory` (memory_of), with what to do."""
+    if memory is None or need <= memory[0]:
+        return
+    have, where = memory
+    each = f" ({ranks} ranks of {need / ranks / GiB:,.1f} GiB)" if ranks > 1 else ""
+    raise UserError(f"this model does not fit: it needs about {need / GiB:,.1f} GiB{each} ({holds}), {where} "
+                    f"{have / GiB:,.1f} GiB; {advice}")
 
 
 def vocab_from(ds, model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int) -> config.ModelConfig:
