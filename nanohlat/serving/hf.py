@@ -133,9 +133,8 @@ def _vocab_multiple(vocab_size: int) -> int:
     return m
 
 
-def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
-                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelConfig:
+    """Hugging Face Llama config.json dict -> the ModelConfig of the same model (checked)."""
     arch = hf_config.get("model_type") or "?"
     if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []):
         raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM checkpoints convert 1:1")
@@ -158,6 +157,14 @@ def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
                       rope_theta=_rope_theta(hf_config), norm_eps=hf_config.get("rms_norm_eps", 1e-5),
                       vocab_multiple=vocab_multiple or _vocab_multiple(vocab))
     cfg.validate()
+    return cfg
+
+
+def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
+                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+    cfg = from_hf_config(hf_config, vocab_multiple)
+    d = cfg.d_model
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, derived
     if "lm_head.weight" not in hf_state and hf_config.get("tie_word_embeddings"):
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]   # untied from here on
@@ -223,6 +230,11 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
 
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, merged state of all *.safetensors or pytorch_model*.bin shards)."""
+    return read_hf_config(hf_dir), read_hf_weights(hf_dir)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a Hugging Face model directory, as a dict."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise UserError(f"{hf_dir!r} has no config.json; give a Hugging Face model directory")
@@ -234,6 +246,11 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                         f"is damaged") from None
     if not isinstance(hf_config, dict):
         raise UserError(f"{config_path} is not a JSON object; the model directory is damaged")
+    return hf_config
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The merged state of all *.safetensors or pytorch_model*.bin shards of a model directory."""
     state = {}
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     st = _safetensors() if shards else None
@@ -248,7 +265,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                             f"damaged") from None
     if not shards:
         raise UserError(f"{hf_dir!r} has no *.safetensors or pytorch_model*.bin weights")
-    return hf_config, state
+    return state
 
 
 def _refuse_non_empty(path: str, what: str) -> None:
