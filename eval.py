@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, launch
+from nanohlat.run import checkpoint, data, launch, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate
 from nanohlat.config import DEVICES, UserError, check_seed
@@ -71,10 +71,12 @@ def check_args(args) -> None:
 
 def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
     """One checkpoint -> one result row (held-out metrics and every task)."""
+    path = checkpoint.resolve(path)
+    # the run's config checked (its train section: the windows' seq_len) and the model's size, before loading.
+    # An imported model (nanohlat.serving.hf) has no training config: the built-in corpus then.
+    train = runconfig.check(checkpoint.read_manifest(path), path, dev.kind)
     model, manifest = checkpoint.load_for_inference(path, dev)
     cfg = model.cfg
-    # An imported model (nanohlat.serving.hf) has no training config: the built-in corpus then.
-    train = manifest.get("config", {}).get("train") or {}
     # the tokenizer by content: each checkpoint holds its own copy of the same file
     tok_id = manifest.get("identity", {}).get("tokenizer_sha256") or manifest["tokenizer"]
     key = (train.get("data", ""), tok_id, train.get("cache_dir", ""))

@@ -831,6 +831,69 @@ def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_cop
         one_line_error(capsys.readouterr().err, path, "is damaged")
 
 
+def _edit_manifest(run_dir, step: int, edit) -> str:
+    path = os.path.join(ckpt(run_dir, step), "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    edit(m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+    return path
+
+
+def _export(args) -> int:
+    from nanohlat.serving import hf
+    with pytest.raises(SystemExit) as e:
+        hf.main(args)
+        raise SystemExit(0)
+    return e.value.code
+
+
+DAMAGED_CONFIGS = {   # manifest["config"] fields that pass read_manifest: refused before a model is built
+    "max_seq_len 10^12": (lambda m: m["config"]["model"].update(max_seq_len=10**12),
+                          "this model does not fit: it needs about"),
+    "seq_len 0": (lambda m: m["config"]["train"].update(seq_len=0), "config.train: --seq-len must be positive"),
+    "seq_len abc": (lambda m: m["config"]["train"].update(seq_len="abc"), "config.train.seq_len is 'abc'"),
+    "seq_len -5": (lambda m: m["config"]["train"].update(seq_len=-5), "--seq-len must be positive, got -5"),
+    "lr nan": (lambda m: m["config"]["train"].update(lr=float("nan")), "config.train.lr is nan"),
+    "zero 1.5": (lambda m: m["config"]["train"].update(zero=1.5), "config.train.zero is 1.5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_CONFIGS))
+def test_a_damaged_config_is_one_line_in_every_command_that_builds_its_model(case, run_copy, tmp_path, capsys):
+    """sample.py, eval.py, the HF export and speculative decoding: one line naming the
+    checkpoint, exit 2, before the model is built (10^12 positions: 4 TB of rotary
+    tables), and no export folder left behind."""
+    import eval as evalpy
+    import sample
+    from nanohlat.serving import server
+    edit, message = DAMAGED_CONFIGS[case]
+    _edit_manifest(run_copy, 4, edit)
+    for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(run_copy), str(tmp_path / "hf")]),
+                 lambda: server.main(["--target", str(run_copy), "--draft", str(run_copy), "--max-new-tokens", "2"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, ckpt(run_copy, 4), message)
+    assert not (tmp_path / "hf").exists() and not (run_copy / "eval.json").exists()
+
+
+def test_hf_import_of_a_model_too_big_for_this_machine_is_refused_before_reading_it(base, tmp_path, capsys):
+    """The size comes from config.json, checked before any weight is read."""
+    from nanohlat.serving import hf
+    assert _export(["export", str(base), str(tmp_path / "hf")]) == 0
+    config = tmp_path / "hf" / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg.update(hidden_size=2**20, intermediate_size=2**20, head_dim=2**20 // cfg["num_attention_heads"])
+    config.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert _export(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    one_line_error(capsys.readouterr().err, "this model does not fit", str(config))
+    assert not (tmp_path / "run").exists()
+    assert hf.from_hf_config(cfg).d_model == 2**20
+
+
 def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache_dir, capsys):
     path = run_copy / "metrics.jsonl"
     good = path.read_bytes()

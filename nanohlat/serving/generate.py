@@ -43,7 +43,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from nanohlat.run import checkpoint
+from nanohlat.run import checkpoint, runconfig
 from nanohlat import comm
 from nanohlat import tensor_parallel as tpl
 from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
@@ -67,6 +67,7 @@ def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
     model's kv replicas (mesh.kv_replicas) when tp exceeds its kv heads."""
     group = mesh.tp_group if mesh is not None else Group("tp", [0], 0)
     shards = checkpoint.ShardSet(checkpoint.resolve(path), mesh, dev)
+    runconfig.check(shards.manifest, shards.path, dev.kind, ranks=group.size)   # its fields, and that it fits
     cfg = model_from_dict(shards.manifest["config"]["model"])
     check_tp(cfg, group.size)
     model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)

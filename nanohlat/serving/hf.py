@@ -277,11 +277,14 @@ def _refuse_non_empty(path: str, what: str) -> None:
 
 
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
-    from nanohlat.run.checkpoint import load_for_inference
+    from nanohlat.run import checkpoint, runconfig
     from nanohlat.device import get_device
     if not overwrite:
         _refuse_non_empty(hf_dir, "HF_DIR")
-    model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
+    path = checkpoint.resolve(run_or_ckpt)
+    # its fields, and whether three copies of the weights fit (the model, its state cut for HF, the file's bytes)
+    runconfig.check(checkpoint.read_manifest(path), path, "cpu", copies=3)
+    model, manifest = checkpoint.load_for_inference(path, get_device("cpu"))
     state = model.state_dict()
     write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
@@ -302,8 +305,11 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
         raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
                         f"SentencePiece; a tokenizer.json-only model such as Llama 3 is not supported); "
                         f"pass --tokenizer PATH")
-    hf_config, hf_state = read_hf_dir(hf_dir)
-    cfg, state = from_hf_state(hf_config, hf_state, vocab_multiple)
+    hf_config = read_hf_config(hf_dir)
+    from nanohlat.run.runconfig import check_fits   # before the weights are read: as read, and as fp32
+    check_fits(from_hf_config(hf_config, vocab_multiple), "cpu", os.path.join(hf_dir, "config.json"), copies=2,
+               ranks=0)
+    cfg, state = from_hf_state(hf_config, read_hf_weights(hf_dir), vocab_multiple)
     from nanohlat.run.data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")

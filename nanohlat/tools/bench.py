@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat import comm, config, xla
-from nanohlat.run import metrics
+from nanohlat.run import metrics, preflight, runconfig
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
@@ -252,6 +252,10 @@ def main(argv=None) -> int:
     try:
         model_cfg, tcfg, args = parse(sys.argv[1:] if argv is None else argv)
         dev = devicelib.get_device(tcfg.device)
+        if args.generate:   # this machine's memory before anything is allocated: one model, or a training step's
+            runconfig.check_fits(model_cfg, dev.kind, "the flags (--d-model, --n-layers, --max-seq-len, ...)")
+        else:
+            preflight.check_memory(model_cfg, tcfg, 1, 1, spawns=False)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
