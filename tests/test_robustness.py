@@ -324,23 +324,70 @@ def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir
         assert out.read_text() == "notes"
 
 
-def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
-    """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
-    out-dir the run created is gone again, so `--resume never` is not refused later."""
+def test_disk_full_at_metrics_and_at_the_checkpoint_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """Neither the metrics file nor the checkpoint of step 2 can be written (ENOSPC):
+    one line naming metrics.jsonl and the shard, exit 2, and the out-dir the run
+    created is gone again (nothing trained was kept), so `--resume never` is not refused later."""
     import errno
     from nanohlat.run import metrics
+    from nanohlat.run.checkpoint import saving
     out = tmp_path / "run"
 
     def full(self, record):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(out), "metrics.jsonl"))
+    real = saving._atomic_write
+
+    def full_save(path, write):
+        if ".tmp_step_" not in path:
+            return real(path, write)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     monkeypatch.setattr(metrics.MetricsWriter, "write", full)
+    monkeypatch.setattr(saving, "_atomic_write", full_save)
     code, err = main_in_process(flags(cache_dir, out), capsys)
     assert code == 2
-    one_line_error(err, "metrics.jsonl", "No space left on device")
+    one_line_error(err, f"cannot write {str(out / 'metrics.jsonl')!r}: No space left on device",
+                   "the run stopped at step 2 and could not save it either", "shard_00000.pt")
     assert not out.exists()
     monkeypatch.undo()
     code, err = main_in_process(flags(cache_dir, out, "--resume", "never"), capsys)
     assert code == 0, err
+
+
+class _FullAfter:
+    """A text file that takes `lines` writes, then raises ENOSPC as a full disk does
+    (the file object's OSError names no file)."""
+
+    def __init__(self, f, lines: int):
+        self.f, self.left = f, lines
+
+    def write(self, text):
+        if self.left <= 0:
+            import errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= 1
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_disk_full_at_metrics_saves_what_was_trained(tmp_path, cache_dir, capsys, monkeypatch):
+    """metrics.jsonl takes 3 rows, then the disk is full: the run does not drop its
+    trained steps. Every rank stops at the next step, saves it, and the run ends with
+    one line naming metrics.jsonl and the checkpoint, exit 2; --resume auto goes on."""
+    from nanohlat.run import files
+    out = tmp_path / "run"
+    real = files.open_append
+    monkeypatch.setattr(files, "open_append", lambda path: _FullAfter(real(path), 3))
+    code, err = main_in_process(flags(cache_dir, out, "--steps", 8), capsys)
+    assert code == 2
+    one_line_error(err, f"cannot write {str(out / 'metrics.jsonl')!r}: No space left on device",
+                   f"the run stopped at step 5 and saved what it trained in {ckpt(out, 5)}", "--resume auto")
+    assert saved_step(out) == 5 and sorted(losses(out)) == [1, 2, 3]
+    monkeypatch.undo()
+    code, err = main_in_process(flags(cache_dir, out, "--steps", 8), capsys)
+    assert code == 0, err
+    assert sorted(losses(out)) == [1, 2, 3, 6, 7, 8]     # rows 4 and 5 could not be written
 
 
 def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(run_copy, cache_dir, capsys,
@@ -362,6 +409,83 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(ru
     monkeypatch.undo()
     assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)
     checkpoint.ShardSet(ckpt(run_copy, 4))
+
+
+def test_hf_export_onto_a_full_disk_leaves_hf_dir_as_it_was(base, tmp_path, capsys, monkeypatch):
+    """The weights do not fit: one line naming the file, exit 2, no HF_DIR (nor its
+    temporary) left, so the retry is not refused as "not empty"."""
+    import errno
+    from nanohlat.run import files
+    from nanohlat.serving import hf
+    real = files.atomic_write
+
+    def full(path, write):
+        if path.endswith("model.safetensors"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, write)
+    monkeypatch.setattr(files, "atomic_write", full)
+    hf_dir = tmp_path / "hf"
+    assert _export(["export", str(base), str(hf_dir)]) == 2
+    one_line_error(capsys.readouterr().err, "model.safetensors", "No space left on device", "left as it was")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert _export(["export", str(base), str(hf_dir)]) == 0
+    assert sorted(os.listdir(hf_dir)) == sorted(hf.EXPORT_FILES)
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_hf_import_onto_a_full_disk_leaves_nothing(base, tmp_path, capsys, monkeypatch, out_exists):
+    """torch.save's RuntimeError around ENOSPC while the shard is written: one line
+    naming the checkpoint's temporary folder, exit 2; no run.lock, tokenizer.model
+    or .tmp_step_ left (an OUT_DIR the import made is gone, one it found empty is
+    empty again), so the retry is not refused."""
+    import errno
+    from nanohlat.run.checkpoint import saving
+    hf_dir, out = tmp_path / "hf", tmp_path / "run"
+    assert _export(["export", str(base), str(hf_dir)]) == 0
+    if out_exists:
+        out.mkdir()
+    real = saving._atomic_write
+
+    def full(path, write):
+        if "shard_" not in path:
+            return real(path, write)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(saving, "_atomic_write", full)
+    capsys.readouterr()
+    assert _export(["import", str(hf_dir), str(out)]) == 2
+    one_line_error(capsys.readouterr().err, str(out / "checkpoints" / ".tmp_step_00000000"),
+                   "No space left on device", "nothing of the import")
+    assert (os.listdir(out) == []) if out_exists else not out.exists()
+    monkeypatch.undo()
+    assert _export(["import", str(hf_dir), str(out)]) == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real full disk: a 600 KB tmpfs, too small for the tiny model's 1 MB of weights
+    (mounting one needs root; skipped otherwise)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_hf_export_and_import_onto_a_real_full_disk_leave_it_empty(base, tmp_path, small_disk, capsys):
+    assert _export(["export", str(base), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    for args, name in ((["export", str(base), str(small_disk / "hf")], "model.safetensors"),
+                       (["import", str(tmp_path / "hf"), str(small_disk / "run")], ".tmp_step_00000000")):
+        assert _export(args) == 2
+        one_line_error(capsys.readouterr().err, name, "No space left on device")
+        assert os.listdir(small_disk) == []
 
 
 # ---------------------------------------------------------------------------

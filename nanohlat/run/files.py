@@ -90,6 +90,20 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def os_error_in(e: BaseException, path: str | None = None) -> OSError | None:
+    """The OSError (a full disk, ...) behind `e`, itself or in its chain: torch.save
+    raises a RuntimeError ("enforce fail at inline_container.cc") around the file's
+    OSError. Its filename is set to `path` when it has none (a file written through
+    its descriptor). None when `e` is no I/O error (a bug: raise it as it is)."""
+    seen = set()
+    while e is not None and id(e) not in seen and not isinstance(e, OSError):
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if isinstance(e, OSError) and path and not isinstance(e.filename, str):
+        e.filename = path
+    return e if isinstance(e, OSError) else None
+
+
 def os_error_message(e: OSError) -> str:
     """A file-system error (read-only, disk full, not a directory, ...) as one line naming the path."""
     path = f" {e.filename!r}" if e.filename else ""

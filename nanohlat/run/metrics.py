@@ -15,6 +15,7 @@ should: the recomputed work produces nothing new.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -219,8 +220,13 @@ class MetricsWriter:
         self._file = files.open_append(path)    # never through a link at the name
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, default=_to_python) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, default=_to_python) + "\n")
+            self._file.flush()
+        except OSError as e:   # (a full disk): the file's own error names no file
+            if not isinstance(e.filename, str):
+                e.filename = self.path
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
@@ -342,6 +348,7 @@ class TrainLog:
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
                        f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'})")
         self.writer = MetricsWriter(self.path) if self.main else None
+        self.write_failed: str | None = None   # a row metrics.jsonl could not take (`_write`)
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.flops_tok = flops_per_token(model_cfg, tcfg.seq_len)
@@ -406,9 +413,8 @@ class TrainLog:
         tps = self.meter.update(self.tokens_per_step)
         mfu_ = self._mfu(tps) if self.main else None
         self.summary["losses"].append(loss)
-        if self.writer:
-            self.writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                               "tokens_per_s": tps, "mfu": mfu_})
+        self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                     "tokens_per_s": tps, "mfu": mfu_})
         if self.bar:
             # unknown is "?", never 0%: no rate yet (the first step is not timed: Throughput), or no
             # peak to divide by (the reason is printed once: describe_peak, or mfu's warning)
@@ -438,8 +444,22 @@ class TrainLog:
 
     def _log_val(self, step, val_loss):
         self.summary["val_losses"].append(float(val_loss))
-        if self.writer:
-            self.writer.write({"step": step, "val_loss": float(val_loss)})
+        self._write({"step": step, "val_loss": float(val_loss)})
+
+    def _write(self, record: dict) -> None:
+        """A row of metrics.jsonl (rank 0). A write that fails (a full disk) does not end
+        the run at once: the row is lost, but the steps trained are not. The failure is
+        kept in `write_failed`, and every rank stops at the next stop vote and saves
+        a checkpoint; then rank 0 ends with one line saying both (Session.end_step)."""
+        if not self.writer:
+            return
+        try:
+            self.writer.write(record)
+        except OSError as e:
+            self.write_failed = f"cannot write {e.filename!r}: {e.strerror or e}"
+            with contextlib.suppress(OSError):
+                self.writer.close()
+            self.writer = None
 
     def close(self, **measured) -> dict:
         """The end of the run: summary.json and the last line (rank 0). Returns the summary."""

@@ -79,13 +79,14 @@ def requested() -> bool:
     return _received is not None
 
 
-def stop_requested(mesh, dev, step: int) -> bool:
-    """Should every rank stop after `step`? The same answer on all ranks."""
+def stop_requested(mesh, dev, step: int, also: bool = False) -> bool:
+    """Should every rank stop after `step`? The same answer on all ranks. `also`: this
+    rank asks to stop for a reason of its own (rank 0 could not write metrics.jsonl)."""
     group = mesh.group("world")
     if group.size == 1:
-        return requested()
+        return requested() or also
     if dev.kind == "xla" and step % XLA_CHECK_EVERY:
         return False
-    flag = torch.tensor([1.0 if requested() else 0.0], device=dev.torch_device)
+    flag = torch.tensor([1.0 if requested() or also else 0.0], device=dev.torch_device)
     comm.all_reduce(flag, dataclasses.replace(group, ledger=None), inplace=True)   # (no ledger: not the step's traffic)
     return bool(flag.item() > 0)

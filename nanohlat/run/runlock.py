@@ -23,7 +23,8 @@ Also here, because they are decided at the same moment: an out-dir that holds
 something other than a nanohlat run is refused (training would write over it),
 and a run that ends before training a single step removes what it wrote
 (config.json, an empty metrics.jsonl, the lock, an out-dir it created), so
-that a retry with `--resume never` is not refused as "already holds a run".
+that a retry with `--resume never` is not refused as "already holds a run"
+(nor an import into a folder it found empty as "not empty").
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class RunLock:
                             f"{', ...' if len(foreign) > 3 else ''}), not a nanohlat run; training would write "
                             f"over them: choose a new or empty --out-dir")
         self.created = not os.path.exists(out_dir)
+        self.was_empty = self.created or (os.path.isdir(out_dir) and not os.listdir(out_dir))
         self.path = os.path.join(out_dir, LOCK_NAME)
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -135,9 +137,10 @@ class RunLock:
             return
         try:
             forget_untrained_run(self.out_dir)
-            if self.created and sorted(os.listdir(self.out_dir)) == [LOCK_NAME]:
+            if self.was_empty and sorted(os.listdir(self.out_dir)) == [LOCK_NAME]:
                 os.remove(self.path)      # (a run waiting on it would have failed at once: LOCK_NB)
-                os.rmdir(self.out_dir)
+                if self.created:
+                    os.rmdir(self.out_dir)
         except OSError:
             pass   # best effort: a read-only or vanished out-dir keeps what it has
         fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -31,9 +31,11 @@ is needed to write or read model.safetensors (`pip install safetensors`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -276,6 +278,38 @@ def _refuse_non_empty(path: str, what: str) -> None:
                         f"what it holds")
 
 
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")
+
+
+def _partial_dir(hf_dir: str) -> str:
+    """`HF_DIR.partial`, the export's temporary folder, made anew. One left by a killed
+    export (nothing but export files in it) is removed; anything else there is refused."""
+    tmp = os.path.normpath(os.path.abspath(hf_dir)) + ".partial"
+    if os.path.islink(tmp) or os.path.isfile(tmp):
+        os.unlink(tmp)                 # (nanohlat makes no link or file there)
+    elif os.path.isdir(tmp):
+        if not all(n.removesuffix(".partial") in EXPORT_FILES for n in os.listdir(tmp)):
+            raise UserError(f"{tmp!r} holds other files, and export writes there first; move it away or "
+                            f"choose another HF_DIR")
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _move_into(tmp: str, hf_dir: str) -> None:
+    """The complete export in `tmp` becomes HF_DIR: renamed as a whole when HF_DIR
+    does not exist (or is an empty folder), else file by file (--overwrite: other
+    files in HF_DIR stay; a link at one of our names is replaced, never followed)."""
+    if os.path.isdir(hf_dir) and not os.path.islink(hf_dir) and not os.listdir(hf_dir):
+        os.rmdir(hf_dir)
+    if not os.path.lexists(hf_dir):
+        os.replace(tmp, hf_dir)
+    else:
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(hf_dir, name))
+    files.fsync_dir(os.path.dirname(os.path.abspath(hf_dir)))
+
+
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     from nanohlat.run import checkpoint, runconfig
     from nanohlat.device import get_device
@@ -286,7 +320,18 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     runconfig.check(checkpoint.read_manifest(path), path, "cpu", copies=3)
     model, manifest = checkpoint.load_for_inference(path, get_device("cpu"))
     state = model.state_dict()
-    write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
+    # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
+    # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
+    tmp = _partial_dir(hf_dir)
+    try:
+        write_hf_dir(model.cfg, state, manifest["tokenizer"], tmp)
+        _move_into(tmp, hf_dir)
+    except OSError as e:
+        raise UserError(f"{files.os_error_message(e)} (the export is written there first; it was removed and "
+                        f"{hf_dir!r} left as it was)") from None
+    finally:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
           f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")
 
@@ -314,20 +359,45 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
     lock = acquire(out_dir)     # no training run may be writing there meanwhile
+    kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
+    copied = False
     try:
         if overwrite:
             clear_run(out_dir)
         # The checkpoint records the tokenizer's path: keep a copy in the run, so it
         # outlives (and does not depend on) the Hugging Face directory.
-        kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
         if os.path.abspath(tokenizer) != kept:
             files.copy_file(tokenizer, kept)
+            copied = True
+        # into checkpoints/.tmp_step_00000000, renamed step_00000000 when whole (checkpoint.save_full)
         path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
+    except BaseException as e:  # a full disk, Ctrl-C: what the import wrote is removed (the lock and the
+        _undo_import(out_dir, kept if copied else None)   # out-dir it made go with lock.release)
+        cause = files.os_error_in(e, os.path.join(out_dir, "checkpoints", ".tmp_step_00000000")) \
+            if isinstance(e, Exception) else None
+        if cause is None:
+            raise
+        raise UserError(f"{files.os_error_message(cause)} (nothing of the import into {out_dir!r} was "
+                        f"kept)") from None
     finally:
         lock.release()
     print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
           f"padded to {cfg.padded_vocab}) -> {path}")
     return path
+
+
+def _undo_import(out_dir: str, tokenizer_copy: str | None) -> None:
+    """Remove what a failed import wrote: its checkpoint (whole or not) and the tokenizer's copy."""
+    from nanohlat.run.checkpoint import ckpt_root
+    root = ckpt_root(out_dir)
+    for name in (".tmp_step_00000000", "step_00000000"):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for path in (os.path.join(root, "latest"), os.path.join(root, "latest.partial"), tokenizer_copy):
+        if path and os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)      # if empty
 
 
 def main(argv=None) -> None:
