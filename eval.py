@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import sys
 import time
 
 from nanohlat.run import checkpoint, data, launch, runconfig
 from nanohlat import device as devicelib
-from nanohlat.serving import evaluate
+from nanohlat.serving import evaluate, generate
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.run.files import atomic_write, os_error_message
+from nanohlat.run.files import atomic_write, json_text, os_error_message
 
 
 def parse_args(argv=None):
@@ -72,10 +71,11 @@ def check_args(args) -> None:
 def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
     """One checkpoint -> one result row (held-out metrics and every task)."""
     path = checkpoint.resolve(path)
-    # the run's config checked (its train section: the windows' seq_len) and the model's size, before loading.
-    # An imported model (nanohlat.serving.hf) has no training config: the built-in corpus then.
-    train = runconfig.check(checkpoint.read_manifest(path), path, dev.kind)
-    model, manifest = checkpoint.load_for_inference(path, dev)
+    # checked as it loads (generate.load_model): the run's config (its train section: the windows'
+    # seq_len), the model's size, finite weights. An imported model (nanohlat.serving.hf) has no
+    # training config: the built-in corpus then.
+    model, manifest = generate.load_model(path, dev)
+    train = runconfig.train_section(manifest, path)
     cfg = model.cfg
     # the tokenizer by content: each checkpoint holds its own copy of the same file
     tok_id = manifest.get("identity", {}).get("tokenizer_sha256") or manifest["tokenizer"]
@@ -161,7 +161,7 @@ def write_json(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never a prefix, and a
     failed write leaves no temporary file behind (files.atomic_write)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    atomic_write(path, lambda f: f.write(json_text(obj, indent=2).encode()))   # strict: "NaN", not NaN
 
 
 def check_json_path(path: str) -> None:

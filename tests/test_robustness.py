@@ -1029,6 +1029,59 @@ def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache
 
 
 # ---------------------------------------------------------------------------
+# Non-finite numbers: refused models, strict JSON
+# ---------------------------------------------------------------------------
+
+def test_a_checkpoint_with_a_nan_weight_is_refused_by_every_command_that_uses_it(base, tmp_path, capsys):
+    """eval.py scored it (val_loss nan beside an accuracy) and the HF export wrote it:
+    now they, like sample.py and speculative decoding, refuse it in sample.py's line."""
+    import eval as evalpy
+    import sample
+    from nanohlat import device
+    from nanohlat.run import checkpoint
+    from nanohlat.serving import server
+    model, manifest = checkpoint.load_for_inference(str(base), device.get_device("cpu"))
+    state = model.state_dict()
+    state["layers.1.mlp.up.weight"][3, 5] = float("nan")
+    bad = tmp_path / "nan"
+    checkpoint.save_full(str(bad), model.cfg, state, manifest["tokenizer"])
+    line = "has non-finite weights (NaN or inf) in layers.1.mlp.up.weight: it cannot be sampled, evaluated or exported"
+    for main in (lambda: sample.main(["--out-dir", str(bad), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(bad), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(bad), str(tmp_path / "hf")]),
+                 lambda: server.main(["--target", str(bad), "--draft", str(bad), "--max-new-tokens", "2"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, str(bad), line)
+    assert not (tmp_path / "hf").exists() and not (bad / "eval.json").exists()
+
+
+def _strict(text: str):
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_every_json_file_is_strict_after_lr_1e30(tmp_path, cache_dir, capsys):
+    """--lr 1e30: the gradient norms of the steps after the first are NaN. metrics.jsonl
+    (each line), summary.json, config.json and eval.json parse as strict JSON; a
+    non-finite number is the string "NaN" / "Infinity" / "-Infinity"."""
+    import eval as evalpy
+    out = tmp_path / "run"
+    code, err = main_in_process(flags(cache_dir, out, "--lr", "1e30", "--min-lr", 0, "--max-bad-steps", 0,
+                                      "--eval-every", 2, "--eval-batches", 1), capsys)
+    assert code == 0, err
+    rows = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in rows if "grad_norm" in r][1:] == ["NaN"] * 3, rows
+    assert float(rows[1]["grad_norm"]) != float(rows[1]["grad_norm"])      # float() reads it back: nan
+    for name in ("summary.json", "config.json"):
+        _strict((out / name).read_text())
+    assert evalpy.main(["--out-dir", str(out), "--examples", "4", "--max-batches", "1"]) == 0
+    _strict((out / "eval.json").read_text())
+    evalpy.write_json(str(tmp_path / "e.json"), {"val_loss": float("inf"), "x": [float("-inf"), float("nan")]})
+    assert _strict((tmp_path / "e.json").read_text()) == {"val_loss": "Infinity", "x": ["-Infinity", "NaN"]}
+
+
+# ---------------------------------------------------------------------------
 # Messages that name the right thing
 # ---------------------------------------------------------------------------
 

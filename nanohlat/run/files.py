@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import shutil
 
@@ -79,6 +81,30 @@ def open_append(path: str):
             raise
         fd = _create_new(path, os.O_WRONLY | os.O_APPEND)
     return os.fdopen(fd, "a", encoding="utf-8")
+
+
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}   # repr(x) -> how strict JSON says it
+
+
+def json_text(obj, **kwargs) -> str:
+    """json.dumps for every JSON file nanohlat writes: strict JSON, which has no NaN
+    or Infinity (Python's json writes them bare by default, and other readers
+    refuse the file). A float that is not finite is written as the string "NaN",
+    "Infinity" or "-Infinity" (Python's float() and JavaScript's Number() read each
+    back); docs/robustness.md states the convention."""
+    return json.dumps(_strict(obj), allow_nan=False, **kwargs)
+
+
+def _strict(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else NON_FINITE[repr(float(v))]
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes, int)):   # numpy scalars, 0-d tensors
+        return _strict(v.item())
+    return v
 
 
 def sha256_file(path: str) -> str:

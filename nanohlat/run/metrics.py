@@ -205,7 +205,9 @@ class MetricsWriter:
     Append mode, so a resumed run continues the same file; a flush after every
     line, so `tail -f` and a crash both see every completed record. Floats are
     written with Python's shortest round-trip repr, i.e. at full precision:
-    the layout-equivalence tests compare logged losses bit for bit.
+    the layout-equivalence tests compare logged losses bit for bit. The file is
+    strict JSON: a value that is not finite (the grad_norm of a step that
+    overflowed) is the string "NaN", "Infinity" or "-Infinity" (files.json_text).
 
     Only plain Python values belong in a record. Reading a device tensor here
     would force a host sync on XLA; log from a step closure instead
@@ -221,7 +223,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         try:
-            self._file.write(json.dumps(record, default=_to_python) + "\n")
+            self._file.write(files.json_text(record, default=_to_python) + "\n")
             self._file.flush()
         except OSError as e:   # (a full disk): the file's own error names no file
             if not isinstance(e.filename, str):
@@ -340,7 +342,7 @@ class TrainLog:
             os.makedirs(tcfg.out_dir, exist_ok=True)
             run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
                                                           "tokenizer_path": tokenizer_path}
-            files.write_text(os.path.join(tcfg.out_dir, "config.json"), json.dumps(run_cfg, indent=2))
+            files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
                                     v=tcfg.virtual_stages))
@@ -470,7 +472,7 @@ class TrainLog:
             keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "param_bytes",
                     "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
-                             json.dumps({k: self.summary.get(k) for k in keys}, indent=2))
+                             files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)

@@ -213,7 +213,7 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
     # Each file through files.atomic_write: whole or absent, and never written through a link.
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")     # float32, or bfloat16 (pure bf16)
     files.write_text(os.path.join(hf_dir, "config.json"),
-                     json.dumps(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), indent=2))
+                     files.json_text(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), indent=2))
     weights = st.save(to_hf_state(cfg, state), metadata={"format": "pt"})
     files.atomic_write(os.path.join(hf_dir, "model.safetensors"), lambda f: f.write(weights))
     files.copy_file(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
@@ -227,7 +227,7 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
         "add_prefix_space": False, "legacy": False,
         "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len,
     }
-    files.write_text(os.path.join(hf_dir, "tokenizer_config.json"), json.dumps(tok_config, indent=2))
+    files.write_text(os.path.join(hf_dir, "tokenizer_config.json"), files.json_text(tok_config, indent=2))
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -311,14 +311,13 @@ def _move_into(tmp: str, hf_dir: str) -> None:
 
 
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
-    from nanohlat.run import checkpoint, runconfig
     from nanohlat.device import get_device
+    from nanohlat.serving.generate import load_model
     if not overwrite:
         _refuse_non_empty(hf_dir, "HF_DIR")
-    path = checkpoint.resolve(run_or_ckpt)
-    # its fields, and whether three copies of the weights fit (the model, its state cut for HF, the file's bytes)
-    runconfig.check(checkpoint.read_manifest(path), path, "cpu", copies=3)
-    model, manifest = checkpoint.load_for_inference(path, get_device("cpu"))
+    # its config and finite weights checked, and that three copies of the weights fit
+    # (the model, its state cut for HF, the file's bytes)
+    model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
     state = model.state_dict()
     # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
     # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
