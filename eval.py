@@ -16,13 +16,12 @@ atomically); with --all-checkpoints and matplotlib installed, also
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, launch, runconfig
+from nanohlat.run import checkpoint, data, flags, launch, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
 from nanohlat.config import DEVICES, UserError, check_seed
@@ -30,7 +29,7 @@ from nanohlat.run.files import atomic_write, json_text, os_error_message
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate nanohlat checkpoints.")
+    p = flags.Parser(description="Evaluate nanohlat checkpoints.")
     p.add_argument("--out-dir", default="out", help="run directory (its latest checkpoint, unless --checkpoint)")
     p.add_argument("--checkpoint", default="", help="a checkpoint directory (overrides --out-dir's latest)")
     p.add_argument("--task", nargs="+", default=["builtin"], metavar="TASK",

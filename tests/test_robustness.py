@@ -104,6 +104,43 @@ def test_speculative_decoding_flags_out_of_range(capsys):
         one_line_error(capsys.readouterr().err, message)
 
 
+@pytest.mark.parametrize("command, args, message", [
+    ("train", ["--zero", "1.5"], "argument --zero: invalid int value: '1.5'"),
+    ("train", ["--collective-timeout", "abc"], "argument --collective-timeout: invalid float value: 'abc'"),
+    ("train", ["--check-replicas", "1.5"], "argument --check-replicas: invalid int value: '1.5'"),
+    ("train", ["--warmup-steps", "1e3"], "argument --warmup-steps: invalid int value: '1e3'"),
+    ("train", ["--lr", "-1e-3"], "argument --lr: expected one argument (a value that starts with '-' is written "
+                                 "--lr=-1e-3)"),
+    ("train", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("sample", ["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+    ("eval", ["--shots", "1.5"], "argument --shots: invalid int value: '1.5'"),
+    ("serving", ["--k", "z"], "argument --k: invalid int value: 'z'"),
+    ("hf", ["export"], "the following arguments are required: RUN_OR_CKPT, HF_DIR"),
+    ("bench", ["--warmup", "q"], "argument --warmup: invalid int value: 'q'"),
+    ("classroom", ["check", "99z"], "unknown exercise 99z"),
+    ("classroom", ["bogus"], "argument cmd: invalid choice: 'bogus'"),
+])
+def test_a_bad_command_line_is_one_error_line_and_exit_2(command, args, message, capsys):
+    """argparse printed the whole usage (34 lines for train.py) before the line that matters;
+    the classroom's unknown exercise exited 1 (a failed check's code)."""
+    import importlib
+    main = {"train": "train", "sample": "sample", "eval": "eval", "serving": "nanohlat.serving.server",
+            "hf": "nanohlat.serving.hf", "bench": "nanohlat.tools.bench", "classroom": "nanohlat.classroom.kit"}
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(main[command]).main(args)
+    assert e.value.code == 2
+    one_line_error(capsys.readouterr().err, message)
+
+
+def test_a_bad_flag_points_to_the_commands_help():
+    p = run_py(["train.py", "--zero", "1.5"], check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "error: argument --zero: invalid int value: '1.5' (python train.py --help lists the flags)")
+    p = run_py(["-m", "nanohlat.classroom", "check", "99z"], check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "unknown exercise 99z")
+
+
 def test_a_tiny_temperature_samples_the_largest_logit():
     """logits / 1e-40 overflowed to inf (softmax: nan, and a crash); shifted by the
     row's largest logit first, the scaled logits stay <= 0."""
@@ -322,6 +359,17 @@ def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir
         assert sorted(os.listdir(out)) in (["thesis.tex"], ["config.json"])
     if kind == "a file":
         assert out.read_text() == "notes"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_folder_where_a_run_file_should_be_is_one_line(name, tmp_path, cache_dir, capsys):
+    """metrics.jsonl/ received metrics.jsonl/metrics.jsonl, exit 0: now refused before anything is written."""
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, str(out / name), "is a folder")
+    assert os.listdir(out) == [name] and os.listdir(out / name) == []
 
 
 def test_disk_full_at_metrics_and_at_the_checkpoint_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
@@ -784,6 +832,60 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
     assert steps == list(range(1, 9)), steps      # each step once: the second run's
 
 
+def _slow_step_worker(*args, **kwargs):
+    """preflight.worker whose every optimizer step first sleeps TEST_SLOW_STEP seconds."""
+    import time
+    from nanohlat import optim
+    from nanohlat.run import preflight
+    real, pause = optim.FlatAdamW.reduce_gradients, float(os.environ["TEST_SLOW_STEP"])
+
+    def reduce_gradients(self):
+        time.sleep(pause)
+        return real(self)
+    optim.FlatAdamW.reduce_gradients = reduce_gradients
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["the launcher", "the process group"])
+def test_a_second_ctrl_c_under_nproc_quits_at_once(to, tmp_path, cache_dir):
+    """Ctrl-C twice, 1.2 s apart, in steps of 2 s: to the launcher alone (`kill -INT`; the
+    agent passes the second on as SIGTERM) or to the whole group (a terminal's Ctrl-C).
+    The job ends within seconds of the second, exit 130, without finishing the step;
+    the last checkpoint (step 2) is intact and no worker is left."""
+    import signal
+    import time
+    from nanohlat.run import checkpoint
+    out = tmp_path / "run"
+    argv = flags(cache_dir, out, "--nproc", 2, "--dp", 2, "--steps", LONG, "--save-every", 2)
+    code = ("import sys\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            "import test_robustness, train\n"
+            "from nanohlat.run import preflight\n"
+            "preflight.worker = test_robustness._slow_step_worker\n"
+            f"sys.exit(train.main({argv!r}))\n")
+    a = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TEST_SLOW_STEP="2"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_rows(a, out, 3)
+        press = (lambda: os.killpg(a.pid, signal.SIGINT)) if to == "the process group" else \
+            (lambda: os.kill(a.pid, signal.SIGINT))
+        press()
+        time.sleep(1.2)
+        press()
+        second = time.time()
+        assert a.wait(timeout=120) == 130
+        took = time.time() - second
+        err = a.stderr.read()
+    finally:
+        a.kill()
+    assert took < 15, took
+    assert "Traceback" not in err and "--resume auto continues from the last complete checkpoint" in err, err
+    assert checkpoint.latest(str(out)) == ckpt(out, 2) and sorted(losses(out)) == [1, 2, 3]
+    checkpoint.ShardSet(ckpt(out, 2))
+    assert subprocess.run(["pgrep", "-f", "_slow_step_worker"], capture_output=True).returncode == 1
+
+
 def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
     """The handler itself: a first SIGINT only asks to stop; the same press delivered
     twice (terminal and launcher) is one; a later press raises KeyboardInterrupt."""
@@ -799,6 +901,17 @@ def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)
     assert signals.exit_code == 130 and not preempt.requested()
     assert signal.getsignal(signal.SIGINT) is before            # the previous handler is back
+    # under --nproc a second Ctrl-C that reached only the launcher arrives as its SIGTERM: now too
+    with preempt.catch_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with preempt.catch_signals() as signals:                    # but a repeated SIGTERM stays one request
+        os.kill(os.getpid(), signal.SIGTERM)
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.exit_code == 143
 
 
 def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,

@@ -6,6 +6,7 @@ workers (launch.py), building this rank's model, runner and optimizer
 step (session.py): checkpoint files and the run directory's safety
 (checkpoint/, files.py, runlock.py), a checkpoint's configuration checked
 before a command builds its model (runconfig.py), stopping on a signal (preempt.py),
-replica checks (replicas.py), and what a run prints and writes (metrics.py). train.py calls into these;
+replica checks (replicas.py), what a run prints and writes (metrics.py), and the
+flag parser every command line uses (flags.py: one-line errors). train.py calls into these;
 the core modules one folder up never import them.
 """

@@ -143,7 +143,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RESUME_HINT = "; --resume auto continues from the checkpoint just saved"   # (train.py's workers save on a signal)
+RESUME_HINT = "; --resume auto continues from the last complete checkpoint"   # (saved on the way out, but
+                                                                               # for a second Ctrl-C)
 
 
 def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None,

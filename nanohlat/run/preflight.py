@@ -41,7 +41,7 @@ from nanohlat import config
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
-from nanohlat.run import checkpoint, data, launch, preempt, runlock
+from nanohlat.run import checkpoint, data, flags, launch, preempt, runlock
 from nanohlat.run.files import os_error_message
 
 
@@ -49,7 +49,7 @@ def main(train, argv: list[str]) -> int:
     """train.py's command line; `train` is train.py:train. Returns the exit code."""
     lock = None
     try:
-        model_cfg, tcfg = config.parse_args(argv)
+        model_cfg, tcfg = config.parse_args(argv, flags.Parser)   # (a bad flag: one line, exit 2)
         env = launch.torchrun_env()
         world = env[1] if env else tcfg.nproc
         launch.check_nproc(tcfg.nproc, env)
@@ -223,8 +223,11 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     except OSError as e:
         launch.report_error(os_error_message(e))
         sys.exit(2)
-    except KeyboardInterrupt:   # the second Ctrl-C
-        sys.exit(130)
+    except KeyboardInterrupt:   # the second Ctrl-C: now. os._exit: leaving a process group to the
+        runlock.release_all()   # interpreter's exit can wait seconds for the peers (gloo); nothing is saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except Exception as e:
         launch.worker_stub(e)   # an exercise stub of a student copy: its one line, exit 2
         if isinstance(e, RuntimeError) and launch.is_collective_timeout(e):

@@ -90,6 +90,10 @@ class RunLock:
             raise UserError(f"--out-dir {out_dir!r} holds other files ({', '.join(foreign[:3])}"
                             f"{', ...' if len(foreign) > 3 else ''}), not a nanohlat run; training would write "
                             f"over them: choose a new or empty --out-dir")
+        folder = next((n for n in sorted(RUN_FILES - {"checkpoints"}) if os.path.isdir(os.path.join(out_dir, n))), None)
+        if folder:   # (metrics.jsonl/ would have received metrics.jsonl/metrics.jsonl)
+            raise UserError(f"{os.path.join(out_dir, folder)!r} is a folder, where a run keeps its file of that "
+                            f"name; move it away or choose another --out-dir")
         self.created = not os.path.exists(out_dir)
         self.was_empty = self.created or (os.path.isdir(out_dir) and not os.listdir(out_dir))
         self.path = os.path.join(out_dir, LOCK_NAME)

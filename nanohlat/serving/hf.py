@@ -30,7 +30,6 @@ is needed to write or read model.safetensors (`pip install safetensors`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import json
@@ -41,7 +40,7 @@ import sys
 import torch
 
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.run import files
+from nanohlat.run import files, flags
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -400,7 +399,7 @@ def _undo_import(out_dir: str, tokenizer_copy: str | None) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
+    p = flags.Parser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
     e.add_argument("checkpoint", metavar="RUN_OR_CKPT")

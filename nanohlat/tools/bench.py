@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from nanohlat import comm, config, xla
 from nanohlat.run import metrics, preflight, runconfig
+from nanohlat.run.flags import Parser
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
@@ -213,7 +214,8 @@ def profile(steps: dict, devs: dict, n: int = 3, rows: int = 25) -> str:
 
 def parse(argv):
     """train.py's flags (model shape, precision, device ...) plus the bench's own."""
-    parser = config.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.")
+    parser = config.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.",
+                                 Parser)
     b = parser.add_argument_group("bench")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     b.add_argument("--no-hf", dest="hf", action="store_false", default=True,
