@@ -16,23 +16,21 @@ atomically); with --all-checkpoints and matplotlib installed, also
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data
+from nanohlat.run import checkpoint, data, launch, runconfig
 from nanohlat import device as devicelib
-from nanohlat.serving import evaluate
-from nanohlat.system import cli
+from nanohlat.serving import evaluate, generate
+from nanohlat.system import cli, flags
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.system.files import atomic_write
+from nanohlat.system.files import atomic_write, json_text, os_error_message
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate nanohlat checkpoints.")
+    p = flags.Parser(description="Evaluate nanohlat checkpoints.")
     p.add_argument("--out-dir", default="out", help="run directory (its latest checkpoint, unless --checkpoint)")
     p.add_argument("--checkpoint", default="", help="a checkpoint directory (overrides --out-dir's latest)")
     p.add_argument("--task", nargs="+", default=["builtin"], metavar="TASK",
@@ -72,10 +70,13 @@ def check_args(args) -> None:
 
 def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
     """One checkpoint -> one result row (held-out metrics and every task)."""
-    model, manifest = checkpoint.load_for_inference(path, dev)
+    path = checkpoint.resolve(path)
+    # checked as it loads (generate.load_model): the run's config (its train section: the windows'
+    # seq_len), the model's size, finite weights. An imported model (nanohlat.serving.hf) has no
+    # training config: the built-in corpus then.
+    model, manifest = generate.load_model(path, dev)
+    train = runconfig.train_section(manifest, path)
     cfg = model.cfg
-    # An imported model (nanohlat.serving.hf) has no training config: the built-in corpus then.
-    train = manifest.get("config", {}).get("train") or {}
     # the tokenizer by content: each checkpoint holds its own copy of the same file
     tok_id = manifest.get("identity", {}).get("tokenizer_sha256") or manifest["tokenizer"]
     key = (train.get("data", ""), tok_id, train.get("cache_dir", ""))
@@ -160,7 +161,7 @@ def write_json(path: str, obj) -> None:
     """Readers see the old file or the whole new one, never a prefix, and a
     failed write leaves no temporary file behind (files.atomic_write)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    atomic_write(path, lambda f: f.write(json_text(obj, indent=2).encode()))   # strict: "NaN", not NaN
 
 
 def check_json_path(path: str) -> None:

@@ -17,7 +17,6 @@ row with its own positions, giving the tokens each would get alone.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -28,14 +27,14 @@ import torch.distributed
 
 from nanohlat.run import checkpoint, data, launch
 from nanohlat.serving import generate
-from nanohlat.system import cli
+from nanohlat.system import cli, flags
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import DEVICES, UserError, check_seed, model_from_dict
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Sample from a nanohlat checkpoint.")
+    p = flags.Parser(description="Sample from a nanohlat checkpoint.")
     p.add_argument("--out-dir", default="out", help="run directory (its latest checkpoint is used)")
     p.add_argument("--checkpoint", default="", help="a checkpoint directory (overrides --out-dir)")
     p.add_argument("--prompt", default="def ", help="text to continue")

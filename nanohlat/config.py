@@ -349,8 +349,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
+def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=argparse.ArgumentParser):
+    p = cls(description=description, argument_default=argparse.SUPPRESS)   # cls: system/flags.py's, one-line errors
     for group, cls in (("training", TrainConfig), ("model", ModelConfig)):
         g = p.add_argument_group(group)
         for f in fields(cls):
@@ -384,8 +384,8 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     return model_cfg, tcfg
 
 
-def parse_args(argv=None) -> tuple[ModelConfig, TrainConfig]:
-    return resolve(vars(build_parser().parse_args(argv)))
+def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:
+    return resolve(vars(build_parser(cls=cls).parse_args(argv)))
 
 
 def to_dict(model_cfg: ModelConfig, tcfg: TrainConfig) -> dict:

@@ -66,6 +66,11 @@ def run_py(args, check=True, timeout=240, **kw):
     (["--seed", str(2**64)], "--seed must be in [0, 2**63)"),
     (["--threads", "100000"], "--threads 100000 is more than 1024"),
     (["--resume", ""], "--resume is empty; give auto"),
+    # in range, but what they would cause is refused (preflight.check_values)
+    (["--bucket-mb", "1e-30"], "--bucket-mb 1e-30 cuts a rank's ~250,432 gradients into 250,432 buckets"),
+    (["--collective-timeout", "1e300"], "--collective-timeout 1e+300 is outside [1, 604800] seconds"),
+    (["--collective-timeout", "1e-9"], "--collective-timeout 1e-09 is outside [1, 604800] seconds"),
+    (["--rendezvous-timeout", "1e300"], "--rendezvous-timeout 1e+300 is outside [1, 604800] seconds"),
 ])
 def test_flags_out_of_range_exit_2_before_anything(args, message, tmp_path, capsys, cache_dir):
     out = tmp_path / "run"
@@ -97,6 +102,43 @@ def test_speculative_decoding_flags_out_of_range(capsys):
                           (["--threads", "-1"], "--threads must be at least 1")):
         assert serving.main(["--target", "none", "--draft", "none"] + args) == 2
         one_line_error(capsys.readouterr().err, message)
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("train", ["--zero", "1.5"], "argument --zero: invalid int value: '1.5'"),
+    ("train", ["--collective-timeout", "abc"], "argument --collective-timeout: invalid float value: 'abc'"),
+    ("train", ["--check-replicas", "1.5"], "argument --check-replicas: invalid int value: '1.5'"),
+    ("train", ["--warmup-steps", "1e3"], "argument --warmup-steps: invalid int value: '1e3'"),
+    ("train", ["--lr", "-1e-3"], "argument --lr: expected one argument (a value that starts with '-' is written "
+                                 "--lr=-1e-3)"),
+    ("train", ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ("sample", ["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
+    ("eval", ["--shots", "1.5"], "argument --shots: invalid int value: '1.5'"),
+    ("serving", ["--k", "z"], "argument --k: invalid int value: 'z'"),
+    ("hf", ["export"], "the following arguments are required: RUN_OR_CKPT, HF_DIR"),
+    ("bench", ["--warmup", "q"], "argument --warmup: invalid int value: 'q'"),
+    ("classroom", ["check", "99z"], "unknown exercise 99z"),
+    ("classroom", ["bogus"], "argument cmd: invalid choice: 'bogus'"),
+])
+def test_a_bad_command_line_is_one_error_line_and_exit_2(command, args, message, capsys):
+    """argparse printed the whole usage (34 lines for train.py) before the line that matters;
+    the classroom's unknown exercise exited 1 (a failed check's code)."""
+    import importlib
+    main = {"train": "train", "sample": "sample", "eval": "eval", "serving": "nanohlat.serving.server",
+            "hf": "nanohlat.serving.hf", "bench": "nanohlat.tools.bench", "classroom": "nanohlat.classroom.kit"}
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(main[command]).main(args)
+    assert e.value.code == 2
+    one_line_error(capsys.readouterr().err, message)
+
+
+def test_a_bad_flag_points_to_the_commands_help():
+    p = run_py(["train.py", "--zero", "1.5"], check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "error: argument --zero: invalid int value: '1.5' (python train.py --help lists the flags)")
+    p = run_py(["-m", "nanohlat.classroom", "check", "99z"], check=False)
+    assert p.returncode == 2
+    one_line_error(p.stderr, "unknown exercise 99z")
 
 
 def test_a_tiny_temperature_samples_the_largest_logit():
@@ -244,6 +286,32 @@ def test_a_held_out_dir_is_refused_with_the_holders_pid(run_copy, cache_dir, cap
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_new_run_waits_for_the_workers_of_a_dead_launcher(tmp_path, monkeypatch):
+    """run.lock names a launcher that is gone, but its workers still hold the lock
+    (shared, as `--nproc N` workers do): a new run waits for them, and takes the lock
+    once they are gone; if they stay, it says so in one line (UserError)."""
+    import fcntl
+    import threading
+    from nanohlat.config import UserError
+    from nanohlat.run import runlock
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("999999999\n")       # no such process
+    worker = os.open(out / "run.lock", os.O_RDWR)         # another open file: a worker's shared lock
+    fcntl.flock(worker, fcntl.LOCK_SH)
+    threading.Timer(0.5, os.close, (worker,)).start()     # the worker dies half a second later
+    runlock.acquire(str(out)).release()
+    worker = os.open(out / "run.lock", os.O_RDWR)
+    fcntl.flock(worker, fcntl.LOCK_SH)
+    os.pwrite(worker, b"999999999\n", 0)
+    monkeypatch.setattr(runlock, "WAIT_FOR_ORPHANS_S", 0.3)
+    try:
+        with pytest.raises(UserError, match=r"still held by the workers of a run whose launcher \(PID 999999999\)"):
+            runlock.acquire(str(out))
+    finally:
+        os.close(worker)
+
+
 def test_a_run_killed_before_its_first_step_does_not_block_resume_never(tmp_path, cache_dir, capsys):
     """kill -9 before step 1 leaves config.json and an empty metrics.jsonl (no
     cleanup runs); nothing was trained, so a retry with --resume never starts."""
@@ -293,23 +361,81 @@ def test_an_out_dir_that_cannot_hold_a_run_is_one_line(kind, tmp_path, cache_dir
         assert out.read_text() == "notes"
 
 
-def test_disk_full_before_the_first_step_is_one_line_and_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
-    """The metrics file cannot be written (ENOSPC): one line naming it, exit 2, and the
-    out-dir the run created is gone again, so `--resume never` is not refused later."""
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_folder_where_a_run_file_should_be_is_one_line(name, tmp_path, cache_dir, capsys):
+    """metrics.jsonl/ received metrics.jsonl/metrics.jsonl, exit 0: now refused before anything is written."""
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    code, err = main_in_process(flags(cache_dir, out), capsys)
+    assert code == 2
+    one_line_error(err, str(out / name), "is a folder")
+    assert os.listdir(out) == [name] and os.listdir(out / name) == []
+
+
+def test_disk_full_at_metrics_and_at_the_checkpoint_leaves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    """Neither the metrics file nor the checkpoint of step 2 can be written (ENOSPC):
+    one line naming metrics.jsonl and the shard, exit 2, and the out-dir the run
+    created is gone again (nothing trained was kept), so `--resume never` is not refused later."""
     import errno
     from nanohlat.run import trainlog
+    from nanohlat.run.checkpoint import saving
     out = tmp_path / "run"
 
     def full(self, record):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(str(out), "metrics.jsonl"))
+    real = saving._atomic_write
+
+    def full_save(path, write):
+        if ".tmp_step_" not in path:
+            return real(path, write)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
     monkeypatch.setattr(trainlog.MetricsWriter, "write", full)
+    monkeypatch.setattr(saving, "_atomic_write", full_save)
     code, err = main_in_process(flags(cache_dir, out), capsys)
     assert code == 2
-    one_line_error(err, "metrics.jsonl", "No space left on device")
+    one_line_error(err, f"cannot write {str(out / 'metrics.jsonl')!r}: No space left on device",
+                   "the run stopped at step 2 and could not save it either", "shard_00000.pt")
     assert not out.exists()
     monkeypatch.undo()
     code, err = main_in_process(flags(cache_dir, out, "--resume", "never"), capsys)
     assert code == 0, err
+
+
+class _FullAfter:
+    """A text file that takes `lines` writes, then raises ENOSPC as a full disk does
+    (the file object's OSError names no file)."""
+
+    def __init__(self, f, lines: int):
+        self.f, self.left = f, lines
+
+    def write(self, text):
+        if self.left <= 0:
+            import errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= 1
+        return self.f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_disk_full_at_metrics_saves_what_was_trained(tmp_path, cache_dir, capsys, monkeypatch):
+    """metrics.jsonl takes 3 rows, then the disk is full: the run does not drop its
+    trained steps. Every rank stops at the next step, saves it, and the run ends with
+    one line naming metrics.jsonl and the checkpoint, exit 2; --resume auto goes on."""
+    from nanohlat.system import files
+    out = tmp_path / "run"
+    real = files.open_append
+    monkeypatch.setattr(files, "open_append", lambda path: _FullAfter(real(path), 3))
+    code, err = main_in_process(flags(cache_dir, out, "--steps", 8), capsys)
+    assert code == 2
+    one_line_error(err, f"cannot write {str(out / 'metrics.jsonl')!r}: No space left on device",
+                   f"the run stopped at step 5 and saved what it trained in {ckpt(out, 5)}", "--resume auto")
+    assert saved_step(out) == 5 and sorted(losses(out)) == [1, 2, 3]
+    monkeypatch.undo()
+    code, err = main_in_process(flags(cache_dir, out, "--steps", 8), capsys)
+    assert code == 0, err
+    assert sorted(losses(out)) == [1, 2, 3, 6, 7, 8]     # rows 4 and 5 could not be written
 
 
 def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(run_copy, cache_dir, capsys,
@@ -331,6 +457,83 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_checkpoint(ru
     monkeypatch.undo()
     assert checkpoint.latest(str(run_copy)) == ckpt(run_copy, 4)
     checkpoint.ShardSet(ckpt(run_copy, 4))
+
+
+def test_hf_export_onto_a_full_disk_leaves_hf_dir_as_it_was(base, tmp_path, capsys, monkeypatch):
+    """The weights do not fit: one line naming the file, exit 2, no HF_DIR (nor its
+    temporary) left, so the retry is not refused as "not empty"."""
+    import errno
+    from nanohlat.system import files
+    from nanohlat.serving import hf
+    real = files.atomic_write
+
+    def full(path, write):
+        if path.endswith("model.safetensors"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path, write)
+    monkeypatch.setattr(files, "atomic_write", full)
+    hf_dir = tmp_path / "hf"
+    assert _export(["export", str(base), str(hf_dir)]) == 2
+    one_line_error(capsys.readouterr().err, "model.safetensors", "No space left on device", "left as it was")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert _export(["export", str(base), str(hf_dir)]) == 0
+    assert sorted(os.listdir(hf_dir)) == sorted(hf.EXPORT_FILES)
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_hf_import_onto_a_full_disk_leaves_nothing(base, tmp_path, capsys, monkeypatch, out_exists):
+    """torch.save's RuntimeError around ENOSPC while the shard is written: one line
+    naming the checkpoint's temporary folder, exit 2; no run.lock, tokenizer.model
+    or .tmp_step_ left (an OUT_DIR the import made is gone, one it found empty is
+    empty again), so the retry is not refused."""
+    import errno
+    from nanohlat.run.checkpoint import saving
+    hf_dir, out = tmp_path / "hf", tmp_path / "run"
+    assert _export(["export", str(base), str(hf_dir)]) == 0
+    if out_exists:
+        out.mkdir()
+    real = saving._atomic_write
+
+    def full(path, write):
+        if "shard_" not in path:
+            return real(path, write)
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(saving, "_atomic_write", full)
+    capsys.readouterr()
+    assert _export(["import", str(hf_dir), str(out)]) == 2
+    one_line_error(capsys.readouterr().err, str(out / "checkpoints" / ".tmp_step_00000000"),
+                   "No space left on device", "nothing of the import")
+    assert (os.listdir(out) == []) if out_exists else not out.exists()
+    monkeypatch.undo()
+    assert _export(["import", str(hf_dir), str(out)]) == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real full disk: a 600 KB tmpfs, too small for the tiny model's 1 MB of weights
+    (mounting one needs root; skipped otherwise)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_hf_export_and_import_onto_a_real_full_disk_leave_it_empty(base, tmp_path, small_disk, capsys):
+    assert _export(["export", str(base), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    for args, name in ((["export", str(base), str(small_disk / "hf")], "model.safetensors"),
+                       (["import", str(tmp_path / "hf"), str(small_disk / "run")], ".tmp_step_00000000")):
+        assert _export(args) == 2
+        one_line_error(capsys.readouterr().err, name, "No space left on device")
+        assert os.listdir(small_disk) == []
 
 
 # ---------------------------------------------------------------------------
@@ -557,6 +760,130 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(tmp_path, cache_di
     assert sorted(checkpoint.read_manifest(ckpt(out, k))["files"]) == ["shard_00000.pt", "shard_00001.pt"]
 
 
+def _slow_save_worker(*args, **kwargs):
+    """preflight.worker whose shard of one save (TEST_SLOW_SAVE's step) waits a few
+    seconds first, each rank noting its pid in TEST_SLOW_SAVE's folder: a window in
+    which to kill the launcher during the save. Runs in each spawned worker."""
+    import time
+    from nanohlat.run import preflight
+    from nanohlat.run.checkpoint import saving
+    hook = json.loads(os.environ["TEST_SLOW_SAVE"])
+    real = saving._atomic_write
+
+    def write(path, fn):
+        if f".tmp_step_{hook['step']:08d}" in path and "shard_" in path:
+            with open(os.path.join(hook["notes"], f"rank{os.environ['RANK']}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(hook["sleep"])
+        return real(path, fn)
+    saving._atomic_write = write
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_dir):
+    """The issue's case: `kill -9` of the --nproc 2 launcher as the step-4 save starts.
+    Its workers die with it (within 5 s: at once on Linux) and publish nothing; a run
+    started right away into the same out-dir is its only writer: it trains steps 1-8
+    itself and nothing of the dead run is moved to abandoned_*."""
+    import signal
+    import time
+    from nanohlat.run import checkpoint, runlock
+    out, notes = tmp_path / "run", tmp_path / "notes"
+    notes.mkdir()
+    argv = flags(cache_dir, out, "--nproc", 2, "--zero", 3, "--steps", 8, "--save-every", 4)
+    code = ("import sys\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            "import test_robustness, train\n"
+            "from nanohlat.run import preflight\n"
+            "preflight.worker = test_robustness._slow_save_worker\n"
+            f"sys.exit(train.main({argv!r}))\n")
+    env = dict(os.environ, TEST_SLOW_SAVE=json.dumps({"step": 4, "notes": str(notes), "sleep": 20}))
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while len(os.listdir(notes)) < 2:
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()[-3000:]
+            time.sleep(0.05)
+        workers = [int((notes / name).read_text()) for name in sorted(os.listdir(notes))]
+        first.send_signal(signal.SIGKILL)           # the launcher, mid-save
+        first.wait()
+        killed = time.time()
+        second = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        while any(runlock._alive(pid) for pid in workers) and time.time() < killed + 5:
+            time.sleep(0.05)
+        alive = [pid for pid in workers if runlock._alive(pid)]
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, f"workers {alive} outlived their launcher by 5 s"
+        stdout, stderr = second.communicate(timeout=300)
+    finally:
+        first.kill()
+        first.stderr.close()
+    assert second.returncode == 0 and "Traceback" not in stderr, stdout[-2000:] + stderr[-3000:]
+    names = os.listdir(out / "checkpoints")
+    assert not [n for n in names if n.startswith("abandoned_")], names
+    assert checkpoint.latest(str(out)) == ckpt(out, 8)
+    steps = [m["step"] for m in read_metrics(str(out))]
+    assert steps == list(range(1, 9)), steps      # each step once: the second run's
+
+
+def _slow_step_worker(*args, **kwargs):
+    """preflight.worker whose every optimizer step first sleeps TEST_SLOW_STEP seconds."""
+    import time
+    from nanohlat import optim
+    from nanohlat.run import preflight
+    real, pause = optim.FlatAdamW.reduce_gradients, float(os.environ["TEST_SLOW_STEP"])
+
+    def reduce_gradients(self):
+        time.sleep(pause)
+        return real(self)
+    optim.FlatAdamW.reduce_gradients = reduce_gradients
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["the launcher", "the process group"])
+def test_a_second_ctrl_c_under_nproc_quits_at_once(to, tmp_path, cache_dir):
+    """Ctrl-C twice, 1.2 s apart, in steps of 2 s: to the launcher alone (`kill -INT`; the
+    agent passes the second on as SIGTERM) or to the whole group (a terminal's Ctrl-C).
+    The job ends within seconds of the second, exit 130, without finishing the step;
+    the last checkpoint (step 2) is intact and no worker is left."""
+    import signal
+    import time
+    from nanohlat.run import checkpoint
+    out = tmp_path / "run"
+    argv = flags(cache_dir, out, "--nproc", 2, "--dp", 2, "--steps", LONG, "--save-every", 2)
+    code = ("import sys\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            "import test_robustness, train\n"
+            "from nanohlat.run import preflight\n"
+            "preflight.worker = test_robustness._slow_step_worker\n"
+            f"sys.exit(train.main({argv!r}))\n")
+    a = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TEST_SLOW_STEP="2"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_rows(a, out, 3)
+        press = (lambda: os.killpg(a.pid, signal.SIGINT)) if to == "the process group" else \
+            (lambda: os.kill(a.pid, signal.SIGINT))
+        press()
+        time.sleep(1.2)
+        press()
+        second = time.time()
+        assert a.wait(timeout=120) == 130
+        took = time.time() - second
+        err = a.stderr.read()
+    finally:
+        a.kill()
+    assert took < 15, took
+    assert "Traceback" not in err and "--resume auto continues from the last complete checkpoint" in err, err
+    assert checkpoint.latest(str(out)) == ckpt(out, 2) and sorted(losses(out)) == [1, 2, 3]
+    checkpoint.ShardSet(ckpt(out, 2))
+    assert subprocess.run(["pgrep", "-f", "_slow_step_worker"], capture_output=True).returncode == 1
+
+
 def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
     """The handler itself: a first SIGINT only asks to stop; the same press delivered
     twice (terminal and launcher) is one; a later press raises KeyboardInterrupt."""
@@ -572,6 +899,17 @@ def test_first_ctrl_c_sets_the_flag_a_second_one_interrupts(monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)
     assert signals.exit_code == 130 and not preempt.requested()
     assert signal.getsignal(signal.SIGINT) is before            # the previous handler is back
+    # under --nproc a second Ctrl-C that reached only the launcher arrives as its SIGTERM: now too
+    with preempt.catch_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    with preempt.catch_signals() as signals:                    # but a repeated SIGTERM stays one request
+        os.kill(os.getpid(), signal.SIGTERM)
+        monkeypatch.setattr(preempt, "_received_at", preempt._received_at - 2 * preempt.DOUBLE_DELIVERY_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert signals.exit_code == 143
 
 
 def test_ctrl_c_during_a_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path, cache_dir, capsys,
@@ -728,6 +1066,69 @@ def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_cop
         one_line_error(capsys.readouterr().err, path, "is damaged")
 
 
+def _edit_manifest(run_dir, step: int, edit) -> str:
+    path = os.path.join(ckpt(run_dir, step), "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    edit(m)
+    with open(path, "w") as f:
+        json.dump(m, f)
+    return path
+
+
+def _export(args) -> int:
+    from nanohlat.serving import hf
+    with pytest.raises(SystemExit) as e:
+        hf.main(args)
+        raise SystemExit(0)
+    return e.value.code
+
+
+DAMAGED_CONFIGS = {   # manifest["config"] fields that pass read_manifest: refused before a model is built
+    "max_seq_len 10^12": (lambda m: m["config"]["model"].update(max_seq_len=10**12),
+                          "this model does not fit: it needs about"),
+    "seq_len 0": (lambda m: m["config"]["train"].update(seq_len=0), "config.train: --seq-len must be positive"),
+    "seq_len abc": (lambda m: m["config"]["train"].update(seq_len="abc"), "config.train.seq_len is 'abc'"),
+    "seq_len -5": (lambda m: m["config"]["train"].update(seq_len=-5), "--seq-len must be positive, got -5"),
+    "lr nan": (lambda m: m["config"]["train"].update(lr=float("nan")), "config.train.lr is nan"),
+    "zero 1.5": (lambda m: m["config"]["train"].update(zero=1.5), "config.train.zero is 1.5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_CONFIGS))
+def test_a_damaged_config_is_one_line_in_every_command_that_builds_its_model(case, run_copy, tmp_path, capsys):
+    """sample.py, eval.py, the HF export and speculative decoding: one line naming the
+    checkpoint, exit 2, before the model is built (10^12 positions: 4 TB of rotary
+    tables), and no export folder left behind."""
+    import eval as evalpy
+    import sample
+    from nanohlat.serving import server
+    edit, message = DAMAGED_CONFIGS[case]
+    _edit_manifest(run_copy, 4, edit)
+    for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(run_copy), str(tmp_path / "hf")]),
+                 lambda: server.main(["--target", str(run_copy), "--draft", str(run_copy), "--max-new-tokens", "2"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, ckpt(run_copy, 4), message)
+    assert not (tmp_path / "hf").exists() and not (run_copy / "eval.json").exists()
+
+
+def test_hf_import_of_a_model_too_big_for_this_machine_is_refused_before_reading_it(base, tmp_path, capsys):
+    """The size comes from config.json, checked before any weight is read."""
+    from nanohlat.serving import hf
+    assert _export(["export", str(base), str(tmp_path / "hf")]) == 0
+    config = tmp_path / "hf" / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg.update(hidden_size=2**20, intermediate_size=2**20, head_dim=2**20 // cfg["num_attention_heads"])
+    config.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert _export(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 2
+    one_line_error(capsys.readouterr().err, "this model does not fit", str(config))
+    assert not (tmp_path / "run").exists()
+    assert hf.from_hf_config(cfg).d_model == 2**20
+
+
 def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache_dir, capsys):
     path = run_copy / "metrics.jsonl"
     good = path.read_bytes()
@@ -736,6 +1137,59 @@ def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache
     assert code == 0 and "Traceback" not in err, err
     assert f"note: {path}" in err and "4 damaged line(s)" in err, err
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
+
+
+# ---------------------------------------------------------------------------
+# Non-finite numbers: refused models, strict JSON
+# ---------------------------------------------------------------------------
+
+def test_a_checkpoint_with_a_nan_weight_is_refused_by_every_command_that_uses_it(base, tmp_path, capsys):
+    """eval.py scored it (val_loss nan beside an accuracy) and the HF export wrote it:
+    now they, like sample.py and speculative decoding, refuse it in sample.py's line."""
+    import eval as evalpy
+    import sample
+    from nanohlat import device
+    from nanohlat.run import checkpoint
+    from nanohlat.serving import server
+    model, manifest = checkpoint.load_for_inference(str(base), device.get_device("cpu"))
+    state = model.state_dict()
+    state["layers.1.mlp.up.weight"][3, 5] = float("nan")
+    bad = tmp_path / "nan"
+    checkpoint.save_full(str(bad), model.cfg, state, manifest["tokenizer"])
+    line = "has non-finite weights (NaN or inf) in layers.1.mlp.up.weight: it cannot be sampled, evaluated or exported"
+    for main in (lambda: sample.main(["--out-dir", str(bad), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(bad), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(bad), str(tmp_path / "hf")]),
+                 lambda: server.main(["--target", str(bad), "--draft", str(bad), "--max-new-tokens", "2"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, str(bad), line)
+    assert not (tmp_path / "hf").exists() and not (bad / "eval.json").exists()
+
+
+def _strict(text: str):
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_every_json_file_is_strict_after_lr_1e30(tmp_path, cache_dir, capsys):
+    """--lr 1e30: the gradient norms of the steps after the first are NaN. metrics.jsonl
+    (each line), summary.json, config.json and eval.json parse as strict JSON; a
+    non-finite number is the string "NaN" / "Infinity" / "-Infinity"."""
+    import eval as evalpy
+    out = tmp_path / "run"
+    code, err = main_in_process(flags(cache_dir, out, "--lr", "1e30", "--min-lr", 0, "--max-bad-steps", 0,
+                                      "--eval-every", 2, "--eval-batches", 1), capsys)
+    assert code == 0, err
+    rows = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in rows if "grad_norm" in r][1:] == ["NaN"] * 3, rows
+    assert float(rows[1]["grad_norm"]) != float(rows[1]["grad_norm"])      # float() reads it back: nan
+    for name in ("summary.json", "config.json"):
+        _strict((out / name).read_text())
+    assert evalpy.main(["--out-dir", str(out), "--examples", "4", "--max-batches", "1"]) == 0
+    _strict((out / "eval.json").read_text())
+    evalpy.write_json(str(tmp_path / "e.json"), {"val_loss": float("inf"), "x": [float("-inf"), float("nan")]})
+    assert _strict((tmp_path / "e.json").read_text()) == {"val_loss": "Infinity", "x": ["-Infinity", "NaN"]}
 
 
 # ---------------------------------------------------------------------------

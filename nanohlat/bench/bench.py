@@ -58,6 +58,8 @@ import torch.nn.functional as F
 
 from nanohlat import comm, config, xla
 from nanohlat.tools import metrics
+from nanohlat.run import preflight, runconfig
+from nanohlat.system.flags import Parser
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
@@ -214,7 +216,8 @@ def profile(steps: dict, devs: dict, n: int = 3, rows: int = 25) -> str:
 
 def parse(argv):
     """train.py's flags (model shape, precision, device ...) plus the bench's own."""
-    parser = config.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.")
+    parser = config.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.",
+                                 Parser)
     b = parser.add_argument_group("bench")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
     b.add_argument("--no-hf", dest="hf", action="store_false", default=True,
@@ -253,6 +256,10 @@ def parse(argv):
 def main(argv=None) -> int:
     model_cfg, tcfg, args = parse(sys.argv[1:] if argv is None else argv)
     dev = devicelib.get_device(tcfg.device)
+    if args.generate:   # this machine's memory before anything is allocated: one model, or a training step's
+        runconfig.check_fits(model_cfg, dev.kind, "the flags (--d-model, --n-layers, --max-seq-len, ...)")
+    else:
+        preflight.check_memory(model_cfg, tcfg, 1, 1, spawns=False)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or os.cpu_count() or 1)
     threads = torch.get_num_threads() if dev.kind == "cpu" else None

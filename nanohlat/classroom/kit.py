@@ -44,7 +44,6 @@ docs/teaching.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -52,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanohlat.system import cli, files
+from nanohlat.system import cli, files, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -231,15 +230,20 @@ def select(args) -> list[str]:
     if args.chapter is not None:
         ids = [e.id for e in EXERCISES if e.chapter == args.chapter]
         if not ids:
-            raise SystemExit(f"error: no exercises in chapter {args.chapter}; chapters: "
-                             f"{', '.join(sorted({str(e.chapter) for e in EXERCISES}, key=int))}")
+            usage_error(f"no exercises in chapter {args.chapter}; chapters: "
+                        f"{', '.join(sorted({str(e.chapter) for e in EXERCISES}, key=int))}")
         return ids
     ids = args.ids or []
     unknown = [i for i in ids if i not in BY_ID]
     if unknown:
-        raise SystemExit(f"error: unknown exercise {', '.join(unknown)}; "
-                         f"`python -m nanohlat.classroom list` shows them all")
+        usage_error(f"unknown exercise {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all")
     return ids
+
+
+def usage_error(message: str):
+    """A command line the kit cannot act on: one line, exit code 2 (1 is a check that failed)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def cmd_list() -> int:
@@ -312,7 +316,7 @@ def cmd_check(args) -> int:
 
 @cli.command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
+    p = flags.Parser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the exercises, in tutorial order")
     n = sub.add_parser("new", help="write a student copy of the repository with exercise stubs")

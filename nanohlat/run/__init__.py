@@ -4,8 +4,10 @@ Pre-flight, once before any worker starts (preflight.py), launching N
 workers (launch.py), building this rank's model, runner and optimizer with
 the step's tools (build.py), the token data and its cache (data.py),
 everything around the step (session.py), what a run prints and writes
-(trainlog.py), checkpoints (checkpoint/), one run per out-dir (runlock.py),
-stopping on a signal (preempt.py) and replica checks (replicas.py).
+(trainlog.py), checkpoints (checkpoint/), a checkpoint's configuration and
+this machine's memory checked before a command builds its model
+(runconfig.py), one run per out-dir (runlock.py), stopping on a signal
+(preempt.py) and replica checks (replicas.py).
 
 train.py calls into these. They stand on the core, system/ and tools/
 (docs/design.md 1); serving/, the classroom and the commands stand on them,

@@ -22,7 +22,10 @@ LOCAL_RANK are checked before use, joining the process group has a deadline
 (--rendezvous-timeout; a rank whose partners never come says so in one line
 and exits 2), a rank stopped or stuck mid-run ends the job after
 --collective-timeout (`StuckRankWatch` below), and a job stopped by SIGTERM or Ctrl-C (nanohlat/run/preempt.py)
-ends with 143 or 130 after its workers saved a checkpoint.
+ends with 143 or 130 after its workers saved a checkpoint. Nor may a worker
+outlive its launcher: one whose launcher died (`kill -9`) ends at once,
+saving nothing (`follow_launcher`), so no process of a dead run writes into
+an out-dir that a new run holds (the workers also hold its lock: runlock.py).
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RESUME_HINT = "; --resume auto continues from the checkpoint just saved"   # (train.py's workers save on a signal)
+RESUME_HINT = "; --resume auto continues from the last complete checkpoint"   # (saved on the way out, but
+                                                                               # for a second Ctrl-C)
 
 
 def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None,
@@ -168,8 +172,12 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts, monitor_interval=0.2, start_method="spawn", **extra,
     )
-    saved = {k: os.environ.get(k) for k in (_OWN_STORE, ERRORS_ENV, PIDS_ENV)}
+    from nanohlat.run import runlock
+    locks = runlock.share_all()     # our run lock, made shared: the workers hold it with us (follow_launcher)
+    saved = {k: os.environ.get(k) for k in (_OWN_STORE, ERRORS_ENV, PIDS_ENV, LAUNCHER_ENV, LOCKS_ENV)}
     os.environ[_OWN_STORE] = "1"    # a fresh store per attempt (see the module docstring)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())   # the workers die with us (follow_launcher)
+    os.environ[LOCKS_ENV] = os.pathsep.join(locks)
     errors = tempfile.mkdtemp(prefix="nanohlat-errors-")
     os.environ[ERRORS_ENV] = errors  # workers leave their one-line errors here (report_error)
     pids = tempfile.mkdtemp(prefix="nanohlat-pids-")
@@ -179,7 +187,7 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
     try:
         if watch:
             watch.start()
-        elastic_launch(config, entry)(*args)
+        elastic_launch(config, _worker_main)(entry, *args)
         return 0
     except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
         print(f"stopped by {e.sigval.name}{stop_hint}", file=sys.stderr)
@@ -199,6 +207,49 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _worker_main(entry, *args):
+    """What each worker of `spawn` runs: entry(*args), tied to its launcher first."""
+    follow_launcher()
+    return entry(*args)
+
+
+def follow_launcher() -> None:
+    """A worker of `spawn` does not outlive its launcher, and holds the run lock with it.
+
+    If the launcher dies without stopping its workers (`kill -9`, the OOM killer),
+    they must not go on training and saving into an out-dir that a new run may
+    take meanwhile. On Linux the kernel kills this worker the moment its parent
+    dies (prctl's PR_SET_PDEATHSIG, with SIGKILL: nothing more is written, no
+    checkpoint published); elsewhere, and for a launcher already gone before
+    that was set, a thread sees the parent change within POLL_PARENT_S and ends
+    the process. The worker also takes a shared lock of the launcher's out-dir
+    (runlock.hold_shared), so a new run starts only after the last worker is gone."""
+    from nanohlat.run import runlock
+    launcher = int(os.environ.get(LAUNCHER_ENV) or 0)
+    if not launcher:
+        return
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != launcher:
+        os._exit(1)                              # it died before we got here
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(POLL_PARENT_S)
+        print(f"error: rank {os.environ.get('RANK', '?')}: the launcher (PID {launcher}) is gone: this worker "
+              f"stops without saving", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="follow-launcher").start()
+    try:
+        for path in filter(None, os.environ.get(LOCKS_ENV, "").split(os.pathsep)):
+            runlock.hold_shared(path)
+    except UserError as e:
+        report_error(str(e))
+        sys.exit(2)
 
 
 def start_method() -> str:
@@ -316,6 +367,10 @@ def crash_line(e: BaseException) -> str:
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 ERRORS_ENV = "NANOHLAT_WORKER_ERRORS"
 PIDS_ENV = "NANOHLAT_WORKER_PIDS"
+LAUNCHER_ENV = "NANOHLAT_LAUNCHER_PID"   # set by `spawn` for its workers (follow_launcher)
+LOCKS_ENV = "NANOHLAT_RUN_LOCKS"         # the run locks they hold with it
+POLL_PARENT_S = 0.2
+_PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>
 SHUTDOWN_TIMEOUT_S = 300
 
 

@@ -13,7 +13,9 @@ written atomically, so the previous one is intact even mid-save.
 Under `--nproc N` the launcher forwards the signal to its workers (PyTorch's
 elastic agent does that, and torchrun's too). A Ctrl-C in a terminal also
 reaches the workers directly, so they see it twice within milliseconds: a
-repeat within DOUBLE_DELIVERY_S counts as the same press.
+repeat within DOUBLE_DELIVERY_S counts as the same press. A second Ctrl-C
+that reaches only the launcher (`kill -INT` of its PID) is passed on by
+PyTorch's agent as SIGTERM: after a SIGINT, a SIGTERM is that second press.
 
 Agreeing on the step: ranks receive the signal at slightly different times,
 and a rank that stopped one step before the others would leave them waiting
@@ -50,7 +52,7 @@ def _handler(signum, frame) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"\n{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then exiting"
                   + (" (Ctrl-C again to quit at once)" if signum == signal.SIGINT else ""), file=sys.stderr)
-    elif signum == signal.SIGINT and time.monotonic() - _received_at > DOUBLE_DELIVERY_S:
+    elif time.monotonic() - _received_at > DOUBLE_DELIVERY_S and signal.SIGINT in (signum, _received):
         raise KeyboardInterrupt   # the second Ctrl-C: now (the last checkpoint is intact)
 
 
@@ -79,13 +81,14 @@ def requested() -> bool:
     return _received is not None
 
 
-def stop_requested(mesh, dev, step: int) -> bool:
-    """Should every rank stop after `step`? The same answer on all ranks."""
+def stop_requested(mesh, dev, step: int, also: bool = False) -> bool:
+    """Should every rank stop after `step`? The same answer on all ranks. `also`: this
+    rank asks to stop for a reason of its own (rank 0 could not write metrics.jsonl)."""
     group = mesh.group("world")
     if group.size == 1:
-        return requested()
+        return requested() or also
     if dev.kind == "xla" and step % XLA_CHECK_EVERY:
         return False
-    flag = torch.tensor([1.0 if requested() else 0.0], device=dev.torch_device)
+    flag = torch.tensor([1.0 if requested() or also else 0.0], device=dev.torch_device)
     comm.all_reduce(flag, dataclasses.replace(group, ledger=None), inplace=True)   # (no ledger: not the step's traffic)
     return bool(flag.item() > 0)

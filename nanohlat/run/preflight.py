@@ -4,9 +4,11 @@
 
   1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
      plan and stops here;
-  2. refuses a layout that cannot work (mesh.validate_layout), a --device
-     this machine lacks, and a model or sequence too large for its memory
-     (check_memory), before any tokenizer work;
+  2. refuses a layout that cannot work (mesh.validate_layout), values that
+     are in range but would break the run later (check_values: buckets too
+     small, timeouts the runtime cannot take), a --device this machine lacks,
+     and a model or sequence too large for its memory (check_memory), before
+     any tokenizer work;
   3. prepares the data: trains the tokenizer and builds the token shards if
      the cache has none (data.prepare_data), and sets the model's vocabulary
      to the tokenizer's (a new vocabulary must split over --tp too);
@@ -28,6 +30,7 @@ clears the run. A worker that the launcher restarted after a failure
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -39,7 +42,7 @@ from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
 from nanohlat.run import checkpoint, data, launch, preempt, runlock
-from nanohlat.system import cli
+from nanohlat.system import cli, flags
 from nanohlat.system.files import os_error_message
 
 
@@ -49,7 +52,7 @@ def main(train, argv: list[str]) -> int:
     (its errors as one line: system/cli.py:command)."""
     lock = None
     try:
-        model_cfg, tcfg = config.parse_args(argv)
+        model_cfg, tcfg = config.parse_args(argv, flags.Parser)   # (a bad flag: one line, exit 2)
         env = launch.torchrun_env()
         world = env[1] if env else tcfg.nproc
         launch.check_nproc(tcfg.nproc, env)
@@ -58,6 +61,7 @@ def main(train, argv: list[str]) -> int:
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        check_values(model_cfg, tcfg)
         if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
                             "layer's parameters between uses means nothing to the compiler; use --zero 2 (or 1)")
@@ -95,6 +99,39 @@ def main(train, argv: list[str]) -> int:
             lock.release()
 
 
+MAX_BUCKETS = 10_000            # gradient buckets per flat buffer (collectives per step) at most
+TIMEOUTS_S = (1.0, 7 * 86400.0)  # --collective-timeout / --rendezvous-timeout: one second to a week
+
+
+def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> None:
+    """Values that config.validate accepts (finite, positive) but that would break
+    the run later, refused in one line each:
+      * --bucket-mb so small that a step's gradient reduction becomes a flood of
+        tiny collectives (1e-30: one element each, ~250,000 a step for the tiny
+        preset, each with a fixed cost: no step ends, and --collective-timeout never
+        fires because every collective makes progress): at most MAX_BUCKETS
+        buckets under 1 MB for one rank's gradients;
+      * --collective-timeout / --rendezvous-timeout outside TIMEOUTS_S: below a
+        second, joining the job (bounded by them) fails and blames MASTER_ADDR;
+        far above a week, the runtime's clocks overflow (1e300: OverflowError in
+        every worker)."""
+    params = model_cfg.num_params() // (tcfg.tp * tcfg.pp)      # about one rank's gradients
+    elems = max(1, int(tcfg.bucket_mb * 2**20 / 4))             # as optim.py cuts them (fp32)
+    buckets = -(-params // elems)
+    if buckets > MAX_BUCKETS and tcfg.bucket_mb < 1:   # (buckets of 1 MB or more: their count is the model's)
+        least = min(1.0, math.ceil(params * 4 / MAX_BUCKETS / 2**20 * 1e4) / 1e4)
+        raise UserError(f"--bucket-mb {tcfg.bucket_mb:g} cuts a rank's ~{params:,} gradients into {buckets:,} "
+                        f"buckets, as many collectives every step (at most {MAX_BUCKETS:,} smaller than 1 MB: "
+                        f"each has a fixed cost); give --bucket-mb >= {least:g} (the default is 25)")
+    low, high = TIMEOUTS_S
+    for name in ("collective_timeout", "rendezvous_timeout"):
+        value = getattr(tcfg, name)
+        if not low <= value <= high:
+            raise UserError(f"--{name.replace('_', '-')} {value:g} is outside [{low:g}, {high:g}] seconds (one "
+                            f"second to a week): a shorter one can end the job before every rank has joined, a "
+                            f"longer one overflows the runtime's timers")
+
+
 def rotary_bytes(model_cfg: config.ModelConfig) -> int:
     """model.rotary_tables's peak: cos, sin and the angles they come from, (max_seq_len,
     head_dim) fp32 each, about four copies; every rank builds its own."""
@@ -117,22 +154,38 @@ def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world:
         return
     per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
         + rotary_bytes(model_cfg)
+    ranks = 1 if kind == "cuda" else max(1, min(local, world))
+    refuse_if_too_big(ranks * per_rank, memory_of(kind), f"weights, optimizer, activations and the rotary tables "
+                      f"of --max-seq-len {model_cfg.max_seq_len:,}",
+                      "choose a smaller --d-model / --n-layers / --max-seq-len / --batch-size, or split it with "
+                      "--tp / --pp over more machines (python train.py --plan ... shows the estimate)", ranks)
+
+
+GiB = 2**30
+
+
+def memory_of(kind: str) -> tuple[int, str] | None:
+    """(bytes, who has them) one process on device `kind` can fill: one GPU's memory
+    on cuda, this machine's RAM on cpu; None when unknown (xla, a system that does not say)."""
     if kind == "cuda":
-        ranks, have, where = 1, torch.cuda.get_device_properties(0).total_memory, "this GPU has"
-    else:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):   # (not every system says)
-            return
-        ranks, where = max(1, min(local, world)), "this machine has"
-    need = ranks * per_rank
-    if need > have:
-        each = f" ({ranks} ranks of {per_rank / plan.GiB:,.1f} GiB)" if ranks > 1 else ""
-        raise UserError(f"this model does not fit: it needs about {need / plan.GiB:,.1f} GiB{each} (weights, "
-                        f"optimizer, activations and the rotary tables of --max-seq-len "
-                        f"{model_cfg.max_seq_len:,}), {where} {have / plan.GiB:,.1f} GiB; choose a smaller "
-                        f"--d-model / --n-layers / --max-seq-len / --batch-size, or split it with --tp / --pp "
-                        f"over more machines (python train.py --plan ... shows the estimate)")
+        return torch.cuda.get_device_properties(0).total_memory, "this GPU has"
+    if kind != "cpu":
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    except (ValueError, OSError, AttributeError):   # (not every system says)
+        return None
+
+
+def refuse_if_too_big(need: int, memory: tuple[int, str] | None, holds: str, advice: str, ranks: int = 1) -> None:
+    """check_memory's refusal, one line: `need` bytes (of `ranks` ranks, saying what
+    they `hold`) against `memory` (memory_of), with what to do."""
+    if memory is None or need <= memory[0]:
+        return
+    have, where = memory
+    each = f" ({ranks} ranks of {need / ranks / GiB:,.1f} GiB)" if ranks > 1 else ""
+    raise UserError(f"this model does not fit: it needs about {need / GiB:,.1f} GiB{each} ({holds}), {where} "
+                    f"{have / GiB:,.1f} GiB; {advice}")
 
 
 def vocab_from(ds, model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int) -> config.ModelConfig:
@@ -164,8 +217,11 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     except OSError as e:
         launch.report_error(os_error_message(e))
         sys.exit(2)
-    except KeyboardInterrupt:   # the second Ctrl-C
-        sys.exit(130)
+    except KeyboardInterrupt:   # the second Ctrl-C: now. os._exit: leaving a process group to the
+        runlock.release_all()   # interpreter's exit can wait seconds for the peers (gloo); nothing is saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except Exception as e:
         launch.worker_stub(e)   # an exercise stub of a student copy: its one line, exit 2
         if isinstance(e, RuntimeError) and launch.is_collective_timeout(e):

@@ -9,11 +9,22 @@ into the file so that a second run can say who holds it. The operating system
 drops an flock when its process dies, however it dies, so a lock left by a
 crashed or killed run is simply taken over by the next one.
 
+The workers of `--nproc N` write into the out-dir too, so they hold the lock
+with their launcher: before it starts them the launcher turns its lock into a
+shared one (`share_all`), and each worker takes a shared lock of its own
+(`hold_shared`). A second run needs the exclusive lock, which it gets only
+once the last of them is gone; and the workers do not outlive their launcher
+(launch.follow_launcher). So after `kill -9` of the launcher its workers die
+within a second, and a run started meanwhile waits those few seconds for
+them (the PID in the file is dead: `WAIT_FOR_ORPHANS_S`) instead of writing
+beside them.
+
 Also here, because they are decided at the same moment: an out-dir that holds
 something other than a nanohlat run is refused (training would write over it),
 and a run that ends before training a single step removes what it wrote
 (config.json, an empty metrics.jsonl, the lock, an out-dir it created), so
-that a retry with `--resume never` is not refused as "already holds a run".
+that a retry with `--resume never` is not refused as "already holds a run"
+(nor an import into a folder it found empty as "not empty").
 """
 
 from __future__ import annotations
@@ -23,11 +34,14 @@ import errno
 import fcntl
 import json
 import os
+import time
 
 from nanohlat.config import UserError
 
 LOCK_NAME = "run.lock"
+WAIT_FOR_ORPHANS_S = 10.0       # how long a new run waits for the workers of a launcher that died
 _held: list["RunLock"] = []     # this process's locks (release_all: before an abrupt exit)
+_shared: list[int] = []         # a worker's shared locks (hold_shared): held until the process ends
 # Files and folders a nanohlat run (or eval.py, or `nanohlat.serving.hf import`) writes into its out-dir.
 RUN_FILES = {"checkpoints", "metrics.jsonl", "config.json", "summary.json", "timeline.txt", "timeline.png",
              "eval.json", "eval_curves.png", "tokenizer.model", LOCK_NAME}
@@ -76,7 +90,12 @@ class RunLock:
             raise UserError(f"--out-dir {out_dir!r} holds other files ({', '.join(foreign[:3])}"
                             f"{', ...' if len(foreign) > 3 else ''}), not a nanohlat run; training would write "
                             f"over them: choose a new or empty --out-dir")
+        folder = next((n for n in sorted(RUN_FILES - {"checkpoints"}) if os.path.isdir(os.path.join(out_dir, n))), None)
+        if folder:   # (metrics.jsonl/ would have received metrics.jsonl/metrics.jsonl)
+            raise UserError(f"{os.path.join(out_dir, folder)!r} is a folder, where a run keeps its file of that "
+                            f"name; move it away or choose another --out-dir")
         self.created = not os.path.exists(out_dir)
+        self.was_empty = self.created or (os.path.isdir(out_dir) and not os.listdir(out_dir))
         self.path = os.path.join(out_dir, LOCK_NAME)
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -85,10 +104,14 @@ class RunLock:
             raise UserError(f"cannot use --out-dir {out_dir!r}: {e.strerror} ({e.filename}); "
                             f"choose a writable folder") from None
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_or_wait_for_orphans(self.fd)
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
+            if holder.isdigit() and not _alive(int(holder)):
+                raise UserError(f"--out-dir {out_dir!r} is still held by the workers of a run whose launcher "
+                                f"(PID {holder}) is gone, {WAIT_FOR_ORPHANS_S:g}s after it; stop them (they are "
+                                f"its children: ps -o pid,ppid,cmd), then start again") from None
             raise UserError(f"--out-dir {out_dir!r} is in use by another run (PID {holder}); wait for it to "
                             f"end or stop it, or choose another --out-dir") from None
         try:
@@ -106,15 +129,22 @@ class RunLock:
                             f"--out-dir") from None
         _held.append(self)
 
+    def share(self) -> None:
+        """Turn the exclusive lock into a shared one, so that workers can hold it too (a
+        second run still cannot take it). Raises BlockingIOError if another run took the
+        lock meanwhile (flock's conversion is not promised to be atomic)."""
+        fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
     def release(self) -> None:
         """Unlock; first, if the run trained no step, remove what it wrote."""
         if self.fd < 0:
             return
         try:
             forget_untrained_run(self.out_dir)
-            if self.created and sorted(os.listdir(self.out_dir)) == [LOCK_NAME]:
+            if self.was_empty and sorted(os.listdir(self.out_dir)) == [LOCK_NAME]:
                 os.remove(self.path)      # (a run waiting on it would have failed at once: LOCK_NB)
-                os.rmdir(self.out_dir)
+                if self.created:
+                    os.rmdir(self.out_dir)
         except OSError:
             pass   # best effort: a read-only or vanished out-dir keeps what it has
         fcntl.flock(self.fd, fcntl.LOCK_UN)
@@ -132,6 +162,60 @@ def release_all() -> None:
 
 def acquire(out_dir: str) -> RunLock:
     return RunLock(out_dir)
+
+
+def share_all() -> list[str]:
+    """(A launcher, before it starts workers) every lock this process holds, made
+    shared; returns their paths, for the workers' `hold_shared`."""
+    for lock in _held:
+        try:
+            lock.share()
+        except BlockingIOError:
+            raise UserError(f"--out-dir {lock.out_dir!r} was taken by another run while this one started its "
+                            f"workers; wait for it to end, or choose another --out-dir") from None
+    return [lock.path for lock in _held]
+
+
+def hold_shared(path: str) -> None:
+    """(A worker of a launcher that holds `path`, shared) hold it too, until this process ends."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except (OSError, BlockingIOError) as e:
+        raise UserError(f"cannot hold the run lock {path!r} beside the launcher ({e.strerror or e}); another "
+                        f"run may have taken the out-dir: choose another --out-dir") from None
+    _shared.append(fd)
+
+
+def _lock_or_wait_for_orphans(fd: int) -> None:
+    """The exclusive lock, at once; or, when the PID in the file is gone (a launcher
+    killed with -9 whose workers still hold it for the second they need to die),
+    within WAIT_FOR_ORPHANS_S. BlockingIOError when it stays held."""
+    deadline = time.monotonic() + WAIT_FOR_ORPHANS_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if not holder.isdigit() or _alive(int(holder)) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (dead, its exit status not yet collected)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True    # another user's
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True    # no /proc: it exists
 
 
 def forget_untrained_run(out_dir: str) -> None:

@@ -19,6 +19,7 @@ import os
 import torch
 
 from nanohlat import config
+from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
 from nanohlat.system import files
@@ -50,16 +51,26 @@ class Session:
         self.tokens_seen += self.tokens_per_step
         if step == self.start_step + 1:   # what each collective moved, beside the plan's formula
             self.log.comm(mesh.ledger.summary(), self.comm_report() if self.log.main else "")
-        last = last or preempt.stop_requested(mesh, dev, step)   # SIGTERM / Ctrl-C: all ranks stop here, saved below
+        # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
+        last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last)   # the host reads values in a step closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
             dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
         if last or (tcfg.save_every and step % tcfg.save_every == 0):
             dev.sync()   # XLA: the queued step closures (log, non-finite stop) run before anything is written
-            checkpoint.save(tcfg.out_dir, step, self.tokens_seen, self.model, self.opt, mesh, dev,
-                            config.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
-                            bad_steps=self.log.bad_steps(), data_fingerprint=self.ds.fingerprint)
+            try:
+                saved = checkpoint.save(tcfg.out_dir, step, self.tokens_seen, self.model, self.opt, mesh, dev,
+                                        config.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
+                                        bad_steps=self.log.bad_steps(), data_fingerprint=self.ds.fingerprint)
+            except UserError as e:
+                if self.log.write_failed is None:
+                    raise
+                raise UserError(f"{self.log.write_failed}; the run stopped at step {step} and could not save "
+                                f"it either ({e})") from None
+            if last and self.log.write_failed is not None:   # rank 0: what failed, and that nothing was lost
+                raise UserError(f"{self.log.write_failed}; the run stopped at step {step} and saved what it "
+                                f"trained in {saved}: free some space, then --resume auto continues from it")
         return last
 
     def close(self) -> dict:

@@ -7,6 +7,8 @@ by tools/metrics.py (tokens/s, MFU, bytes).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +31,9 @@ class MetricsWriter:
     Append mode, so a resumed run continues the same file; a flush after every
     line, so `tail -f` and a crash both see every completed record. Floats are
     written with Python's shortest round-trip repr, i.e. at full precision:
-    the layout-equivalence tests compare logged losses bit for bit.
+    the layout-equivalence tests compare logged losses bit for bit. The file is
+    strict JSON: a value that is not finite (the grad_norm of a step that
+    overflowed) is the string "NaN", "Infinity" or "-Infinity" (files.json_text).
 
     Only plain Python values belong in a record. Reading a device tensor here
     would force a host sync on XLA; log from a step closure instead
@@ -44,8 +48,13 @@ class MetricsWriter:
         self._file = files.open_append(path)    # never through a link at the name
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, default=_to_python) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(files.json_text(record, default=_to_python) + "\n")
+            self._file.flush()
+        except OSError as e:   # (a full disk): the file's own error names no file
+            if not isinstance(e.filename, str):
+                e.filename = self.path
+            raise
 
     def close(self) -> None:
         if not self._file.closed:
@@ -125,7 +134,7 @@ class TrainLog:
             os.makedirs(tcfg.out_dir, exist_ok=True)
             run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
                                                           "tokenizer_path": tokenizer_path}
-            files.write_text(os.path.join(tcfg.out_dir, "config.json"), json.dumps(run_cfg, indent=2))
+            files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
                                     v=tcfg.virtual_stages))
@@ -133,6 +142,7 @@ class TrainLog:
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
                        f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'})")
         self.writer = MetricsWriter(self.path) if self.main else None
+        self.write_failed: str | None = None   # a row metrics.jsonl could not take (`_write`)
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.flops_tok = flops_per_token(model_cfg, tcfg.seq_len)
@@ -197,9 +207,8 @@ class TrainLog:
         tps = self.meter.update(self.tokens_per_step)
         mfu_ = self._mfu(tps) if self.main else None
         self.summary["losses"].append(loss)
-        if self.writer:
-            self.writer.write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                               "tokens_per_s": tps, "mfu": mfu_})
+        self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
+                     "tokens_per_s": tps, "mfu": mfu_})
         if self.bar:
             # unknown is "?", never 0%: no rate yet (the first step is not timed: Throughput), or no
             # peak to divide by (the reason is printed once: describe_peak, or mfu's warning)
@@ -229,8 +238,22 @@ class TrainLog:
 
     def _log_val(self, step, val_loss):
         self.summary["val_losses"].append(float(val_loss))
-        if self.writer:
-            self.writer.write({"step": step, "val_loss": float(val_loss)})
+        self._write({"step": step, "val_loss": float(val_loss)})
+
+    def _write(self, record: dict) -> None:
+        """A row of metrics.jsonl (rank 0). A write that fails (a full disk) does not end
+        the run at once: the row is lost, but the steps trained are not. The failure is
+        kept in `write_failed`, and every rank stops at the next stop vote and saves
+        a checkpoint; then rank 0 ends with one line saying both (Session.end_step)."""
+        if not self.writer:
+            return
+        try:
+            self.writer.write(record)
+        except OSError as e:
+            self.write_failed = f"cannot write {e.filename!r}: {e.strerror or e}"
+            with contextlib.suppress(OSError):
+                self.writer.close()
+            self.writer = None
 
     def close(self, **measured) -> dict:
         """The end of the run: summary.json and the last line (rank 0). Returns the summary."""
@@ -241,7 +264,7 @@ class TrainLog:
             keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "param_bytes",
                     "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
-                             json.dumps({k: self.summary.get(k) for k in keys}, indent=2))
+                             files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)

@@ -43,7 +43,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from nanohlat.run import checkpoint
+from nanohlat.run import checkpoint, runconfig
 from nanohlat import comm
 from nanohlat import shard_spec
 from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
@@ -58,23 +58,29 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
 
 @torch.no_grad()
-def load_model(path: str, dev, mesh=None) -> tuple[Transformer, dict]:
+def load_model(path: str, dev, mesh=None, copies: int = 1) -> tuple[Transformer, dict]:
     """(this tp rank's slice of the model on `dev`, in eval mode; the manifest).
 
     Any checkpoint, saved with any (tp, pp, dp, zero1) layout: each full tensor
     is rebuilt from the shards and cut to this rank's slice, as a resumed
     training run does (checkpoint.load). `mesh` must be built with the
-    model's kv replicas (mesh.kv_replicas) when tp exceeds its kv heads."""
+    model's kv replicas (mesh.kv_replicas) when tp exceeds its kv heads.
+    Every command that uses a model loads it here (sample.py, speculative
+    decoding, eval.py, the harness, the HF export), so each refuses what it
+    cannot use in one line: a config that is damaged or does not fit this
+    machine (runconfig.check; `copies`: of the weights the caller will hold),
+    and non-finite weights."""
     group = mesh.tp_group if mesh is not None else Group("tp", [0], 0)
     shards = checkpoint.ShardSet(checkpoint.resolve(path), mesh, dev)
+    runconfig.check(shards.manifest, shards.path, dev.kind, copies, group.size)   # its fields, and that it fits
     cfg = model_from_dict(shards.manifest["config"]["model"])
     check_tp(cfg, group.size)
     model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
     for name, p in model.named_parameters():
         full = shards.tensor(name, p.shard.full_shape)
         if not bool(torch.isfinite(full).all()):   # every rank sees the full tensor: all refuse together
-            raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: nothing "
-                            f"can be sampled from it; use an earlier checkpoint (a step_* folder)")
+            raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: it cannot "
+                            f"be sampled, evaluated or exported; use an earlier checkpoint (a step_* folder)")
         p.copy_(shard_spec.local_part(full, p))
     return model.to(dev.torch_device).eval(), shards.manifest
 

@@ -43,11 +43,11 @@ class NanoHLATLM(LM):
     def __init__(self, path: str = "", model=None, tokenizer=None, batch_size=16, device: str = "auto", **_):
         super().__init__()
         if model is None:   # from the command line: --model_args path=RUN_OR_CHECKPOINT
-            from nanohlat.run.checkpoint import load_for_inference
             from nanohlat.run.data import load_tokenizer
             from nanohlat.device import get_device
+            from nanohlat.serving.generate import load_model   # its config, size and finite weights checked
             # the harness's --device: None, "cpu", "cuda", "cuda:0", ... (nanohlat picks the index)
-            model, manifest = load_for_inference(path or "out", get_device((device or "auto").split(":")[0]))
+            model, manifest = load_model(path or "out", get_device((device or "auto").split(":")[0]))
             tokenizer = load_tokenizer(manifest["tokenizer"])
         self.model, self.tokenizer = model.eval(), tokenizer
         # The harness passes "auto" (find the largest batch that fits) or a number.

@@ -30,16 +30,17 @@ is needed to write or read model.safetensors (`pip install safetensors`).
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import glob
 import json
 import os
+import shutil
 import sys
 
 import torch
 
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.system import cli, files
+from nanohlat.system import cli, files, flags
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.
 _LAYER_NAMES = {
@@ -133,9 +134,8 @@ def _vocab_multiple(vocab_size: int) -> int:
     return m
 
 
-def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
-                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelConfig:
+    """Hugging Face Llama config.json dict -> the ModelConfig of the same model (checked)."""
     arch = hf_config.get("model_type") or "?"
     if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []):
         raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM checkpoints convert 1:1")
@@ -158,6 +158,14 @@ def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
                       rope_theta=_rope_theta(hf_config), norm_eps=hf_config.get("rms_norm_eps", 1e-5),
                       vocab_multiple=vocab_multiple or _vocab_multiple(vocab))
     cfg.validate()
+    return cfg
+
+
+def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
+                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+    cfg = from_hf_config(hf_config, vocab_multiple)
+    d = cfg.d_model
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, derived
     if "lm_head.weight" not in hf_state and hf_config.get("tie_word_embeddings"):
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]   # untied from here on
@@ -204,7 +212,7 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
     # Each file through files.atomic_write: whole or absent, and never written through a link.
     dtype = str(state["embed.weight"].dtype).removeprefix("torch.")     # float32, or bfloat16 (pure bf16)
     files.write_text(os.path.join(hf_dir, "config.json"),
-                     json.dumps(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), indent=2))
+                     files.json_text(to_hf_config(cfg, tok.bos_id, tok.eos_id, dtype), indent=2))
     weights = st.save(to_hf_state(cfg, state), metadata={"format": "pt"})
     files.atomic_write(os.path.join(hf_dir, "model.safetensors"), lambda f: f.write(weights))
     files.copy_file(tokenizer_path, os.path.join(hf_dir, "tokenizer.model"))
@@ -218,11 +226,16 @@ def write_hf_dir(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_pat
         "add_prefix_space": False, "legacy": False,
         "clean_up_tokenization_spaces": False, "model_max_length": cfg.max_seq_len,
     }
-    files.write_text(os.path.join(hf_dir, "tokenizer_config.json"), json.dumps(tok_config, indent=2))
+    files.write_text(os.path.join(hf_dir, "tokenizer_config.json"), files.json_text(tok_config, indent=2))
 
 
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, merged state of all *.safetensors or pytorch_model*.bin shards)."""
+    return read_hf_config(hf_dir), read_hf_weights(hf_dir)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """config.json of a Hugging Face model directory, as a dict."""
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise UserError(f"{hf_dir!r} has no config.json; give a Hugging Face model directory")
@@ -234,6 +247,11 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                         f"is damaged") from None
     if not isinstance(hf_config, dict):
         raise UserError(f"{config_path} is not a JSON object; the model directory is damaged")
+    return hf_config
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The merged state of all *.safetensors or pytorch_model*.bin shards of a model directory."""
     state = {}
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     st = _safetensors() if shards else None
@@ -248,7 +266,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
                             f"damaged") from None
     if not shards:
         raise UserError(f"{hf_dir!r} has no *.safetensors or pytorch_model*.bin weights")
-    return hf_config, state
+    return state
 
 
 def _refuse_non_empty(path: str, what: str) -> None:
@@ -259,14 +277,59 @@ def _refuse_non_empty(path: str, what: str) -> None:
                         f"what it holds")
 
 
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json")
+
+
+def _partial_dir(hf_dir: str) -> str:
+    """`HF_DIR.partial`, the export's temporary folder, made anew. One left by a killed
+    export (nothing but export files in it) is removed; anything else there is refused."""
+    tmp = os.path.normpath(os.path.abspath(hf_dir)) + ".partial"
+    if os.path.islink(tmp) or os.path.isfile(tmp):
+        os.unlink(tmp)                 # (nanohlat makes no link or file there)
+    elif os.path.isdir(tmp):
+        if not all(n.removesuffix(".partial") in EXPORT_FILES for n in os.listdir(tmp)):
+            raise UserError(f"{tmp!r} holds other files, and export writes there first; move it away or "
+                            f"choose another HF_DIR")
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _move_into(tmp: str, hf_dir: str) -> None:
+    """The complete export in `tmp` becomes HF_DIR: renamed as a whole when HF_DIR
+    does not exist (or is an empty folder), else file by file (--overwrite: other
+    files in HF_DIR stay; a link at one of our names is replaced, never followed)."""
+    if os.path.isdir(hf_dir) and not os.path.islink(hf_dir) and not os.listdir(hf_dir):
+        os.rmdir(hf_dir)
+    if not os.path.lexists(hf_dir):
+        os.replace(tmp, hf_dir)
+    else:
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(hf_dir, name))
+    files.fsync_dir(os.path.dirname(os.path.abspath(hf_dir)))
+
+
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
-    from nanohlat.run.checkpoint import load_for_inference
     from nanohlat.device import get_device
+    from nanohlat.serving.generate import load_model
     if not overwrite:
         _refuse_non_empty(hf_dir, "HF_DIR")
-    model, manifest = load_for_inference(run_or_ckpt, get_device("cpu"))
+    # its config and finite weights checked, and that three copies of the weights fit
+    # (the model, its state cut for HF, the file's bytes)
+    model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
     state = model.state_dict()
-    write_hf_dir(model.cfg, state, manifest["tokenizer"], hf_dir)
+    # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
+    # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
+    tmp = _partial_dir(hf_dir)
+    try:
+        write_hf_dir(model.cfg, state, manifest["tokenizer"], tmp)
+        _move_into(tmp, hf_dir)
+    except OSError as e:
+        raise UserError(f"{files.os_error_message(e)} (the export is written there first; it was removed and "
+                        f"{hf_dir!r} left as it was)") from None
+    finally:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
           f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")
 
@@ -285,21 +348,35 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
         raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
                         f"SentencePiece; a tokenizer.json-only model such as Llama 3 is not supported); "
                         f"pass --tokenizer PATH")
-    hf_config, hf_state = read_hf_dir(hf_dir)
-    cfg, state = from_hf_state(hf_config, hf_state, vocab_multiple)
+    hf_config = read_hf_config(hf_dir)
+    from nanohlat.run.runconfig import check_fits   # before the weights are read: as read, and as fp32
+    check_fits(from_hf_config(hf_config, vocab_multiple), "cpu", os.path.join(hf_dir, "config.json"), copies=2,
+               ranks=0)
+    cfg, state = from_hf_state(hf_config, read_hf_weights(hf_dir), vocab_multiple)
     from nanohlat.run.data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")
     lock = acquire(out_dir)     # no training run may be writing there meanwhile
+    kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
+    copied = False
     try:
         if overwrite:
             clear_run(out_dir)
         # The checkpoint records the tokenizer's path: keep a copy in the run, so it
         # outlives (and does not depend on) the Hugging Face directory.
-        kept = os.path.abspath(os.path.join(out_dir, "tokenizer.model"))
         if os.path.abspath(tokenizer) != kept:
             files.copy_file(tokenizer, kept)
+            copied = True
+        # into checkpoints/.tmp_step_00000000, renamed step_00000000 when whole (checkpoint.save_full)
         path = save_full(out_dir, cfg, state, kept, step=0, tokens=0)
+    except BaseException as e:  # a full disk, Ctrl-C: what the import wrote is removed (the lock and the
+        _undo_import(out_dir, kept if copied else None)   # out-dir it made go with lock.release)
+        cause = files.os_error_in(e, os.path.join(out_dir, "checkpoints", ".tmp_step_00000000")) \
+            if isinstance(e, Exception) else None
+        if cause is None:
+            raise
+        raise UserError(f"{files.os_error_message(cause)} (nothing of the import into {out_dir!r} was "
+                        f"kept)") from None
     finally:
         lock.release()
     print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
@@ -307,9 +384,23 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     return path
 
 
+def _undo_import(out_dir: str, tokenizer_copy: str | None) -> None:
+    """Remove what a failed import wrote: its checkpoint (whole or not) and the tokenizer's copy."""
+    from nanohlat.run.checkpoint import ckpt_root
+    root = ckpt_root(out_dir)
+    for name in (".tmp_step_00000000", "step_00000000"):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for path in (os.path.join(root, "latest"), os.path.join(root, "latest.partial"), tokenizer_copy):
+        if path and os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)      # if empty
+
+
 @cli.command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
+    p = flags.Parser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
     e.add_argument("checkpoint", metavar="RUN_OR_CKPT")

@@ -42,7 +42,6 @@ when it is the target's argmax, so the output is the target's greedy output.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanohlat.system import flags
 from nanohlat.serving import generate as gen
 from nanohlat.config import DEVICES, UserError, check_seed
 from nanohlat.system import cli
@@ -304,7 +304,7 @@ def _same_tokenizer(a: str, b: str) -> bool:
 def main(argv=None) -> int:
     from nanohlat.run import data
     from nanohlat import device as devicelib
-    p = argparse.ArgumentParser(description="Speculative decoding: a draft model proposes, the target checks.")
+    p = flags.Parser(description="Speculative decoding: a draft model proposes, the target checks.")
     p.add_argument("--target", required=True, help="run directory or checkpoint of the model to sample from")
     p.add_argument("--draft", required=True, help="a smaller model trained with the same tokenizer")
     p.add_argument("--k", type=int, default=4, help="tokens the draft proposes per target pass")

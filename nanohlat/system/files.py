@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
+import math
 import os
 import shutil
 
@@ -81,6 +83,30 @@ def open_append(path: str):
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}   # repr(x) -> how strict JSON says it
+
+
+def json_text(obj, **kwargs) -> str:
+    """json.dumps for every JSON file nanohlat writes: strict JSON, which has no NaN
+    or Infinity (Python's json writes them bare by default, and other readers
+    refuse the file). A float that is not finite is written as the string "NaN",
+    "Infinity" or "-Infinity" (Python's float() and JavaScript's Number() read each
+    back); docs/robustness.md states the convention."""
+    return json.dumps(_strict(obj), allow_nan=False, **kwargs)
+
+
+def _strict(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else NON_FINITE[repr(float(v))]
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes, int)):   # numpy scalars, 0-d tensors
+        return _strict(v.item())
+    return v
+
+
 def sha256_file(path: str) -> str:
     """Hex SHA-256 of a file, read in 16 MiB blocks."""
     h = hashlib.sha256()
@@ -88,6 +114,20 @@ def sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def os_error_in(e: BaseException, path: str | None = None) -> OSError | None:
+    """The OSError (a full disk, ...) behind `e`, itself or in its chain: torch.save
+    raises a RuntimeError ("enforce fail at inline_container.cc") around the file's
+    OSError. Its filename is set to `path` when it has none (a file written through
+    its descriptor). None when `e` is no I/O error (a bug: raise it as it is)."""
+    seen = set()
+    while e is not None and id(e) not in seen and not isinstance(e, OSError):
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if isinstance(e, OSError) and path and not isinstance(e.filename, str):
+        e.filename = path
+    return e if isinstance(e, OSError) else None
 
 
 def os_error_message(e: OSError) -> str:

@@ -21,13 +21,12 @@ graph was (re)compiled, run a lesson under `TORCH_LOGS=recompiles,graph_breaks`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from nanohlat.config import UserError
-from nanohlat.system import cli
+from nanohlat.system import cli, flags
 from nanohlat.tools import compile as compilelib
 from nanohlat.optim import cosine_lr
 
@@ -179,7 +178,8 @@ LESSONS = {"lr": lesson_lr, "branch": lesson_branch, "sync": lesson_sync}
 
 @cli.command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Tutorial chapter 2: graph compiler lessons, counted.")
+    p = flags.Parser(prog="python -m nanohlat.tools.compile_lessons",
+                     description="Tutorial chapter 2: graph compiler lessons, counted.")
     p.add_argument("lesson", nargs="+", choices=sorted(LESSONS), help="one or more, run in this order")
     p.add_argument("--xla", action="store_true", help="run on torch_xla (PJRT_DEVICE=CPU on a laptop)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
