@@ -8,9 +8,8 @@ are used. The optimizer groups the parameters per *unit* (optim.FlatAdamW):
 one per decoder layer, one for the rest (embedding, final norm, head); each
 unit's flat buffers are sharded over dp as in ZeRO-1, and each parameter is
 still a view of its flat buffer, whose storage is emptied between uses
-(`untyped_storage().resize_(0)`: the views stay valid, they just hold no
-bytes until the storage is given its size back and the shards all-gathered
-into it).
+(`untyped_storage().resize_(0)`: the views stay valid, they just hold no bytes
+until the storage is given its size back and the shards all-gathered into it).
 
     forward of a layer:   all-gather its shards -> full buffer -> compute -> free it
     backward of a layer:  all-gather again (a hook on the layer's output fires
@@ -81,7 +80,8 @@ class Unit:
         for g in groups:
             g.unit, g.param_shard = self, g.flat[g.start:g.stop].clone()   # the kept shard of the parameters
             g.master = g.param_shard if g.master_is_params else g.master   # (fp32, bf16, bf16-sr: the master too)
-            # writes go through an alias of the storage, so autograd sees no in-place change
+            # gather writes the bytes free() dropped through an alias with a version counter of its own
+            # (the parameters, `.data` views, have theirs too: g.flat.copy_ would be as safe for them)
             g.fill = g.flat.new_empty(0).set_(g.flat.untyped_storage(), 0, (g.padded,))
         self.free()
 

@@ -325,6 +325,9 @@ PLANTS = [
                   if g.flat.untyped_storage().nbytes():
                       g.flat.untyped_storage().resize_(0)
               self.whole = False""")),
+    right("3e", "writes the gathered shards through g.flat itself, not the alias g.fill (the parameters are "
+                "`.data` views with version counters of their own: nothing autograd saved sees the write)",
+          sub("g.fill.copy_(self.gathered(g, group))", "g.flat.copy_(self.gathered(g, group))")),
     # ---- 4a conjugate functions (regions: 0 _Copy.fwd 1 _Copy.bwd 2 _Reduce.fwd 3 _Reduce.bwd
     #      4 _GatherSeq.fwd 5 _GatherSeq.bwd 6 _ScatterSeq.fwd 7 _ScatterSeq.bwd) ---------------------
     wrong("4a", "_Copy.backward returns g without the all-reduce", "_Copy (enter, no SP) backward",
