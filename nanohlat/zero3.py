@@ -8,9 +8,8 @@ are used. The optimizer groups the parameters per *unit* (optim.FlatAdamW):
 one per decoder layer, one for the rest (embedding, final norm, head); each
 unit's flat buffers are sharded over dp as in ZeRO-1, and each parameter is
 still a view of its flat buffer, whose storage is emptied between uses
-(`untyped_storage().resize_(0)`: the views stay valid, they just hold no
-bytes until the storage is given its size back and the shards all-gathered
-into it).
+(`untyped_storage().resize_(0)`: the views stay valid, they just hold no bytes
+until the storage is given its size back and the shards all-gathered into it).
 
     forward of a layer:   all-gather its shards -> full buffer -> compute -> free it
     backward of a layer:  all-gather again (a hook on the layer's output fires
@@ -55,8 +54,9 @@ from .zero2 import Staging, ZeroTwoDP
 
 class Shard(Staging):
     """ZeRO-3's own state for one flat group: ZeRO-2's, and the parameters kept as this rank's shard while the
-    flat buffer's storage is empty (fp32, bf16, bf16-sr: also the master); writes go through `fill`, an alias
-    of that storage, so autograd sees no in-place change."""
+    flat buffer's storage is empty (fp32, bf16, bf16-sr: also the master); gathers write through `fill`, an alias
+    of that storage with a version counter of its own (the parameters, `.data` views, have theirs too: a write
+    through flat.copy_ would be as safe for them)."""
 
     def __init__(self, g, watch):
         super().__init__(g, watch)

@@ -161,3 +161,25 @@ def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
     line = students_code.__code__.co_firstlineno + 1
     assert verdict.startswith("raised ValueError: shapes differ at "), verdict
     assert verdict.endswith(f"test_classroom.py:{line}"), verdict
+
+
+def test_the_readme_reading_order_names_the_exercises_each_file_holds():
+    """README's reading order tells a course student which rows hold solutions (its
+    "exercises" column) and how to read them stubbed: the column is what the regions say."""
+    from nanohlat.classroom import kit
+    held: dict[str, set[str]] = {}
+    for ex, regions in kit.find_regions(ROOT).items():
+        for path, *_ in regions:
+            held.setdefault(path, set()).add(ex)
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = re.search(r"^## Reading order\n(.*?)(?=^## )", f.read(), re.S | re.M).group(1)
+    assert "python -m nanohlat.classroom new reading-copy" in section
+    rows = re.findall(r"^\| \d+ \| `([^`]+)` \|.*\| ([^|]*) \|$", section, re.M)
+    assert len(rows) >= 10, rows
+    for path, said in rows:
+        said_ids = set() if said.strip() == "-" else {x.strip() for x in said.split(",")}
+        assert said_ids == held.get(path, set()), (path, said, sorted(held.get(path, set())))
+    listed = {path for path, _ in rows}
+    for path, ids in held.items():
+        if path not in listed:   # outside the core: the paragraph above the table names them
+            assert all(f"{i} (`{path}`)" in " ".join(section.split()) for i in ids), (path, ids)

@@ -110,6 +110,7 @@ return shard
 """
 ZERO_AG = reference("3c")
 WRONG_COMM = "right values, but"
+WROTE_INTO = "right values, but it wrote into"
 ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
 
 PLANTS = [
@@ -125,6 +126,9 @@ PLANTS = [
     wrong("1a", "returns fp32 for a bf16 input (the weight times the fp32 h)", "keeps the input's dtype",
           body(0, "h = x.float()\nh = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)\n"
                   "return self.weight * h")),
+    wrong("1a", "normalises in place (h *= ...): x.float() of an fp32 x is x itself, the residual stream changed",
+          "fp32 input: RMSNorm: " + WROTE_INTO + " its input x",
+          body(0, RMS.format("h *= torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)"))),
     right("1a", "divides by sqrt instead of multiplying by rsqrt, weight applied in fp32, rounded once",
           body(0, """
               h = x.float()
@@ -246,13 +250,37 @@ PLANTS = [
                         "            s.grad[a:b].add_(out)")),
     wrong("3d", "overlap: never waits at the micro-batch's last bucket (in flight into the next)", "still in flight",
           sub("if len(s.flight) == len(s.watch.buckets):", "if False:")),
-    wrong("3d", "overlap: waits once all but one bucket are in flight (off by one)", "still in flight",
+    wrong("3d", "overlap: waits once all but one bucket are in flight (off by one)",
+          "bucket 1's reduce_scatter was started and waited before reduce_bucket returned",
           sub("if len(s.flight) == len(s.watch.buckets):", "if len(s.flight) == len(s.watch.buckets) - 1:")),
     wrong("3d", "keeps the staging (reads it instead of popping it)", "staging is still kept",
           sub("piece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]",
               "piece, (a, b) = s.staged[k], s.watch.buckets[k][0]")),
     wrong("3d", "finish waits for the reduce-scatter but never adds its columns", "dp=3, overlap on, n=10",
           body(1, "if k in s.flight:\n    work, out, _ = s.flight.pop(k)\n    work.wait()")),
+    wrong("3d", "ignores --overlap-grad-reduce: reduce-scatters every bucket blocking in the hook",
+          "dp=3, overlap on, n=10, bucket_elems=6: bucket 1's reduce_scatter was called blocking",
+          body(0, "self.finish(s, k)\npiece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]\n" + ZERO2_RS)),
+    wrong("3d", "overlap: starts each bucket's reduce-scatter, then waits for it at once",
+          "dp=3, overlap on, n=10, bucket_elems=6: bucket 1's reduce_scatter was started and waited before",
+          sub("s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)",
+              "s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)\n"
+              "            self.finish(s, k)")),
+    wrong("3d", "ignores --no-overlap-grad-reduce: always starts the reduce-scatter, waits at the last bucket",
+          "dp=3, overlap off, n=10, bucket_elems=6: bucket 1's reduce_scatter was still in flight",
+          sub("if self.overlap:", "if True:")),
+    wrong("3d", "finish adds the columns without waiting for the reduce-scatter", "were never waited",
+          body(1, "if k in s.flight:\n    work, out, _ = s.flight.pop(k)\n"
+                  "    s.grad[s.watch.buckets[k][0][0]:s.watch.buckets[k][0][1]].add_(out)")),
+    wrong("3d", "keeps the full buckets and reduce-scatters them all at the micro-batch's last one (no overlap at all)",
+          "reduce_bucket started no collective for bucket 1",
+          body(0, """
+              piece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]
+              s.full = getattr(s, "full", []) + [(piece, a, b)]
+              if len(s.full) == len(s.watch.buckets):
+                  for piece, a, b in s.full:
+                      s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
+                  s.full = []""")),
     right("3d", "always starts the reduce-scatter with torch.distributed, and without overlap waits at once",
           body(0, """
               self.finish(s, k)
@@ -297,6 +325,9 @@ PLANTS = [
                   if s.flat.untyped_storage().nbytes():
                       s.flat.untyped_storage().resize_(0)
               self.whole = False""")),
+    right("3e", "writes the gathered shards through s.flat itself, not the alias s.fill (the parameters are "
+                "`.data` views with version counters of their own: nothing autograd saved sees the write)",
+          sub("s.fill.copy_(self.gathered(s, group))", "s.flat.copy_(self.gathered(s, group))")),
     # ---- 4a conjugate functions (regions: 0 _Copy.fwd 1 _Copy.bwd 2 _Reduce.fwd 3 _Reduce.bwd
     #      4 _GatherSeq.fwd 5 _GatherSeq.bwd 6 _ScatterSeq.fwd 7 _ScatterSeq.bwd) ---------------------
     wrong("4a", "_Copy.backward returns g without the all-reduce", "_Copy (enter, no SP) backward",
@@ -317,9 +348,20 @@ PLANTS = [
           body(3, "return comm.all_reduce(g, ctx.group), None")),
     wrong("4a", "_GatherSeq.forward gathers along the batch, not the sequence", "_GatherSeq (enter, SP) forward",
           body(4, "ctx.group = group\nreturn comm.all_gather(x, group, dim=0)")),
+    wrong("4a", "_Reduce.forward all-reduces its input in place (inplace=True), without ctx.mark_dirty",
+          "_Reduce (leave, no SP) forward on rank 0: " + WROTE_INTO + " its input x",
+          body(2, "return comm.all_reduce(x, group, inplace=True)")),
+    wrong("4a", "_Copy.backward all-reduces the incoming gradient in place",
+          "_Copy (enter, no SP) backward on rank 0: " + WROTE_INTO + " the incoming gradient",
+          body(1, "return comm.all_reduce(g, ctx.group, inplace=True), None")),
+    wrong("4a", "_Copy.backward all-reduces the incoming gradient in place through torch.distributed",
+          "_Copy (enter, no SP) backward on rank 0: " + WROTE_INTO + " the incoming gradient",
+          body(1, "torch.distributed.all_reduce(g, group=ctx.group.pg)\nreturn g, None")),
     right("4a", "_Copy.backward through torch.distributed on the group's own process group",
           body(1, "import torch.distributed as dist\ng = g.clone()\ndist.all_reduce(g, group=ctx.group.pg)\n"
                   "return g, None")),
+    right("4a", "_Reduce.forward all-reduces its input in place and says so (ctx.mark_dirty)",
+          body(2, "ctx.mark_dirty(x)\nreturn comm.all_reduce(x, group, inplace=True)")),
     # ---- 4b column- and row-parallel linears (regions: 0 column, 1 row) --------------------------
     wrong("4b", "row-parallel returns its partial sum (no leave)", "RowParallelLinear: output",
           body(1, "return F.linear(x, self.weight)")),
@@ -354,6 +396,9 @@ PLANTS = [
           sub("mine = (local_t >= 0) & (local_t < per_rank)", "mine = (local_t >= 0) & (local_t <= per_rank)")),
     wrong("4c", "leaves the padded vocabulary entries in the softmax", "logits of about",
           sub(CE_MASK, "pass")),
+    wrong("4c", "masks the padding in place (masked_fill_): the caller's logits changed",
+          "logits of about +-8: forward on rank 0: " + WROTE_INTO + " its input logits",
+          sub(CE_MASK, 'logits.masked_fill_(ids >= vocab_size, float("-inf"))')),
     wrong("4c", "takes the maximum before masking the padding", "large logits",
           sub(CE_MASK, "pass"),
           sub("local_max = logits.detach().amax(dim=-1)",
@@ -474,6 +519,10 @@ PLANTS = [
     wrong("7a", "nan_to_num 'to keep it safe': NaN becomes 0, inf the largest bf16", "odd NaN",
           body(0, SR.replace("return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)",
                              "return torch.nan_to_num(out)"))),
+    wrong("7a", "adds the noise in place (bits += noise): x.view(torch.int32) shares the caller's fp32 bytes",
+          "given noise: each element rounds up exactly when its low 16 bits + noise carry: "
+          "stochastic_round_to_bf16(x, noise): " + WROTE_INTO + " its input x",
+          body(0, SR.replace("rounded = (bits + noise) & -65536", "bits += noise\nrounded = bits & -65536"))),
     right("7a", "decides up or down from the low bits, without the masked add",
           body(0, """
               x = x.float().contiguous()

@@ -22,6 +22,14 @@ the oracle's ("right values, but 1536 bytes on the wire where 768 suffice").
 A cheaper way to the same values passes; a dearer one, or one on the wrong
 group, fails. (The bucketed 3a-3d must also make exactly one call per bucket.)
 
+And how a value was made, where the right one can come the wrong way: each
+call is stamped with whether it was started asynchronously and when it was
+waited (3d with overlap: started in the hook, waited later), and the tensors
+handed to the student's code are compared afterwards with copies taken
+before (harness.py:untouched): a custom autograd Function that writes into
+its input without ctx.mark_dirty, or into its incoming gradient, gets the
+right values today and wrong gradients in another graph.
+
 Distributed checks run `world` gloo processes on the CPU (harness.py:spawn); each
 returns its own verdict, and the first failing rank's is reported. A rank
 stuck in a collective that its peers never called is stopped at the time

@@ -2,7 +2,7 @@
 
 1a against the formula in float64, on fp32 and on bf16 input (normalised in
 fp32: within 1.5 bf16 steps), and on a near-zero vector that only eps keeps
-small; 1b against the rotation written as complex multiplication, and the
+small, its input left as it was; 1b against the rotation written as complex multiplication, and the
 property it is for (a dot product depends only on the distance); 1c against
 the model run on the whole sequence without a cache, fed in a prefill, a
 chunk and single tokens, with multi-head and grouped-query attention, and on
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare
+from nanohlat.classroom.checks.harness import Kept, case, compare, untouched
 
 
 def bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -39,27 +39,32 @@ def check_rmsnorm() -> str | None:
             norm.weight.copy_(torch.randn(D, generator=g))
         x = (torch.randn(8, 16, D, generator=g) * 3 + 0.5).to(dtype)
         x[0, 0] = 1e-4   # a tiny vector: only eps keeps it finite (and small)
+        x64 = x.double()
+        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+        given = Kept(x)
         y = norm(x)
         if y.dtype != dtype:
             return f"{name}: RMSNorm returned {y.dtype}; the output keeps the input's dtype ({dtype})"
-        x64 = x.double()
-        want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
         v = compare(f"{name}: the near-zero vector x = 1e-4 (only eps keeps it small)", y[0, 0], want[0, 0],
                     rtol=1e-2, atol=1e-5)
         if v:
             return v
         if dtype == torch.float32:
             v = compare(f"{name}: RMSNorm output", y, want, rtol=1e-5, atol=1e-5)
-            if v:
-                return v
-            continue
-        steps = bf16_steps(y, want)
-        if not steps.max() <= 1.5:
-            idx = [int(i) for i in (steps == steps.max()).nonzero()[0]]
-            return (f"{name}: RMSNorm output is {steps.max().item():.2f} bf16 steps off the exact result at index "
-                    f"{idx} (got {y[tuple(idx)].item():.6g}, exact {want[tuple(idx)].item():.6g}); "
-                    f"{int((steps > 1.5).sum())} of {steps.numel()} elements are more than 1.5 steps off: "
-                    f"normalise in fp32, round once at the end")
+        else:
+            steps = bf16_steps(y, want)
+            if not steps.max() <= 1.5:
+                idx = [int(i) for i in (steps == steps.max()).nonzero()[0]]
+                return (f"{name}: RMSNorm output is {steps.max().item():.2f} bf16 steps off the exact result at "
+                        f"index {idx} (got {y[tuple(idx)].item():.6g}, exact {want[tuple(idx)].item():.6g}); "
+                        f"{int((steps > 1.5).sum())} of {steps.numel()} elements are more than 1.5 steps off: "
+                        f"normalise in fp32, round once at the end")
+        v = v or untouched(f"{name}: RMSNorm", "its input x", given,
+                           "x is the residual stream, which the block reads again to add the attention's output "
+                           "to (x + attn(attn_norm(x))); x.float() of an fp32 x is x itself, so h *= ... writes "
+                           "into x: write h = h * ...")
+        if v:
+            return v
     return None
 
 

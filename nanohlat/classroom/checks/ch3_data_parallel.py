@@ -3,7 +3,9 @@
 3a (the bucketed all-reduce), 3b (ZeRO-1's reduce-scatter) and 3c (its
 all-gather) against the sum of every rank's buffer, known to all ranks, with
 one collective per bucket; 3d (ZeRO-2's reduction of one full bucket) on dp 3
-and on a dp-2 group, two micro-batches, overlap on and off, its staging freed;
+and on a dp-2 group, two micro-batches, overlap on and off, its staging freed,
+each bucket's reduce-scatter in flight when the hook returns with overlap on
+(waited by the micro-batch's last bucket) and done without;
 3e (ZeRO-3's gather and free of a unit) on fp32 and bf16 flat buffers: each
 gather whole (a second one moves nothing), on another group when given one,
 each free down to no storage. Every value, then every collective
@@ -77,9 +79,41 @@ def check_all_gather() -> str | None:
     return spawn(_dp_buckets, 3, "all-gather")   # 3 ranks: uneven shards and padding show
 
 
+def _in_flight(name, rank, overlap, k, last, started) -> str | None:
+    """How bucket k's reduce_bucket ran its collectives (`started`: the calls it started, each
+    stamped with when it was waited, if yet). The hook that completes a bucket calls
+    reduce_bucket in the middle of the backward: with overlap it must start the reduce-scatter
+    (async_op=True: a work handle) and return with it still in flight, so that autograd goes on
+    computing the next gradients while it runs; the micro-batch's last bucket waits for them
+    all (its own may be blocking: nothing is left to overlap it with). Without overlap each
+    bucket is reduced right away."""
+    if not started:
+        return (f"{name}: reduce_bucket started no collective for bucket {k} on rank {rank}: a full bucket is "
+                f"reduce-scattered (with overlap: started) as soon as its hook fills it, not later")
+    if not overlap:
+        late = [c for c in started if c.waited is None]
+        if late:
+            return (f"{name}: bucket {k}'s {late[0].kind} was still in flight on rank {rank} when reduce_bucket "
+                    f"returned, with overlap off: --no-overlap-grad-reduce reduces each bucket right away "
+                    f"(call the blocking collective, or wait for it before returning)")
+        return None
+    blocking = [c for c in started if not c.async_op]
+    if blocking and not last:                  # (the last may as well: nothing is left to overlap it with)
+        return (f"{name}: bucket {k}'s {blocking[0].kind} was called blocking on rank {rank} (no async_op=True): "
+                f"with --overlap-grad-reduce the hook only starts it (async_op=True, or comm.start_reduce_scatter) "
+                f"and keeps the work handle in g.flight, so the backward goes on while it runs; finish waits")
+    early = [c for c in started if c.waited is not None]
+    if early and not last:
+        return (f"{name}: bucket {k}'s {early[0].kind} was started and waited before reduce_bucket returned "
+                f"on rank {rank}, with overlap on: the backward then waits for every bucket, as without "
+                f"overlap; leave it in flight (g.flight) until the micro-batch's last bucket")
+    return None
+
+
 def _zero2_buckets(rank, world):
     """ZeRO-2's reduce_bucket and finish on dp = world and dp = 2 (a group of ranks 0 and 1),
-    two micro-batches, the buckets filled last first as a backward fills them, overlap on and off."""
+    two micro-batches, the buckets filled last first as a backward fills them, overlap on and off;
+    how each bucket's collective ran: started in flight (overlap) or done (no overlap)."""
     from types import SimpleNamespace
     from nanohlat.zero2 import ZeroTwoDP
     groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
@@ -98,18 +132,28 @@ def _zero2_buckets(rank, world):
                 bufs = [_flat_buffers(dp, n, seed=51 + n + 7 * i)[0] for i in range(2)]   # [micro-batch][rank]
                 Wire.reset()
                 for i in range(2):
+                    first = len(Wire.calls)
                     for k in reversed(range(len(buckets))):     # a backward completes the last bucket first
                         a, b = buckets[k][0]
                         g.staged[k] = bufs[i][me].view(dp, -1)[:, a:b].reshape(-1).clone()   # the hooks' part
+                        before = len(Wire.calls)
                         zero.reduce_bucket(g, k)
                         if k in g.staged:
                             return (f"{name}: bucket {k}'s staging is still kept after reduce_bucket on rank {rank}: "
                                     f"take it out of g.staged (at the backward's midpoint the stagings are the "
                                     f"whole buffer's 4 bytes per parameter)")
+                        v = _in_flight(name, rank, overlap, k, k == 0, Wire.calls[before:])
+                        if v:
+                            return v
                     if g.flight:
                         return (f"{name}: after micro-batch {i}'s last bucket, bucket(s) {sorted(g.flight)} still in "
                                 f"flight on rank {rank}: once the micro-batch started its last bucket, wait for all "
                                 f"and add them (no staging kept between micro-batches)")
+                    never = [c for c in Wire.calls[first:] if c.waited is None]
+                    if never:
+                        return (f"{name}: after micro-batch {i}'s last bucket, {len(never)} of its {never[0].kind}s "
+                                f"were never waited on rank {rank} (work.wait()): a started collective's output "
+                                f"may not be written yet when it is added")
                 for k in sorted(g.flight):
                     zero.finish(g, k)
                 want = sum(bufs[i][r].view(dp, -1)[me] for i in range(2) for r in range(dp))

@@ -5,18 +5,30 @@ with and without sequence parallelism, and kv heads shared by ranks when
 tp > n_kv_heads) and 4c (the vocab-parallel cross-entropy, on logits of about
 +-8 and on large ones where exp() overflows without the max, with padding)
 against plain dense PyTorch on one process: outputs, gradients, and each
-forward's and backward's collectives (wire.py:comm_verdict).
+forward's and backward's collectives (wire.py:comm_verdict); 4a's custom
+autograd Functions and 4c leave their inputs (and 4a its incoming gradients)
+as they were, unless a forward says so with ctx.mark_dirty (harness.py:untouched).
 """
 
 from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare, make_group, spawn
+from nanohlat.classroom.checks.harness import Kept, case, compare, make_group, spawn, untouched
 from nanohlat.classroom.checks.wire import Wire, comm_verdict
 
 
 TP_WORLD = 4   # chapter 4's checks: at 4 ranks an all-gather + sum costs more than the all-reduce it replaces
+# why a custom autograd Function must leave its inputs alone unless it says so: the right values come out
+# either way, so the check looks at the inputs themselves (harness.py:untouched)
+INPUT_WRITTEN = ("autograd still takes x for the tensor it was, so a backward that saved x (exp saves its "
+                 "output, for one) reads the new values and computes a wrong gradient, silently: "
+                 "torch.distributed's in-place collectives do not even bump the version counter that "
+                 "catches other in-place writes. Return a new tensor (comm.all_reduce(x, group), not "
+                 "inplace=True), or say so with ctx.mark_dirty(x)")
+GRAD_WRITTEN = ("autograd may hand one gradient tensor to several nodes (an addition gives its gradient "
+                "to both of its inputs, as in a residual h + f(h)), and the others would read the changed "
+                "one; a backward has no way to say so (no mark_dirty). Return a new tensor")
 
 
 def _conjugates(rank, world):
@@ -40,17 +52,23 @@ def _conjugates(rank, world):
     ]
     for name, fn, grads, want_y, want_grad, fwd_comm, bwd_comm in cases:
         case(name)
-        x = xs[rank].clone().requires_grad_()
+        leaf = xs[rank].clone().requires_grad_()
+        x = leaf.clone()            # not a leaf, as a layer's output is: a forward may write into it if it says so
+        given = Kept(x)
         Wire.reset()
         y = fn.apply(x, group)
+        dirty = y is x              # ctx.mark_dirty(x): the output is x itself, autograd told
         v = (compare(f"{name} forward", y, want_y, rank)
-             or comm_verdict(f"{name} forward", group, fwd_comm, rank))
+             or comm_verdict(f"{name} forward", group, fwd_comm, rank)
+             or (None if dirty else untouched(f"{name} forward", "its input x", given, INPUT_WRITTEN, rank)))
         if v:
             return v
         Wire.reset()
-        y.backward(grads[rank].clone())
-        v = (compare(f"{name} backward (gradient of its input)", x.grad, want_grad, rank)
-             or comm_verdict(f"{name} backward", group, bwd_comm, rank))
+        incoming = Kept(grads[rank].clone())
+        y.backward(incoming.t)
+        v = (compare(f"{name} backward (gradient of its input)", leaf.grad, want_grad, rank)
+             or comm_verdict(f"{name} backward", group, bwd_comm, rank)
+             or untouched(f"{name} backward", "the incoming gradient g", incoming, GRAD_WRITTEN, rank))
         if v:
             return v
     return None
@@ -168,17 +186,24 @@ def _cross_entropy(rank, world):
         want = F.cross_entropy(ref.reshape(-1, vocab), targets.reshape(-1), reduction="none").view(B, T)
         want.sum().backward()
         want_grad = torch.cat([ref.grad, torch.zeros(B, T, padded - vocab, dtype=torch.float64)], dim=-1)
-        local = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        leaf = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        local = leaf.clone()                          # not a leaf: the head's output, as in the model
+        given = Kept(local)
         Wire.reset()
         loss = tpl.vocab_parallel_cross_entropy(local, targets, group, vocab)
         v = (compare(f"{name}: per-token loss", loss, want.detach(), rank)
              or comm_verdict(f"{name}: forward", group,
-                             [("all_gather", BT * world), ("all_reduce", BT), ("all_reduce", BT)], rank))
+                             [("all_gather", BT * world), ("all_reduce", BT), ("all_reduce", BT)], rank)
+             or untouched(f"{name}: forward", "its input logits", given,
+                          "the logits are the caller's (the model drops them after the loss, so there it would "
+                          "work by luck; a caller that reads them too, for an accuracy say, would find -inf in "
+                          "the padding); logits.float() of fp32 logits is the tensor itself, so work on new "
+                          "tensors (masked_fill, not masked_fill_)", rank))
         if v:
             return v
         Wire.reset()
         loss.sum().backward()
-        v = (compare(f"{name}: gradient of this rank's logits", local.grad, want_grad.chunk(world, dim=-1)[rank], rank)
+        v = (compare(f"{name}: gradient of this rank's logits", leaf.grad, want_grad.chunk(world, dim=-1)[rank], rank)
              or comm_verdict(f"{name}: backward", group, [], rank))
         if v:
             return v

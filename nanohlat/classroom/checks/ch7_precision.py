@@ -1,7 +1,8 @@
 """Chapter 7, stochastic rounding of fp32 to bf16 (7a).
 
 With given noise, bit for bit against the carry rule (an element rounds up
-exactly when its low 16 bits plus the noise carry); unbiased over many draws;
+exactly when its low 16 bits plus the noise carry), x and the noise left as
+they were; unbiased over many draws;
 NaN stays NaN and infinities stay themselves for odd bit patterns and any
 noise; with noise drawn by the function, repeatable from its generator.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare
+from nanohlat.classroom.checks.harness import Kept, case, compare, untouched
 
 
 def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +43,23 @@ def check_stochastic_rounding() -> str | None:
     x = torch.cat([torch.randn(2000, generator=g) * 0.02, torch.randn(2000, generator=g) * 300,
                    torch.tensor([1.0, -1.0, 0.0, 2.0 ** -130, 1 + 2 ** -9, -(1 + 2 ** -9)])])
     noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=g)
-    got = stochastic_round_to_bf16(x, noise=noise)
-    if got.dtype != torch.bfloat16:
-        return f"{name}: stochastic_round_to_bf16 returned {got.dtype}, expected torch.bfloat16"
     down, up = _bf16_neighbours(x)
     low = x.view(torch.int32).long() & 0xFFFF
     goes_up = low + noise.long() >= 1 << 16          # the carry: probability low / 2^16
     want = torch.where(goes_up, up, down)
-    v = compare(f"{name}: stochastic_round_to_bf16(x, noise)", got.float(), want, rtol=0, atol=0)
+    given, given_noise = Kept(x), Kept(noise)
+    got = stochastic_round_to_bf16(x, noise=noise)
+    if got.dtype != torch.bfloat16:
+        return f"{name}: stochastic_round_to_bf16 returned {got.dtype}, expected torch.bfloat16"
+    v = (compare(f"{name}: stochastic_round_to_bf16(x, noise)", got.float(), want, rtol=0, atol=0)
+         or untouched(f"{name}: stochastic_round_to_bf16(x, noise)", "its input x", given,
+                      "a rounding returns a new tensor and leaves x to its caller (the optimizer drops its fp32 "
+                      "result once rounded, so there it would work by luck); x.float().contiguous() of a "
+                      "contiguous fp32 x is x itself and x.view(torch.int32) shares its bytes, so bits += noise "
+                      "writes into x: write bits + noise")
+         or untouched(f"{name}: stochastic_round_to_bf16(x, noise)", "the noise it was given", given_noise,
+                      "the caller's noise is its own (rounding_noise: a function of the step and the element); "
+                      "write bits + noise, not noise += bits"))
     if v:
         return v
     # unbiased: the mean over many noise draws of one value approaches the value

@@ -38,6 +38,35 @@ def compare(what: str, got, want, rank: int | None = None, rtol=TOL["rtol"], ato
             f"(largest difference {diff.max().item():.3g}; tolerance {atol:g} + {rtol:g} x |expected|)")
 
 
+class Kept:
+    """A tensor handed to the student's code, as it was: its values (a clone) and its version
+    counter, to see afterwards whether the code wrote into it (`untouched`)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.values, self.version = t, t.detach().clone(), t._version
+
+
+def untouched(what: str, which: str, kept: Kept, why: str, rank: int | None = None) -> str | None:
+    """None when the tensor `kept` holds still has its values and version, else a verdict: the code
+    wrote into `which` (its input, say) in place, and `why` that is wrong. Values are compared, not
+    only the version counter: torch.distributed's in-place collectives (all_reduce(x) ...) change
+    a tensor without bumping its counter."""
+    t = kept.t.detach()
+    changed = t.shape != kept.values.shape or not torch.equal(t.isnan(), kept.values.isnan()) or \
+        not torch.equal(t.nan_to_num(), kept.values.nan_to_num())
+    if not changed and kept.t._version == kept.version:
+        return None
+    where = f" on rank {rank}" if rank is not None else ""
+    if changed and t.shape == kept.values.shape:
+        bad = (t.nan_to_num() != kept.values.nan_to_num()) | (t.isnan() != kept.values.isnan())
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        how = (f"{int(bad.sum())} of {bad.numel()} elements changed, first at index {list(idx)}: "
+               f"{kept.values[idx].item():.6g} became {t[idx].item():.6g}")
+    else:
+        how = f"an in-place operation on it (version {kept.version} -> {kept.t._version})"
+    return f"{what}{where}: right values, but it wrote into {which} in place ({how}): {why}"
+
+
 _CASE = {"name": None}   # the case a check is running, named in an error raised during it
 
 

@@ -1,4 +1,5 @@
-"""What moves: every collective, recorded where it enters torch.distributed."""
+"""What moves, and when: every collective, recorded where it enters torch.distributed,
+with whether it was started asynchronously and when it was waited."""
 
 from __future__ import annotations
 
@@ -38,8 +39,41 @@ def _wire(kind: str, n: int, payload: int) -> Fraction:
     return Fraction(payload)
 
 
+class Call:
+    """One collective as a rank called it: what, on which group, its bytes, and when.
+
+    `started` and `waited` are ticks of `Wire.now()`, one clock for the calls and the
+    check's own marks: a blocking call (async_op=False) is waited when it returns, a
+    started one (async_op=True, isend, irecv) when its work handle's `wait()`
+    returns; `waited` is None while it is still in flight."""
+
+    __slots__ = ("kind", "pg", "payload", "wire", "async_op", "started", "waited")
+
+    def __init__(self, kind, pg, payload, wire, async_op, started):
+        self.kind, self.pg, self.payload, self.wire = kind, pg, payload, wire
+        self.async_op, self.started, self.waited = async_op, started, None
+
+
+class _Waited:
+    """A started collective's work handle, as torch.distributed returned it: the same object
+    to the caller, except that its `wait()` is noted on the call."""
+
+    def __init__(self, handle, call):
+        self._handle, self._call = handle, call
+
+    def wait(self, *args, **kwargs):
+        out = self._handle.wait(*args, **kwargs)
+        if self._call.waited is None:
+            self._call.waited = Wire.now()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
 class Wire:
-    """The collectives this rank called since `reset`: (kind, process group, payload, wire bytes).
+    """The collectives this rank called since `reset` (`Call`s: kind, process group, payload,
+    wire bytes, whether started asynchronously and when it was waited).
 
     `install` wraps torch.distributed's collectives (and nanohlat/comm.py's
     references to them) in this worker process, so a collective is seen
@@ -50,10 +84,18 @@ class Wire:
 
     calls: list = []
     _depth = [0]
+    _clock = [0]
 
     @classmethod
     def reset(cls) -> None:
         cls.calls = []
+
+    @classmethod
+    def now(cls) -> int:
+        """A tick of the clock the calls are stamped with: a check marks a moment (before and after
+        the student's function) and sees which calls started, and which were waited, in between."""
+        cls._clock[0] += 1
+        return cls._clock[0]
 
     @classmethod
     def install(cls) -> None:
@@ -65,7 +107,7 @@ class Wire:
             orig = getattr(dist, name, None)
             if orig is None or orig in wrapped:
                 continue
-            wrapped[orig] = cls._wrap(orig, kind, arg, inspect.signature(orig))
+            wrapped[orig] = cls._wrap(orig, kind, arg, inspect.signature(orig), name in ("isend", "irecv"))
             setattr(dist, name, wrapped[orig])
             if getattr(c10d, name, None) is orig:
                 setattr(c10d, name, wrapped[orig])
@@ -75,20 +117,27 @@ class Wire:
                 setattr(comm, alias, wrapped[value])
 
     @classmethod
-    def _wrap(cls, orig, kind, arg, sig):
+    def _wrap(cls, orig, kind, arg, sig, always_async):
         import torch.distributed as dist
 
         def collective(*args, **kwargs):
             outer = cls._depth[0] == 0    # one call, even if torch implements it with another
             cls._depth[0] += 1
             try:
-                if outer:
-                    bound = sig.bind_partial(*args, **kwargs).arguments
-                    pg = bound.get("group") or dist.group.WORLD
-                    n = dist.get_world_size(pg)
-                    payload = _nbytes(bound.get(arg))
-                    cls.calls.append((kind, pg, payload, _wire(kind, n, payload)))
-                return orig(*args, **kwargs)
+                if not outer:
+                    return orig(*args, **kwargs)
+                bound = sig.bind_partial(*args, **kwargs).arguments
+                pg = bound.get("group") or dist.group.WORLD
+                n = dist.get_world_size(pg)
+                payload = _nbytes(bound.get(arg))
+                call = Call(kind, pg, payload, _wire(kind, n, payload),
+                            always_async or bool(bound.get("async_op", False)), cls.now())
+                cls.calls.append(call)
+                out = orig(*args, **kwargs)
+                if not call.async_op:
+                    call.waited = cls.now()           # it returned done
+                    return out
+                return _Waited(out, call) if out is not None else out
             finally:
                 cls._depth[0] -= 1
         return collective
@@ -99,9 +148,9 @@ def _describe(calls) -> str:
     if not calls:
         return "no collective"
     by = {}
-    for kind, _, payload, _ in calls:
-        n, b = by.get(kind, (0, 0))
-        by[kind] = (n + 1, b + payload)
+    for c in calls:
+        n, b = by.get(c.kind, (0, 0))
+        by[c.kind] = (n + 1, b + c.payload)
     return " + ".join(f"{n} {kind} ({b} bytes)" for kind, (n, b) in by.items())
 
 
@@ -113,15 +162,16 @@ def comm_verdict(what: str, group, want: list[tuple[str, int]], rank: int) -> st
     + max of the cross-entropy). Called once the values are right."""
     import torch.distributed as dist
     got = list(Wire.calls)
-    want_calls = [(k, group.pg, p, _wire(k, group.size, p)) for k, p in want]
-    for kind, pg, _, _ in got:
+    want_calls = [Call(k, group.pg, p, _wire(k, group.size, p), False, 0) for k, p in want]
+    for c in got:
+        kind, pg = c.kind, c.pg
         if pg is not group.pg:
             which = "the default (world) process group" if pg is dist.group.WORLD else "another process group"
             article = "an" if kind[0] in "aeiou" else "a"
             return (f"{what} on rank {rank}: right values, but {article} {kind} ran on {which}, not on the {group.name} "
                     f"group it was given (ranks {group.ranks}): in a job with several {group.name} groups it "
                     f"would mix in ranks that hold other data (pass the group: group=...pg, or nanohlat.comm)")
-    got_wire, want_wire = sum(c[3] for c in got), sum(c[3] for c in want_calls)
+    got_wire, want_wire = sum(c.wire for c in got), sum(c.wire for c in want_calls)
     if got_wire > want_wire:
         return (f"{what} on rank {rank}: right values, but {round(got_wire)} bytes on the wire where "
                 f"{round(want_wire)} suffice (this rank called {_describe(got)}; {_describe(want_calls)} is enough)")
