@@ -1044,6 +1044,16 @@ DAMAGED_MANIFESTS = {
     "checksum": lambda m: next(iter(m["files"].values())).update(sha256=5),
     "schedule": lambda m: m.update(schedule={"optimizer_step": "x"}),
     "tokenizer": lambda m: m.update(tokenizer=7),
+    # the layout's ZeRO stage and chunks: each was trusted unchecked (a KeyError, ValueError or TypeError
+    # deep in the load, or a wrong value silently accepted)
+    "zero abc": lambda m: m["layout"].update(zero="abc"),
+    "zero null": lambda m: m["layout"].update(zero=None),
+    "zero 7": lambda m: m["layout"].update(zero=7),
+    "zero1 abc": lambda m: m["layout"].update(zero1="abc"),
+    "zero and zero1 gone": lambda m: [m["layout"].pop(k) for k in ("zero", "zero1")],
+    "zero and zero1 disagree": lambda m: m["layout"].update(zero=0, zero1=True),
+    "virtual_stages 0": lambda m: m["layout"].update(virtual_stages=0),
+    "virtual_stages 2 at pp 1": lambda m: m["layout"].update(virtual_stages=2),
 }
 
 
@@ -1064,6 +1074,18 @@ def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_cop
                  lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"])):
         assert main() == 2
         one_line_error(capsys.readouterr().err, path, "is damaged")
+
+
+def test_a_manifest_without_zero1_resumes_from_its_zero_stage(run_copy, cache_dir, capsys):
+    """"zero1" is only for older readers: with "zero" present its absence is no damage (it was a KeyError)."""
+    path = os.path.join(ckpt(run_copy, 4), "manifest.json")
+    with open(path) as f:
+        m = json.load(f)
+    m["layout"].pop("zero1")
+    with open(path, "w") as f:
+        json.dump(m, f)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 0, err
 
 
 def _edit_manifest(run_dir, step: int, edit) -> str:

@@ -76,6 +76,17 @@ def _check_fields(mpath: str, m: dict) -> None:
         raise bad(f"layout is {lay!r}, not tp, pp, dp and world >= 1")
     if lay["world"] != lay["tp"] * lay["pp"] * lay["dp"]:
         raise bad(f"layout world {lay['world']} is not tp*pp*dp = {lay['tp'] * lay['pp'] * lay['dp']}")
+    # the ZeRO stage: "zero" (0-3) since ZeRO-2; before it only "zero1" (a bool); when both, they agree
+    if "zero" in lay and not (_count(lay["zero"]) and lay["zero"] <= 3):
+        raise bad(f"layout zero is {lay['zero']!r}, not a ZeRO stage 0-3")
+    if "zero1" in lay and not isinstance(lay["zero1"], bool):
+        raise bad(f"layout zero1 is {lay['zero1']!r}, not true or false")
+    if "zero" not in lay and "zero1" not in lay:
+        raise bad("layout has neither zero (the ZeRO stage) nor zero1")
+    if "zero" in lay and "zero1" in lay and lay["zero1"] != (lay["zero"] >= 1):
+        raise bad(f"layout zero {lay['zero']} and zero1 {lay['zero1']} disagree (zero1 means a stage >= 1)")
+    if not _count(lay.get("virtual_stages", 1), 1) or lay.get("virtual_stages", 1) > 1 and lay["pp"] < 2:
+        raise bad(f"layout virtual_stages is {lay.get('virtual_stages')!r}, not 1, or >= 2 with pp >= 2")
     cfg = m["config"]
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise bad("config is not {'model': {...}, 'train': {...}}")

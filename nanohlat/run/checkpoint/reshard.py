@@ -154,7 +154,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
     # same thing as when saved. (The stochastic-rounding noise needs none: it
     # follows from the seed, the optimizer step and the element, in any layout.)
     layout = shards.manifest["layout"]
-    zero = layout.get("zero", int(layout["zero1"]))     # (checkpoints before ZeRO-2 recorded only zero1)
+    zero = layout["zero"] if "zero" in layout else int(layout["zero1"])   # (before ZeRO-2: only zero1)
     if (layout["tp"], layout["pp"], layout["dp"], zero) == (mesh.tp, mesh.pp, mesh.dp, opt.tcfg.zero):
         rng = (shards.shard_of_rank(mesh.rank) or {}).get("rng") or {}
         if rng.get("torch_cpu") is not None:
