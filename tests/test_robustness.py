@@ -1058,7 +1058,7 @@ DAMAGED_MANIFESTS = {
 
 
 @pytest.mark.parametrize("field", sorted(DAMAGED_MANIFESTS))
-def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_copy, cache_dir, capsys):
+def test_a_damaged_manifest_is_one_line_on_resume_sample_eval_and_export(field, run_copy, cache_dir, capsys, tmp_path):
     import eval as evalpy
     import sample
     path = os.path.join(ckpt(run_copy, 4), "manifest.json")
@@ -1071,9 +1071,11 @@ def test_a_damaged_manifest_is_one_line_on_resume_sample_and_eval(field, run_cop
     assert code == 2
     one_line_error(err, path, "is damaged")
     for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
-                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"])):
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(run_copy), str(tmp_path / "hf")])):
         assert main() == 2
         one_line_error(capsys.readouterr().err, path, "is damaged")
+    assert not os.path.exists(tmp_path / "hf")
 
 
 def test_a_manifest_without_zero1_resumes_from_its_zero_stage(run_copy, cache_dir, capsys):
