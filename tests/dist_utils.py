@@ -18,7 +18,21 @@ from nanohlat.run.launch import free_port, start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-__all__ = ["free_port", "spawn_workers", "run_layouts"]
+__all__ = ["free_port", "spawn_workers", "run_layouts", "fixed_threads"]
+
+# The tests that fix a CPU thread count (workers, tutorial commands with
+# --threads 1) use this one, 1 unless the environment says otherwise. Results
+# must not depend on it beyond the tolerances the tests state, so .ci/run runs
+# the layout-equivalence and tutorial tests once more with another count.
+THREADS_ENV = "NANOHLAT_TEST_THREADS"
+
+
+def fixed_threads() -> int:
+    """CPU threads per process for the tests that fix them: $NANOHLAT_TEST_THREADS, else 1."""
+    value = os.environ.get(THREADS_ENV, "1")
+    if not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"{THREADS_ENV}={value!r}: give a whole number of threads, at least 1 (or unset it for 1)")
+    return int(value)
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple, err_dir: str, env: dict) -> None:
@@ -56,7 +70,7 @@ def _train(rank: int, world: int, runs: list[list[str]], setup=None) -> None:
     if setup is not None:   # a test's instrumentation, installed in each worker
         setup(rank)
     for argv in runs:
-        model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", "1"])
+        model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", str(fixed_threads())])
         train.train(*preflight.inputs(model_cfg, tcfg, world), rank, world, rank, world)
 
 

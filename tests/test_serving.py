@@ -145,9 +145,29 @@ def test_the_speculative_report_says_what_it_measured():
     a = 26 / 47
     assert lines[2].startswith(f"tokens per target pass: measured 2.18, formula (1 - a^(k+1)) / (1 - a) = "
                                f"{(1 - a ** 5) / (1 - a):.2f} with k = 4")
-    assert "c = 0.50 of a target decode step" in lines[3]
-    assert lines[4].startswith("speed-up: measured 0.50x; from the passes 0.75x = 48 tokens / (22 target + 0.50 x 84")
-    assert lines[5].startswith("speculative decoding pays here when c < 0.31 = (48 - 22) / 84")
+    # 22 passes, 47 - 26 = 21 rejections: 26 / 22 accepted per pass <= a / (1 - a) = 26 / 21
+    assert lines[3] == ("whatever the pattern of rejections: 1 <= measured <= min(k + 1, 1 / (1 - a)) = 2.24 "
+                        "(a pass ends at its first rejection)")
+    assert "c = 0.50 of a target decode step" in lines[4]
+    assert lines[5].startswith("speed-up: measured 0.50x; from the passes 0.75x = 48 tokens / (22 target + 0.50 x 84")
+    assert lines[6].startswith("speculative decoding pays here when c < 0.31 = (48 - 22) / 84")
+
+
+def test_tokens_per_pass_bound_holds_for_every_pattern_of_rejections():
+    """The bound is exact, not an expectation: on any run, tokens / target passes
+    <= min(k + 1, 1 / (1 - a)). Checked on every way 3 rounds of k = 3 can keep
+    their drafts (i kept, then a rejection; or all k kept)."""
+    import itertools
+    k = 3
+    for kept in itertools.product(range(k + 1), repeat=3):
+        accepted = sum(kept)
+        checked = sum(i + (i < k) for i in kept)          # a round stops at its first rejection
+        tokens, passes = accepted + len(kept), len(kept)
+        a = accepted / checked
+        assert 1 <= tokens / passes <= serving.tokens_per_pass_bound(a, k) + 1e-12, kept
+        if all(i < k for i in kept):                     # every round rejected once: the bound is reached
+            assert tokens / passes == pytest.approx(serving.tokens_per_pass_bound(a, k))
+    assert serving.tokens_per_pass_bound(1.0, 4) == 5.0 and serving.tokens_per_pass_bound(0.0, 4) == 1.0
 
 
 def test_speculative_command_prints_acceptance_beside_the_formula(checkpoint_dir, short_draft_dir, capsys):
@@ -157,6 +177,7 @@ def test_speculative_command_prints_acceptance_beside_the_formula(checkpoint_dir
     assert code == 0, out
     for label in ("target alone: 20 tokens, 20 target passes", "draft alone:  20 tokens, 20 draft passes",
                   "per-token acceptance a = accepted / checked = ", "formula (1 - a^(k+1)) / (1 - a) = ",
+                  "1 <= measured <= min(k + 1, 1 / (1 - a)) = ",
                   "a draft decode step costs c = ", "speed-up: measured ", "pays here when c < ",
                   "same tokens as the target alone: yes"):
         assert label in out, (label, out)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import spawn_workers
+from dist_utils import fixed_threads, spawn_workers
 
 
 
@@ -150,7 +150,7 @@ def _check_kv_replicas(rank, tp):
 
 def _worker(rank, tp):
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    torch.set_num_threads(fixed_threads())
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
         _check_layers(rank, tp)
@@ -280,7 +280,7 @@ def _check_sp_regather(rank, tp):
 def _gloo_worker(rank, tp, check):
     """Run check(rank, tp) in a gloo group of tp processes (spawn_workers' fn)."""
     import torch.distributed as dist
-    torch.set_num_threads(1)
+    torch.set_num_threads(fixed_threads())
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
         check(rank, tp)

@@ -339,6 +339,15 @@ def tokens_per_pass_formula(a: float, k: int) -> float:
     return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
+def tokens_per_pass_bound(a: float, k: int) -> float:
+    """The most tokens per target pass a run with per-token acceptance a can
+    have measured, whatever the pattern of its rejections: a pass yields its
+    accepted drafts + 1 and ends at its first rejection, so target passes >=
+    rejections = checked - accepted, and accepted / passes <= a / (1 - a).
+    Hence tokens / passes <= min(k + 1, 1 / (1 - a)) (k + 1 at a = 1)."""
+    return float(k + 1) if a >= 1 else min(float(k + 1), 1 / (1 - a))
+
+
 def _best_of(n: int, fn):
     """(fn's result, its shortest wall time over n calls): the least disturbed by other load."""
     best = math.inf
@@ -364,6 +373,8 @@ def report(k: int, n_tokens: int, st: dict, t_alone: float, t_draft: float, t_sp
         f"tokens per target pass: measured {per_pass:.2f}, formula (1 - a^(k+1)) / (1 - a) = "
         f"{tokens_per_pass_formula(a, k):.2f} with k = {k} (the formula assumes each draft is accepted "
         f"independently, with probability a)",
+        f"whatever the pattern of rejections: 1 <= measured <= min(k + 1, 1 / (1 - a)) = "
+        f"{tokens_per_pass_bound(a, k):.2f} (a pass ends at its first rejection)",
         f"a draft decode step costs c = {c:.2f} of a target decode step (each timed alone)",
         f"speed-up: measured {t_alone / t_spec:.2f}x; from the passes {predicted:.2f}x = {n_tokens} tokens / "
         f"({st['target_passes']} target + {c:.2f} x {st['draft_passes']} draft passes), a pass over k + 1 tokens "
