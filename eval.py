@@ -21,12 +21,12 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, launch, runconfig
+from nanohlat.run import checkpoint, data, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
 from nanohlat.system import cli, flags
 from nanohlat.config import DEVICES, UserError, check_seed
-from nanohlat.system.files import atomic_write, json_text, os_error_message
+from nanohlat.system.files import atomic_write, json_text
 
 
 def parse_args(argv=None):

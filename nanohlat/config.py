@@ -151,7 +151,7 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.zero1:   # --zero1 is --zero 1 (validate refuses --zero1 --zero 2), folded in once: a copy
+        if self.zero1:   # --zero1 is --zero 1 (resolve refuses --zero1 --zero 2), folded in once: a copy
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:

@@ -318,7 +318,7 @@ def test_a_zero2_checkpoint_continues_in_another_layout(four_rank_runs, referenc
 
 def test_eval_and_sample_read_a_zero3_checkpoint_as_the_zero0_one(stage_runs):
     """A ZeRO-3 checkpoint holds whole weights (export all-gathers the shards): loaded for
-    inference (eval.py, sample.py: checkpoint.load_for_inference) it is ZeRO-0's model, to round-off."""
+    inference (checkpoint.load_for_inference, the one-process load) it is ZeRO-0's model, to round-off."""
     import torch
     from nanohlat.device import get_device
     from nanohlat.run import checkpoint

@@ -7,7 +7,6 @@ by tools/metrics.py (tokens/s, MFU, bytes).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -49,7 +48,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         try:
-            self._file.write(files.json_text(record, default=_to_python) + "\n")
+            self._file.write(files.json_text(record) + "\n")
             self._file.flush()
         except OSError as e:   # (a full disk): the file's own error names no file
             if not isinstance(e.filename, str):
@@ -98,12 +97,6 @@ def truncate_metrics(path: str, step: int) -> None:
               f"on resume; the checkpoint holds the training state", file=sys.stderr)
     files.atomic_write(path, lambda f: f.write("".join(keep).encode()))
 
-
-def _to_python(value):
-    # numpy scalars and 0-d CPU tensors have .item(); anything else is a bug.
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"metrics record value of type {type(value).__name__} is not JSON-serialisable")
 
 class TrainLog:
     """What a training run reports, kept beside train()'s loop instead of inside it.

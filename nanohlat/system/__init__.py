@@ -8,4 +8,6 @@ write_text, open_append), file hashes, and an OSError said in one line
 cli.py: how every command ends, written once (`command`, around each main):
 bad input, an OSError, Ctrl-C or an exercise stub of a student copy reached
 (`not_done`) as one line and an exit code, a crash with its traceback.
+flags.py: the flag parser of every command line (`Parser`): a flag it cannot
+read is one line and exit code 2, not a page of usage.
 """

@@ -1,6 +1,6 @@
 """How every command of nanohlat ends: one line and an exit code, written once.
 
-train.py, sample.py, eval.py and the `python -m` commands (nanohlat.bench,
+train.py (its pre-flight's main), sample.py, eval.py and the `python -m` commands (nanohlat.bench,
 .hf, .harness, .serving, .classroom, .tools.compile_lessons) each decorate
 their `main` with `command`, which ends it the same way:
 

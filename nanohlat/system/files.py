@@ -87,7 +87,8 @@ NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}   # repr(x) 
 
 
 def json_text(obj, **kwargs) -> str:
-    """json.dumps for every JSON file nanohlat writes: strict JSON, which has no NaN
+    """json.dumps for the JSON files that can hold a measured number (metrics.jsonl,
+    summary.json, config.json, eval.json, an HF export's configs): strict JSON, which has no NaN
     or Infinity (Python's json writes them bare by default, and other readers
     refuse the file). A float that is not finite is written as the string "NaN",
     "Infinity" or "-Infinity" (Python's float() and JavaScript's Number() read each

@@ -101,12 +101,12 @@ def _in_flight(name, rank, overlap, k, last, started) -> str | None:
     if blocking and not last:                  # (the last may as well: nothing is left to overlap it with)
         return (f"{name}: bucket {k}'s {blocking[0].kind} was called blocking on rank {rank} (no async_op=True): "
                 f"with --overlap-grad-reduce the hook only starts it (async_op=True, or comm.start_reduce_scatter) "
-                f"and keeps the work handle in g.flight, so the backward goes on while it runs; finish waits")
+                f"and keeps the work handle in s.flight, so the backward goes on while it runs; finish waits")
     early = [c for c in started if c.waited is not None]
     if early and not last:
         return (f"{name}: bucket {k}'s {early[0].kind} was started and waited before reduce_bucket returned "
                 f"on rank {rank}, with overlap on: the backward then waits for every bucket, as without "
-                f"overlap; leave it in flight (g.flight) until the micro-batch's last bucket")
+                f"overlap; leave it in flight (s.flight) until the micro-batch's last bucket")
     return None
 
 
@@ -127,7 +127,7 @@ def _zero2_buckets(rank, world):
                 zero = ZeroTwoDP(group, bucket, 2, overlap)
                 padded = (n + dp - 1) // dp * dp
                 buckets = zero.buckets(padded)
-                g = SimpleNamespace(staged={}, flight={}, watch=SimpleNamespace(buckets=buckets),
+                s = SimpleNamespace(staged={}, flight={}, watch=SimpleNamespace(buckets=buckets),
                                     grad=torch.zeros(padded // dp))
                 bufs = [_flat_buffers(dp, n, seed=51 + n + 7 * i)[0] for i in range(2)]   # [micro-batch][rank]
                 Wire.reset()
@@ -135,18 +135,18 @@ def _zero2_buckets(rank, world):
                     first = len(Wire.calls)
                     for k in reversed(range(len(buckets))):     # a backward completes the last bucket first
                         a, b = buckets[k][0]
-                        g.staged[k] = bufs[i][me].view(dp, -1)[:, a:b].reshape(-1).clone()   # the hooks' part
+                        s.staged[k] = bufs[i][me].view(dp, -1)[:, a:b].reshape(-1).clone()   # the hooks' part
                         before = len(Wire.calls)
-                        zero.reduce_bucket(g, k)
-                        if k in g.staged:
+                        zero.reduce_bucket(s, k)
+                        if k in s.staged:
                             return (f"{name}: bucket {k}'s staging is still kept after reduce_bucket on rank {rank}: "
-                                    f"take it out of g.staged (at the backward's midpoint the stagings are the "
+                                    f"take it out of s.staged (at the backward's midpoint the stagings are the "
                                     f"whole buffer's 4 bytes per parameter)")
                         v = _in_flight(name, rank, overlap, k, k == 0, Wire.calls[before:])
                         if v:
                             return v
-                    if g.flight:
-                        return (f"{name}: after micro-batch {i}'s last bucket, bucket(s) {sorted(g.flight)} still in "
+                    if s.flight:
+                        return (f"{name}: after micro-batch {i}'s last bucket, bucket(s) {sorted(s.flight)} still in "
                                 f"flight on rank {rank}: once the micro-batch started its last bucket, wait for all "
                                 f"and add them (no staging kept between micro-batches)")
                     never = [c for c in Wire.calls[first:] if c.waited is None]
@@ -154,11 +154,11 @@ def _zero2_buckets(rank, world):
                         return (f"{name}: after micro-batch {i}'s last bucket, {len(never)} of its {never[0].kind}s "
                                 f"were never waited on rank {rank} (work.wait()): a started collective's output "
                                 f"may not be written yet when it is added")
-                for k in sorted(g.flight):
-                    zero.finish(g, k)
+                for k in sorted(s.flight):
+                    zero.finish(s, k)
                 want = sum(bufs[i][r].view(dp, -1)[me] for i in range(2) for r in range(dp))
                 cols = [b - a for a, b in (bk[0] for bk in buckets)]
-                v = (compare(f"{name}: the gradient shard after 2 micro-batches", g.grad, want, rank)
+                v = (compare(f"{name}: the gradient shard after 2 micro-batches", s.grad, want, rank)
                      or comm_verdict(f"{name}: reduce-scatter of each bucket", group,
                                      [("reduce_scatter", c * dp * 4) for c in cols] * 2, rank))
                 if v:
