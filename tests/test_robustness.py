@@ -1054,6 +1054,16 @@ DAMAGED_MANIFESTS = {
     "zero and zero1 disagree": lambda m: m["layout"].update(zero=0, zero1=True),
     "virtual_stages 0": lambda m: m["layout"].update(virtual_stages=0),
     "virtual_stages 2 at pp 1": lambda m: m["layout"].update(virtual_stages=2),
+    # fields read later and trusted: a traceback deep in the resume, or a wrong run silently
+    "optimizer null": lambda m: m.update(optimizer=None),            # falsy: fresh Adam moments, silently
+    "optimizer abc": lambda m: m.update(optimizer="abc"),
+    "identity tokenizer_sha256 5": lambda m: m["identity"].update(tokenizer_sha256=5),   # a TypeError on resume
+    "identity data 5": lambda m: m["identity"].update(data=5),
+    "tokenizer_copy file 5": lambda m: m["tokenizer_copy"].update(file=5),
+    "step not its folder's": lambda m: m.update(step=5),
+    "bad_steps beyond step": lambda m: m["schedule"].update(bad_steps=10**12),   # stopped as "10^12 bad steps"
+    "optimizer_step 10^30": lambda m: m["schedule"].update(optimizer_step=10**30),   # an OverflowError
+    "tokens 10^30": lambda m: m.update(tokens=10**30),
 }
 
 
@@ -1076,6 +1086,34 @@ def test_a_damaged_manifest_is_one_line_on_resume_sample_eval_and_export(field, 
         assert main() == 2
         one_line_error(capsys.readouterr().err, path, "is damaged")
     assert not os.path.exists(tmp_path / "hf")
+
+
+DAMAGED_MANIFEST_TEXTS = {   # manifest.json bytes that are no manifest
+    "not UTF-8": (b'{"format": 2, "step": "\xff\xfe"}', "unreadable (UnicodeDecodeError)"),   # was a traceback
+    "nested too deep": (b"[" * 100_000, "unreadable (RecursionError)"),                     # was a traceback
+    "truncated": (b'{"format": 2, "st', "unreadable (JSONDecodeError)"),
+    "format a string": (b'{"format": "2"}', "has format '2', this nanohlat reads 2"),
+    "a list": (b"[2]", "has format None"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_MANIFEST_TEXTS))
+def test_a_manifest_that_is_not_json_is_one_line_on_resume_sample_eval_and_export(case, run_copy, cache_dir,
+                                                                                   capsys, tmp_path):
+    import eval as evalpy
+    import sample
+    text, message = DAMAGED_MANIFEST_TEXTS[case]
+    path = os.path.join(ckpt(run_copy, 4), "manifest.json")
+    with open(path, "wb") as f:
+        f.write(text)
+    code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
+    assert code == 2
+    one_line_error(err, path, message)
+    for main in (lambda: sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(run_copy), "--examples", "4", "--max-batches", "1"]),
+                 lambda: _export(["export", str(run_copy), str(tmp_path / "hf")])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, path, message)
 
 
 def test_a_manifest_without_zero1_resumes_from_its_zero_stage(run_copy, cache_dir, capsys):
@@ -1154,13 +1192,62 @@ def test_hf_import_of_a_model_too_big_for_this_machine_is_refused_before_reading
     assert hf.from_hf_config(cfg).d_model == 2**20
 
 
+DAMAGED_HF_CONFIGS = {   # an HF model's config.json: each field nanohlat reads, damaged
+    "num_attention_heads 0": ({"num_attention_heads": 0}, "--n-heads must be positive, got 0"),   # ZeroDivisionError
+    "hidden_size true": ({"hidden_size": True}, "no integer 'hidden_size' (got True)"),
+    "num_key_value_heads abc": ({"num_key_value_heads": "abc"}, "num_key_value_heads is 'abc', not a whole number"),
+    "max_position_embeddings 1.5": ({"max_position_embeddings": 1.5}, "max_position_embeddings is 1.5"),
+    "rms_norm_eps NaN": ({"rms_norm_eps": float("nan")}, "rms_norm_eps is nan, not a finite number"),
+    "rms_norm_eps 0": ({"rms_norm_eps": 0}, "--norm-eps must be a finite number > 0, got 0"),  # was the default
+    "rope_theta abc": ({"rope_theta": "abc", "rope_parameters": None}, "rope_theta is 'abc'"),
+    "rope_parameters' rope_theta a list": ({"rope_parameters": {"rope_theta": []}}, "rope_theta is [], not a number"),
+    "rope_scaling abc": ({"rope_scaling": "abc"}, "rope_scaling is 'abc', not a record or null"),   # AttributeError
+    "architectures 5": ({"architectures": 5, "model_type": None}, "architectures is 5"),          # TypeError
+    "tie_word_embeddings yes": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes'"),
+    "head_dim abc": ({"head_dim": "abc"}, "head_dim is 'abc', not a whole number"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "model"
+    assert _export(["export", str(base), str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_HF_CONFIGS))
+def test_a_damaged_hf_config_is_one_line_and_imports_nothing(case, hf_dir, tmp_path, capsys):
+    import shutil
+    edit, message = DAMAGED_HF_CONFIGS[case]
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(edit)
+    (model / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert _export(["import", str(model), str(tmp_path / "run")]) == 2
+    one_line_error(capsys.readouterr().err, str(model / "config.json"), message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_non_utf8_metrics_file_counts_as_a_run_record(tmp_path):
+    """An untrained run's leftovers are removed only when metrics.jsonl is empty; a damaged,
+    non-UTF-8 one was a UnicodeDecodeError there."""
+    from nanohlat.run import runlock
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\n")
+    runlock.forget_untrained_run(str(tmp_path))
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
 def test_damaged_metrics_lines_are_dropped_with_a_note_on_resume(run_copy, cache_dir, capsys):
     path = run_copy / "metrics.jsonl"
     good = path.read_bytes()
-    path.write_bytes(good + b'{"step": 3, "loss": \xff\xfe}\n[1, 2]\n{"step": "x"}\n{"step": 3, "los')
+    # ({"loss": 1.0}: a record without a step was kept as step 0)
+    path.write_bytes(good + b'{"step": 3, "loss": \xff\xfe}\n[1, 2]\n{"step": "x"}\n{"step": null}\n'
+                            b'{"loss": 1.0}\n{"step": 3, "los')
     code, err = main_in_process(flags(cache_dir, run_copy, "--steps", 6, "--resume", "auto"), capsys)
     assert code == 0 and "Traceback" not in err, err
-    assert f"note: {path}" in err and "4 damaged line(s)" in err, err
+    assert f"note: {path}" in err and "6 damaged line(s)" in err, err
     assert sorted(losses(run_copy)) == [1, 2, 3, 4, 5, 6]
 
 

@@ -227,7 +227,7 @@ def forget_untrained_run(out_dir: str) -> None:
         return
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.isfile(metrics):
-        with open(metrics) as f:
+        with open(metrics, "rb") as f:   # (bytes: a damaged, non-UTF-8 file is a record too)
             if any(line.strip() for line in f):
                 return
     for name in ("metrics.jsonl", "config.json", "summary.json"):

@@ -84,7 +84,7 @@ def truncate_metrics(path: str, step: int) -> None:
             try:
                 line = raw.decode()
                 record = json.loads(line)
-                rec_step = record.get("step", 0) if isinstance(record, dict) else None
+                rec_step = record.get("step") if isinstance(record, dict) else None   # (no step: damaged)
                 if not isinstance(rec_step, int) or isinstance(rec_step, bool):
                     raise ValueError("no step")
             except ValueError:      # UnicodeDecodeError and JSONDecodeError are ValueErrors

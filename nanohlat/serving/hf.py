@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -122,7 +123,11 @@ def _rope_theta(hf_config: dict) -> float:
     if kinds:
         raise UserError(f"rope type {kinds.pop()!r} (rope scaling, as in Llama 3.1+) is not supported: "
                         f"nanohlat implements plain rotary embeddings only")
-    return float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", hf_config.get("rope_theta"))
+    if theta is not None and not (isinstance(theta, (int, float)) and not isinstance(theta, bool)):
+        raise UserError(f"config.json's rope_theta is {theta!r}, not a number; fix the file, or give another "
+                        f"model directory")
+    return float(theta if theta is not None else 10000.0)
 
 
 def _vocab_multiple(vocab_size: int) -> int:
@@ -134,8 +139,22 @@ def _vocab_multiple(vocab_size: int) -> int:
     return m
 
 
+def _or(value, default):
+    """`value`, or `default` when config.json leaves it out (null): never when it is 0, which is refused."""
+    return default if value is None else value
+
+
 def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelConfig:
-    """Hugging Face Llama config.json dict -> the ModelConfig of the same model (checked)."""
+    """Hugging Face Llama config.json dict -> the ModelConfig of the same model (checked:
+    each field nanohlat reads for its type first, then the model's ranges)."""
+    def bad(key: str, want: str) -> UserError:
+        return UserError(f"config.json's {key} is {hf_config.get(key)!r}, not {want}; it is not a complete "
+                         f"Llama config (fix the file, or give another model directory)")
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if not isinstance(hf_config.get("architectures") or [], list):
+        raise bad("architectures", "a list of class names")
     arch = hf_config.get("model_type") or "?"
     if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []):
         raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM checkpoints convert 1:1")
@@ -143,21 +162,36 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
         if hf_config.get(key, want) != want:
             raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's Llama has {key} = {want!r})")
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(hf_config.get(key), int):
+        if not whole(hf_config.get(key)):
             raise UserError(f"config.json has no integer {key!r} (got {hf_config.get(key)!r}); "
                             f"it is not a complete Llama config")
-    d, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    if hf_config.get("head_dim") not in (None, d // heads):
-        raise UserError(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads = {d // heads}; "
-                        f"nanohlat derives the head size from d_model")
+    for key in ("num_key_value_heads", "max_position_embeddings", "head_dim"):   # optional: null is the default
+        if hf_config.get(key) is not None and not whole(hf_config[key]):
+            raise bad(key, "a whole number")
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = hf_config.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise bad(key, "a finite number")
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf_config.get(key) or {}, dict):
+            raise bad(key, "a record or null")
+    if not isinstance(hf_config.get("tie_word_embeddings", False), bool):
+        raise bad("tie_word_embeddings", "true or false")
     vocab = hf_config["vocab_size"]
-    cfg = ModelConfig(n_layers=hf_config["num_hidden_layers"], d_model=d, n_heads=heads,
-                      n_kv_heads=hf_config.get("num_key_value_heads") or heads,
+    cfg = ModelConfig(n_layers=hf_config["num_hidden_layers"], d_model=hf_config["hidden_size"],
+                      n_heads=hf_config["num_attention_heads"],
+                      n_kv_heads=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
                       ffn_dim=hf_config["intermediate_size"], vocab_size=vocab,
-                      max_seq_len=hf_config.get("max_position_embeddings", 2048),
-                      rope_theta=_rope_theta(hf_config), norm_eps=hf_config.get("rms_norm_eps", 1e-5),
+                      max_seq_len=_or(hf_config.get("max_position_embeddings"), 2048),
+                      rope_theta=_rope_theta(hf_config), norm_eps=_or(hf_config.get("rms_norm_eps"), 1e-5),
                       vocab_multiple=vocab_multiple or _vocab_multiple(vocab))
-    cfg.validate()
+    try:
+        cfg.validate()   # (positive sizes before any division: a head count of 0 was a ZeroDivisionError)
+    except UserError as e:
+        raise UserError(f"config.json describes no valid model: {e}") from None
+    if hf_config.get("head_dim") not in (None, cfg.head_dim):
+        raise UserError(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}; "
+                        f"nanohlat derives the head size from d_model")
     return cfg
 
 
@@ -242,7 +276,7 @@ def read_hf_config(hf_dir: str) -> dict:
     try:
         with open(config_path, encoding="utf-8") as f:
             hf_config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:   # (UnicodeDecodeError is a ValueError)
         raise UserError(f"{config_path} is not valid JSON ({e.__class__.__name__}); the model directory "
                         f"is damaged") from None
     if not isinstance(hf_config, dict):
@@ -350,8 +384,11 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
                         f"pass --tokenizer PATH")
     hf_config = read_hf_config(hf_dir)
     from nanohlat.run.runconfig import check_fits   # before the weights are read: as read, and as fp32
-    check_fits(from_hf_config(hf_config, vocab_multiple), "cpu", os.path.join(hf_dir, "config.json"), copies=2,
-               ranks=0)
+    try:
+        cfg = from_hf_config(hf_config, vocab_multiple)
+    except UserError as e:   # named with its folder: config.json alone says not which one
+        raise UserError(f"{os.path.join(hf_dir, '')}{e}") from None
+    check_fits(cfg, "cpu", os.path.join(hf_dir, "config.json"), copies=2, ranks=0)
     cfg, state = from_hf_state(hf_config, read_hf_weights(hf_dir), vocab_multiple)
     from nanohlat.run.data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:

@@ -39,12 +39,13 @@ def read_manifest(path: str) -> dict:
     try:
         with open(mpath) as f:
             manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:   # (ValueError: not JSON, or not UTF-8)
         raise UserError(f"checkpoint manifest {mpath} is missing or unreadable ({e.__class__.__name__}); "
                         f"pick another checkpoint") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise UserError(f"{mpath} has format {found}, this nanohlat reads {FORMAT}")
+        raise UserError(f"{mpath} has format {found!r}, this nanohlat reads {FORMAT}: it is damaged or from "
+                        f"another nanohlat version; pick another checkpoint")
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise UserError(f"checkpoint manifest {mpath} lacks {', '.join(missing)}: it is corrupt; "
@@ -58,8 +59,11 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
+MOST = 2**53   # the largest count a manifest may hold: JSON's safe integers (exact in a double, in every reader)
+
+
 def _count(v, least: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return isinstance(v, int) and not isinstance(v, bool) and least <= v <= MOST
 
 
 def _check_fields(mpath: str, m: dict) -> None:
@@ -70,7 +74,10 @@ def _check_fields(mpath: str, m: dict) -> None:
                          f"or restore this one")
     for k in ("step", "tokens"):
         if not _count(m[k]):
-            raise bad(f"{k} is {m[k]!r}, not a whole number >= 0")
+            raise bad(f"{k} is {m[k]!r}, not a whole number in [0, 2^53]")
+    folder = os.path.basename(os.path.dirname(os.path.abspath(mpath)))
+    if folder.startswith("step_") and folder[5:].isdigit() and int(folder[5:]) != m["step"]:
+        raise bad(f"step is {m['step']}, its folder is {folder}")   # (a copy under another name is fine)
     lay = m["layout"]
     if not isinstance(lay, dict) or not all(_count(lay.get(k), 1) for k in ("tp", "pp", "dp", "world")):
         raise bad(f"layout is {lay!r}, not tp, pp, dp and world >= 1")
@@ -117,9 +124,19 @@ def _check_fields(mpath: str, m: dict) -> None:
         v = m.get(k, {})
         if not isinstance(v, dict) or not all(_count(v.get(f, 0)) for f in fields_):
             raise bad(f"{k} is {v!r}")
+    for f in ("optimizer_step", "bad_steps"):   # counts of steps: never more than the steps taken
+        if m.get("schedule", {}).get(f, 0) > m["step"]:
+            raise bad(f"schedule.{f} {m['schedule'][f]} is more than step {m['step']}")
+    if not isinstance(m.get("optimizer", True), bool):   # false: weights only, fresh moments (a wrong value
+        raise bad(f"optimizer is {m['optimizer']!r}, not true or false")   # would silently reset Adam)
     for k in ("identity", "tokenizer_copy"):
         if not isinstance(m.get(k) or {}, dict):
             raise bad(f"{k} is {m[k]!r}, not a record")
+    for k, f in (("identity", "tokenizer_sha256"), ("identity", "data"), ("tokenizer_copy", "file"),
+                 ("tokenizer_copy", "sha256")):
+        v = (m.get(k) or {}).get(f)
+        if v is not None and not isinstance(v, str):
+            raise bad(f"{k}.{f} is {v!r}, not a string")
 
 
 def check_files(path: str, manifest: dict) -> None:
