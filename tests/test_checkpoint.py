@@ -186,18 +186,18 @@ def test_8_rank_checkpoint_continues_in_one_process(eight, cache_dir, tmp_path):
 
 def test_sample_py_loads_an_8_rank_run(eight, capsys):
     """`python sample.py --out-dir DIR` on the tp=2 x pp=2 x dp=2 + ZeRO-1 run (its main(), here)."""
-    sample = pytest.importorskip("sample", reason="sample.py not written yet (load_for_inference is tested below)")
+    sample = pytest.importorskip("sample", reason="sample.py not written yet (its loader is tested below)")
     assert sample.main(["--out-dir", str(eight / "full"), "--max-new-tokens", "8", "--prompt", "def "]) == 0
     assert capsys.readouterr().out.startswith("def ")
 
 
-def test_load_for_inference_equals_the_training_weights(eight, one):
+def test_the_inference_load_equals_the_training_weights(eight, one):
     """The 8-rank run's final weights, stitched into one model, are the one-process run's (round-off)."""
-    from nanohlat.run import checkpoint
     from nanohlat import device
     cpu = device.get_device("cpu")
-    got, manifest = checkpoint.load_for_inference(str(eight / "full"), cpu)
-    ref, _ = checkpoint.load_for_inference(str(one / "full"), cpu)
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    got, manifest = load_model(str(eight / "full"), cpu)
+    ref, _ = load_model(str(one / "full"), cpu)
     assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "zero1": True, "world": 8, "virtual_stages": 1}
     ref_params = dict(ref.named_parameters())
     for name, p in got.named_parameters():
@@ -483,14 +483,14 @@ def _break(path: str, how: str) -> str:
 @pytest.mark.parametrize("how", ["missing shard", "truncated shard", "corrupt shard", "truncated manifest",
                                  "shard dropped from the manifest"])
 def test_damaged_checkpoint_is_a_clear_error(eight, tmp_path, how):
-    from nanohlat.run import checkpoint
     from nanohlat import device
     from nanohlat.config import UserError
     path = str(tmp_path / "step")
     shutil.copytree(ckpt(eight / "full", STEPS), path)
     named = _break(path, how)
     with pytest.raises(UserError) as e:
-        checkpoint.load_for_inference(path, device.get_device("cpu"))
+        from nanohlat.serving.generate import load_model   # the loader of every command
+        load_model(path, device.get_device("cpu"))
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

@@ -157,7 +157,8 @@ def test_cli_round_trip_through_checkpoints(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "nothing' does not exist" in err and "tokenizer.model" not in err.split(";")[0], err
     from nanohlat.device import get_device
-    back, manifest = ckpt.load_for_inference(str(tmp_path / "back"), get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    back, manifest = load_model(str(tmp_path / "back"), get_device("cpu"))
     assert os.path.isfile(manifest["tokenizer"]) and back.cfg.vocab_size == 300
     x = tokens(CFG)
     assert (back(x)[..., :300] - model(x)[..., :300]).abs().max().item() < TOL

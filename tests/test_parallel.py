@@ -54,19 +54,18 @@ def _flags(cache_dir, out_dir, extra):
 def reference(cache_dir, tmp_path_factory):
     """One process, no parallelism: the ground truth."""
     import train
-    from nanohlat.run import checkpoint
     from nanohlat import config, device
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, ["--no-progress"]))
     train.train(*preflight.inputs(model_cfg, tcfg))
-    model, _ = checkpoint.load_for_inference(str(out), device.get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    model, _ = load_model(str(out), device.get_device("cpu"))
     return read_metrics(str(out)), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def assert_same_as_reference(reference, out_dir, first_step: int = 1):
     """Losses and grad norms of steps first_step.. and the final weights equal the reference's."""
-    from nanohlat.run import checkpoint
     from nanohlat import device
     ref_metrics, ref_weights = reference[:2]
     ref_metrics = [m for m in ref_metrics if m["step"] >= first_step]
@@ -82,7 +81,8 @@ def assert_same_as_reference(reference, out_dir, first_step: int = 1):
         # described above, which the gradient norm (unlike the loss) feels: 1e-4
         rel = 1e-6 if a["step"] == 1 else 1e-4
         assert abs(a["grad_norm"] - b["grad_norm"]) < rel * b["grad_norm"], (a, b)
-    model, _ = checkpoint.load_for_inference(str(out_dir), device.get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    model, _ = load_model(str(out_dir), device.get_device("cpu"))
     for name, p in model.named_parameters():
         diff = (p - ref_weights[name]).abs()
         assert diff.max().item() < WEIGHT_MAX, f"{name} differs by {diff.max().item()}"
@@ -145,13 +145,13 @@ def _ckpt(out_dir, step: int) -> str:
 @pytest.fixture(scope="module")
 def reference_kv2(cache_dir, tmp_path_factory):
     import train
-    from nanohlat.run import checkpoint
     from nanohlat import config, device
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref_kv2")
     model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
     train.train(*preflight.inputs(model_cfg, tcfg))
-    model, _ = checkpoint.load_for_inference(str(out), device.get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    model, _ = load_model(str(out), device.get_device("cpu"))
     return read_metrics(str(out)), {n: p.detach().clone() for n, p in model.named_parameters()}, out
 
 

@@ -1263,7 +1263,8 @@ def test_a_checkpoint_with_a_nan_weight_is_refused_by_every_command_that_uses_it
     from nanohlat import device
     from nanohlat.run import checkpoint
     from nanohlat.serving import server
-    model, manifest = checkpoint.load_for_inference(str(base), device.get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    model, manifest = load_model(str(base), device.get_device("cpu"))
     state = model.state_dict()
     state["layers.1.mlp.up.weight"][3, 5] = float("nan")
     bad = tmp_path / "nan"

@@ -245,8 +245,9 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
     for first, then, name in (("xla_half", "cpu", "xla_then_cpu"), ("cpu_half", "xla", "cpu_then_xla")):
         out_dir, _ = run(first, "--resume", "auto", device=then)
         result[name] = metrics(out_dir)
-    cpu_model, _ = checkpoint.load_for_inference(os.path.join(out, "cpu"), devicelib.get_device("cpu"))
-    xla_model, _ = checkpoint.load_for_inference(os.path.join(out, "plain"), devicelib.get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    cpu_model, _ = load_model(os.path.join(out, "cpu"), devicelib.get_device("cpu"))
+    xla_model, _ = load_model(os.path.join(out, "plain"), devicelib.get_device("cpu"))
     xla_weights = dict(xla_model.named_parameters())
     result["max_weight_diff_xla_vs_cpu"] = max(float((p - xla_weights[n]).detach().abs().max())
                                                for n, p in cpu_model.named_parameters())

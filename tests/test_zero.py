@@ -318,12 +318,12 @@ def test_a_zero2_checkpoint_continues_in_another_layout(four_rank_runs, referenc
 
 def test_eval_and_sample_read_a_zero3_checkpoint_as_the_zero0_one(stage_runs):
     """A ZeRO-3 checkpoint holds whole weights (export all-gathers the shards): loaded for
-    inference (checkpoint.load_for_inference, the one-process load) it is ZeRO-0's model, to round-off."""
+    inference (generate.load_model, the one-process load) it is ZeRO-0's model, to round-off."""
     import torch
     from nanohlat.device import get_device
-    from nanohlat.run import checkpoint
-    z3, _ = checkpoint.load_for_inference(_ckpt(stage_runs["z3_overlap"][1], 5), get_device("cpu"))
-    z0, _ = checkpoint.load_for_inference(_ckpt(stage_runs["z0_overlap"][1], 5), get_device("cpu"))
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    z3, _ = load_model(_ckpt(stage_runs["z3_overlap"][1], 5), get_device("cpu"))
+    z0, _ = load_model(_ckpt(stage_runs["z0_overlap"][1], 5), get_device("cpu"))
     ref = dict(z0.named_parameters())
     for name, p in z3.named_parameters():
         assert torch.allclose(p, ref[name], rtol=0, atol=1e-5), name

@@ -66,7 +66,8 @@ def load_model(path: str, dev, mesh=None, copies: int = 1) -> tuple[Transformer,
     training run does (checkpoint.load). `mesh` must be built with the
     model's kv replicas (mesh.kv_replicas) when tp exceeds its kv heads.
     Every command that uses a model loads it here (sample.py, speculative
-    decoding, eval.py, the harness, the HF export), so each refuses what it
+    decoding, eval.py, the harness, the HF export; the tests too: there is no
+    other inference loader), so each refuses what it
     cannot use in one line: a config that is damaged or does not fit this
     machine (runconfig.check; `copies`: of the weights the caller will hold),
     and non-finite weights."""

@@ -17,8 +17,7 @@ import os
 import torch
 
 from nanohlat import comm, zero3
-from nanohlat.config import UserError, model_from_dict
-from nanohlat.run.checkpoint.history import resolve
+from nanohlat.config import UserError
 from nanohlat.run.checkpoint.manifest import check_files, check_model, corrupt_error, corrupt_files, read_manifest
 from nanohlat.run.checkpoint.optimizer_state import import_state
 from nanohlat.shard_spec import local_part
@@ -160,17 +159,3 @@ def load(path: str, model, opt, mesh, device) -> dict:
         if rng.get("torch_cpu") is not None:
             torch.set_rng_state(rng["torch_cpu"])
     return shards.manifest
-
-
-def load_for_inference(path: str, device) -> tuple:
-    """(whole model on `device` in eval mode, manifest) from a run dir or checkpoint dir."""
-    from nanohlat.model import Transformer
-    path = resolve(path)
-    shards = ShardSet(path)
-    cfg = model_from_dict(shards.manifest["config"]["model"])
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(shards.tensor(name, p.shape))
-    model.to(device.torch_device).eval()
-    return model, shards.manifest
