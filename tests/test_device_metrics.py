@@ -230,7 +230,7 @@ def test_metrics_writer_round_trips_full_precision_and_appends(tmp_path):
 
 def test_throughput_ignores_the_first_step_and_slides():
     t = Throughput(window=2)
-    assert t.update(1000, now=100.0) == 0.0  # compile step: starts the clock only
+    assert t.update(1000, now=100.0) is None  # compile step: starts the clock only (unknown, not 0)
     assert t.update(500, now=101.0) == 500.0
     assert t.update(500, now=102.0) == 500.0
     assert t.update(1500, now=103.0) == 1000.0  # window: the last two steps, 2000 tokens in 2 s
@@ -281,3 +281,23 @@ def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, ca
     err = capsys.readouterr().err
     assert "mfu=?" in err and "mfu=0.0%" not in err, err
     assert err.count("MFU is not reported") == 1
+    # the record says unknown too: null (None), never 0.0 -- the first step is not timed, and an
+    # MFU above 100% is not reported
+    first, second = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert first["tokens_per_s"] is None and first["mfu"] is None, first
+    assert second["tokens_per_s"] > 0 and second["mfu"] is None, second
+
+
+def test_a_known_mfu_is_recorded_from_the_second_step(monkeypatch, cache_dir, tmp_path, capsys):
+    import train
+    from nanohlat import config
+    from nanohlat.run import preflight
+    from nanohlat.tools import metrics
+    monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1e15)      # a peak no rate beats
+    monkeypatch.setattr(metrics, "_cpu_peaks", {})
+    argv = ["--preset", "tiny", "--steps", "2", "--eval-every", "0", "--threads", "1", "--no-progress",
+            "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "run")]
+    train.train(*preflight.inputs(*config.parse_args(argv)))
+    first, second = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert first["tokens_per_s"] is None and first["mfu"] is None, first
+    assert second["tokens_per_s"] > 0 and 0 < second["mfu"] < 1, second

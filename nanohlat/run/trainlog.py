@@ -197,16 +197,16 @@ class TrainLog:
             what = (f"step {step} had" if tcfg.log_every == 1 else
                     f"{skipped} step(s) since the last log (up to step {step}) had")
             print(f"warning: {what} a non-finite loss or gradient; the update was skipped", file=sys.stderr)
-        tps = self.meter.update(self.tokens_per_step)
-        mfu_ = self._mfu(tps) if self.main else None
+        tps = self.meter.update(self.tokens_per_step)   # None: not timed yet (the first step: Throughput)
+        mfu_ = self._mfu(tps) if self.main and tps is not None else None
         self.summary["losses"].append(loss)
+        # unknown is null in the record and "?" on the bar, never 0: no rate yet, or no peak to
+        # divide by (the reason is printed once: describe_peak, or mfu's warning)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
                      "tokens_per_s": tps, "mfu": mfu_})
         if self.bar:
-            # unknown is "?", never 0%: no rate yet (the first step is not timed: Throughput), or no
-            # peak to divide by (the reason is printed once: describe_peak, or mfu's warning)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}" if tps else "?",
-                                 mfu="?" if mfu_ is None or not tps else f"{mfu_ * 100:.1f}%")
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s="?" if tps is None else f"{tps:,.0f}",
+                                 mfu="?" if mfu_ is None else f"{mfu_ * 100:.1f}%")
             if last:   # before anything else is printed (the timeline, the last line)
                 self.bar.close()
         if 0 < tcfg.max_bad_steps <= worst:   # (0: never stop) every rank sees the same counts: all stop together

@@ -201,7 +201,8 @@ class Throughput:
     call only starts the clock: the first step includes graph compilation on
     XLA (minutes on Neuron) and allocator/thread-pool warm-up elsewhere, and
     would drag the average down for the whole window. Until a second step has
-    finished the rate is unknown and 0.0 is returned.
+    finished the rate is unknown and None is returned (never 0.0: no run makes
+    no tokens).
 
     On XLA the host runs ahead of the device, so a single step's wall time is
     meaningless; over a window that spans several sync points, the host can be
@@ -215,16 +216,16 @@ class Throughput:
         # `window` step durations fit between the oldest and newest timestamps.
         self._events: collections.deque[tuple[float, int]] = collections.deque(maxlen=window + 1)
 
-    def update(self, tokens: int, now: float | None = None) -> float:
+    def update(self, tokens: int, now: float | None = None) -> float | None:
         now = time.perf_counter() if now is None else now
         self._events.append((now, tokens))
         if len(self._events) < 2:
-            return 0.0
+            return None
         elapsed = now - self._events[0][0]
         # The oldest entry's tokens were produced before its timestamp, i.e.
         # outside the measured interval, so they are not counted.
         counted = sum(t for _, t in list(self._events)[1:])
-        return counted / elapsed if elapsed > 0 else 0.0
+        return counted / elapsed if elapsed > 0 else None
 
 
 def _nbytes(t) -> int:
