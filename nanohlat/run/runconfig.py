@@ -25,13 +25,11 @@ flags) runs pre-flight's own check_memory.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 
 from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
 from nanohlat.run import preflight
-from nanohlat.run.checkpoint.manifest import PICK_ANOTHER
+from nanohlat.run.checkpoint.manifest import FieldError, damaged, typed_fields
 
 
 def train_section(manifest: dict, path: str) -> dict:
@@ -42,25 +40,13 @@ def train_section(manifest: dict, path: str) -> dict:
     mpath = os.path.join(path, "manifest.json")
 
     def bad(what: str) -> UserError:
-        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} "
-                         f"or restore this one")
+        return damaged(mpath, what)
     if not isinstance(train, dict):
         raise bad(f"config.train is {train!r}, not a record")
-    fields = {f.name: type(f.default) for f in dataclasses.fields(TrainConfig)}
-    known = {}
-    for name, value in train.items():
-        kind = fields.get(name)
-        if kind is None:
-            continue
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = (isinstance(value, bool) if kind is bool else
-              number and isinstance(value, int) if kind is int else
-              number and math.isfinite(value) if kind is float else isinstance(value, kind))
-        if not ok:
-            raise bad(f"config.train.{name} is {value!r}")
-        known[name] = value
-    try:
-        TrainConfig(**known).validate()
+    try:   # each field of its type, then the ranges train.py's flags have (TrainConfig.validate)
+        TrainConfig(**typed_fields(train, TrainConfig, "config.train")).validate()
+    except FieldError as e:
+        raise bad(str(e)) from None
     except UserError as e:
         raise bad(f"config.train: {e}") from None
     return train

@@ -66,12 +66,16 @@ def _count(v, least: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and least <= v <= MOST
 
 
+def damaged(mpath: str, what: str) -> UserError:
+    """The one line for a manifest `mpath` whose field is wrong (`what`: which, and how)."""
+    return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} or restore this one")
+
+
 def _check_fields(mpath: str, m: dict) -> None:
     """Types and ranges of every field a reader uses (a manifest edited by hand,
     or damaged, is named in one line instead of failing deep inside a load)."""
     def bad(what: str) -> UserError:
-        return UserError(f"checkpoint manifest {mpath} is damaged ({what}); {PICK_ANOTHER} "
-                         f"or restore this one")
+        return damaged(mpath, what)
     for k in ("step", "tokens"):
         if not _count(m[k]):
             raise bad(f"{k} is {m[k]!r}, not a whole number in [0, 2^53]")
@@ -97,18 +101,12 @@ def _check_fields(mpath: str, m: dict) -> None:
     cfg = m["config"]
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise bad("config is not {'model': {...}, 'train': {...}}")
-    for f in dataclasses.fields(ModelConfig):   # ints whole, floats finite numbers (no strings, no bools)
-        v = cfg["model"].get(f.name, f.default)
-        ok = _count(v, 1) if isinstance(f.default, int) and not isinstance(f.default, bool) else \
-            isinstance(v, type(f.default)) if isinstance(f.default, bool) else \
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 \
-            if isinstance(f.default, float) else True
-        if not ok:
-            raise bad(f"config.model.{f.name} is {v!r}")
-    try:
-        model_from_dict(cfg["model"]).validate()
-    except (TypeError, ValueError, UserError) as e:
-        raise bad(f"config.model: {str(e).splitlines()[0] if str(e) else e.__class__.__name__}") from None
+    try:   # each field of its type, then the model's ranges (config.ModelConfig.validate)
+        model_from_dict(typed_fields(cfg["model"], ModelConfig, "config.model")).validate()
+    except FieldError as e:
+        raise bad(str(e)) from None
+    except UserError as e:
+        raise bad(f"config.model: {str(e).splitlines()[0]}") from None
     if not isinstance(m["tokenizer"], str):
         raise bad(f"tokenizer is {m['tokenizer']!r}, not a path")
     files = m["files"]
@@ -137,6 +135,33 @@ def _check_fields(mpath: str, m: dict) -> None:
         v = (m.get(k) or {}).get(f)
         if v is not None and not isinstance(v, str):
             raise bad(f"{k}.{f} is {v!r}, not a string")
+
+
+class FieldError(ValueError):
+    """A field of a run file that is not of its kind (typed_fields)."""
+
+
+def typed_fields(record: dict, cls, where: str) -> dict:
+    """The fields of dataclass `cls` (config.ModelConfig, config.TrainConfig) in `record`,
+    each checked to be of its default's kind: an int a whole number, a float a finite
+    number (no strings, no bools, no NaN), a bool a bool, a str a str. A name `cls` does
+    not have (another nanohlat version's) is left out. Their ranges are cls.validate's.
+    One checker for the `model` section (read_manifest) and the `train` one (runconfig.py).
+    FieldError naming `where`.name otherwise."""
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+    known = {}
+    for name, value in record.items():
+        kind = kinds.get(name)
+        if kind is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (isinstance(value, bool) if kind is bool else
+              number and isinstance(value, int) if kind is int else
+              number and math.isfinite(value) if kind is float else isinstance(value, kind))
+        if not ok:
+            raise FieldError(f"{where}.{name} is {value!r}")
+        known[name] = value
+    return known
 
 
 def check_files(path: str, manifest: dict) -> None:
