@@ -69,8 +69,8 @@ def check_args(args) -> None:
 
 
 def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
-    """One checkpoint -> one result row (held-out metrics and every task)."""
-    path = checkpoint.resolve(path)
+    """One checkpoint directory (resolved once, by main) -> one result row (held-out
+    metrics and every task)."""
     # checked as it loads (generate.load_model): the run's config (its train section: the windows'
     # seq_len), the model's size, finite weights. An imported model (nanohlat.serving.hf) has no
     # training config: the built-in corpus then.
@@ -91,7 +91,7 @@ def evaluate_checkpoint(path: str, args, dev, cache: dict) -> dict:
                         f"the model's vocab_size {cfg.vocab_size}")
     seq_len = min(train.get("seq_len", cfg.max_seq_len), cfg.max_seq_len)
     t0 = time.time()
-    row = {"checkpoint": os.path.abspath(checkpoint.resolve(path)),
+    row = {"checkpoint": os.path.abspath(path),
            "step": manifest.get("step", 0), "tokens": manifest.get("tokens", 0), "seq_len": seq_len}
     row.update(evaluate.heldout_metrics(model, ds, seq_len, args.batch_size, args.max_batches, dev.torch_device))
     row["tasks"] = {t.name: evaluate.evaluate_task(model, ds.tokenizer, t, args.shots, args.seed,
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     out = args.json or os.path.join(args.out_dir, "eval.json")
     check_json_path(out)
     dev = devicelib.get_device(args.device)
-    if args.all_checkpoints:
+    if args.all_checkpoints:   # every path a checkpoint directory, resolved here once
         paths = checkpoint.list_checkpoints(args.out_dir)
         if not paths:
             raise UserError(f"--out-dir {args.out_dir!r} has no saved checkpoints; train first, or give "
