@@ -1177,6 +1177,21 @@ def test_a_damaged_config_is_one_line_in_every_command_that_builds_its_model(cas
     assert not (tmp_path / "hf").exists() and not (run_copy / "eval.json").exists()
 
 
+def test_the_cheap_checks_come_before_the_shards_are_hashed(run_copy, capsys):
+    """A model too big for this machine and a corrupt shard: the size, known from the
+    manifest alone, is what sample.py says, before reading every shard's bytes for its sha256."""
+    import sample
+    _edit_manifest(run_copy, 4, lambda m: m["config"]["model"].update(max_seq_len=10**12))
+    shard = os.path.join(ckpt(run_copy, 4), "shard_00000.pt")
+    with open(shard, "r+b") as f:   # same size, other bytes: only the hash can tell
+        f.seek(100)
+        f.write(b"\0" * 16)
+    assert sample.main(["--out-dir", str(run_copy), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    one_line_error(err, "this model does not fit", ckpt(run_copy, 4))
+    assert "sha256" not in err, err
+
+
 def test_hf_import_of_a_model_too_big_for_this_machine_is_refused_before_reading_it(base, tmp_path, capsys):
     """The size comes from config.json, checked before any weight is read."""
     from nanohlat.serving import hf

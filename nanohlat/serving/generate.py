@@ -72,10 +72,14 @@ def load_model(path: str, dev, mesh=None, copies: int = 1) -> tuple[Transformer,
     machine (runconfig.check; `copies`: of the weights the caller will hold),
     and non-finite weights."""
     group = mesh.tp_group if mesh is not None else Group("tp", [0], 0)
-    shards = checkpoint.ShardSet(checkpoint.resolve(path), mesh, dev)
-    runconfig.check(shards.manifest, shards.path, dev.kind, copies, group.size)   # its fields, and that it fits
-    cfg = model_from_dict(shards.manifest["config"]["model"])
+    path = checkpoint.resolve(path)
+    # the cheap checks first (the manifest, its config, the size, the tp degree), then the
+    # expensive one: ShardSet reads every byte of every shard for its sha256
+    manifest = checkpoint.read_manifest(path)
+    runconfig.check(manifest, path, dev.kind, copies, group.size)   # its fields, and that it fits
+    cfg = model_from_dict(manifest["config"]["model"])
     check_tp(cfg, group.size)
+    shards = checkpoint.ShardSet(path, mesh, dev, manifest)
     model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
     for name, p in model.named_parameters():
         full = shards.tensor(name, p.shard.full_shape)

@@ -31,9 +31,9 @@ class ShardSet:
     each byte is read for verification once per job, not once per rank.
     """
 
-    def __init__(self, path: str, mesh=None, device=None):
+    def __init__(self, path: str, mesh=None, device=None, manifest: dict | None = None):
         self.path = path
-        self.manifest = read_manifest(path)
+        self.manifest = manifest if manifest is not None else read_manifest(path)   # (given: read already)
         check_files(path, self.manifest)
         names = sorted(self.manifest["files"])
         rank, world = (mesh.rank, mesh.world) if mesh is not None else (0, 1)
