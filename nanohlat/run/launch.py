@@ -326,16 +326,25 @@ def worker_stub(e: BaseException) -> None:
     the peer's line, which `_report_failures` prints last, is the cause.
     os._exit: a process group torn down at interpreter exit can abort the
     process (gloo, see preflight.worker) and turn the 2 into a signal."""
-    from nanohlat.run import runlock
     line = not_done(e)
     if line is None and _peer_reached_a_stub():
         line = "stopped: a peer rank reached an exercise stub (below)"
     if line is not None:
         report_error(line)
-        runlock.release_all()   # (torchrun's rank 0 holds the run lock itself)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        hard_exit(2)   # (torchrun's rank 0 holds the run lock itself: released there)
+
+
+def hard_exit(code: int) -> None:
+    """End this worker now with `code`: its run locks released, stdout and stderr
+    flushed, then os._exit, skipping the interpreter's exit, where tearing down a
+    process group can wait seconds for the peers or abort (gloo). The one way a
+    worker leaves early (worker_stub, preflight.worker's second Ctrl-C and
+    collective timeout); nothing is saved."""
+    from nanohlat.run import runlock
+    runlock.release_all()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 NOT_DONE = re.compile(r"exercise \d+[a-z] is not done yet \(")   # system/cli.py:not_done's line

@@ -217,22 +217,16 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     except OSError as e:
         launch.report_error(os_error_message(e))
         sys.exit(2)
-    except KeyboardInterrupt:   # the second Ctrl-C: now. os._exit: leaving a process group to the
-        runlock.release_all()   # interpreter's exit can wait seconds for the peers (gloo); nothing is saved
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+    except KeyboardInterrupt:   # the second Ctrl-C: now (leaving a process group to the interpreter's
+        launch.hard_exit(130)   # exit can wait seconds for the peers, gloo); nothing is saved
     except Exception as e:
         launch.worker_stub(e)   # an exercise stub of a student copy: its one line, exit 2
         if isinstance(e, RuntimeError) and launch.is_collective_timeout(e):
             # a peer made no progress for --collective-timeout seconds: one line, exit 1 (a run-time
-            # failure; 2 is for inputs the user can fix). os._exit: tearing down a process group that
+            # failure; 2 is for inputs the user can fix). hard_exit: tearing down a process group that
             # is still waiting on a stuck peer can hang or abort, and there is nothing left to save.
             launch.report_error(launch.collective_timeout_message(rank, world, tcfg.collective_timeout))
-            runlock.release_all()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            launch.hard_exit(1)
         # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
         launch.report_error(launch.crash_line(e))
         raise
