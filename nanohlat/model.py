@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import shard_spec, tensor_parallel as tpl
+from . import moe, shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -146,12 +146,16 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True):
+                 regather: bool = True, layer: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.mlp = MLP(cfg, group, sequence_parallel, regather)
+        if not cfg.is_moe_layer(layer):   # the dense SwiGLU MLP (every layer unless --moe-experts is given)
+            self.mlp = MLP(cfg, group, sequence_parallel, regather)
+        else:                             # a mixture of experts in its place (moe.py; tp 1, pp 1: config.py)
+            self.mlp = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
+                               cfg.moe_capacity_factor)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
@@ -178,7 +182,8 @@ class Transformer(nn.Module):
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather, i) for i in self.layer_ids})
+        self.moe_tally = None   # MoE: the step's router figures so far (moe.tally; run/session.py logs them)
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -233,7 +238,15 @@ class Transformer(nn.Module):
                                     self.sp_regather)                    # (B, T, V/tp)
         if targets is None:
             return logits
-        return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
+        losses = tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)   # (B, T)
+        mlps = [self.layers[str(i)].mlp for i in ids]
+        router = moe.router_loss(mlps, self.cfg.moe_aux_coef, self.cfg.moe_z_coef)   # (B,) or None (dense)
+        if router is None or not torch.is_grad_enabled():   # held-out losses are the language model's alone
+            return losses
+        tally = moe.tally(mlps)
+        self.moe_tally = tally if self.moe_tally is None else self.moe_tally + tally
+        # each token carries its sequence's router losses: the mean over tokens adds their mean over sequences
+        return losses + router.unsqueeze(1)
 
 
 # ---------------------------------------------------------------------------

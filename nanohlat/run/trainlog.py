@@ -177,7 +177,7 @@ class TrainLog:
         self.summary.update(measured)
         self.print(report)
 
-    def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False) -> None:
+    def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False, extra: dict | None = None) -> None:
         """After the step's sync: on a step to log (every --log-every, and the
         run's last), queue the host's look at its values; move the bar on."""
         self.last_step = step
@@ -185,9 +185,9 @@ class TrainLog:
             self.bar.update(1)
         if step % self.tcfg.log_every == 0 or last:
             self.dev.add_step_closure(self._log_step, step, loss, norm, self.worst_streak, self.skipped, lr,
-                                      tokens, last)
+                                      tokens, last, extra or {})
 
-    def _log_step(self, step, loss, norm, worst, skipped, lr, tokens, last):
+    def _log_step(self, step, loss, norm, worst, skipped, lr, tokens, last, extra):
         """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
         tcfg = self.tcfg
         loss, norm = float(loss), float(norm)
@@ -201,7 +201,7 @@ class TrainLog:
         mfu_ = self._mfu(tps) if self.main else None
         self.summary["losses"].append(loss)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                     "tokens_per_s": tps, "mfu": mfu_})
+                     "tokens_per_s": tps, "mfu": mfu_, **extra})   # extra: a MoE model's figures (moe.py)
         if self.bar:
             # unknown is "?", never 0%: no rate yet (the first step is not timed: Throughput), or no
             # peak to divide by (the reason is printed once: describe_peak, or mfu's warning)

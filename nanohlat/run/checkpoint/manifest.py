@@ -92,10 +92,11 @@ def _check_fields(mpath: str, m: dict) -> None:
         raise bad("config is not {'model': {...}, 'train': {...}}")
     for f in dataclasses.fields(ModelConfig):   # ints whole, floats finite numbers (no strings, no bools)
         v = cfg["model"].get(f.name, f.default)
-        ok = _count(v, 1) if isinstance(f.default, int) and not isinstance(f.default, bool) else \
+        least = 0 if f.name.startswith("moe_") else 1   # the MoE fields may be 0 (no experts, no aux loss, dropless)
+        ok = _count(v, least) if isinstance(f.default, int) and not isinstance(f.default, bool) else \
             isinstance(v, type(f.default)) if isinstance(f.default, bool) else \
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 \
-            if isinstance(f.default, float) else True
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+            (v >= 0 if least == 0 else v > 0) if isinstance(f.default, float) else True
         if not ok:
             raise bad(f"config.model.{f.name} is {v!r}")
     try:
