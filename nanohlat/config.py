@@ -432,11 +432,9 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
     refused += [_flag(name) for name in ("compile", "plan") if getattr(tcfg, name)]   # plan: counts dense MLPs
-    if tcfg.device == "xla" and not model_cfg.moe_capacity_factor:   # dropless: data-dependent shapes
-        refused.append("--device xla without --moe-capacity-factor")
     if refused:
         raise UserError(f"--moe-experts with {', '.join(refused)} is not supported yet: a MoE model trains with "
-                        f"--dp (any --zero) on cpu or cuda, and on xla only in capacity mode (static shapes, moe.py)")
+                        f"--dp (any --zero): experts replicated like the dense weights (moe.py)")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:
