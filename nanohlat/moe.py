@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import shard_spec
+from . import comm, shard_spec
 
 
 class Weight(nn.Module):
@@ -132,6 +132,56 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts)) if counts[e]]
     out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
+
+
+class _AllToAll(torch.autograd.Function):
+    """comm.all_to_all as an autograd function: its backward sends each row's
+    gradient back the way the row came (the same call, send and recv swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return comm.all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
+    """Dropless with the E experts spread over the ep ranks of `group`, E/ep each
+    (rank r holds experts r*E/ep ... (r+1)*E/ep - 1: gate, up, down are its slice).
+    Each rank routes its own tokens; then, as `dispatch_sorted` but across ranks:
+
+      1. sort this rank's N*k choices by expert: the choices for rank r's experts are
+         one contiguous run, since its experts are consecutive;
+      2. the counts go first (an all-to-all of E/ep numbers per rank pair), so that
+         every rank knows how many rows it will receive, from whom, for which expert;
+      3. all-to-all the tokens: each run goes to the rank holding its experts;
+      4. each rank groups what it received by local expert, computes it, ungroups;
+      5. all-to-all back (the same splits, reversed), weight and sum per token.
+
+    The same result as dispatch_sorted on the whole group's tokens with all E
+    experts, and (through _AllToAll's backward) the same gradients; each expert's
+    gradient, on the one rank of the group that holds it, sums over every token
+    of the group routed to it."""
+    N, k = experts.shape
+    ep, local = group.size, gate.shape[0]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)                              # 1. by expert: by destination rank too
+    token = order // k
+    counts = torch.bincount(flat, minlength=ep * local)            # (E,) choices per global expert
+    got_counts = comm.all_to_all(counts, [local] * ep, [local] * ep, group).view(ep, local)   # 2. [source, expert]
+    send, recv = counts.view(ep, local).sum(1).tolist(), got_counts.sum(1).tolist()
+    received = _AllToAll.apply(x[token], send, recv, group)       # 3. by source rank, by expert inside
+    expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(got_counts.reshape(-1))
+    by_expert = expert_of.argsort(stable=True)                     # 4. group by local expert
+    sizes = torch.bincount(expert_of, minlength=local).tolist()
+    chunks = received[by_expert].split(sizes)
+    outs = [swiglu(c, gate[e], up[e], down[e]) if sizes[e] else c for e, c in enumerate(chunks)]
+    out = torch.cat(outs)[by_expert.argsort()]                     # back in received order
+    back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
+    return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))
 
 
 def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:

@@ -275,3 +275,59 @@ def test_without_the_balance_loss_the_busiest_expert_takes_more(cache_dir, tmp_p
         last = read_metrics(str(tmp_path / coef))[-10:]
         load[coef] = sum(m["moe_load_max"] for m in last) / len(last)
     assert load["0"] > load["0.1"] + 0.2, load
+
+
+def _expert_parallel_worker(rank: int, world: int, out_dir: str) -> None:
+    """One rank of an ep group of `world`: its half of a fixed batch, its half of the
+    experts; saves its output and gradients for the test to compare."""
+    import torch.distributed as dist
+    from nanohlat.comm import CommLedger, Group
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ledger = CommLedger()
+    group = Group("ep", list(range(world)), rank, dist.new_group(list(range(world))), ledger)
+    x, w, params, g = _expert_parallel_case()
+    N, local = x.shape[0] // world, params[0].shape[0] // world
+    mine = x[rank * N:(rank + 1) * N].clone().requires_grad_()
+    experts, weights, _, _ = moe.route(mine.unsqueeze(0), w, 2)
+    held = [p[rank * local:(rank + 1) * local].clone().requires_grad_() for p in params]
+    y = moe.dispatch_expert_parallel(mine, experts[0], weights[0], *held, group)
+    (y * g[rank * N:(rank + 1) * N]).sum().backward()
+    torch.save({"y": y.detach(), "x_grad": mine.grad, "grads": [p.grad for p in held],
+                "ledger": ledger.snapshot()}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _expert_parallel_case():
+    x, w = _routing_case(N=48, C=16, E=4, seed=3)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), dtype=x.dtype)
+    return x, w, _experts(E=4, C=16), g
+
+
+def test_expert_parallel_dispatch_equals_one_process(tmp_path):
+    """ep 2 (two gloo processes, two experts each, half the tokens each): the
+    all-to-all dispatch gives each rank's rows of the one-process output, its
+    tokens' input gradients and, on each expert's holder, the expert's gradient
+    over all tokens (fp64, to round-off)."""
+    from dist_utils import spawn_workers
+    spawn_workers(_expert_parallel_worker, 2, (str(tmp_path),), str(tmp_path / "err"))
+    x, w, params, g = _expert_parallel_case()
+    x = x.clone().requires_grad_()
+    params = [p.clone().requires_grad_() for p in params]
+    experts, weights, _, _ = moe.route(x.unsqueeze(0), w, 2)
+    y = moe.dispatch_sorted(x, experts[0], weights[0], *params)
+    (y * g).sum().backward()
+    N, local = x.shape[0] // 2, 2
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.allclose(got["y"], y[r * N:(r + 1) * N].detach(), rtol=0, atol=1e-12)
+        assert torch.allclose(got["x_grad"], x.grad[r * N:(r + 1) * N], rtol=0, atol=1e-12)
+        for mine, full in zip(got["grads"], params):
+            assert torch.allclose(mine, full.grad[r * local:(r + 1) * local], rtol=0, atol=1e-12)
+        # the counts first (E/ep int64 to the other rank), then the tokens there and back; the backward
+        # sends the gradients of both token all-to-alls back: 5 calls, each token row (16 fp64) 4 times
+        to_other = int((experts[0, r * N:(r + 1) * N] // local != r).sum())       # my choices, its experts
+        from_other = int((experts[0, (1 - r) * N:(2 - r) * N] // local == r).sum())   # its choices, my experts
+        assert got["ledger"]["ep.all_to_all"]["calls"] == 5
+        assert got["ledger"]["ep.all_to_all"]["wire"] == local * 8 + 2 * (to_other + from_other) * 16 * 8
+        assert to_other > 0 and from_other > 0
