@@ -153,6 +153,7 @@ class TrainConfig:
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
     zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py), 3 + parameters (zero3.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
@@ -187,7 +188,7 @@ class TrainConfig:
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
@@ -420,7 +421,7 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
     model_cfg.validate()
     tcfg.validate()
-    if model_cfg.moe_experts:
+    if model_cfg.moe_experts or tcfg.ep > 1:
         check_moe_layout(model_cfg, tcfg)
     if tcfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
@@ -432,9 +433,16 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
     refused += [_flag(name) for name in ("compile", "plan") if getattr(tcfg, name)]   # plan: counts dense MLPs
+    if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, without ZeRO
+        if not model_cfg.moe_experts:
+            raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
+        refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
+            ("--moe-capacity-factor", model_cfg.moe_capacity_factor), (f"--zero {tcfg.zero}", tcfg.zero),
+            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas))
+            if on]
     if refused:
-        raise UserError(f"--moe-experts with {', '.join(refused)} is not supported yet: a MoE model trains with "
-                        f"--dp (any --zero): experts replicated like the dense weights (moe.py)")
+        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with "
+                        f"--dp (any --zero): experts replicated like the dense weights (moe.py); --ep: dropless, fp32, no ZeRO")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

@@ -52,8 +52,12 @@ Dispatch, two ways (`MoE.capacity_factor`):
     which is logged.
 
 Experts are replicated on every rank, like the dense weights: with data
-parallelism their gradients are all-reduced over dp with the rest (tensor and
-pipeline parallelism with MoE are refused in config.py). Shapes: N tokens, C
+parallelism their gradients are all-reduced over dp with the rest. Or, with
+expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
+group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
+travel to their experts' ranks and back (`dispatch_expert_parallel`); an
+expert's gradient is then summed over the dp/N ranks holding the same experts
+(optim.py). Tensor and pipeline parallelism with MoE are refused in config.py. Shapes: N tokens, C
 d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 
@@ -74,9 +78,12 @@ class Weight(nn.Module):
     (E, F, C) / (E, C, F). Named like the dense MLP's linears, so that
     model.full_init initialises them alike (`...mlp.down.weight` is scaled down)."""
 
-    def __init__(self, *shape: int):
+    def __init__(self, *shape: int, ep: int = 1, ep_rank: int = 0):
         super().__init__()
-        self.weight = shard_spec._param(shape, None, 1)
+        if ep == 1:
+            self.weight = shard_spec._param(shape, None, 1)
+        else:   # expert parallelism: this rank's E/ep experts of the full (E, ...) stack
+            self.weight = shard_spec._param(shape, 0, ep, ep_rank, group="ep")
 
 
 def swiglu(x, gate, up, down):
@@ -217,13 +224,14 @@ class MoE(nn.Module):
     `self.load` its tokens per expert and dropped fraction, for model.py's loss and log."""
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
-                 capacity_factor: float = 0.0):
+                 capacity_factor: float = 0.0, ep_group=None):
         super().__init__()
-        self.k, self.capacity_factor = top_k, capacity_factor
+        self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
+        ep, ep_rank = (ep_group.size, ep_group.rank) if ep_group is not None else (1, 0)
         self.router = Weight(n_experts, d_model)                   # one linear, no bias: logits = x W_r^T
-        self.gate = Weight(n_experts, ffn_dim, d_model)
-        self.up = Weight(n_experts, ffn_dim, d_model)
-        self.down = Weight(n_experts, d_model, ffn_dim)
+        self.gate = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)   # (E/ep of them with --ep)
+        self.up = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)
+        self.down = Weight(n_experts, d_model, ffn_dim, ep=ep, ep_rank=ep_rank)
         self.n_shared = n_shared
         if n_shared:   # shared experts: every token uses them; n of width F act as one of width n * F
             self.shared_gate = Weight(n_shared * ffn_dim, d_model)
@@ -238,12 +246,15 @@ class MoE(nn.Module):
         params = (self.gate.weight, self.up.weight, self.down.weight)
         if self.capacity_factor > 0:
             y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor)
+        elif self.ep_group is not None and self.ep_group.size > 1:   # --ep: to the experts' ranks and back
+            y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group)
+            dropped = flat.new_zeros((), dtype=torch.float32)
         else:
             y, dropped = dispatch_sorted(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
         if self.n_shared:
             y = y + swiglu(flat, self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
         self.losses = (balance, z)
-        self.load = (torch.bincount(experts.reshape(-1), minlength=self.gate.weight.shape[0]).float(),
+        self.load = (torch.bincount(experts.reshape(-1), minlength=self.n_experts).float(),
                      dropped.detach().float())
         return y.view(B, T, C)
 

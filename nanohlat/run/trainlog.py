@@ -133,7 +133,8 @@ class TrainLog:
                                     v=tcfg.virtual_stages))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
-                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'})")
+                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'}"
+                       f"{f'; experts over ep {tcfg.ep}' if tcfg.ep > 1 else ''})")
         self.writer = MetricsWriter(self.path) if self.main else None
         self.write_failed: str | None = None   # a row metrics.jsonl could not take (`_write`)
 
