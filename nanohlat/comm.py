@@ -8,6 +8,10 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
+A fifth, `all_to_all` (each rank's rows to every rank, in counts both sides know),
+is a mixture of experts' dispatch to the ranks that hold each token's experts
+(expert parallelism, moe.py).
+
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
 `trace` (--timeline: tools/timeline.py:CommTrace) is told when these and the two
@@ -211,3 +215,20 @@ def exchange(x: torch.Tensor, pair, sends: bool = True, receives: bool = True) -
                            padding=size * (not sends))
     _all_gather_tensor(out, x.unsqueeze(0), group=pair.pg)
     return out[1 - pair.rank]
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Rows of x to every rank: the first send[0] rows to rank 0 of the group, the next
+    send[1] to rank 1, ...; returns the rows received, recv[r] from rank r, in rank order
+    (expert parallelism, moe.py: both sides learn the counts first). The ledger's payload
+    is what this rank sends, its wire what goes to other ranks (its own rows stay)."""
+    if group.size == 1:
+        return x
+    _check_device(x, group)
+    x = x.contiguous()
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    if group.ledger is not None:
+        row = x.element_size() * (x.numel() // max(x.shape[0], 1) if x.shape[0] else 0)
+        group.ledger.record(f"{group.name}.all_to_all", sum(send) * row, (sum(send) - send[group.rank]) * row)
+    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group.pg)
+    return out

@@ -42,6 +42,17 @@ class ModelConfig:
     # config and never by the tensor-parallel degree, so every layout has the
     # same padded vocabulary (docs/design.md 5.3). 128 divides by every tp we allow.
     vocab_multiple: int = 128
+    # Mixture of experts (moe.py). 0 experts: every block's MLP is dense (all the presets but `moe`)
+    moe_experts: int = 0         # E expert MLPs of ffn_dim each in a sparse layer
+    moe_top_k: int = 2           # experts each token uses
+    moe_shared_experts: int = 0  # experts every token uses besides its k
+    moe_every: int = 1           # layer i is sparse when (i + 1) % moe_every == 0 (2: every other layer)
+    moe_aux_coef: float = 0.01   # coefficient of the load-balancing loss
+    moe_z_coef: float = 0.001    # coefficient of the router z-loss
+    moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes ceil(c * tokens * k / E)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -67,7 +78,15 @@ class ModelConfig:
         """Parameters of the full (unsharded) model, padded vocabulary included:
         embedding and head, per layer its matrices and two RMSNorm gains, the final norm."""
         d, v, L = self.d_model, self.padded_vocab, self.n_layers
-        return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d
+        return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d + self.moe_extra_params()
+
+    def moe_extra_params(self, active: bool = False) -> int:
+        """What the sparse layers hold beyond dense ones: each has E + shared experts (active:
+        the k + shared a token uses) in the place of one MLP, and the router (E x d_model)."""
+        sparse = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        experts = self.moe_top_k if active else self.moe_experts
+        return sparse * ((experts + self.moe_shared_experts - 1) * 3 * self.d_model * self.ffn_dim
+                         + self.moe_experts * self.d_model)
 
     def validate(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
@@ -82,6 +101,19 @@ class ModelConfig:
             raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
         for name in ("rope_theta", "norm_eps"):
             _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
+        if self.moe_experts:
+            self.validate_moe()
+
+    def validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise UserError(f"--moe-experts must be >= 0 (0: a dense model), got {self.moe_experts}")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise UserError(f"--moe-top-k {self.moe_top_k} must be in [1, --moe-experts {self.moe_experts}]")
+        if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
+            raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
+                            f"got {self.moe_shared_experts} and {self.moe_every}")
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor"):
+            _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
 
 
 @dataclass
@@ -121,6 +153,7 @@ class TrainConfig:
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
     zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py), 3 + parameters (zero3.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
@@ -155,7 +188,7 @@ class TrainConfig:
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp"):
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
@@ -276,6 +309,12 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
                     vocab_size=32000, max_seq_len=2048),
         dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
     ),
+    # tiny's shape with 4 experts of ffn 128, top-2, in every layer: trains on the CPU (moe.py)
+    "moe": (
+        ModelConfig(n_layers=4, d_model=64, n_heads=8, n_kv_heads=4, ffn_dim=128,
+                    vocab_size=512, max_seq_len=64, moe_experts=4, moe_top_k=2),
+        dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
+    ),
     "hlat-7b": (
         ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008,
                     vocab_size=32000, max_seq_len=4096),
@@ -341,6 +380,10 @@ HELP = {
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
     "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
     "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
+    "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/moe.py)",
+    "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
+    "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
+                           "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }
 
@@ -378,10 +421,28 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
     model_cfg.validate()
     tcfg.validate()
+    if model_cfg.moe_experts or tcfg.ep > 1:
+        check_moe_layout(model_cfg, tcfg)
     if tcfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
                         f"lower --seq-len or raise --max-seq-len")
     return model_cfg, tcfg
+
+
+def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
+    refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
+    refused += [_flag(name) for name in ("compile", "plan") if getattr(tcfg, name)]   # plan: counts dense MLPs
+    if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, without ZeRO
+        if not model_cfg.moe_experts:
+            raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
+        refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
+            ("--moe-capacity-factor", model_cfg.moe_capacity_factor), (f"--zero {tcfg.zero}", tcfg.zero),
+            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas))
+            if on]
+    if refused:
+        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with "
+                        f"--dp (any --zero): experts replicated like the dense weights (moe.py); --ep: dropless, fp32, no ZeRO")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

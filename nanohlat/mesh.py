@@ -20,13 +20,15 @@ Example, tp=2, pp=2, dp=2 (8 ranks):
 Every rank creates every group in the same order (collective libraries require
 it), and a group of size 1 is never created: collectives on it are no-ops.
 
-Two kinds of groups are special cases, each in a labelled section at the end
+Three kinds of groups are special cases, each in a labelled section at the end
 of this file, to skip on a first reading: the kv groups (only when tp >
-n_kv_heads) and the pipeline's neighbour pairs in the shape XLA wants.
+n_kv_heads), the pipeline's neighbour pairs in the shape XLA wants, and the
+expert-parallel groups of a mixture of experts (only with --ep > 1).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .comm import Group
@@ -83,6 +85,8 @@ def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
                         f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
     if tcfg.sequence_parallel and tcfg.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
+    if tcfg.ep > 1:
+        check_ep(tcfg, dp, model.moe_experts)
     return dp
 
 
@@ -135,6 +139,7 @@ class Mesh:
     groups: dict = field(default_factory=dict)
     kv_replicas: int = 1        # tp ranks per kv head when tp > n_kv_heads (kv_replicas())
     virtual_stages: int = 1     # interleaved: chunks per stage; > 1 needs the wrap pair (last -> first stage)
+    ep: int = 1                 # expert parallelism: dp ranks sharing a mixture's experts (ep_groups())
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)
@@ -157,6 +162,8 @@ class Mesh:
         tp, pp, dp = self.tp, self.pp, self.dp
         if kind == "kv":
             return kv_groups(tp, pp, dp, self.kv_replicas)
+        if kind in ("ep", "ep_dp"):
+            return ep_groups(kind, tp, pp, dp, self.ep)
         r = lambda d, p, t: rank_of(d, p, t, tp, dp)
         # exercise 6b: begin
         if kind == "tp":
@@ -176,7 +183,7 @@ class Mesh:
         if device is not None and self.world > 1:
             import torch.distributed as dist
             self.groups["world"] = Group("world", list(range(self.world)), self.rank, dist.group.WORLD, self.ledger)
-        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv", "pair_wrap"):
+        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv", "pair_wrap", "ep", "ep_dp"):
             partition = self._all(kind)
             for ranks in partition:
                 pg = None
@@ -191,7 +198,8 @@ class Mesh:
     def group(self, key: str) -> Group:
         """'tp', 'dp', 'pp', 'world', 'next' (pair with stage+1), 'prev' (pair
         with stage-1), 'kv' (the ranks sharing this rank's kv head), 'wrap'
-        (last stage <-> first stage: with pp = 2 the one pair of neighbours)."""
+        (last stage <-> first stage: with pp = 2 the one pair of neighbours),
+        'ep' (the dp ranks sharing the experts), 'ep_dp' (those holding the same ones)."""
         if key == "wrap" and self.pp == 2:
             return self.group("next" if self.is_first_stage else "prev")
         if key not in self.groups:  # single process, or no such neighbour
@@ -266,3 +274,29 @@ def pair_key(ranks: list[int], rank: int, tp: int, pp: int, dp: int) -> str:
     if pp > 2 and {mine, theirs} == {0, pp - 1}:
         return "wrap"
     return "next" if theirs == mine + 1 else "prev"
+
+
+# ---------------------------------------------------------------------------
+# Expert parallelism, only with --ep > 1 (a mixture of experts, moe.py). Out
+# of each dp group, runs of ep neighbouring dp ranks form an "ep" group that
+# shares the E experts (E/ep each, tokens sent to them by all-to-all); the dp
+# ranks with the same place in their run hold the same experts and form an
+# "ep_dp" group (dp/ep ranks), over which those experts' gradients are summed.
+# Example dp 4, ep 2: ep groups [0 1] [2 3], ep_dp groups [0 2] [1 3].
+# ---------------------------------------------------------------------------
+
+def ep_groups(kind: str, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
+    """The 'ep' or 'ep_dp' groups as lists of ranks (none when ep = 1)."""
+    if ep == 1:
+        return []
+    r = lambda d, p, t: rank_of(d, p, t, tp, dp)   # noqa: E731
+    if kind == "ep":
+        return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]
+    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]
+
+
+def check_ep(tcfg: TrainConfig, dp: int, n_experts: int) -> None:
+    """--ep N: N divides dp and the experts."""
+    if dp % tcfg.ep or n_experts % tcfg.ep:
+        raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {n_experts} (each of the ep ranks "
+                        f"holds experts / ep of them); choose among {_choices(divisors(math.gcd(dp, n_experts)))}")

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import shard_spec, tensor_parallel as tpl
+from . import moe, shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -146,12 +146,16 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True):
+                 regather: bool = True, layer: int = 0, ep_group: Group | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.mlp = MLP(cfg, group, sequence_parallel, regather)
+        if not cfg.is_moe_layer(layer):   # the dense SwiGLU MLP (every layer unless --moe-experts is given)
+            self.mlp = MLP(cfg, group, sequence_parallel, regather)
+        else:                             # a mixture of experts in its place (moe.py; tp 1, pp 1: config.py)
+            self.mlp = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
+                               cfg.moe_capacity_factor, ep_group)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
@@ -163,11 +167,12 @@ class Transformer(nn.Module):
     the tp group; `kv_group`: the ranks sharing a kv head when tp > n_kv_heads
     (mesh.group("kv")); `sp_regather`: with sequence parallel, keep only each
     rank's T/tp tokens for the column-parallel matmuls' backward and gather
-    them again there (--sp-regather; tensor_parallel.enter_linears)."""
+    them again there (--sp-regather; tensor_parallel.enter_linears); `ep_group`:
+    the ranks sharing the experts of a mixture of experts (--ep; moe.py)."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
                  layers: range | list[int] | None = None, first: bool = True, last: bool = True,
-                 kv_group: Group | None = None, sp_regather: bool = True):
+                 kv_group: Group | None = None, sp_regather: bool = True, ep_group: Group | None = None):
         super().__init__()
         group = group or Group("tp", [0], 0)
         self.cfg, self.group = cfg, group
@@ -178,7 +183,9 @@ class Transformer(nn.Module):
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather, i, ep_group)
+                                     for i in self.layer_ids})
+        self.moe_tally = None   # MoE: the step's router figures so far (moe.tally; run/session.py logs them)
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -233,7 +240,15 @@ class Transformer(nn.Module):
                                     self.sp_regather)                    # (B, T, V/tp)
         if targets is None:
             return logits
-        return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)
+        losses = tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)   # (B, T)
+        mlps = [self.layers[str(i)].mlp for i in ids]
+        router = moe.router_loss(mlps, self.cfg.moe_aux_coef, self.cfg.moe_z_coef)   # (B,) or None (dense)
+        if router is None or not torch.is_grad_enabled():   # held-out losses are the language model's alone
+            return losses
+        tally = moe.tally(mlps)
+        self.moe_tally = tally if self.moe_tally is None else self.moe_tally + tally
+        # each token carries its sequence's router losses: the mean over tokens adds their mean over sequences
+        return losses + router.unsqueeze(1)
 
 
 # ---------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class FlatGroup:
 
     def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device,
                  tp_rank=0, tp=1):
-        self.names, self.params = names, params
+        self.names, self.params, self.dp = names, params, dp    # dp: the strategy reducing these gradients
         self.decay, self.tp_replicated = decay, tp_replicated
         # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
         # norms saw only their rank's tokens, the kv heads' copies only their own query heads
@@ -165,15 +165,20 @@ class FlatAdamW:
         self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero](
             mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,
             tcfg.overlap_grad_reduce and device.kind != "xla")
+        # --ep: experts' gradients are summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
+        self.expert_dp = data_parallel.ReplicatedDP(
+            mesh.group("ep_dp"), self.dp.bucket_elems, tcfg.microbatches,
+            tcfg.overlap_grad_reduce and device.kind != "xla") if mesh.ep > 1 else self.dp
         by_kind: dict = {}
         for name, p in model.named_parameters():
             key = (zero3.unit_of(name) if tcfg.zero == 3 else 0,   # (ZeRO-3's unit, decay, tp-replicated, parts)
-                   p.ndim >= 2, p.shard.dim is None, p.shard.parts)
+                   p.ndim >= 2, p.shard.dim is None, p.shard.parts, p.shard.group)
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, self.dp, master_dtype(tcfg.precision),
-                                 moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
-                       for (_, decay, repl, _), (names, params) in sorted(by_kind.items(), reverse=True)]
+        self.groups = [FlatGroup(names, params, decay, repl, self.expert_dp if split == "ep" else self.dp,
+                                 master_dtype(tcfg.precision), moment_dtype(tcfg.moments), device.torch_device,
+                                 mesh.tp_rank, mesh.tp)
+                       for (_, decay, repl, _, split), (names, params) in sorted(by_kind.items(), reverse=True)]
         self.units = zero3.attach(model, self.groups, self.dp) if tcfg.zero == 3 else []   # (gathered, freed together)
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
@@ -205,8 +210,8 @@ class FlatAdamW:
         for g in self.groups:
             def tp_sum(flat):
                 return comm.all_reduce(flat, self.mesh.group(g.partial), inplace=True) if g.partial else flat
-            grads.append(tp_sum(self.dp.reduce_gradients(g.dp_state, g.grad)) if self.dp.in_backward
-                         else self.dp.reduce_gradients(g.dp_state, tp_sum(g.grad)))
+            grads.append(tp_sum(g.dp.reduce_gradients(g.dp_state, g.grad)) if g.dp.in_backward
+                         else g.dp.reduce_gradients(g.dp_state, tp_sum(g.grad)))
         return grads
 
     @torch.no_grad()
@@ -214,11 +219,15 @@ class FlatAdamW:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
         mesh, sq = self.mesh, torch.zeros((), dtype=torch.float64 if self.exact else torch.float32,
                                           device=self.device.torch_device)
+        experts = torch.zeros_like(sq)                   # --ep: each rank of an ep group holds other experts
         for g, grad in zip(self.groups, grads):
             s = self._sum_of_squares(grad)
+            if g.params[0].shard.group == "ep":
+                experts = experts + s
+                continue
             copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
             sq = sq + (s / copies if copies > 1 else s)
-        sq = sq.float()                                  # 4 bytes per all-reduce below
+        sq = sq.float() + comm.all_reduce(experts.float(), mesh.group("ep"))   # 4 bytes per all-reduce
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()
@@ -273,5 +282,5 @@ class FlatAdamW:
         Without ZeRO-1 a master that is the parameter buffer was already written by `update`."""
         for g in self.groups:
             if self.zero or not g.master_is_params:
-                self.dp.write_back(g)                    # (ZeRO-3: only into the kept shard, zero3.py)
+                g.dp.write_back(g)                    # (ZeRO-3: only into the kept shard, zero3.py)
             g.store()                                    # (xla: the flat buffer -> the parameters)

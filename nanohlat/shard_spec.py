@@ -24,6 +24,9 @@ class ShardSpec:
         sequence_parallel  a replicated weight used inside a sequence-parallel region
                            (the norms' gains): each rank sees only its T/tp tokens, so
                            its gradient is a partial sum to be all-reduced over tp
+        group              "tp"; or "ep": a mixture of experts' stacked experts, cut
+                           along dim 0 over the expert-parallel ranks instead (moe.py;
+                           part = the ep rank), replicated over tp
 
     Usually parts = tp and part = the tp rank. The one exception is kv-head replication
     (only when tp > n_kv_heads; the last section of tensor_parallel.py): wk and wv are cut
@@ -39,6 +42,7 @@ class ShardSpec:
     parts: int = 1
     part: int = 0
     sequence_parallel: bool = False
+    group: str = "tp"
 
 
 def shard(full: torch.Tensor, dim, part: int, parts: int) -> torch.Tensor:
@@ -55,7 +59,8 @@ def local_part(full: torch.Tensor, p) -> torch.Tensor:
     return shard(full, p.shard.dim, p.shard.part, p.shard.parts)
 
 
-def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False) -> nn.Parameter:
+def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool = False,
+           group: str = "tp") -> nn.Parameter:
     """A parameter holding part `part` of `parts` equal parts of a full tensor
     cut along `dim` (dim None: the whole tensor, one part), its `ShardSpec`
     attached as `p.shard`."""
@@ -64,5 +69,5 @@ def _param(full_shape, dim, parts: int, part: int = 0, sequence_parallel: bool =
         shape[dim] //= parts
     p = nn.Parameter(torch.empty(shape))
     parts, part = (parts, part) if dim is not None else (1, 0)
-    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel)
+    p.shard = ShardSpec(tuple(full_shape), dim, parts, part, sequence_parallel, group)
     return p

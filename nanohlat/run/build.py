@@ -31,7 +31,7 @@ def build(model_cfg, tcfg, mesh, dev):
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
                         first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"),
-                        sp_regather=tcfg.sp_regather)
+                        sp_regather=tcfg.sp_regather, ep_group=mesh.group("ep"))
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)

@@ -65,6 +65,9 @@ def main(train, argv: list[str]) -> int:
         if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
                             "layer's parameters between uses means nothing to the compiler; use --zero 2 (or 1)")
+        if model_cfg.moe_experts and not model_cfg.moe_capacity_factor and devicelib.resolve_kind(tcfg.device) == "xla":
+            raise UserError("a dropless mixture of experts is not supported on xla: each expert's token count "
+                            "is a new shape, a new graph; give --moe-capacity-factor (e.g. 1.25: static shapes)")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
         # tokenizer and token shards are built once, here, before any worker starts

@@ -14,11 +14,12 @@ happens here, in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from nanohlat import config
+from nanohlat import comm, config, moe
 from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
@@ -53,7 +54,8 @@ class Session:
             self.log.comm(mesh.ledger.summary(), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
         last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
-        self.log.step(step, loss, norm, lr, self.tokens_seen, last)   # the host reads values in a step closure
+        moe_figures = self.moe_figures()   # a MoE model's router losses and expert load in the step (moe.py)
+        self.log.step(step, loss, norm, lr, self.tokens_seen, last, moe_figures)   # the host reads them in a closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
             dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
@@ -72,6 +74,15 @@ class Session:
                 raise UserError(f"{self.log.write_failed}; the run stopped at step {step} and saved what it "
                                 f"trained in {saved}: free some space, then --resume auto continues from it")
         return last
+
+    def moe_figures(self) -> dict:
+        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches
+        and dp ranks; {} for a dense model. Every rank takes part (one all-reduce over dp)."""
+        tally, self.model.moe_tally = self.model.moe_tally, None
+        if tally is None:
+            return {}
+        quiet = dataclasses.replace(self.mesh.dp_group, ledger=None)   # (no ledger: not the step's traffic)
+        return moe.step_metrics(comm.all_reduce(tally, quiet).cpu())
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
@@ -96,6 +107,9 @@ class Session:
         measured = self.mesh.ledger.snapshot()
         if not measured:
             return "communication: none (one process)"
+        if self.model_cfg.moe_experts:   # the plan does not model a mixture of experts yet: the ledger alone
+            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (the plan has no MoE yet)"]
+            return "\n".join(lines + plan.comm_table(measured))
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
         lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
         return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])

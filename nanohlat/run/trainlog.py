@@ -133,7 +133,8 @@ class TrainLog:
                                     v=tcfg.virtual_stages))
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
-                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'})")
+                       f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'}"
+                       f"{f'; experts over ep {tcfg.ep}' if tcfg.ep > 1 else ''})")
         self.writer = MetricsWriter(self.path) if self.main else None
         self.write_failed: str | None = None   # a row metrics.jsonl could not take (`_write`)
 
@@ -177,7 +178,7 @@ class TrainLog:
         self.summary.update(measured)
         self.print(report)
 
-    def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False) -> None:
+    def step(self, step: int, loss, norm, lr: float, tokens: int, last: bool = False, extra: dict | None = None) -> None:
         """After the step's sync: on a step to log (every --log-every, and the
         run's last), queue the host's look at its values; move the bar on."""
         self.last_step = step
@@ -185,9 +186,9 @@ class TrainLog:
             self.bar.update(1)
         if step % self.tcfg.log_every == 0 or last:
             self.dev.add_step_closure(self._log_step, step, loss, norm, self.worst_streak, self.skipped, lr,
-                                      tokens, last)
+                                      tokens, last, extra or {})
 
-    def _log_step(self, step, loss, norm, worst, skipped, lr, tokens, last):
+    def _log_step(self, step, loss, norm, worst, skipped, lr, tokens, last, extra):
         """Runs once the step's values exist (a step closure on XLA: no host sync in the step)."""
         tcfg = self.tcfg
         loss, norm = float(loss), float(norm)
@@ -203,7 +204,7 @@ class TrainLog:
         # unknown is null in the record and "?" on the bar, never 0: no rate yet, or no peak to
         # divide by (the reason is printed once: describe_peak, or mfu's warning)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                     "tokens_per_s": tps, "mfu": mfu_})
+                     "tokens_per_s": tps, "mfu": mfu_, **extra})   # extra: a MoE model's figures (moe.py)
         if self.bar:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s="?" if tps is None else f"{tps:,.0f}",
                                  mfu="?" if mfu_ is None else f"{mfu_ * 100:.1f}%")

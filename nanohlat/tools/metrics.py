@@ -64,7 +64,8 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     forward (multiply + add) and 4 backward (gradient w.r.t. input and w.r.t.
     weight): 6 * N. The input embedding is a table lookup, not a matmul, so it
     is excluded; the output head is a matmul and is included. RMSNorm weights
-    and elementwise work are negligible and not counted.
+    and elementwise work are negligible and not counted. With experts, N counts
+    the parameters a token uses (its k experts, the shared ones, the router).
 
     Attention part: QK^T and softmax(.)V are matmuls with no weights, each
     2 * seq_len * d_model FLOPs per token per layer forward, times 3 for
@@ -80,7 +81,8 @@ def flops_per_token(model_cfg, seq_len: int) -> float:
     # The head multiplies by the padded vocabulary, so the padded columns are
     # real work the device does (and 32000 is already a multiple of 128).
     head = d * model_cfg.padded_vocab
-    n_matmul = L * per_layer + head
+    # a mixture of experts (moe.py): a token goes through its k experts (+ the shared ones) and the router
+    n_matmul = L * per_layer + head + model_cfg.moe_extra_params(active=True)
     return 6.0 * n_matmul + 12.0 * L * d * seq_len
 
 

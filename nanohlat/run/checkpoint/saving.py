@@ -56,8 +56,15 @@ def _meta(p) -> dict:
 
 def _first_copy(p, mesh) -> bool:
     """Whether this tp rank is the first of those holding p's part (they save it)."""
+    if p.shard.group == "ep":   # experts: cut over the ep ranks, replicated over tp
+        return mesh.tp_rank == 0
     copies = mesh.tp // p.shard.parts
     return mesh.tp_rank == p.shard.part * copies
+
+
+def _first_replica(p, mesh) -> bool:
+    """Whether this dp rank is the first holding p (dp rank 0; experts under --ep: the first ep group's)."""
+    return mesh.dp_rank < mesh.ep if p.shard.group == "ep" else mesh.dp_rank == 0
 
 
 def _begin(out_dir: str, step: int) -> str:
@@ -125,9 +132,10 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         "rng": {"torch_cpu": torch.get_rng_state()},   # (SR noise follows from seed and step: precision.py)
     }
     host = fetch_buffers(opt)                          # XLA: sync, then one transfer to the CPU
-    shard_state["model"] = {n: w for n, w in export_weights(opt, host).items() if n in mine} if mesh.dp_rank == 0 else {}
-    shard_state["optim"] = ({n: v for n, v in export_state(opt, host).items() if n in mine}
-                            if (opt.zero or mesh.dp_rank == 0) else {})
+    shard_state["model"] = {n: w for n, w in export_weights(opt, host).items()
+                            if n in mine and _first_replica(params[n], mesh)}
+    shard_state["optim"] = {n: v for n, v in export_state(opt, host).items()
+                            if n in mine and (opt.zero or _first_replica(params[n], mesh))}
     if extract_graphs_only():
         # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
         # transfer above has been traced (so its graph is pre-compiled too); writing

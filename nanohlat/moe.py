@@ -1,0 +1,297 @@
+"""Mixture of experts: a feed-forward block in which each token uses k of E expert MLPs.
+
+A dense block runs every token through one SwiGLU MLP. A mixture-of-experts
+(MoE) block holds E of them, the *experts*, and a *router* that picks k for
+each token (Shazeer et al. 2017; GShard; Switch; Mixtral uses E 8, k 2):
+
+    x (N tokens, C) -> router: logits = x W_r^T (N, E), p = softmax(logits)
+                    -> top-k:  each token's k likeliest experts, their p renormalised to sum to 1
+                    -> dispatch: send each token to its k experts
+                    -> each expert e: SwiGLU_e(its tokens)
+                    -> combine: y_t = sum over t's k experts of weight * SwiGLU_e(x_t)
+                       (+ the shared experts, which every token uses: --moe-shared-experts)
+
+The parameters grow E times, the compute per token only k times: that is the
+point. The price is balance: a router left alone sends most tokens to a few
+experts (the rest never learn), so training adds two small losses to the
+language-model loss:
+
+  * the load-balancing loss (Switch, GShard): E * sum_e f_e * P_e, where f_e
+    is the share of the k*N routing choices that went to expert e and P_e the
+    mean router probability of e. It is 1 when both are uniform (1/E each) and
+    larger when the router favours some experts; f_e counts choices and has no
+    gradient, so the gradient flows through P_e, pushing probability away from
+    the experts that got more than their share. Coefficient --moe-aux-coef.
+  * the router z-loss (ST-MoE): the mean of logsumexp(logits)^2, which keeps
+    the router's logits small (large ones make its softmax, and bf16, brittle).
+    Coefficient --moe-z-coef.
+
+Both are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
+DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
+A sequence's loss depends on that sequence alone, not on which sequences share
+its dp rank or micro-batch, which is what keeps every data-parallel layout
+training exactly like one process (docs/design.md 5). `route` returns them per
+sequence; model.py adds them to the training loss.
+
+Dispatch, two ways (`MoE.capacity_factor`):
+
+  * dropless (capacity factor 0, the default): every routed token is computed.
+    The N*k (token, expert) pairs are sorted by expert, so that each expert's
+    tokens are one contiguous slice, and each expert multiplies its slice: E
+    matmuls of data-dependent sizes (`dispatch_sorted`). `dispatch_loop` is the
+    plain per-expert loop (find expert e's tokens, compute, add back) that the
+    tests compare it with, for equality and speed.
+  * capacity (factor c > 0): each expert takes at most C = ceil(c * N * k / E)
+    tokens, in a fixed-size (E, C, d) buffer: every shape is known before the
+    step runs, which XLA (and trn1) need, since a new shape is a new compiled
+    graph. The drop rule: choices are served in order of rank (every token's
+    first choice before any second choice), then in token order; a choice that
+    finds its expert full is dropped (that expert adds nothing to the token,
+    whose other choices and residual stream still do; the weights are not
+    renormalised again). `dispatch_capacity` returns the dropped fraction,
+    which is logged.
+
+Experts are replicated on every rank, like the dense weights: with data
+parallelism their gradients are all-reduced over dp with the rest. Or, with
+expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
+group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
+travel to their experts' ranks and back (`dispatch_expert_parallel`); an
+expert's gradient is then summed over the dp/N ranks holding the same experts
+(optim.py). Tensor and pipeline parallelism with MoE are refused in config.py. Shapes: N tokens, C
+d_model, E experts, k chosen per token, F ffn_dim of one expert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm, shard_spec
+
+
+class Weight(nn.Module):
+    """One parameter `weight` of the given shape, replicated on every rank: the
+    router (E, C), or the gate, up or down matrices of all experts stacked
+    (E, F, C) / (E, C, F). Named like the dense MLP's linears, so that
+    model.full_init initialises them alike (`...mlp.down.weight` is scaled down)."""
+
+    def __init__(self, *shape: int, ep: int = 1, ep_rank: int = 0):
+        super().__init__()
+        if ep == 1:
+            self.weight = shard_spec._param(shape, None, 1)
+        else:   # expert parallelism: this rank's E/ep experts of the full (E, ...) stack
+            self.weight = shard_spec._param(shape, 0, ep, ep_rank, group="ep")
+
+
+def swiglu(x, gate, up, down):
+    """One expert: down(silu(gate x) * up x). x (n, C); gate, up (F, C); down (C, F)."""
+    return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+
+
+def route(x, w_router, k: int):
+    """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
+
+    experts (B, T, k)  each token's k chosen experts, likeliest first
+    weights (B, T, k)  their softmax probabilities renormalised over the k (Mixtral)
+    balance (B,)       each sequence's load-balancing loss E * sum_e f_e P_e
+    z       (B,)       each sequence's router z-loss, mean over its tokens of logsumexp^2
+
+    In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often)."""
+    E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
+    logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
+    probs = logits.softmax(dim=-1)                                 # (B, T, E)
+    top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
+    weights = top_p / top_p.sum(dim=-1, keepdim=True)              # renormalised over the chosen k
+    # f_e: share of the sequence's T*k choices that picked e (counts: no gradient)
+    chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)            # (B, T, E): 1 where e is among t's k
+    f = chosen.mean(dim=1) / k                                     # (B, E), sums to 1 per sequence
+    P = probs.mean(dim=1)                                          # (B, E), sums to 1 per sequence
+    balance = E * (f * P).sum(dim=-1)                              # (B,)
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean(dim=1)         # (B,)
+    return experts, weights.to(x.dtype), balance, z
+
+
+def dispatch_loop(x, experts, weights, gate, up, down):
+    """The plain reference: for each expert, find its tokens, compute them, add them back.
+    x (N, C); experts, weights (N, k); gate, up (E, F, C); down (E, C, F) -> y (N, C)."""
+    y = torch.zeros_like(x)
+    for e in range(gate.shape[0]):
+        token, slot = (experts == e).nonzero(as_tuple=True)        # which tokens chose e, as which choice
+        if token.numel():
+            out = swiglu(x[token], gate[e], up[e], down[e])
+            y = y.index_add(0, token, out * weights[token, slot].unsqueeze(-1))
+    return y
+
+
+def dispatch_sorted(x, experts, weights, gate, up, down):
+    """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
+    tokens are one contiguous slice; one matmul per slice; combine. Same arguments
+    and result as `dispatch_loop`."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)                                     # choice j = token j // k, rank j % k
+    order = flat.argsort(stable=True)                              # choices grouped by expert, token order inside
+    token = order // k
+    xs = x[token]                                                  # (N*k, C): the permuted tokens
+    counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()   # tokens per expert (the host needs them)
+    outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts)) if counts[e]]
+    out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
+    return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
+
+
+class _AllToAll(torch.autograd.Function):
+    """comm.all_to_all as an autograd function: its backward sends each row's
+    gradient back the way the row came (the same call, send and recv swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return comm.all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
+    """Dropless with the E experts spread over the ep ranks of `group`, E/ep each
+    (rank r holds experts r*E/ep ... (r+1)*E/ep - 1: gate, up, down are its slice).
+    Each rank routes its own tokens; then, as `dispatch_sorted` but across ranks:
+
+      1. sort this rank's N*k choices by expert: the choices for rank r's experts are
+         one contiguous run, since its experts are consecutive;
+      2. the counts go first (an all-to-all of E/ep numbers per rank pair), so that
+         every rank knows how many rows it will receive, from whom, for which expert;
+      3. all-to-all the tokens: each run goes to the rank holding its experts;
+      4. each rank groups what it received by local expert, computes it, ungroups;
+      5. all-to-all back (the same splits, reversed), weight and sum per token.
+
+    The same result as dispatch_sorted on the whole group's tokens with all E
+    experts, and (through _AllToAll's backward) the same gradients; each expert's
+    gradient, on the one rank of the group that holds it, sums over every token
+    of the group routed to it."""
+    N, k = experts.shape
+    ep, local = group.size, gate.shape[0]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)                              # 1. by expert: by destination rank too
+    token = order // k
+    counts = torch.bincount(flat, minlength=ep * local)            # (E,) choices per global expert
+    got_counts = comm.all_to_all(counts, [local] * ep, [local] * ep, group).view(ep, local)   # 2. [source, expert]
+    send, recv = counts.view(ep, local).sum(1).tolist(), got_counts.sum(1).tolist()
+    received = _AllToAll.apply(x[token], send, recv, group)       # 3. by source rank, by expert inside
+    expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(got_counts.reshape(-1))
+    by_expert = expert_of.argsort(stable=True)                     # 4. group by local expert
+    sizes = torch.bincount(expert_of, minlength=local).tolist()
+    chunks = received[by_expert].split(sizes)
+    outs = [swiglu(c, gate[e], up[e], down[e]) if sizes[e] else c for e, c in enumerate(chunks)]
+    out = torch.cat(outs)[by_expert.argsort()]                     # back in received order
+    back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
+    return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))
+
+
+def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Tokens one expert takes in capacity mode: ceil(factor * N * k / E)."""
+    return math.ceil(factor * n_tokens * k / n_experts)
+
+
+def dispatch_capacity(x, experts, weights, gate, up, down, factor: float):
+    """Capacity mode, every shape static: (y, dropped fraction). Drop rule (the
+    module docstring): choices served rank by rank, then token by token; each
+    expert keeps its first C = capacity(N, k, E, factor) and drops the rest."""
+    N, k = experts.shape
+    E, C = gate.shape[0], capacity(N, k, gate.shape[0], factor)
+    rank_major = experts.t().reshape(-1)                           # (k*N,): all first choices, then all second ...
+    onehot = F.one_hot(rank_major, E)                              # (k*N, E)
+    position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)           # place of each choice in its expert's queue
+    keep = position < C
+    slot = torch.where(keep, rank_major * C + position, E * C)     # buffer row; E*C: the dump row of the dropped
+    token = torch.arange(N, device=x.device).repeat(k)             # rank-major order: token of choice j is j % N
+    buf = torch.zeros(E * C + 1, x.shape[1], dtype=x.dtype, device=x.device).index_add(0, slot, x[token])
+    h = buf[:E * C].view(E, C, -1)                                 # (E, C, C_model): each expert's queue
+    out = torch.bmm(F.silu(torch.bmm(h, gate.transpose(1, 2))) * torch.bmm(h, up.transpose(1, 2)),
+                    down.transpose(1, 2))                          # (E, C, d): all experts in one batched matmul
+    out = torch.cat([out.reshape(E * C, -1), out.new_zeros(1, out.shape[-1])])   # a zero row for the dropped
+    w = weights.t().reshape(-1) * keep                             # a dropped choice adds nothing
+    y = torch.zeros_like(x).index_add(0, token, out[slot] * w.unsqueeze(-1).to(x.dtype))
+    return y, 1.0 - keep.float().mean()
+
+
+class MoE(nn.Module):
+    """The sparse feed-forward block (a drop-in for model.MLP at tp 1). After each
+    forward, `self.losses` holds this forward's per-sequence (balance, z) and
+    `self.load` its tokens per expert and dropped fraction, for model.py's loss and log."""
+
+    def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
+                 capacity_factor: float = 0.0, ep_group=None):
+        super().__init__()
+        self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
+        ep, ep_rank = (ep_group.size, ep_group.rank) if ep_group is not None else (1, 0)
+        self.router = Weight(n_experts, d_model)                   # one linear, no bias: logits = x W_r^T
+        self.gate = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)   # (E/ep of them with --ep)
+        self.up = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)
+        self.down = Weight(n_experts, d_model, ffn_dim, ep=ep, ep_rank=ep_rank)
+        self.n_shared = n_shared
+        if n_shared:   # shared experts: every token uses them; n of width F act as one of width n * F
+            self.shared_gate = Weight(n_shared * ffn_dim, d_model)
+            self.shared_up = Weight(n_shared * ffn_dim, d_model)
+            self.shared_down = Weight(d_model, n_shared * ffn_dim)
+        self.losses = self.load = None
+
+    def forward(self, x):
+        B, T, C = x.shape
+        experts, weights, balance, z = route(x, self.router.weight, self.k)
+        flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
+        params = (self.gate.weight, self.up.weight, self.down.weight)
+        if self.capacity_factor > 0:
+            y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor)
+        elif self.ep_group is not None and self.ep_group.size > 1:   # --ep: to the experts' ranks and back
+            y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group)
+            dropped = flat.new_zeros((), dtype=torch.float32)
+        else:
+            y, dropped = dispatch_sorted(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
+        if self.n_shared:
+            y = y + swiglu(flat, self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
+        self.losses = (balance, z)
+        self.load = (torch.bincount(experts.reshape(-1), minlength=self.n_experts).float(),
+                     dropped.detach().float())
+        return y.view(B, T, C)
+
+
+def router_loss(blocks, aux_coef: float, z_coef: float):
+    """The router losses of `blocks`' MoE layers after a forward, per sequence (B,):
+    sum over layers of aux_coef * balance + z_coef * z. None if none is sparse."""
+    total = None
+    for mlp in blocks:
+        if isinstance(mlp, MoE):
+            balance, z = mlp.losses
+            term = aux_coef * balance + z_coef * z
+            total = term if total is None else total + term
+    return total
+
+
+def tally(blocks) -> torch.Tensor | None:
+    """One micro-batch's figures to log, per MoE layer (rows): its tokens per
+    expert (E columns), then the sums over sequences of balance and z, the
+    sequence count and the dropped fraction times it. Summed over micro-batches and dp
+    ranks, `step_metrics` turns them into the logged means."""
+    rows = []
+    for mlp in blocks:
+        if isinstance(mlp, MoE):
+            (balance, z), (load, dropped) = mlp.losses, mlp.load
+            n = balance.new_tensor(balance.numel())
+            extra = torch.stack([balance.detach().sum(), z.detach().sum(), n, dropped * n])
+            rows.append(torch.cat([load, extra]))
+    return torch.stack(rows) if rows else None
+
+
+def step_metrics(total: torch.Tensor) -> dict:
+    """The summed tally of a step (layers x (E + 4)) -> the logged figures:
+    moe_balance, moe_z (mean per sequence and layer, without coefficients),
+    moe_load_max (max over layers of the busiest expert's tokens / the mean
+    expert's) and moe_dropped (the share of choices dropped, mean over layers)."""
+    load, balance, z, seqs, dropped = total[:, :-4], total[:, -4], total[:, -3], total[:, -2], total[:, -1]
+    return {"moe_balance": float((balance / seqs).mean()), "moe_z": float((z / seqs).mean()),
+            "moe_load_max": float((load.max(dim=1).values / load.mean(dim=1)).max()),
+            "moe_dropped": float((dropped / seqs).mean())}
