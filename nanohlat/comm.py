@@ -8,9 +8,11 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
-A fifth, `all_to_all` (each rank's rows to every rank, in counts both sides know),
-is a mixture of experts' dispatch to the ranks that hold each token's experts
-(expert parallelism, moe.py).
+Expert and context parallelism add three, on gloo and nccl:
+
+    all_to_all        rows of x_i -> rank j, in counts both sides know  (moe.py's dispatch)
+    all_to_all_pieces piece j of x_i -> rank j                 (Ulysses: sequence <-> heads)
+    start_ring_shift  send x to the next rank, receive from the previous (ring attention)
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
@@ -35,7 +37,8 @@ the number of calls, on this rank (tutorial.md chapter 3 works them through):
              ranks in the group and S the payload:
                  all-reduce                    2 (n-1)/n x S  (a reduce-scatter, then an all-gather)
                  all-gather, reduce-scatter      (n-1)/n x S
-                 exchange                      the real tensor this rank sends
+                 all-to-all                      (n-1)/n x S  (the piece it keeps stays home)
+                 exchange, ring shift          the real tensor this rank sends
     padding  zeros sent only because `exchange` is an all-gather: a rank with
              nothing to send in a tick still contributes a tensor of zeros
     calls    how many times the collective ran
@@ -86,8 +89,10 @@ def wire_bytes(op: str, n: int, payload: int) -> int:
     `payload` bytes over n ranks (see the module docstring)."""
     if op == "all_reduce":
         return 2 * (n - 1) * payload // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * payload // n
+    if op == "ring_shift":
+        return payload
     raise ValueError(f"no ring formula for {op!r}")
 
 
@@ -232,3 +237,30 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
         group.ledger.record(f"{group.name}.all_to_all", sum(send) * row, (sum(send) - send[group.rank]) * row)
     dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group.pg)
     return out
+
+
+def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Cut x into group.size equal pieces along `split_dim`, send piece j to rank j, and
+    concatenate the pieces received, in rank order, along `cat_dim`: all_to_all with one
+    row a rank. Its own inverse with the two dims swapped (Ulysses attention goes
+    sequence -> heads and back with it, context_parallel.py)."""
+    if group.size == 1:
+        return x
+    pieces = torch.stack(x.chunk(group.size, dim=split_dim))   # (n, ...): piece j for rank j
+    out = all_to_all(pieces, [1] * group.size, [1] * group.size, group)
+    return torch.cat(out.unbind(0), dim=cat_dim)
+
+
+def start_ring_shift(x: torch.Tensor, group, step: int = 1):
+    """Send x to the rank `step` places on in the group (wrapping round) and receive the tensor
+    of the rank `step` places back, started, not finished: returns (the tensor that will hold
+    what arrives, the handles to `.wait()` on before reading it or writing x). Every rank of the
+    group calls it together with the same shape and step (ring attention, context_parallel.py)."""
+    _check_device(x, group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n, me = group.size, group.rank
+    _record(group, "ring_shift", x.numel() * x.element_size())
+    ops = [dist.P2POp(dist.isend, x, group.ranks[(me + step) % n], group.pg),
+           dist.P2POp(dist.irecv, out, group.ranks[(me - step) % n], group.pg)]
+    return out, dist.batch_isend_irecv(ops)

@@ -1,0 +1,296 @@
+"""Context parallelism: one sequence split over the cp ranks, attention across them.
+
+Everything in a transformer block except attention treats the tokens of a sequence
+independently: RMSNorm, the matmuls and the MLP work on each token alone. So a
+long sequence can be cut into pieces, one piece per rank of the cp group, and
+each rank runs the whole block on its piece only. Its activations are then those
+of T/cp tokens. Attention is the exception: a token attends to every token before
+it, wherever that token lives. This file holds the split and three ways to
+compute exact causal attention across the pieces:
+
+    allgather  all-gather K and V over the group, attend locally. Backward:
+               reduce-scatter dK and dV. Simplest; with grouped-query attention
+               K and V are small (Llama 3's choice).
+    ring       K/V blocks travel round the group, one hop a step; each rank
+               merges the partial results with an online softmax. No rank ever
+               holds more than two blocks of K/V (a custom backward).
+    ulysses    all-to-all from "my tokens, all heads" to "all tokens, my
+               heads", ordinary attention on heads/cp heads, all-to-all back.
+               Needs the heads and the kv heads divisible by cp.
+
+Shapes: B batch, H query heads, K kv heads, D head dim, T the whole sequence,
+t = T/cp the tokens on one rank, n = cp. `positions` is the (n, t) table of every
+rank's tokens' places in the whole sequence (`zigzag_positions`); every rank
+holds the same table, so no rank needs to ask another where its tokens are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+
+ALGORITHMS = ("allgather", "ring", "ulysses")
+
+
+# ---------------------------------------------------------------------------
+# The split: shift first, then zigzag
+# ---------------------------------------------------------------------------
+#
+# Two mistakes are easy here. (1) Shift into (input, target) AFTER the split and
+# the last token of each piece loses its target (it lives on another rank), so
+# shift the whole sequence first: input = tokens[:-1], target = tokens[1:], then
+# split both the same way. (2) Under the causal mask the token at position p
+# attends to p + 1 tokens, so a contiguous split gives the last rank about 2n-1
+# times the attention work of the first, and the others wait for it. Zigzag cuts
+# the sequence into 2n chunks and gives rank i chunks i and 2n-1-i: an early chunk
+# and a late one, and every rank the same total work.
+#
+#   n = 2, T = 8:   chunks  [0 1] [2 3] [4 5] [6 7]
+#                   rank 0 holds chunks 0 and 3: positions 0 1 6 7
+#                   rank 1 holds chunks 1 and 2: positions 2 3 4 5
+
+
+def zigzag_positions(T: int, cp: int) -> torch.Tensor:
+    """(cp, T/cp) int64: row i holds the positions, in the whole sequence, of rank i's tokens."""
+    if T % (2 * cp):
+        raise ValueError(f"a sequence of {T} tokens does not split into 2 x cp = {2 * cp} equal chunks: "
+                         f"make --seq-len a multiple of {2 * cp}")
+    c = T // (2 * cp)   # tokens per chunk
+    rows = [torch.cat([torch.arange(i * c, (i + 1) * c), torch.arange((2 * cp - 1 - i) * c, (2 * cp - i) * c)])
+            for i in range(cp)]
+    return torch.stack(rows)
+
+
+def contiguous_positions(T: int, cp: int) -> torch.Tensor:
+    """(cp, T/cp): the naive split, rank i holding tokens i*t .. (i+1)*t - 1 (for comparison)."""
+    return torch.arange(T).view(cp, T // cp)
+
+
+def split_sequence(tokens: torch.Tensor, cp: int, rank: int):
+    """tokens (B, T+1) -> this rank's (inputs, targets, positions): (B, T/cp), (B, T/cp), (T/cp,).
+    The shift into (input, target) comes first, on the whole sequence (see above)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = zigzag_positions(inputs.shape[1], cp)[rank]
+    return inputs[:, positions], targets[:, positions], positions
+
+
+def attention(q, k, v, group, positions: torch.Tensor, algorithm: str):
+    """Causal attention of this rank's queries over the whole sequence's keys.
+    q (B, H, t, D), k and v (B, K, t, D), already rotated with this rank's
+    positions (positions[group.rank]); returns (B, H, t, D) in q's dtype."""
+    if algorithm == "allgather":
+        return allgather_attention(q, k, v, group, positions)
+    if algorithm == "ring":
+        return RingAttention.apply(q, k, v, group, positions)
+    if algorithm == "ulysses":
+        return ulysses_attention(q, k, v, group, positions)
+    raise ValueError(f"unknown cp attention {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+
+
+def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
+    """(tq, tk) bool: True where the key's position is at or before the query's."""
+    return (k_pos[None, :] <= q_pos[:, None]).to(device)
+
+
+def _dense(q, k, v, mask):
+    """softmax(q k^T / sqrt(D), masked) v with grouped-query kv heads shared (as model.attention_core)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# allgather: everyone gets all of K and V
+# ---------------------------------------------------------------------------
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward all-gather along the sequence (dim 2); backward reduce-scatter: every rank's
+    queries put gradient on every key, and the sum of it belongs to the key's own rank."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.reduce_scatter(g, ctx.group, dim=2), None
+
+
+def allgather_attention(q, k, v, group, positions):
+    K = k.shape[1]
+    kv = _GatherSeq.apply(torch.cat([k, v], dim=1), group)     # one gather for both: (B, 2K, T, D)
+    k_all, v_all = kv[:, :K], kv[:, K:]                         # the tokens in rank order, not position order:
+    mask = _causal_mask(positions[group.rank], positions.flatten(), q.device)   # so the mask comes from positions
+    return _dense(q, k_all, v_all, mask)
+
+
+# ---------------------------------------------------------------------------
+# ulysses: trade the sequence split for a head split, and back
+# ---------------------------------------------------------------------------
+
+class _AllToAll(torch.autograd.Function):
+    """Forward all-to-all (split one dim, gather another); backward the inverse: the same with them swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, split_dim, cat_dim):
+        ctx.args = (group, cat_dim, split_dim)
+        return comm.all_to_all_pieces(x, group, split_dim, cat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_to_all_pieces(g, *ctx.args), None, None, None
+
+
+def ulysses_attention(q, k, v, group, positions):
+    n, H, K = group.size, q.shape[1], k.shape[1]
+    if H % n or K % n:
+        raise ValueError(f"ulysses attention needs the heads ({H}) and kv heads ({K}) on a rank divisible by "
+                         f"cp {n}: use --cp-attention allgather or ring, or another cp")
+    h, kh = H // n, K // n
+    # (B, n, h + 2kh, t, D): along dim 1, piece j is what rank j gets: query heads j*h .. (j+1)*h - 1
+    # and the kv heads they use (kv head of query head i is i // (H/K), so kv heads j*kh .. (j+1)*kh - 1)
+    x = torch.cat([q.unflatten(1, (n, h)), k.unflatten(1, (n, kh)), v.unflatten(1, (n, kh))], dim=2)
+    x = _AllToAll.apply(x, group, 1, 3).squeeze(1)               # (B, h + 2kh, T, D): all tokens, my heads
+    q_mine, k_mine, v_mine = x.split([h, kh, kh], dim=1)
+    everyone = positions.flatten()                                # the gathered tokens, in rank order
+    y = _dense(q_mine, k_mine, v_mine, _causal_mask(everyone, everyone, q.device))   # (B, h, T, D)
+    return _AllToAll.apply(y, group, 2, 1)                       # back: (B, H, t, D), heads in order again
+
+
+# ---------------------------------------------------------------------------
+# ring: K/V blocks go round, partial results merge with an online softmax
+# ---------------------------------------------------------------------------
+#
+# Softmax over all keys, computed one block of keys at a time. For one query row
+# and one block b of its keys, with scores s_j = q.k_j / sqrt(D):
+#
+#     m_b   = max_j s_j                         (the block's max: keeps exp() finite)
+#     l_b   = sum_j exp(s_j - m_b)
+#     o_b   = sum_j exp(s_j - m_b) v_j / l_b    (the block's own softmax-weighted values)
+#     lse_b = m_b + log l_b                     (log of sum_j exp(s_j): all a merge needs)
+#
+# Two blocks a, b merge exactly:  lse = log(e^lse_a + e^lse_b)  and
+# o = (e^lse_a o_a + e^lse_b o_b) / e^lse, computed as e^(lse_a - m), e^(lse_b - m)
+# with m = max(lse_a, lse_b) (the running max), so nothing overflows. All in fp32.
+#
+# Each rank's t tokens are two zigzag chunks, and so is each K/V block; of the
+# four (query chunk, key chunk) pairs a pair wholly above the causal diagonal
+# (every key after every query) is skipped, a pair wholly below it needs no mask.
+
+
+def _relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
+    """'skip' (every key after every query), 'full' (every key at or before every query) or 'mask'."""
+    if int(k_pos.min()) > int(q_pos.max()):
+        return "skip"
+    return "full" if int(k_pos.max()) <= int(q_pos.min()) else "mask"
+
+
+def _expand(kv, H):
+    """(B, K, ., D) -> (B, H, ., D): each kv head repeated for the query heads that share it."""
+    return kv.repeat_interleave(H // kv.shape[1], dim=1)
+
+
+def _block(q, k, v, mask):
+    """One (query chunk, key chunk) pair in fp32: (o_b, lse_b) as derived above."""
+    s = q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)   # a row with no key here: e^(-inf) = 0, lse -inf
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = (p @ _expand(v, q.shape[1]).float()) / l.clamp_min(1e-30)
+    return o, (m + torch.log(l)).squeeze(-1)
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial results for the same queries over disjoint keys -> the result over both."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-30)[..., None]
+    return o, m + torch.log(total)
+
+
+def _pairs(q_pos, k_pos, device):
+    """The (query chunk a, key chunk b, mask or None) pairs that are not skipped."""
+    for a, qp in enumerate(q_pos.chunk(2)):
+        for b, kp in enumerate(k_pos.chunk(2)):
+            rel = _relation(qp, kp)
+            if rel != "skip":
+                yield a, b, (_causal_mask(qp, kp, device) if rel == "mask" else None)
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward: step s (0 .. n-1) attends to the K/V block of rank (me - s) mod n, while the
+    next block is already on its way (the send and receive overlap the arithmetic).
+    Backward: the K/V blocks go round the other way, each with the dK/dV accumulated for it
+    so far; every rank adds its queries' part and passes both on, and a last hop brings each
+    block's dK/dV home. dK/dV travel in fp32, so the ring adds no bf16 rounding per hop."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, positions):
+        n, me = group.size, group.rank
+        q_chunks, q_pos = q.chunk(2, dim=2), positions[me]
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v])                                    # one message: (2, B, K, t, D)
+        for s in range(n):
+            if s < n - 1:
+                arriving, handles = comm.start_ring_shift(kv, group, +1)
+            k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for a, b, mask in _pairs(q_pos, positions[(me - s) % n], q.device):
+                o, l = _block(q_chunks[a], k_chunks[b], v_chunks[b], mask)
+                out[a], lse[a] = (o, l) if out[a] is None else merge(out[a], lse[a], o, l)
+            if s < n - 1:
+                for h in handles:
+                    h.wait()
+                kv = arriving
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)    # (B, H, t, D), (B, H, t): fp32
+        ctx.group, ctx.positions = group, positions
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Flash-attention's backward for one pair, with P = exp(S - lse) the final softmax:
+        #   dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))
+        #   dQ += dS K / sqrt(D)             dK += dS^T Q / sqrt(D)
+        q, k, v, out, lse = ctx.saved_tensors
+        group, positions = ctx.group, ctx.positions
+        n, me, H, scale = group.size, group.rank, q.shape[1], 1 / math.sqrt(q.shape[-1])
+        dout = grad.float()
+        delta = (dout * out).sum(-1)                                # (B, H, t)
+        q_pos = positions[me]
+        qc, dc, lc, deltac = q.float().chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
+        dq = [torch.zeros_like(c) for c in qc]
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)   # travels with its block
+        for s in range(n):
+            if s < n - 1:
+                arriving, handles = comm.start_ring_shift(kv, group, -1)
+            kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
+            dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))   # views: += writes into dkv
+            for a, b, mask in _pairs(q_pos, positions[(me + s) % n], q.device):
+                kb, vb = _expand(kc[b], H), _expand(vc[b], H)
+                p = torch.exp(qc[a] @ kb.transpose(-1, -2) * scale - lc[a][..., None])
+                if mask is not None:
+                    p = p.masked_fill(~mask, 0.0)
+                ds = p * (dc[a] @ vb.transpose(-1, -2) - deltac[a][..., None])
+                dq[a] += ds @ kb * scale
+                K = kc[b].shape[1]   # sum the query heads' shares back onto their kv head
+                dk[b] += (ds.transpose(-1, -2) @ qc[a] * scale).unflatten(1, (K, H // K)).sum(2)
+                dv[b] += (p.transpose(-1, -2) @ dc[a]).unflatten(1, (K, H // K)).sum(2)
+            # this block's dK/dV goes on with it; after the last step, the hop home
+            dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)
+            for h in dkv_handles + (handles if s < n - 1 else []):
+                h.wait()
+            if s < n - 1:
+                kv = arriving
+        return torch.cat(dq, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
