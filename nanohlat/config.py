@@ -381,6 +381,13 @@ HELP = {
     "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
     "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
     "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/moe.py)",
+    "moe_top_k": "experts each token is sent to, its router weights renormalised over them (Mixtral)",
+    "moe_shared_experts": "experts every token also goes through, besides its top-k (0 = none)",
+    "moe_aux_coef": "coefficient of the load-balancing loss E * sum_e f_e * P_e (Switch), "
+                    "logged (without it) as moe_balance",
+    "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
+                  "logits)^2), logged (without it) as moe_z",
+    "ep": "expert parallelism: ranks of each dp group sharing a mixture's experts, E/ep each (divides dp; moe.py)",
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
                            "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
