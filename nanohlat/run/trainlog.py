@@ -131,7 +131,10 @@ class TrainLog:
             truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
                                     v=tcfg.virtual_stages))
-            self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters; this rank: "
+            active = model_cfg.num_params() - model_cfg.moe_extra_params() + model_cfg.moe_extra_params(active=True)
+            sparse = (f" ({active / 1e6:.2f}M active per token: the top-{model_cfg.moe_top_k} of "
+                      f"{model_cfg.moe_experts} experts)" if model_cfg.moe_experts else "")
+            self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters{sparse}; this rank: "
                        f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; optimizer state on this rank: "
                        f"{optimizer_bytes(opt) / 2**20:.1f} MiB ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated'}"
                        f"{f'; experts over ep {tcfg.ep}' if tcfg.ep > 1 else ''})")
