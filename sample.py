@@ -8,11 +8,13 @@
 
 Any checkpoint loads here, whatever (tp, pp, dp, zero1) layout trained it:
 each rank rebuilds the full tensors from the shards and keeps its tp slice
-(generate.load_model). Generation reuses a KV cache: the prompts run through
+(generate.load_model; a mixture of experts' experts are not split: each
+rank holds them all). Generation reuses a KV cache: the prompts run through
 the model once (prefill), then each new token costs one single-position
 forward pass (decode). `--prompt-file` holds one prompt per line (a literal
 \\n in a line is a newline); `--batch-size` prompts are decoded together, each
-row with its own positions, giving the tokens each would get alone.
+row with its own positions, giving the tokens each would get alone (but a
+mixture of experts in capacity mode, whose drops depend on the batch).
 """
 
 from __future__ import annotations

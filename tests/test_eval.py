@@ -38,9 +38,10 @@ def corpus(tmp_path_factory):
     return ds, str(path), str(tmp / "cache")
 
 
-def tiny_model(vocab_size: int, seed: int = 0, max_seq_len: int = 128) -> Transformer:
+def tiny_model(vocab_size: int, seed: int = 0, max_seq_len: int = 128, experts: int = 0) -> Transformer:
+    """Two layers; `experts` > 0: both are a mixture of that many experts, top-2 (moe.py)."""
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=vocab_size,
-                      max_seq_len=max_seq_len)
+                      max_seq_len=max_seq_len, moe_experts=experts)
     model = Transformer(cfg)
     init_weights(model, seed)
     return model.eval()
@@ -76,9 +77,10 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_times_tokens_per_byte(co
     assert m["tokens_scored"] == 2 * 8 * 64
 
 
-def test_heldout_metrics_match_a_window_by_window_computation(corpus):
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+def test_heldout_metrics_match_a_window_by_window_computation(corpus, experts):
     ds, _, _ = corpus
-    model = tiny_model(ds.tokenizer.vocab_size, seed=3)
+    model = tiny_model(ds.tokenizer.vocab_size, seed=3, experts=experts)
     seq_len = 64
     m = evaluate.heldout_metrics(model, ds, seq_len, batch_size=5, max_batches=0)   # every window
     n_windows = (len(ds.val) - 1) // seq_len
@@ -100,10 +102,12 @@ def test_heldout_metrics_match_a_window_by_window_computation(corpus):
 # Multiple choice
 # ---------------------------------------------------------------------------
 
-def test_choice_scores_are_summed_token_logprobs_given_the_context(corpus):
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "moe"])
+def test_choice_scores_are_summed_token_logprobs_given_the_context(corpus, experts):
+    """(A mixture of experts too: right-padding rows in a batch changes no real token's routing.)"""
     ds, _, _ = corpus
     tok = ds.tokenizer
-    model = tiny_model(tok.vocab_size, seed=1, max_seq_len=48)
+    model = tiny_model(tok.vocab_size, seed=1, max_seq_len=48, experts=experts)
     cases = [("def add(a, b):\n", "    return a + b"), ("def add(a, b):\n", "    pass"),
              ("x = ", "[1, 2, 3]"), ("", "import os"),          # empty context: conditioned on BOS only
              ("# " + "long comment " * 20 + "\n", "y = 1")]   # longer than max_seq_len: cut from the left
@@ -265,6 +269,33 @@ def test_cli_evaluates_every_checkpoint_of_a_run(corpus, tmp_path, capsys):
     assert "next_line" in capsys.readouterr().out
     with open(tmp_path / "one.json") as f:
         assert json.load(f)["results"][0]["step"] == 10
+
+
+def test_cli_evaluates_a_mixture_of_experts_checkpoint(corpus, tmp_path, capsys):
+    """eval.py on a MoE checkpoint: the held-out figures it writes are the ones
+    heldout_metrics gives on the model loaded here, and the built-in task runs."""
+    from nanohlat.device import get_device
+    from nanohlat.run import checkpoint
+    from nanohlat.serving.generate import load_model
+    ds, data_path, cache_dir = corpus
+    model = tiny_model(ds.tokenizer.vocab_size, seed=2, experts=4)
+    path = checkpoint.save_full(str(tmp_path / "run"), model.cfg, model.state_dict(), ds.tokenizer.path, step=3)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["config"]["train"] = {"data": data_path, "cache_dir": cache_dir, "seq_len": 64}
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    out = str(tmp_path / "eval.json")
+    assert load_cli().main(["--out-dir", str(tmp_path / "run"), "--max-batches", "2", "--batch-size", "8",
+                            "--examples", "20", "--device", "cpu", "--json", out]) == 0
+    assert "next_line" in capsys.readouterr().out
+    with open(out) as f:
+        row = json.load(f)["results"][0]
+    loaded, _ = load_model(path, get_device("cpu"))
+    assert loaded.cfg.moe_experts == 4
+    want = evaluate.heldout_metrics(loaded, ds, 64, batch_size=8, max_batches=2)
+    assert row["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6) and row["tokens_scored"] == 2 * 8 * 64
+    assert row["tasks"]["next_line"]["examples"] == 20
 
 
 # ---------------------------------------------------------------------------

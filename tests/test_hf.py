@@ -184,3 +184,137 @@ def test_damaged_hf_directory_is_one_line(damage, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: ") and "\n" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------
+# A mixture of experts <-> Mixtral
+# ---------------------------------------------------------------------------
+
+def _moe_checkpoints(cache_dir, root):
+    """Two checkpoints of the `moe` preset (4 layers, all sparse, 4 experts, top-2): one
+    trained 10 steps (a router that has learnt something), and a random one whose
+    matrices are x4, so that its greedy continuation is not one repeated token (the
+    trained one's mostly is, at 10 steps) and argmaxes are far from ties."""
+    import train
+    from nanohlat import config
+    from nanohlat.run import checkpoint, preflight
+    trained = str(root / "trained")
+    train.train(*preflight.inputs(*config.parse_args(
+        ["--preset", "moe", "--steps", "10", "--device", "cpu", "--cache-dir", cache_dir, "--out-dir", trained,
+         "--no-progress", "--eval-every", "0", "--threads", "1"])))
+    cfg = config.PRESETS["moe"][0]
+    model = Transformer(cfg)
+    init_weights(model, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(4)
+    scaled = str(root / "scaled")
+    manifest = checkpoint.read_manifest(checkpoint.resolve(trained))
+    checkpoint.save_full(scaled, cfg, model.state_dict(), manifest["tokenizer"], step=0)
+    return {"trained": trained, "scaled": scaled}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(cache_dir, tmp_path_factory):
+    return _moe_checkpoints(cache_dir, tmp_path_factory.mktemp("moe"))
+
+
+def _load(run):
+    from nanohlat.device import get_device
+    from nanohlat.serving.generate import load_model
+    return load_model(run, get_device("cpu"))
+
+
+@pytest.mark.parametrize("which", ["trained", "scaled"])
+def test_moe_export_loads_in_mixtral_with_the_same_logits_and_greedy_tokens(moe_runs, which, tmp_path, capsys):
+    """`python -m nanohlat.hf export` of a MoE run -> MixtralForCausalLM.from_pretrained
+    (its config built from the exported config.json): the same logits to fp32
+    round-off (measured: 4.8e-7 trained, 1.4e-6 scaled, on logits up to 1.3 and 2.7),
+    and Hugging Face's greedy generate() gives the tokens sample.py --top-k 1 prints."""
+    import json
+    import sample
+    from nanohlat.run.data import load_tokenizer
+    run, hf_dir = moe_runs[which], str(tmp_path / "hf")
+    assert hf.main(["export", run, hf_dir]) == 0
+    assert "MixtralForCausalLM" in capsys.readouterr().out
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = transformers.MixtralConfig(**json.load(f))
+    assert (config.num_local_experts, config.num_experts_per_tok, config.model_type) == (4, 2, "mixtral")
+    theirs = transformers.MixtralForCausalLM.from_pretrained(hf_dir, config=config, attn_implementation="eager")
+    theirs = theirs.float().eval()
+    ours, manifest = _load(run)
+    assert ours.cfg.moe_experts == 4 and all(ours.cfg.is_moe_layer(i) for i in range(ours.cfg.n_layers))
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        mine, theirs_logits = ours(x)[..., :ours.cfg.vocab_size], theirs(x).logits
+    scale = mine.abs().max().item()
+    diff = (theirs_logits - mine).abs().max().item()
+    assert scale > 0.5 and diff < TOL, (diff, scale)
+
+    tok = load_tokenizer(manifest["tokenizer"])
+    prompt, n = "def add(a, b):", 20
+    ids = [tok.bos_id] + tok.encode(prompt)
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_id)[0, len(ids):].tolist()
+        # argmaxes far from ties along the way, or equal tokens would prove nothing
+        logits = ours(torch.tensor([ids + out[:-1]]))[0, len(ids) - 1:, :ours.cfg.vocab_size]
+    top2 = logits.topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 100 * diff
+    out = out[:out.index(tok.eos_id)] if tok.eos_id in out else out
+    assert sample.main(["--out-dir", run, "--prompt", prompt, "--max-new-tokens", str(n), "--top-k", "1",
+                        "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(out) + "\n"
+    if which == "scaled":
+        assert len(set(out)) > 3, out      # a continuation, not one token repeated
+
+
+def test_moe_import_round_trips_bit_for_bit(moe_runs, tmp_path):
+    """export -> import gives back every tensor bit for bit, and so does a pass
+    through transformers (from_pretrained, save_pretrained: the per-expert layout
+    it writes back) -> import."""
+    ours, _ = _load(moe_runs["trained"])
+    hf_dir, saved = str(tmp_path / "hf"), str(tmp_path / "saved")
+    assert hf.main(["export", moe_runs["trained"], hf_dir]) == 0
+    transformers.MixtralForCausalLM.from_pretrained(hf_dir).save_pretrained(saved)
+    for i, folder in enumerate((hf_dir, saved)):
+        assert hf.main(["import", folder, str(tmp_path / f"back{i}"), "--tokenizer",
+                        os.path.join(hf_dir, "tokenizer.model")]) == 0
+        back, _ = _load(str(tmp_path / f"back{i}"))
+        assert back.cfg == ours.cfg    # (the preset's z coefficient is the default, which import gives)
+        mine, theirs = ours.state_dict(), back.state_dict()
+        assert set(mine) == set(theirs) and any(".mlp.router." in n for n in mine)
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("change", [{"moe_shared_experts": 1}, {"moe_every": 2}, {"moe_capacity_factor": 1.25}])
+def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(change, tmp_path, capsys):
+    """Shared experts, dense layers between sparse ones, a capacity (dropped
+    tokens): export exits 2 with one line and writes nothing."""
+    import dataclasses
+    from nanohlat import config
+    from nanohlat.run import checkpoint
+    cfg = dataclasses.replace(config.PRESETS["moe"][0], n_layers=2, **change)
+    model = Transformer(cfg)
+    init_weights(model, 0)
+    run = str(tmp_path / "run")
+    checkpoint.save_full(run, cfg, model.state_dict(), train_tokenizer(tmp_path), step=0)
+    assert hf.main(["export", run, str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Mixtral" in err, err
+    name = "--" + next(iter(change)).replace("_", "-")
+    assert name in err and not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_mixtral_configs_nanohlat_cannot_run_are_user_errors():
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=300,
+                      moe_experts=4, moe_top_k=2)
+    base = hf.to_hf_config(cfg)
+    assert hf.from_hf_config(base, vocab_multiple=128) == cfg   # (the default z coefficient)
+    for change, named in (({"sliding_window": 16}, "sliding_window"), ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+                          ({"num_local_experts": None}, "num_local_experts"),
+                          ({"num_experts_per_tok": 5}, "--moe-top-k 5")):
+        with pytest.raises(UserError, match=named):
+            hf.from_hf_config({**base, **change})

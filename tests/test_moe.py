@@ -338,7 +338,7 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoints_move(ca
     experts of every layer. Over 10 steps its losses and grad norms equal one
     process's to <= 1e-5 relative; its step-5 checkpoint (experts saved by the
     ranks holding them) continues in one process, and one process's continues
-    at ep 2, both as the uninterrupted run."""
+    at ep 2, both as the uninterrupted run; and the ep 2 checkpoint exports to Mixtral."""
     def ckpt(name):
         return str(tmp_path / name / "checkpoints" / "step_00000005")
     _train_here(_flags(cache_dir, tmp_path / "one", "--save-every", 5))
@@ -358,6 +358,16 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoints_move(ca
             rel = 1e-6 if m["step"] == 1 else 1e-4
             assert abs(m["grad_norm"] - r["grad_norm"]) <= rel * r["grad_norm"], (name, m, r)
             assert m["moe_load_max"] == pytest.approx(r["moe_load_max"], rel=1e-2)
+    # the ep 2 checkpoint exports whole as Mixtral (test_hf.py checks Mixtral's logits), and imports back
+    # bit for bit as the tensors it loads
+    pytest.importorskip("safetensors")
+    from nanohlat.device import get_device
+    from nanohlat.serving import hf
+    from nanohlat.serving.generate import load_model
+    assert hf.main(["export", ckpt("ep2"), str(tmp_path / "hf")]) == 0
+    _, state = hf.from_hf_state(*hf.read_hf_dir(str(tmp_path / "hf")))
+    loaded = load_model(ckpt("ep2"), get_device("cpu"))[0].state_dict()
+    assert set(state) == set(loaded) and all(torch.equal(state[n], loaded[n]) for n in state)
 
 
 def test_expert_parallel_groups_and_refusals():

@@ -22,6 +22,7 @@ from nanohlat.config import PRESETS, UserError
 from nanohlat.model import Transformer, init_weights
 
 CFG = PRESETS["tiny"][0]                                  # 8 heads, 4 kv heads (GQA), vocab 512
+MOE_CFG = PRESETS["moe"][0]                               # tiny's shape, 4 experts top-2 in every layer
 PROMPTS = [[1, 5, 9, 33], [1, 7], [1, 100, 200, 300, 400, 5, 6, 7, 8, 9, 10], [1]]
 
 
@@ -131,6 +132,31 @@ def test_speculative_greedy_equals_target_greedy(model):
     assert stats["target_passes"] == 6
 
 
+@pytest.fixture(scope="module")
+def moe_model():
+    torch.set_num_threads(1)
+    return _model(MOE_CFG, seed=4)
+
+
+def test_a_mixture_of_experts_decodes_serves_and_speculates_like_each_prompt_alone(moe_model, model):
+    """Every token routes on its own (dropless), so the KV-cache decode, batching with
+    padding, both schedulers and speculative decoding (a MoE target with a dense draft,
+    and a dense target with a MoE draft) give the plain no-cache greedy tokens."""
+    assert all(moe_model.cfg.is_moe_layer(i) for i in range(MOE_CFG.n_layers))
+    alone = [_reference(moe_model, p, 12) for p in PROMPTS]
+    assert min(_margin(moe_model, p, a) for p, a in zip(PROMPTS, alone)) > 1e-3
+    assert len({t for a in alone for t in a}) > 8                 # not one token repeated
+    assert gen.generate_lists(moe_model, PROMPTS, 12) == alone
+    for serve in (serving.serve_static, serving.serve_continuous):
+        reqs = serving.arrival_stream(6, 500.0, MOE_CFG.vocab_size, seed=3, prompt_len=(2, 12), new_tokens=(2, 12))
+        serve(moe_model, reqs, 3)
+        assert [r.output for r in reqs] == [_reference(moe_model, r.prompt, r.max_new_tokens) for r in reqs]
+    prompt = PROMPTS[2]
+    for target, draft in ((moe_model, model), (model, moe_model)):
+        out, stats = serving.speculative_generate(target, draft, prompt, 20, k=3)
+        assert out == _reference(target, prompt, 20) and stats["accepted"] + stats["target_passes"] == 20
+
+
 def test_tokens_per_pass_formula():
     assert serving.tokens_per_pass_formula(0.0, 4) == 1.0              # every first draft rejected
     assert serving.tokens_per_pass_formula(1.0, 4) == 5.0              # the limit, not 0/0
@@ -207,7 +233,12 @@ def test_accept_or_resample_keeps_the_target_distribution():
 
 # -- tensor parallel: one spawned gloo group of 2 for every case ----------------
 
-TP_CASES = {"mha": 4, "gqa": 2, "replicated-kv": 1}        # kv heads of a 4-head model at tp 2
+TP_CASES = {"mha": 4, "gqa": 2, "replicated-kv": 1,        # kv heads of a 4-head model at tp 2
+            "moe": 2}                                      # a mixture of experts: every rank holds all experts
+
+
+def _tp_cfg(case: str):
+    return dataclasses.replace(MOE_CFG if case == "moe" else CFG, n_heads=4, n_kv_heads=TP_CASES[case])
 
 
 def _tp_worker(rank: int, world: int, out_dir: str) -> None:
@@ -219,7 +250,7 @@ def _tp_worker(rank: int, world: int, out_dir: str) -> None:
     dev.init_process_group(rank, 2)
     results = {}
     for name, kv in TP_CASES.items():
-        cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=kv)
+        cfg = _tp_cfg(name)
         try:
             gen.check_tp(cfg, 2)
         except UserError as e:
@@ -249,7 +280,7 @@ def test_tensor_parallel_generation_equals_one_process(tp_results, case):
     got = tp_results[0][case]
     assert not isinstance(got, str), got                                # every case's layout is accepted
     assert tp_results[1][case] == got                                   # both ranks produced the same tokens
-    cfg = dataclasses.replace(CFG, n_heads=4, n_kv_heads=TP_CASES[case])
+    cfg = _tp_cfg(case)
     m = _model(cfg, seed=5)
     assert got["batched"] == [_reference(m, p, 10) for p in PROMPTS]
     reqs = serving.arrival_stream(4, 1e4, cfg.vocab_size, seed=2, prompt_len=(2, 9), new_tokens=(3, 9))

@@ -1,6 +1,7 @@
-"""Hugging Face Llama <-> nanohlat checkpoints.
+"""Hugging Face Llama (and Mixtral) <-> nanohlat checkpoints.
 
     python -m nanohlat.hf export RUN_OR_CKPT HF_DIR    # -> LlamaForCausalLM.from_pretrained(HF_DIR)
+                                                       #    (a mixture of experts: MixtralForCausalLM)
     python -m nanohlat.hf import HF_DIR OUT_DIR        # -> train.py --resume OUT_DIR/..., sample.py, eval.py
 
 Neither writes into a folder that already holds something unless told
@@ -20,7 +21,29 @@ q/k row permutation that converting Meta's original checkpoints needs:
     norm.weight                      model.norm.weight
     head.weight                      lm_head.weight
 
-The one difference is the vocabulary padding (docs/design.md 5.3): nanohlat's embed
+A mixture of experts (nanohlat/moe.py) exports as MixtralForCausalLM, and a
+Mixtral folder imports as one. Mixtral's sparse block is nanohlat's MoE:
+its router is one linear layer without bias, a softmax over the E experts in
+fp32, the top k, their probabilities renormalised over the k (moe.route; the
+one difference: nanohlat computes the router's logits in fp32 too, Mixtral
+in the model's dtype, the same for an fp32 model); each expert is the same
+SwiGLU, and the output is the weighted sum. Mixtral has no shared experts, no
+dense layers between sparse ones and never drops a token, so export refuses
+--moe-shared-experts, --moe-every > 1 and --moe-capacity-factor > 0 (the
+weights would compute otherwise there). The attention, norms, embedding and
+head map as for Llama; in layer i, nanohlat's experts are stacked (E, ...)
+tensors and Mixtral's are one tensor per expert j:
+
+    layers.{i}.mlp.router.weight     model.layers.{i}.block_sparse_moe.gate.weight
+    layers.{i}.mlp.gate.weight[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight
+    layers.{i}.mlp.up.weight[j]      model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight
+    layers.{i}.mlp.down.weight[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight
+
+(the layout of Mistral's released checkpoints, which transformers 5 fuses into
+its own on loading). --moe-aux-coef travels as router_aux_loss_coef; the
+z-loss coefficient has no Mixtral field and imports as nanohlat's default.
+
+For both, one difference is the vocabulary padding (docs/design.md 5.3): nanohlat's embed
 and head have cfg.padded_vocab rows, Hugging Face's have exactly vocab_size.
 Export slices the padding rows off; import adds zero rows.
 
@@ -57,28 +80,59 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "head.weight": "lm_head.weight"}
+_VOCAB_NAMES = ("embed.weight", "head.weight")   # padded_vocab rows here, vocab_size there
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a nanohlat parameter."""
+# In a sparse layer (Mixtral): the router is the sparse block's gate, and each stacked
+# (E, ...) expert matrix is E matrices, experts.{j}.w1 (gate), w3 (up) and w2 (down).
+_MOE_NAMES = {"mlp.router.weight": "block_sparse_moe.gate.weight", "mlp.gate.weight": "w1.weight",
+              "mlp.up.weight": "w3.weight", "mlp.down.weight": "w2.weight"}
+
+
+def experts_stacked(cfg: ModelConfig, name: str) -> bool:
+    """Whether a nanohlat parameter holds a sparse layer's E experts stacked (E, ...)."""
+    parts = name.split(".", 2)
+    return (parts[0] == "layers" and cfg.is_moe_layer(int(parts[1]))
+            and parts[2] in _MOE_NAMES and parts[2] != "mlp.router.weight")
+
+
+def hf_names(cfg: ModelConfig, name: str) -> list[str]:
+    """The Hugging Face name(s) of a nanohlat parameter: one, or, for stacked
+    experts (experts_stacked), E of them: expert j's at j."""
     if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+        return [_TOP_NAMES[name]]
     _, i, rest = name.split(".", 2)                     # "layers", "7", "attn.wq.weight"
-    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
+    if experts_stacked(cfg, name):
+        return [f"model.layers.{i}.block_sparse_moe.experts.{j}.{_MOE_NAMES[rest]}" for j in range(cfg.moe_experts)]
+    if cfg.is_moe_layer(int(i)) and rest in _MOE_NAMES:   # the router
+        return [f"model.layers.{i}.{_MOE_NAMES[rest]}"]
+    return [f"model.layers.{i}.{_LAYER_NAMES[rest]}"]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """Every nanohlat parameter name -> its full (unsharded) shape."""
-    d, kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
+    d, kv, f = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     shapes = {"embed.weight": (cfg.padded_vocab, d), "norm.weight": (d,), "head.weight": (cfg.padded_vocab, d)}
     for i in range(cfg.n_layers):
         shapes.update({f"layers.{i}.attn_norm.weight": (d,), f"layers.{i}.mlp_norm.weight": (d,),
                        f"layers.{i}.attn.wq.weight": (cfg.n_heads * cfg.head_dim, d),
                        f"layers.{i}.attn.wk.weight": (kv, d), f"layers.{i}.attn.wv.weight": (kv, d),
-                       f"layers.{i}.attn.wo.weight": (d, cfg.n_heads * cfg.head_dim),
-                       f"layers.{i}.mlp.gate.weight": (cfg.ffn_dim, d), f"layers.{i}.mlp.up.weight": (cfg.ffn_dim, d),
-                       f"layers.{i}.mlp.down.weight": (d, cfg.ffn_dim)})
+                       f"layers.{i}.attn.wo.weight": (d, cfg.n_heads * cfg.head_dim)})
+        E = (cfg.moe_experts,) if cfg.is_moe_layer(i) else ()    # a sparse layer: E experts stacked, a router
+        shapes.update({f"layers.{i}.mlp.gate.weight": (*E, f, d), f"layers.{i}.mlp.up.weight": (*E, f, d),
+                       f"layers.{i}.mlp.down.weight": (*E, d, f)})
+        if E:
+            shapes[f"layers.{i}.mlp.router.weight"] = (cfg.moe_experts, d)
     return shapes
+
+
+def check_mixtral(cfg: ModelConfig) -> None:
+    """A mixture of experts exports as Mixtral only in Mixtral's shape (UserError otherwise)."""
+    if cfg.moe_experts and (cfg.moe_shared_experts or cfg.moe_every != 1 or cfg.moe_capacity_factor):
+        raise UserError(f"this mixture of experts (--moe-shared-experts {cfg.moe_shared_experts}, --moe-every "
+                        f"{cfg.moe_every}, --moe-capacity-factor {cfg.moe_capacity_factor:g}) has no Hugging Face "
+                        f"equivalent: Mixtral has no shared experts, every layer sparse and no dropped tokens "
+                        f"(0, 1 and 0); only such a model exports")
 
 
 # ---------------------------------------------------------------------------
@@ -86,33 +140,42 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 # ---------------------------------------------------------------------------
 
 def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2, dtype: str = "float32") -> dict:
-    """config.json of the equivalent LlamaForCausalLM."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """config.json of the equivalent LlamaForCausalLM (MixtralForCausalLM: a mixture of experts)."""
+    check_mixtral(cfg)
+    common = {
         "vocab_size": cfg.vocab_size,                   # unpadded: the padding rows are not exported
         "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         # transformers < 5 reads rope_theta, >= 5 rope_parameters (and still accepts the former)
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
-        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02,
         "bos_token_id": bos_id, "eos_token_id": eos_id, "use_cache": True, "torch_dtype": dtype,
     }
+    if cfg.moe_experts:   # Mixtral: (intermediate_size is one expert's), full attention, no router noise
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
+                "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+                "router_aux_loss_coef": cfg.moe_aux_coef, "output_router_logits": False,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+            "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
 
 
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """nanohlat full state -> Hugging Face Llama state (vocabulary padding removed)."""
+    """nanohlat full state -> Hugging Face Llama (or Mixtral) state (vocabulary padding removed)."""
     missing = set(expected_shapes(cfg)) - set(state)
     if missing:
         raise UserError(f"the nanohlat state lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}; "
                         f"export needs a complete single-model state")
     out = {}
     for name, t in state.items():
-        if name in ("embed.weight", "head.weight"):
+        if name in _VOCAB_NAMES:
             t = t[:cfg.vocab_size]
+        names = hf_names(cfg, name)
+        parts = t.unbind(0) if experts_stacked(cfg, name) else (t,)   # expert j's matrix is t[j]
         # safetensors refuses views of a larger buffer and tensors sharing memory: own copies.
-        out[hf_name(name)] = t.detach().contiguous().clone()
+        out.update({n: p.detach().contiguous().clone() for n, p in zip(names, parts)})
     return out
 
 
@@ -145,8 +208,8 @@ def _or(value, default):
 
 
 def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelConfig:
-    """Hugging Face Llama config.json dict -> the ModelConfig of the same model (checked:
-    each field nanohlat reads for its type first, then the model's ranges)."""
+    """Hugging Face Llama (or Mixtral) config.json dict -> the ModelConfig of the same
+    model (checked: each field nanohlat reads for its type first, then the model's ranges)."""
     def bad(key: str, want: str) -> UserError:
         return UserError(f"config.json's {key} is {hf_config.get(key)!r}, not {want}; it is not a complete "
                          f"Llama config (fix the file, or give another model directory)")
@@ -156,8 +219,11 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
     if not isinstance(hf_config.get("architectures") or [], list):
         raise bad("architectures", "a list of class names")
     arch = hf_config.get("model_type") or "?"
-    if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []):
-        raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM checkpoints convert 1:1")
+    mixtral = arch == "mixtral" or "MixtralForCausalLM" in (hf_config.get("architectures") or [])
+    if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []) and not mixtral:
+        raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM (and MixtralForCausalLM) "
+                        f"checkpoints convert 1:1")
+    moe = _mixtral_fields(hf_config, bad, whole) if mixtral else {}
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf_config.get(key, want) != want:
             raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's Llama has {key} = {want!r})")
@@ -184,7 +250,7 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
                       ffn_dim=hf_config["intermediate_size"], vocab_size=vocab,
                       max_seq_len=_or(hf_config.get("max_position_embeddings"), 2048),
                       rope_theta=_rope_theta(hf_config), norm_eps=_or(hf_config.get("rms_norm_eps"), 1e-5),
-                      vocab_multiple=vocab_multiple or _vocab_multiple(vocab))
+                      vocab_multiple=vocab_multiple or _vocab_multiple(vocab), **moe)
     try:
         cfg.validate()   # (positive sizes before any division: a head count of 0 was a ZeroDivisionError)
     except UserError as e:
@@ -195,28 +261,54 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
     return cfg
 
 
+def _mixtral_fields(hf_config: dict, bad, whole) -> dict:
+    """The ModelConfig fields of a Mixtral config.json's mixture of experts (every layer
+    sparse, no shared experts, dropless). Its attention must be full (no sliding window)
+    and its router without noise, as nanohlat's."""
+    for key in ("num_local_experts", "num_experts_per_tok"):
+        if not whole(hf_config.get(key)):
+            raise bad(key, "a whole number")
+    for key, want in (("sliding_window", None), ("router_jitter_noise", 0)):
+        if hf_config.get(key) not in (None, want):
+            raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's mixture of experts has "
+                            f"{key} = {want!r}: full attention, a router without noise)")
+    aux = hf_config.get("router_aux_loss_coef")
+    if aux is not None and not (isinstance(aux, (int, float)) and not isinstance(aux, bool) and math.isfinite(aux)):
+        raise bad("router_aux_loss_coef", "a finite number")
+    return {"moe_experts": hf_config["num_local_experts"], "moe_top_k": hf_config["num_experts_per_tok"],
+            "moe_aux_coef": float(_or(aux, 0.001))}      # (transformers' default)
+
+
 def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
                   vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Hugging Face Llama config.json dict + state -> (ModelConfig, nanohlat full fp32 state)."""
+    """Hugging Face Llama (or Mixtral) config.json dict + state -> (ModelConfig,
+    nanohlat full fp32 state). Mixtral's state as its checkpoints store it (the
+    module docstring), which transformers' save_pretrained writes."""
     cfg = from_hf_config(hf_config, vocab_multiple)
     d = cfg.d_model
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, derived
     if "lm_head.weight" not in hf_state and hf_config.get("tie_word_embeddings"):
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]   # untied from here on
     shapes = expected_shapes(cfg)
-    wanted = {hf_name(n): n for n in shapes}
-    missing, unexpected = set(wanted) - set(hf_state), set(hf_state) - set(wanted)
+    wanted = {n: hf_names(cfg, n) for n in shapes}
+    every = {h for names in wanted.values() for h in names}
+    missing, unexpected = every - set(hf_state), set(hf_state) - every
     if missing or unexpected:
-        raise UserError(f"not a Llama state of this config: missing {sorted(missing)[:3]}, "
-                        f"unexpected {sorted(unexpected)[:3]}")
+        raise UserError(f"not a {'Mixtral' if cfg.moe_experts else 'Llama'} state of this config: missing "
+                        f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
     state = {}
-    for hname, name in wanted.items():
-        t = hf_state[hname].detach().float()          # nanohlat keeps fp32 weights; bf16 widens exactly
-        if name in ("embed.weight", "head.weight"):
+    for name, hnames in wanted.items():
+        stacked = experts_stacked(cfg, name)
+        # what each Hugging Face tensor holds: one expert of a stack; the vocabulary unpadded
+        want = shapes[name][1:] if stacked else (cfg.vocab_size, d) if name in _VOCAB_NAMES else shapes[name]
+        for hname in hnames:
+            if tuple(hf_state[hname].shape) != want:
+                raise UserError(f"{hname} has shape {tuple(hf_state[hname].shape)}, expected {want} "
+                                f"from config.json")
+        parts = [hf_state[h].detach().float() for h in hnames]   # nanohlat keeps fp32; bf16 widens exactly
+        t = torch.stack(parts) if stacked else parts[0]          # expert j's matrix at j
+        if name in _VOCAB_NAMES:
             t = torch.cat([t, t.new_zeros(cfg.padded_vocab - t.shape[0], d)])   # padding rows are zero
-        if tuple(t.shape) != shapes[name]:
-            raise UserError(f"{hname} has shape {tuple(hf_state[hname].shape)}, expected {shapes[name]} "
-                            f"from config.json")
         state[name] = t.contiguous()
     return cfg, state
 
@@ -351,6 +443,7 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     # its config and finite weights checked, and that three copies of the weights fit
     # (the model, its state cut for HF, the file's bytes)
     model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
+    check_mixtral(model.cfg)    # before anything is written
     state = model.state_dict()
     # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
     # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
@@ -365,7 +458,8 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
         if os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
-          f"(LlamaForCausalLM, vocab {model.cfg.vocab_size}, {sum(v.numel() for v in state.values()):,} params)")
+          f"({'MixtralForCausalLM' if model.cfg.moe_experts else 'LlamaForCausalLM'}, vocab {model.cfg.vocab_size}, "
+          f"{sum(v.numel() for v in state.values()):,} params)")
 
 
 def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,
@@ -416,7 +510,8 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
                         f"kept)") from None
     finally:
         lock.release()
-    print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size} "
+    experts = f", {cfg.moe_experts} experts, top-{cfg.moe_top_k}" if cfg.moe_experts else ""
+    print(f"imported {hf_dir} ({cfg.n_layers} layers, d_model {cfg.d_model}{experts}, vocab {cfg.vocab_size} "
           f"padded to {cfg.padded_vocab}) -> {path}")
     return path
 
@@ -437,13 +532,13 @@ def _undo_import(out_dir: str, tokenizer_copy: str | None) -> None:
 
 @cli.command
 def main(argv=None) -> int:
-    p = flags.Parser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama.")
+    p = flags.Parser(prog="python -m nanohlat.hf", description="Convert to/from Hugging Face Llama (Mixtral: a mixture of experts).")
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="nanohlat run or checkpoint -> Hugging Face directory")
     e.add_argument("checkpoint", metavar="RUN_OR_CKPT")
     e.add_argument("hf_dir", metavar="HF_DIR")
     e.add_argument("--overwrite", action="store_true", help="write into a non-empty HF_DIR, replacing its files")
-    i = sub.add_parser("import", help="Hugging Face Llama directory -> nanohlat checkpoint")
+    i = sub.add_parser("import", help="Hugging Face Llama or Mixtral directory -> nanohlat checkpoint")
     i.add_argument("hf_dir", metavar="HF_DIR")
     i.add_argument("out_dir", metavar="OUT_DIR")
     i.add_argument("--tokenizer", default="", help="SentencePiece model (default HF_DIR/tokenizer.model)")
