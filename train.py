@@ -48,9 +48,9 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
     if world > 1 and not torch.distributed.is_initialized():
         with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
             dev.init_process_group(rank, world, tcfg.collective_timeout)
-    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, world // (tcfg.tp * tcfg.pp), rank, ledger=comm.CommLedger(),
+    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, world // (tcfg.tp * tcfg.pp * tcfg.cp), rank, ledger=comm.CommLedger(),
                         kv_replicas=meshlib.kv_replicas(model_cfg, tcfg.tp), virtual_stages=tcfg.virtual_stages,
-                        ep=tcfg.ep)
+                        ep=tcfg.ep, cp=tcfg.cp)
     mesh.build_groups(dev if world > 1 else None)
 
     # -- model (this rank's stage and tensor slice), schedule, optimizer -----

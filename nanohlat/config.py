@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
+from .context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
 from .precision import PRECISIONS
 
 DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
@@ -154,6 +155,8 @@ class TrainConfig:
     schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
     ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
+    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py, mesh.py)
+    cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
     zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py), 3 + parameters (zero3.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
@@ -188,7 +191,7 @@ class TrainConfig:
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep"):
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep", "cp"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
@@ -203,6 +206,7 @@ class TrainConfig:
             "precision": PRECISIONS,
             "moments": ("fp32", "bf16"),
             "activation_checkpointing": ("none", "selective", "full"),
+            "cp_attention": CP_ATTENTIONS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -391,6 +395,11 @@ HELP = {
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
                            "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
+    "cp": "context parallelism: split each sequence over N ranks (zigzag: 2N chunks, rank i holds i and 2N-1-i; "
+          "--seq-len a multiple of 2N), attention across them by --cp-attention (nanohlat/context_parallel.py)",
+    "cp_attention": "with --cp: " + ", ".join(CP_ATTENTIONS) + " (all-gather K/V; K/V round a ring with an "
+                    "online-softmax merge; Ulysses' all-to-all to a head split, needing heads and kv heads "
+                    "divisible by --cp)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
 }
 
@@ -430,6 +439,8 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     tcfg.validate()
     if model_cfg.moe_experts or tcfg.ep > 1:
         check_moe_layout(model_cfg, tcfg)
+    if tcfg.cp > 1:
+        check_cp_layout(model_cfg, tcfg)
     if tcfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
                         f"lower --seq-len or raise --max-seq-len")
@@ -450,6 +461,29 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with "
                         f"--dp (any --zero): experts replicated like the dense weights (moe.py); --ep: dropless, fp32, no ZeRO")
+
+
+def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N; what cp trains with so far."""
+    cp = tcfg.cp
+    if tcfg.seq_len % (2 * cp):
+        raise UserError(f"--cp {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (zigzag): "
+                        f"--seq-len {tcfg.seq_len} is not a multiple of {2 * cp}")
+    if tcfg.cp_attention == "ulysses" and (model_cfg.n_heads % cp or model_cfg.n_kv_heads % cp):
+        raise UserError(f"--cp-attention ulysses gives each of the {cp} cp ranks heads / {cp} of the heads: "
+                        f"n_heads {model_cfg.n_heads} and n_kv_heads {model_cfg.n_kv_heads} must both be "
+                        f"divisible by --cp {cp}; use --cp-attention allgather or ring, or another --cp")
+    refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
+    refused += [f"--zero {tcfg.zero}"] if tcfg.zero >= 2 else []
+    refused += [_flag(name) for name in ("compile", "plan", "timeline") if getattr(tcfg, name)]
+    refused += ["--check-replicas"] if tcfg.check_replicas else []
+    refused += [f"--precision {tcfg.precision}"] if tcfg.precision != "fp32" else []
+    refused += [f"--activation-checkpointing {tcfg.activation_checkpointing}"] \
+        if tcfg.activation_checkpointing != "none" else []
+    refused += ["a mixture of experts (--moe-experts)"] if model_cfg.moe_experts else []
+    if refused:
+        raise UserError(f"--cp {cp} with {', '.join(refused)} is not supported yet: context parallelism trains "
+                        f"with --dp and --zero 0 or 1, in fp32, on a dense model (context_parallel.py)")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

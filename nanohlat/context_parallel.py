@@ -70,6 +70,29 @@ def contiguous_positions(T: int, cp: int) -> torch.Tensor:
     return torch.arange(T).view(cp, T // cp)
 
 
+class Context:
+    """What a model's layers need to run context parallel (model.py's one call): the cp group
+    and the algorithm. Every table comes from the number of tokens a rank holds."""
+
+    def __init__(self, group, algorithm: str):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown cp attention {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+        self.group, self.algorithm = group, algorithm
+
+    def positions(self, t: int) -> torch.Tensor:
+        """(cp, t): every rank's t tokens' places in the whole sequence of cp * t tokens."""
+        return zigzag_positions(t * self.group.size, self.group.size)
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, t: int):
+        """The rotary angles of this rank's t tokens, at their places in the whole sequence: (t, D) each."""
+        mine = self.positions(t)[self.group.rank].to(cos.device)
+        return cos[mine], sin[mine]
+
+    def attention(self, q, k, v):
+        """`attention` below with this rank's group, table and algorithm."""
+        return attention(q, k, v, self.group, self.positions(q.shape[2]), self.algorithm)
+
+
 def split_sequence(tokens: torch.Tensor, cp: int, rank: int):
     """tokens (B, T+1) -> this rank's (inputs, targets, positions): (B, T/cp), (B, T/cp), (T/cp,).
     The shift into (input, target) comes first, on the whole sequence (see above)."""

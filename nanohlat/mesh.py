@@ -20,10 +20,11 @@ Example, tp=2, pp=2, dp=2 (8 ranks):
 Every rank creates every group in the same order (collective libraries require
 it), and a group of size 1 is never created: collectives on it are no-ops.
 
-Three kinds of groups are special cases, each in a labelled section at the end
+Four kinds of groups are special cases, each in a labelled section at the end
 of this file, to skip on a first reading: the kv groups (only when tp >
-n_kv_heads), the pipeline's neighbour pairs in the shape XLA wants, and the
-expert-parallel groups of a mixture of experts (only with --ep > 1).
+n_kv_heads), the pipeline's neighbour pairs in the shape XLA wants, the
+expert-parallel groups of a mixture of experts (only with --ep > 1), and the
+context-parallel dimension (only with --cp > 1), which sits between tp and dp.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ def _choices(xs) -> str:
 
 def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     """Refuse a layout that cannot work, before any worker starts. Returns dp."""
-    tp, pp = tcfg.tp, tcfg.pp
-    if world % (tp * pp):
-        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world}; "
-                        f"choose tp*pp among {_choices(divisors(world))}")
-    dp = tcfg.dp or world // (tp * pp)
-    if tp * pp * dp != world:
-        raise UserError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} but the world has {world} "
-                        f"processes; use --dp {world // (tp * pp)} or leave --dp unset")
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if world % (tp * pp * cp):
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} = {tp * pp * cp} does not divide the world size {world}; "
+                        f"choose tp*pp{'*cp' if cp > 1 else ''} among {_choices(divisors(world))}")
+    dp = tcfg.dp or world // (tp * pp * cp)
+    if tp * pp * cp * dp != world:
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} x --dp {dp} = {tp * pp * cp * dp} but the world has "
+                        f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
     # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
     # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
     kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0
@@ -109,18 +111,21 @@ def stage_layer_text(n_layers: int, pp: int, stage: int, v: int = 1) -> str:
     return ",".join(f"{k * per}-{(k + 1) * per - 1}" for k in range(stage, pp * v, pp))
 
 
-def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64, v: int = 1) -> str:
+def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64, v: int = 1,
+                 cp: int = 1) -> str:
     """The printable rank -> (dp, pp, tp) table (`--plan` and the run's log);
-    v: model chunks per stage (interleaved schedule)."""
-    world = tp * pp * dp
+    v: model chunks per stage (interleaved schedule); cp > 1: a cp column too."""
+    world = tp * pp * dp * cp
     per = bool(n_layers)
-    lines = [f"world {world} = dp {dp} x pp {pp} x tp {tp}", "rank  dp  pp  tp" + ("  layers" if per else "")]
+    lines = [f"world {world} = dp {dp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "") + f" x tp {tp}",
+             "rank  dp  pp" + ("  cp" if cp > 1 else "") + "  tp" + ("  layers" if per else "")]
     shown = list(range(world)) if world <= max_rows else list(range(max_rows // 2)) + list(range(world - max_rows // 2, world))
     for i, r in enumerate(shown):
         if i and shown[i - 1] != r - 1:
             lines.append(f"  ... {r - shown[i - 1] - 1} more ranks ...")
-        d, p, t = coords(r, tp, pp, dp)
-        row = f"{r:4d} {d:3d} {p:3d} {t:3d}"
+        d, p, inner = coords(r, tp * cp, pp, dp)   # (cp, tp) as one inner coordinate: mesh.py's last section
+        c, t = divmod(inner, tp)
+        row = f"{r:4d} {d:3d} {p:3d}" + (f" {c:3d}" if cp > 1 else "") + f" {t:3d}"
         if per:
             row += f"  {stage_layer_text(n_layers, pp, p, v)}" + ("  +embedding" if p == 0 else "") + ("  +norm,head,loss" if p == pp - 1 else "")
         lines.append(row)
@@ -140,13 +145,16 @@ class Mesh:
     kv_replicas: int = 1        # tp ranks per kv head when tp > n_kv_heads (kv_replicas())
     virtual_stages: int = 1     # interleaved: chunks per stage; > 1 needs the wrap pair (last -> first stage)
     ep: int = 1                 # expert parallelism: dp ranks sharing a mixture's experts (ep_groups())
+    cp: int = 1                 # context parallelism: ranks sharing each sequence (the last section)
 
     def __post_init__(self):
-        self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)
+        # with cp > 1, (cp, tp) is one inner coordinate of size cp * tp (the last section)
+        self.dp_rank, self.pp_rank, inner = coords(self.rank, self.tp * self.cp, self.pp, self.dp)
+        self.cp_rank, self.tp_rank = divmod(inner, self.tp)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -160,6 +168,8 @@ class Mesh:
         """Every group of one kind, as lists of ranks, in a fixed order. 'kv' and
         'pair_even' / 'pair_odd' are the special cases at the end of this file."""
         tp, pp, dp = self.tp, self.pp, self.dp
+        if self.cp > 1:
+            return cp_partition(self, kind)
         if kind == "kv":
             return kv_groups(tp, pp, dp, self.kv_replicas)
         if kind in ("ep", "ep_dp"):
@@ -183,7 +193,7 @@ class Mesh:
         if device is not None and self.world > 1:
             import torch.distributed as dist
             self.groups["world"] = Group("world", list(range(self.world)), self.rank, dist.group.WORLD, self.ledger)
-        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv", "pair_wrap", "ep", "ep_dp"):
+        for kind in ("tp", "dp", "pp", "pair_even", "pair_odd", "kv", "pair_wrap", "ep", "ep_dp", "cp", "dp_cp"):
             partition = self._all(kind)
             for ranks in partition:
                 pg = None
@@ -192,14 +202,16 @@ class Mesh:
                 if self.rank in ranks:
                     pair = kind.startswith("pair")
                     g = Group("pp" if pair else kind, ranks, ranks.index(self.rank), pg, self.ledger)
-                    self.groups[pair_key(ranks, self.rank, self.tp, self.pp, self.dp) if pair else kind] = g
+                    key = pair_key(ranks, self.rank, self.tp * self.cp, self.pp, self.dp) if pair else kind
+                    self.groups[key] = g
         return self
 
     def group(self, key: str) -> Group:
         """'tp', 'dp', 'pp', 'world', 'next' (pair with stage+1), 'prev' (pair
         with stage-1), 'kv' (the ranks sharing this rank's kv head), 'wrap'
         (last stage <-> first stage: with pp = 2 the one pair of neighbours),
-        'ep' (the dp ranks sharing the experts), 'ep_dp' (those holding the same ones)."""
+        'ep' (the dp ranks sharing the experts), 'ep_dp' (those holding the same ones),
+        'cp' (the ranks sharing each sequence), 'dp_cp' (dp x cp: see grad_group)."""
         if key == "wrap" and self.pp == 2:
             return self.group("next" if self.is_first_stage else "prev")
         if key not in self.groups:  # single process, or no such neighbour
@@ -217,6 +229,13 @@ class Mesh:
     @property
     def pp_group(self) -> Group:
         return self.group("pp")
+
+    @property
+    def grad_group(self) -> Group:
+        """The ranks over which a parameter's gradient is summed: those holding the same weights and
+        other tokens. The dp group, or with --cp > 1 the dp x cp ranks (each cp rank saw other tokens
+        of the same sequences)."""
+        return self.group("dp_cp") if self.cp > 1 else self.dp_group
 
 
 # ---------------------------------------------------------------------------
@@ -300,3 +319,34 @@ def check_ep(tcfg: TrainConfig, dp: int, n_experts: int) -> None:
     if dp % tcfg.ep or n_experts % tcfg.ep:
         raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {n_experts} (each of the ep ranks "
                         f"holds experts / ep of them); choose among {_choices(divisors(math.gcd(dp, n_experts)))}")
+
+
+# ---------------------------------------------------------------------------
+# Context parallelism, only with --cp > 1 (context_parallel.py). The cp ranks
+# of one sequence talk in every layer's attention, so they sit next to the tp
+# ranks: (cp, tp) together form the inner coordinate,
+#
+#     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+#
+# and every other kind of group is the cp = 1 mesh's, once for each cp rank
+# (`lift`). Example dp 2, cp 2: cp groups [0 1] [2 3], dp groups [0 2] [1 3],
+# dp_cp [0 1 2 3] (all four hold the same weights: gradients summed over them).
+# ---------------------------------------------------------------------------
+
+def lift(base_rank: int, cp_rank: int, tp: int, cp: int) -> int:
+    """A rank of the cp = 1 mesh (same tp, pp, dp) -> that place at cp rank `cp_rank`."""
+    outer, t = divmod(base_rank, tp)
+    return (outer * cp + cp_rank) * tp + t
+
+
+def cp_partition(mesh: Mesh, kind: str) -> list[list[int]]:
+    """Every group of one kind when cp > 1 (each list in increasing order, as torch numbers a group)."""
+    tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, mesh.cp
+    base_world = tp * pp * dp
+    if kind == "cp":
+        return [[lift(b, c, tp, cp) for c in range(cp)] for b in range(base_world)]
+    if kind == "dp_cp":
+        return [[lift(rank_of(d, p, t, tp, dp), c, tp, cp) for d in range(dp) for c in range(cp)]
+                for p in range(pp) for t in range(tp)]
+    base = Mesh(tp, pp, dp, kv_replicas=mesh.kv_replicas, virtual_stages=mesh.virtual_stages, ep=mesh.ep)
+    return [[lift(b, c, tp, cp) for b in ranks] for c in range(cp) for ranks in base._all(kind)]

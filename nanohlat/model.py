@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import moe, shard_spec, tensor_parallel as tpl
+from . import context_parallel as cpl, moe, shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -90,9 +90,10 @@ class Attention(nn.Module):
     tp/n_kv_heads replicas; tensor_parallel.py's docstring)."""
 
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True):
+                 regather: bool = True, cp: cpl.Context | None = None):
         super().__init__()
         tp = group.size
+        self.cp = cp   # context parallel (--cp > 1): this rank holds T/cp tokens of each sequence
         replicas = kv_group.size if kv_group is not None else 1
         assert replicas == max(tp // cfg.n_kv_heads, 1), \
             f"tp {tp} with {cfg.n_kv_heads} kv heads needs kv groups of {max(tp // cfg.n_kv_heads, 1)} ranks"
@@ -121,6 +122,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
             y = attention_core(q, k, v, False, mask)
+        elif self.cp is not None:   # --cp: over the whole sequence's keys, on the cp ranks (context_parallel.py)
+            y = self.cp.attention(q, k, v)
         elif self.checkpoint_core is not None:
             y = self.checkpoint_core(attention_core, q, k, v, True)
         else:
@@ -146,10 +149,11 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True, layer: int = 0, ep_group: Group | None = None):
+                 regather: bool = True, layer: int = 0, ep_group: Group | None = None,
+                 cp: cpl.Context | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
+        self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather, cp)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         if not cfg.is_moe_layer(layer):   # the dense SwiGLU MLP (every layer unless --moe-experts is given)
             self.mlp = MLP(cfg, group, sequence_parallel, regather)
@@ -168,11 +172,13 @@ class Transformer(nn.Module):
     (mesh.group("kv")); `sp_regather`: with sequence parallel, keep only each
     rank's T/tp tokens for the column-parallel matmuls' backward and gather
     them again there (--sp-regather; tensor_parallel.enter_linears); `ep_group`:
-    the ranks sharing the experts of a mixture of experts (--ep; moe.py)."""
+    the ranks sharing the experts of a mixture of experts (--ep; moe.py); `cp`:
+    context parallelism's group and algorithm (--cp; context_parallel.Context)."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
                  layers: range | list[int] | None = None, first: bool = True, last: bool = True,
-                 kv_group: Group | None = None, sp_regather: bool = True, ep_group: Group | None = None):
+                 kv_group: Group | None = None, sp_regather: bool = True, ep_group: Group | None = None,
+                 cp: cpl.Context | None = None):
         super().__init__()
         group = group or Group("tp", [0], 0)
         self.cfg, self.group = cfg, group
@@ -183,7 +189,8 @@ class Transformer(nn.Module):
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather, i, ep_group)
+        self.cp = cp
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather, i, ep_group, cp)
                                      for i in self.layer_ids})
         self.moe_tally = None   # MoE: the step's router figures so far (moe.tally; run/session.py logs them)
         if last:
@@ -220,7 +227,9 @@ class Transformer(nn.Module):
         embeds = self.first and ids[0] == 0
         ends = self.last and ids[-1] == self.cfg.n_layers - 1
         T = x.shape[1] * (self.group.size if (self.sequence_parallel and not embeds) else 1)
-        if positions is None:
+        if positions is None and self.cp is not None:   # --cp: x holds this rank's zigzag chunks
+            cos, sin = self.cp.rotary(self.cos, self.sin, T)                        # (T, D), each token's own place
+        elif positions is None:
             cos, sin = self.cos[:T], self.sin[:T]                                   # (T, D)
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, D)

@@ -163,7 +163,7 @@ class FlatAdamW:
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's, 2's or 3's shards;
         # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
         self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero](
-            mesh.dp_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,
+            mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,   # dp (x cp: mesh.grad_group)
             tcfg.overlap_grad_reduce and device.kind != "xla")
         # --ep: experts' gradients are summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
         self.expert_dp = data_parallel.ReplicatedDP(

@@ -123,7 +123,8 @@ def test_one_process_resume_is_bit_identical(one):
     manifest = json.load(open(os.path.join(ckpt(one / "resumed", N), "manifest.json")))
     assert manifest["step"] == N and manifest["tokens"] == N * 8 * 32
     assert manifest["schedule"]["optimizer_step"] == N and manifest["data"]["next_step"] == N
-    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1}
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 1, "cp": 1,
+                                  "zero": 0, "zero1": False, "world": 1, "virtual_stages": 1}
 
 
 def test_the_manifest_names_only_the_generator_a_shard_holds(one, cache_dir, tmp_path):
@@ -198,7 +199,8 @@ def test_the_inference_load_equals_the_training_weights(eight, one):
     from nanohlat.serving.generate import load_model   # the loader of every command
     got, manifest = load_model(str(eight / "full"), cpu)
     ref, _ = load_model(str(one / "full"), cpu)
-    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "zero1": True, "world": 8, "virtual_stages": 1}
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 2, "cp": 1,
+                                  "zero": 1, "zero1": True, "world": 8, "virtual_stages": 1}
     ref_params = dict(ref.named_parameters())
     for name, p in got.named_parameters():
         assert (p - ref_params[name]).abs().max().item() < 1e-4, name

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanohlat import optim, pipeline
+from nanohlat import context_parallel, optim, pipeline
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW
@@ -31,7 +31,8 @@ def build(model_cfg, tcfg, mesh, dev):
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
                         first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"),
-                        sp_regather=tcfg.sp_regather, ep_group=mesh.group("ep"))
+                        sp_regather=tcfg.sp_regather, ep_group=mesh.group("ep"),
+                        cp=context_parallel.Context(mesh.group("cp"), tcfg.cp_attention) if mesh.cp > 1 else None)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)
@@ -39,7 +40,7 @@ def build(model_cfg, tcfg, mesh, dev):
     if tcfg.compile:
         compile_stage(model, dev.kind)   # --compile: torch.compile the stage in place (compile.py)
     mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
-    seq_local = tcfg.seq_len // mesh.tp if model.sequence_parallel else tcfg.seq_len
+    seq_local = tcfg.seq_len // mesh.cp // (mesh.tp if model.sequence_parallel else 1)   # (--cp: T/cp tokens)
     # --timeline: the runner tells a StepClock the start and end of every forward and backward
     clock = timeline.StepClock(dev, synchronize=True) if tcfg.timeline else None
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev, clock)

@@ -68,6 +68,9 @@ def main(train, argv: list[str]) -> int:
         if model_cfg.moe_experts and not model_cfg.moe_capacity_factor and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("a dropless mixture of experts is not supported on xla: each expert's token count "
                             "is a new shape, a new graph; give --moe-capacity-factor (e.g. 1.25: static shapes)")
+        if tcfg.cp > 1 and devicelib.resolve_kind(tcfg.device) == "xla":
+            raise UserError(f"--cp {tcfg.cp} is not supported on xla yet (--cp-attention {tcfg.cp_attention} is "
+                            f"tested on cpu and cuda only); train with --cp 1 there")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
         # tokenizer and token shards are built once, here, before any worker starts
@@ -155,7 +158,8 @@ def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world:
     kind = devicelib.resolve_kind(tcfg.device)
     if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
         return
-    per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
+    # (the plan has no cp yet: with --cp its layout at cp 1, each rank holding whole sequences, which is more)
+    per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind, cp=1), world // tcfg.cp) \
         + rotary_bytes(model_cfg)
     ranks = 1 if kind == "cuda" else max(1, min(local, world))
     refuse_if_too_big(ranks * per_rank, memory_of(kind), f"weights, optimizer, activations and the rotary tables "

@@ -129,7 +129,7 @@ class TrainLog:
                                                           "tokenizer_path": tokenizer_path}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)
-            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16,
+            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16, cp=mesh.cp,
                                     v=tcfg.virtual_stages))
             active = model_cfg.num_params() - model_cfg.moe_extra_params() + model_cfg.moe_extra_params(active=True)
             sparse = (f" ({active / 1e6:.2f}M active per token: the top-{model_cfg.moe_top_k} of "

@@ -85,8 +85,11 @@ def _check_fields(mpath: str, m: dict) -> None:
     lay = m["layout"]
     if not isinstance(lay, dict) or not all(_count(lay.get(k), 1) for k in ("tp", "pp", "dp", "world")):
         raise bad(f"layout is {lay!r}, not tp, pp, dp and world >= 1")
-    if lay["world"] != lay["tp"] * lay["pp"] * lay["dp"]:
-        raise bad(f"layout world {lay['world']} is not tp*pp*dp = {lay['tp'] * lay['pp'] * lay['dp']}")
+    if not _count(lay.get("cp", 1), 1):   # (before context parallelism: no cp, which was 1)
+        raise bad(f"layout cp is {lay['cp']!r}, not a whole number >= 1")
+    if lay["world"] != lay["tp"] * lay["pp"] * lay["dp"] * lay.get("cp", 1):
+        raise bad(f"layout world {lay['world']} is not tp*pp*dp*cp = "
+                  f"{lay['tp'] * lay['pp'] * lay['dp'] * lay.get('cp', 1)}")
     # the ZeRO stage: "zero" (0-3) since ZeRO-2; before it only "zero1" (a bool); when both, they agree
     if "zero" in lay and not (_count(lay["zero"]) and lay["zero"] <= 3):
         raise bad(f"layout zero is {lay['zero']!r}, not a ZeRO stage 0-3")

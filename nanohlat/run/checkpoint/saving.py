@@ -63,8 +63,9 @@ def _first_copy(p, mesh) -> bool:
 
 
 def _first_replica(p, mesh) -> bool:
-    """Whether this dp rank is the first holding p (dp rank 0; experts under --ep: the first ep group's)."""
-    return mesh.dp_rank < mesh.ep if p.shard.group == "ep" else mesh.dp_rank == 0
+    """Whether this dp rank is the first holding p (dp rank 0; experts under --ep: the first ep group's;
+    with --cp, of cp rank 0: the cp ranks hold the same weights)."""
+    return mesh.cp_rank == 0 and (mesh.dp_rank < mesh.ep if p.shard.group == "ep" else mesh.dp_rank == 0)
 
 
 def _begin(out_dir: str, step: int) -> str:
@@ -171,7 +172,8 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                                            "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
             _publish(out_dir, tmp, {
                 "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "zero": opt.tcfg.zero,   # the ZeRO stage, 0-3
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp,   # world = tp*pp*dp*cp
+                           "zero": opt.tcfg.zero,                             # the ZeRO stage, 0-3
                            "zero1": bool(opt.zero), "world": mesh.world,      # (zero1: any stage >= 1; older readers)
                            "virtual_stages": mesh.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
                 # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
