@@ -123,7 +123,8 @@ class Attention(nn.Module):
             k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
             y = attention_core(q, k, v, False, mask)
         elif self.cp is not None:   # --cp: over the whole sequence's keys, on the cp ranks (context_parallel.py)
-            y = self.cp.attention(q, k, v)
+            core = self.checkpoint_core or (lambda f, *args: f(*args))      # (selective: recomputed, exchanges too)
+            y = core(self.cp.attention, q, k, v)
         elif self.checkpoint_core is not None:
             y = self.checkpoint_core(attention_core, q, k, v, True)
         else:

@@ -3,7 +3,8 @@
 The mesh's cp dimension (between tp and dp) and its groups; this rank's share of a
 batch (shift first, then the zigzag chunks); the refusals of what cp does not do yet;
 and, in gloo workers, the tiny preset over 10 steps at --cp 2 with each
---cp-attention, at cp 2 x dp 2 with ZeRO-1, and from cp checkpoints resumed at cp 1,
+--cp-attention, with activation checkpointing, at cp 2 x dp 2 with ZeRO-1, 2 and 3,
+and from cp checkpoints resumed at cp 1,
 at cp 4 and with another algorithm: every step's loss equal to one process's to
 <= 1e-5 relative (fp32 round-off: the sums over the cp ranks add in another order;
 measured <= 8.5e-8, one fp32 step of the loss), and the grad norm as test_parallel.py
@@ -69,10 +70,9 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"), (["--zero", "2"], "--zero 2"), (["--zero", "3"], "--zero 3"),
-    (["--compile"], "--compile"), (["--plan"], "--plan"), (["--timeline"], "--timeline"),
-    (["--check-replicas", "1"], "--check-replicas"), (["--precision", "bf16-sr"], "--precision bf16-sr"),
-    (["--activation-checkpointing", "selective"], "--activation-checkpointing selective"),
+    (["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"), (["--compile"], "--compile"), (["--plan"], "--plan"),
+    (["--timeline"], "--timeline"), (["--precision", "bf16-sr"], "--precision bf16-sr"),
+    (["--precision", "bf16-mixed"], "--precision bf16-mixed"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),
     (["--cp-attention", "flash"], "--cp-attention 'flash' is not one of allgather, ring, ulysses")])
@@ -135,7 +135,10 @@ def _compare(ref: dict, got: list, first: int, name: str) -> float:
 @pytest.mark.slow
 def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_path):
     """One process, then at cp 2 (2 workers) each algorithm (allgather saving at step 5),
-    at cp 2 x dp 2 with ZeRO-1 (4 workers, saving at step 5) and cp 4 ulysses resumed from
+    ring with selective activation checkpointing (the recompute repeats the exchanges) and
+    its replicas checked bitwise every step, allgather with full checkpointing; at cp 2 x
+    dp 2 (4 workers) ZeRO-1 (saving at step 5), ZeRO-2, ZeRO-3 (replicas checked: the dp x
+    cp ranks hold the same weights, bitwise) and cp 4 ulysses resumed from
     cp 2 allgather's step 5; one process resumed from both cp checkpoints; cp 2 ring resumed
     from cp 2 x dp 2's. Then the negative control."""
     def ckpt(name):
@@ -145,8 +148,15 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
                     _flags(cache_dir, tmp_path / "ring", "--cp", 2, "--cp-attention", "ring"),
                     _flags(cache_dir, tmp_path / "ulysses", "--cp", 2, "--cp-attention", "ulysses")],
                 str(tmp_path / "err2"))
+    run_layouts(2, [_flags(cache_dir, tmp_path / "ring_selective", "--cp", 2, "--cp-attention", "ring",
+                           "--activation-checkpointing", "selective", "--check-replicas", 1),
+                    _flags(cache_dir, tmp_path / "allgather_full", "--cp", 2, "--activation-checkpointing", "full")],
+                str(tmp_path / "err2c"))
     run_layouts(4, [_flags(cache_dir, tmp_path / "cp2_dp2_zero1", "--cp", 2, "--cp-attention", "ring", "--zero", 1,
                            "--microbatches", 2, "--save-every", 5),
+                    _flags(cache_dir, tmp_path / "cp2_dp2_zero3", "--cp", 2, "--cp-attention", "ulysses", "--zero", 3,
+                           "--check-replicas", 1),
+                    _flags(cache_dir, tmp_path / "cp2_dp2_zero2", "--cp", 2, "--cp-attention", "allgather", "--zero", 2),
                     _flags(cache_dir, tmp_path / "cp4_from_cp2", "--cp", 4, "--cp-attention", "ulysses",
                            "--resume", ckpt("allgather"))],
                 str(tmp_path / "err4"))
@@ -156,7 +166,8 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     run_layouts(2, [_flags(cache_dir, tmp_path / "ring_from_cp2_dp2", "--cp", 2, "--cp-attention", "ring",
                            "--resume", ckpt("cp2_dp2_zero1"))], str(tmp_path / "err2b"))
     ref = {m["step"]: m for m in read_metrics(str(tmp_path / "one"))}
-    runs = {"allgather": 1, "ring": 1, "ulysses": 1, "cp2_dp2_zero1": 1, "cp4_from_cp2": 6, "one_from_cp2": 6,
+    runs = {"allgather": 1, "ring": 1, "ulysses": 1, "ring_selective": 1, "allgather_full": 1, "cp2_dp2_zero1": 1,
+            "cp2_dp2_zero2": 1, "cp2_dp2_zero3": 1, "cp4_from_cp2": 6, "one_from_cp2": 6,
             "one_from_cp2_dp2": 6, "ring_from_cp2_dp2": 6}
     worst = {name: _compare(ref, read_metrics(str(tmp_path / name)), first, name) for name, first in runs.items()}
     print("max relative loss difference from one process:", worst)

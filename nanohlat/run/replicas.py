@@ -66,7 +66,7 @@ def check(model, mesh, step: int, every: int, opt=None) -> None:
     if not every or step % every:
         return
     quiet = lambda g: dataclasses.replace(g, ledger=None)    # noqa: E731  (not training's traffic)
-    with zero3.whole(opt, quiet(mesh.dp_group)):
+    with zero3.whole(opt, quiet(mesh.grad_group)):   # (dp, or with --cp dp x cp: ZeRO's ranks)
         _check(model, mesh, step, quiet)
 
 
@@ -74,17 +74,17 @@ def _check(model, mesh, step: int, quiet) -> None:
     params = list(model.named_parameters())
     sums = torch.stack([checksum(p) for _, p in params])
     problems = []
-    for kind, group in (("dp", mesh.dp_group), ("tp", mesh.tp_group)):
+    for kind, group in (("dp", mesh.grad_group), ("tp", mesh.tp_group)):   # (--cp: its ranks are replicas too)
         if group.size == 1:
             continue
         gathered = comm.all_gather(sums, quiet(group)).view(group.size, -1).cpu()
         for i, (name, p) in enumerate(params):
             for ranks in holders(p, kind, group.size):
                 if len(set(gathered[ranks, i].tolist())) > 1:
-                    problems.append((name, [group.ranks[r] for r in ranks], kind))
+                    problems.append((name, [group.ranks[r] for r in ranks], "dp x cp" if group.name == "dp_cp" else kind))
     # every rank stops together: one that saw nothing would wait forever in its next collective
     bad = torch.tensor([float(len(problems))], device=sums.device)
-    for g in (mesh.dp_group, mesh.tp_group, mesh.pp_group):
+    for g in (mesh.grad_group, mesh.tp_group, mesh.pp_group):
         bad = comm.all_reduce(bad, quiet(g))
     if bad.item() == 0:
         return
