@@ -469,18 +469,19 @@ def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     if tcfg.seq_len % (2 * cp):
         raise UserError(f"--cp {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (zigzag): "
                         f"--seq-len {tcfg.seq_len} is not a multiple of {2 * cp}")
-    if tcfg.cp_attention == "ulysses" and (model_cfg.n_heads % cp or model_cfg.n_kv_heads % cp):
-        raise UserError(f"--cp-attention ulysses gives each of the {cp} cp ranks heads / {cp} of the heads: "
-                        f"n_heads {model_cfg.n_heads} and n_kv_heads {model_cfg.n_kv_heads} must both be "
-                        f"divisible by --cp {cp}; use --cp-attention allgather or ring, or another --cp")
-    refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
-    refused += [_flag(name) for name in ("compile", "plan", "timeline") if getattr(tcfg, name)]
+    heads, kv_heads = model_cfg.n_heads // tcfg.tp, model_cfg.kv_heads_per_rank(tcfg.tp)   # on one tp rank
+    if tcfg.cp_attention == "ulysses" and (heads % cp or kv_heads % cp):
+        raise UserError(f"--cp-attention ulysses gives each of the {cp} cp ranks 1/{cp} of a rank's heads: its "
+                        f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
+                        f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
+                        f"use --cp-attention allgather or ring, or another --cp")
+    refused = [_flag(name) for name in ("compile", "plan", "timeline") if getattr(tcfg, name)]
     refused += [f"--precision {tcfg.precision}"] if tcfg.precision != "fp32" else []
     refused += ["a mixture of experts (--moe-experts)"] if model_cfg.moe_experts else []
     if refused:
         raise UserError(f"--cp {cp} with {', '.join(refused)} is not supported yet: context parallelism trains "
-                        f"with --dp, any --zero and activation checkpointing, in fp32, on a dense model "
-                        f"(context_parallel.py)")
+                        f"with --tp (and SP), --pp (any schedule), --dp, any --zero and activation checkpointing, "
+                        f"in fp32, on a dense model (context_parallel.py)")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

@@ -4,6 +4,7 @@ The mesh's cp dimension (between tp and dp) and its groups; this rank's share of
 batch (shift first, then the zigzag chunks); the refusals of what cp does not do yet;
 and, in gloo workers, the tiny preset over 10 steps at --cp 2 with each
 --cp-attention, with activation checkpointing, at cp 2 x dp 2 with ZeRO-1, 2 and 3,
+at cp 2 x tp 2 (with SP) and cp 2 x pp 2,
 and from cp checkpoints resumed at cp 1,
 at cp 4 and with another algorithm: every step's loss equal to one process's to
 <= 1e-5 relative (fp32 round-off: the sums over the cp ranks add in another order;
@@ -70,11 +71,12 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"), (["--compile"], "--compile"), (["--plan"], "--plan"),
+    (["--compile"], "--compile"), (["--plan"], "--plan"),
     (["--timeline"], "--timeline"), (["--precision", "bf16-sr"], "--precision bf16-sr"),
     (["--precision", "bf16-mixed"], "--precision bf16-mixed"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),
+    (["--cp-attention", "ulysses", "--tp", "8"], "its 1 heads and 1 kv heads"),   # heads / tp: 1 per tp rank
     (["--cp-attention", "flash"], "--cp-attention 'flash' is not one of allgather, ring, ulysses")])
 def test_what_cp_does_not_do_yet_is_refused_in_one_line(flags, named):
     with pytest.raises(UserError) as e:
@@ -82,7 +84,7 @@ def test_what_cp_does_not_do_yet_is_refused_in_one_line(flags, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--cp 2 with --tp 2"),
+@pytest.mark.parametrize("flags, named", [(["--compile"], "--cp 2 with --compile"),
                                           (["--device", "xla"], "not supported on xla")])
 def test_train_py_refuses_with_exit_2_and_one_line(flags, named, capsys):
     import train
@@ -138,7 +140,8 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     ring with selective activation checkpointing (the recompute repeats the exchanges) and
     its replicas checked bitwise every step, allgather with full checkpointing; at cp 2 x
     dp 2 (4 workers) ZeRO-1 (saving at step 5), ZeRO-2, ZeRO-3 (replicas checked: the dp x
-    cp ranks hold the same weights, bitwise) and cp 4 ulysses resumed from
+    cp ranks hold the same weights, bitwise); cp 2 x tp 2 ring with SP and ulysses (heads/tp
+    split over cp), cp 2 x pp 2 1F1B allgather; cp 4 ulysses resumed from
     cp 2 allgather's step 5; one process resumed from both cp checkpoints; cp 2 ring resumed
     from cp 2 x dp 2's. Then the negative control."""
     def ckpt(name):
@@ -157,6 +160,10 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
                     _flags(cache_dir, tmp_path / "cp2_dp2_zero3", "--cp", 2, "--cp-attention", "ulysses", "--zero", 3,
                            "--check-replicas", 1),
                     _flags(cache_dir, tmp_path / "cp2_dp2_zero2", "--cp", 2, "--cp-attention", "allgather", "--zero", 2),
+                    _flags(cache_dir, tmp_path / "cp2_tp2_sp_ring", "--cp", 2, "--cp-attention", "ring", "--tp", 2,
+                           "--sequence-parallel"),
+                    _flags(cache_dir, tmp_path / "cp2_tp2_ulysses", "--cp", 2, "--cp-attention", "ulysses", "--tp", 2),
+                    _flags(cache_dir, tmp_path / "cp2_pp2_1f1b_allgather", "--cp", 2, "--pp", 2, "--microbatches", 2),
                     _flags(cache_dir, tmp_path / "cp4_from_cp2", "--cp", 4, "--cp-attention", "ulysses",
                            "--resume", ckpt("allgather"))],
                 str(tmp_path / "err4"))
@@ -167,7 +174,8 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
                            "--resume", ckpt("cp2_dp2_zero1"))], str(tmp_path / "err2b"))
     ref = {m["step"]: m for m in read_metrics(str(tmp_path / "one"))}
     runs = {"allgather": 1, "ring": 1, "ulysses": 1, "ring_selective": 1, "allgather_full": 1, "cp2_dp2_zero1": 1,
-            "cp2_dp2_zero2": 1, "cp2_dp2_zero3": 1, "cp4_from_cp2": 6, "one_from_cp2": 6,
+            "cp2_dp2_zero2": 1, "cp2_dp2_zero3": 1, "cp2_tp2_sp_ring": 1, "cp2_tp2_ulysses": 1,
+            "cp2_pp2_1f1b_allgather": 1, "cp4_from_cp2": 6, "one_from_cp2": 6,
             "one_from_cp2_dp2": 6, "ring_from_cp2_dp2": 6}
     worst = {name: _compare(ref, read_metrics(str(tmp_path / name)), first, name) for name, first in runs.items()}
     print("max relative loss difference from one process:", worst)
