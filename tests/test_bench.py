@@ -51,6 +51,7 @@ def test_xla_engine_without_torch_xla_says_so(capsys):
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
     (["--generate", "--seq-len", "15"], "give --seq-len >= 16"),
     (["--engines", "eager,tpu"], "--engines tpu: choose from eager, compile, xla"),
+    (["--cp", "2"], "leave --tp, --pp, --cp and --microbatches at 1"),
 ])
 def test_bench_flags_out_of_range_are_one_line(args, message, capsys):
     assert bench.main(["--preset", "tiny", "--no-hf"] + args) == 2

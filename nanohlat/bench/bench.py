@@ -240,8 +240,8 @@ def parse(argv):
         raise UserError(f"--engines {','.join(unknown) or '(none)'}: choose from {', '.join(ENGINES)}")
     if tcfg.compile and "compile" not in own["engines"]:   # --compile: the compiled engine beside eager
         own["engines"].append("compile")
-    if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.microbatches != 1:
-        raise UserError("the bench times one process: leave --tp, --pp and --microbatches at 1")
+    if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.cp != 1 or tcfg.microbatches != 1:
+        raise UserError("the bench times one process: leave --tp, --pp, --cp and --microbatches at 1")
     if own["warmup"] < 0:
         raise UserError(f"--warmup must be >= 0, got {own['warmup']}")
     prompt = min(tcfg.seq_len, model_cfg.max_seq_len) // 2     # generate_bench's prompts: 8 .. prompt tokens
