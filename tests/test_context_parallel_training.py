@@ -180,6 +180,18 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     worst = {name: _compare(ref, read_metrics(str(tmp_path / name)), first, name) for name, first in runs.items()}
     print("max relative loss difference from one process:", worst)
 
+    # serving is at cp 1: the cp 2 checkpoint loads through the one inference loader, and its loss on
+    # step 6's batch is the loss the uninterrupted one-process run logged at step 6
+    from nanohlat import device as devicelib
+    from nanohlat.run import preflight
+    from nanohlat.serving.generate import load_model
+    model, _ = load_model(ckpt("allgather"), devicelib.get_device("cpu"))
+    _, tcfg, ds, _ = preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path / "serve")))
+    batch = ds.batch(5, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
+    with torch.no_grad():
+        served = float(model(batch[:, :-1], batch[:, 1:]).mean())
+    assert abs(served - ref[6]["loss"]) <= LOSS_REL * ref[6]["loss"], (served, ref[6])
+
     for control in (_local_rotary, _local_attention):
         out = tmp_path / control.__name__
         run_layouts(2, [_flags(cache_dir, out, "--cp", 2)], str(tmp_path / f"err{control.__name__}"), setup=control)

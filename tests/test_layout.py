@@ -49,7 +49,7 @@ MAX_CORE_LINES = 4431      # those modules together (3000 until ZeRO-2 and overl
                            # context parallelism: context_parallel.py (+296), comm.py's all_to_all_pieces and
                            # start_ring_shift (+32); 4302 until the MoE flags' help, config.py (+7); 4309 until
                            # --cp trained: mesh.py's cp dimension, its lifted groups and the dp x cp gradient
-                           # group (+50), config.py's two flags, their checks and refusals (+25),
+                           # group (+50), config.py's two flags, their checks and refusals (+32),
                            # context_parallel.Context (+23), model.py's cp call and the rotary of each token's
                            # global place (+10), split_batch's zigzag share, data_parallel.py (+7))
 # optim: ~230 asked, + the 20-line reference AdamW, the flat parameter buffers and XLA's in-graph gather/scatter

@@ -1054,6 +1054,8 @@ DAMAGED_MANIFESTS = {
     "zero and zero1 disagree": lambda m: m["layout"].update(zero=0, zero1=True),
     "virtual_stages 0": lambda m: m["layout"].update(virtual_stages=0),
     "virtual_stages 2 at pp 1": lambda m: m["layout"].update(virtual_stages=2),
+    "cp 0": lambda m: m["layout"].update(cp=0),                       # context parallelism's degree
+    "cp 2, world not tp*pp*dp*cp": lambda m: m["layout"].update(cp=2),
     # fields read later and trusted: a traceback deep in the resume, or a wrong run silently
     "optimizer null": lambda m: m.update(optimizer=None),            # falsy: fresh Adam moments, silently
     "optimizer abc": lambda m: m.update(optimizer="abc"),
