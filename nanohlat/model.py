@@ -215,7 +215,8 @@ class Transformer(nn.Module):
         the residual stream (B, T or T/tp, C) for the next stage.
 
         positions (B, T): each token's position in its sequence (the rotary
-        angles); 0..T-1 in every row when not given (training). cache (serving:
+        angles); when not given (training) 0..T-1 in every row, or with --cp
+        this rank's tokens' places in the whole sequence (zigzag). cache (serving:
         serving/generate.py:CachePass, with the same positions): where each
         layer's attention keeps the new keys and values and finds the earlier
         ones; `cache.layer(i)` is layer i's part.
