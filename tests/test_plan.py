@@ -536,13 +536,13 @@ PEAK_LAYOUTS = {   # world -> name -> flags
 }
 # What the plan does not bound yet, and why (each measured: plan / allocator peak, on the rank shown)
 PEAK_NOT_BOUNDED = {
-    "ZeRO-1 dp 2": "0.95: gloo's reduce-scatter clones its whole input and its all-gather allocates the whole "
+    "ZeRO-1 dp 2": "0.98: gloo's reduce-scatter clones its whole input and its all-gather allocates the whole "
                    "output, in the step; the plan counts the 1/dp results only",
-    "ZeRO-2 dp 2": "1.20, over: the staging counted in full (every bucket of the backward at once) is not all "
-                   "alive together at this size",
-    "ZeRO-3 dp 2": "1.13-1.16, over: the rest's unit and one layer gathered, and their staging, counted together",
-    "pp 2 zb-h1": "0.98 on stage 0: B's and W's transients beside the stash (weight_grad_bytes)",
-    "pp 4 zb-h1": "0.96 on the middle stages: as pp 2",
+    "ZeRO-2 dp 2": "1.24, over: the plan adds the whole staged buffer to the activations and the loss backward, "
+                   "but the activations are largest at the backward's start and the staging at its end",
+    "ZeRO-3 dp 2": "1.20, over: as ZeRO-2, the gathered units and their staging added to the backward's "
+                   "largest moment, which they are not all alive at",
+    "pp 4 zb-h1": "0.98-0.99 on the middle stages: what W holds beside the stash (weight_grad_bytes) is not all counted",
 }
 
 
@@ -579,8 +579,9 @@ def _peak_results_here(runs, out_dir):
 @pytest.mark.parametrize("name", [n for layouts in PEAK_LAYOUTS.values() for n in layouts])
 def test_plan_peak_is_an_upper_bound_of_the_allocator_peak(allocator_peaks, name):
     """measured <= plan <= 1.10 x measured on every rank, every stage (the margin --plan prints)."""
-    if name in PEAK_NOT_BOUNDED:
-        pytest.xfail(PEAK_NOT_BOUNDED[name])
+    if name in PEAK_NOT_BOUNDED:   # (the ratios of this run, to compare with the reason's)
+        ratios = ", ".join(f"rank {r} stage {s}: {p / m:.3f}" for r, s, m, p in allocator_peaks[name])
+        pytest.xfail(f"{PEAK_NOT_BOUNDED[name]} (plan / measured now: {ratios})")
     for rank, stage, measured, planned in allocator_peaks[name]:
         assert measured <= planned <= (1 + plan.PEAK_MARGIN) * measured, \
             (name, rank, stage, measured, planned, round(planned / measured, 4))

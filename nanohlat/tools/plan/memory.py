@@ -14,8 +14,10 @@ PEAK_MARGIN (10%) above it. tests/test_plan.py measures it on the CPU with the
 allocator's own reports (one process, tp 2 with SP, pp 2 and 4 under every
 schedule, on every stage) and names where it does not hold yet: ZeRO-1 (gloo's
 reduce-scatter and all-gather allocate whole-buffer scratch the plan does not
-count), ZeRO-2 and ZeRO-3 (over by 13-20%: the staging and the gathered units
-are counted as if all alive at once), zb-h1 (under by up to 4% on the middle stages).
+count; under by 2%), ZeRO-2 and ZeRO-3 (over by 20-24%: the plan adds the staged buckets and
+the gathered units to the activations and the loss backward, which are largest at
+the backward's start, while the staging is largest at its end, once most
+activations are freed), zb-h1 at pp 4 (under by up to 2% on the middle stages).
 
     weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
@@ -37,11 +39,12 @@ are counted as if all alive at once), zb-h1 (under by up to 4% on the middle sta
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES), or the grad norm's fp64 chunk
                   (NORM_CHUNK), the larger; XLA fuses them away
-    fixed         the rotary tables and the step's token ids and targets (fixed_bytes)
+    fixed         the rotary tables, the step's token ids and targets, and (eager, pp > 1)
+                  the last exchange's output, which gloo may still hold (fixed_bytes)
     transients    eager backends only: what a backward makes beside what its micro-batch
                   holds, a parameter's gradient before its hook frees it and the activations'
                   gradients inside a layer (zb-h1's W: every deferred dW at once), and with
-                  pp > 1 the tensors an exchange received (backward_transient_bytes)
+                  pp > 1 what a tick's exchanges hold (backward_transient_bytes)
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, section 4, redone for this model:
@@ -223,15 +226,18 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     (one chunk per stage: in-flight micro-batches x activation_bytes).
     grads: also the gradients each B or W makes (backward_transient_bytes), alive while that
     op's micro-batch still holds what it held before the op, and (pp > 1) the tensors each
-    op's exchange received (pipeline.py)."""
+    tick's exchanges hold (comm.exchange)."""
     v = tcfg.virtual_stages
     size = [activation_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, chunk=c) for c in range(v)]
     left = weight_grad_bytes(cfg, tcfg, tp, pp, dp, stage) if tcfg.schedule == "zb-h1" else 0   # from B to W
     made = dict(zip("BW", backward_transient_bytes(cfg, tcfg, tp, pp, dp, stage))) if grads else {}
-    if grads and pp > 1:   # each tick's exchange: the activation and the gradient received, (mb, T or T/tp, C)
+    if grads and pp > 1:
+        # each tick's exchanges (comm.exchange), one per neighbour (interleaved: the first and last stage
+        # are neighbours too): the all-gather's output, mine and theirs (the view returned keeps both), and
+        # the zeros of an idle direction, each (mb, T or T/tp, C)
         sp = tcfg.sequence_parallel and tp > 1
-        exchange = 2 * dtype_bytes(tcfg.precision) * micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if sp else 1) \
-            * cfg.d_model
+        exchange = exchange_neighbours(tcfg, pp, stage) * 3 * dtype_bytes(tcfg.precision) * micro_batch_size(tcfg, dp) * tcfg.seq_len \
+            // (tp if sp else 1) * cfg.d_model
         made = {k: made.get(k, 0) + exchange for k in "FBW"}
     held = peak = 0
     for kind, _, c in stage_ops(tcfg.schedule, pp, tcfg.microbatches, stage, v):
@@ -241,11 +247,23 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     return peak
 
 
-def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> int:
-    """What every rank keeps besides the model's state: the rotary tables (cos and sin, fp32,
-    (max_seq_len, head_dim) each: model.rotary_tables) and this step's token ids and targets
-    (int64, its B/dp sequences: data_parallel.split_batch)."""
-    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * tcfg.seq_len
+def exchange_neighbours(tcfg: TrainConfig, pp: int, stage: int) -> int:
+    """The stages this one exchanges with (interleaved: the first and the last are neighbours too)."""
+    return (stage > 0) + (stage < pp - 1) + (tcfg.virtual_stages > 1 and pp > 1 and stage in (0, pp - 1))
+
+
+def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                eager: bool = True) -> int:
+    """What a rank holds through the whole step besides the model's state: the rotary tables
+    (cos and sin, fp32, (max_seq_len, head_dim) each: model.rotary_tables), this step's token
+    ids and targets (int64, its B/dp sequences: data_parallel.split_batch), and (pp > 1) the
+    last exchange's all-gather output with each neighbour, mine and theirs (comm.exchange),
+    which gloo's worker thread may still hold when the optimizer step begins (eager backends;
+    on xla the step is one graph)."""
+    sp = tcfg.sequence_parallel and tp > 1
+    last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
+        * micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if sp else 1) * cfg.d_model
+    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * tcfg.seq_len + last_exchange
 
 
 def state_bytes_per_param(tcfg: TrainConfig) -> int:
@@ -343,7 +361,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            "optimizer_replicated": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage, zero=0),
            "in_flight": flight,
            "activations": activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused),
-           "fixed": fixed_bytes(cfg, tcfg, dp),
+           "fixed": fixed_bytes(cfg, tcfg, tp, pp, dp, stage, eager),
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
            # gradient of the fp32 logits and of the head's output (parameter
            # dtype), while most activations are still alive (measured on CUDA)

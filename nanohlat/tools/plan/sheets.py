@@ -94,7 +94,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
                 + ["optimizer step", "peak"], rows)
     lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
-             f"fp32 gradient buffers + rotary tables and token ids ({fmt_bytes(mems[largest]['fixed'])}) + the larger of "
+             f"fp32 gradient buffers + rotary tables, token ids" + (", the last exchange" if pp > 1 and eager else "")
+             + f" ({fmt_bytes(mems[largest]['fixed'])}) + the larger of "
              "(activations in flight + loss backward"
              + (" + transients: a backward's own gradients" + (", the exchange's buffers" if pp > 1 else "")
                 if transient else "")
