@@ -12,7 +12,7 @@ from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
 from nanohlat.tools.plan.kv_cache import kv_cache_section
-from nanohlat.tools.plan.memory import (activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
+from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
 from nanohlat.tools.timeline import FORMULAS
@@ -77,6 +77,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
               eager and "in-place AdamW temporaries")
     step_parts = " + ".join(x for x in during if x) or "nothing more"
     gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
+    transient = any(mems[s]["backward_transients"] for s in range(pp))    # (eager backends')
     for s in shown_stages(pp):
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
@@ -85,15 +86,25 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
                      + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
+                    + ([fmt_bytes(r["backward_transients"])] if transient else [])
                     + ([fmt_bytes(r["grad_staging"])] if staging else [])
                     + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
     lines += table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "fp32 grads", "loss bwd"] + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
+                 "fp32 grads", "loss bwd"] + (["transients"] if transient else [])
+                + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
                 + ["optimizer step", "peak"], rows)
     lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
-             f"fp32 gradient buffers + the larger of (activations in flight + loss backward"
+             f"fp32 gradient buffers + rotary tables, token ids" + (", the last exchange" if pp > 1 and eager else "")
+             + f" ({fmt_bytes(mems[largest]['fixed'])}) + the larger of "
+             "(activations in flight + loss backward"
+             + (" + transients: a backward's own gradients" + (", the exchange's buffers" if pp > 1 else "")
+                if transient else "")
              + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
              + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
+    lines.append(f"  peak: meant as an upper bound of the allocator's peak on a rank, at most {PEAK_MARGIN:.0%} above it "
+                 "(measured on the cpu for small layouts, tests/test_plan.py; not yet a bound with ZeRO or zb-h1)"
+                 if eager else "  peak: what the plan counts; on xla the compiler assigns the step's buffers, which the plan "
+                 "does not model (the bound is measured on eager backends: --device cpu)")
     biggest = mems[largest]["peak"]
     for dev in PLAN_DEVICES[tcfg.device]:
         if dev in DEVICE_MEMORY:
