@@ -102,7 +102,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
              + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
              + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
     lines.append(f"  peak: meant as an upper bound of the allocator's peak on a rank, at most {PEAK_MARGIN:.0%} above it "
-                 "(measured on the cpu for small layouts, tests/test_plan.py; not yet a bound with ZeRO or zb-h1)"
+                 "(measured on the cpu for small layouts, tests/test_plan.py; not yet a bound with ZeRO, zb-h1 or tp with SP)"
                  if eager else "  peak: what the plan counts; on xla the compiler assigns the step's buffers, which the plan "
                  "does not model (the bound is measured on eager backends: --device cpu)")
     biggest = mems[largest]["peak"]
