@@ -439,17 +439,17 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
-    refused += [_flag(name) for name in ("compile", "plan") if getattr(tcfg, name)]   # plan: counts dense MLPs
+    refused += [f for f, on in (("--compile", tcfg.compile), ("--plan with --search", tcfg.plan and tcfg.search),
+                                ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3)) if on]   # (tools/plan/)
     if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, without ZeRO
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
         refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
             ("--moe-capacity-factor", model_cfg.moe_capacity_factor), (f"--zero {tcfg.zero}", tcfg.zero),
-            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas))
-            if on]
+            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas)) if on]
     if refused:
-        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with "
-                        f"--dp (any --zero): experts replicated like the dense weights (moe.py); --ep: dropless, fp32, no ZeRO")
+        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
+                        f"(any --zero): experts replicated (moe.py); --ep: dropless, fp32, no ZeRO; --plan: ZeRO 0-2, no --search")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

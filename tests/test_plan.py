@@ -416,6 +416,68 @@ def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, ex
 
 
 # ---------------------------------------------------------------------------
+# 2c'. A mixture of experts: its bytes per rank at ep 1 and 2, its all-to-alls
+# ---------------------------------------------------------------------------
+
+MOE_LAYOUTS2 = {"dp2_zero1": ["--dp", "2", "--zero", "1"], "ep2": ["--ep", "2"],
+                "ep2_full_m2": ["--ep", "2", "--activation-checkpointing", "full", "--microbatches", "2"],
+                "ep2_every2_shared": ["--ep", "2", "--moe-every", "2", "--moe-shared-experts", "1"]}
+
+
+def _balanced_routing(rank):
+    """Token j of a micro-batch (flattened) picks experts j, j+1, ... (mod E): every expert, so every
+    ep rank, gets N*k/E choices from each rank, the balanced routing the plan predicts the
+    all-to-alls for. Patched into each worker before it trains (run_layouts' setup)."""
+    from nanohlat import moe
+    route = moe.route
+
+    def balanced(x, w_router, k):
+        experts, weights, balance, z = route(x, w_router, k)
+        B, T, E = x.shape[0], x.shape[1], w_router.shape[0]
+        j = torch.arange(B * T, device=x.device).view(B, T, 1) + torch.arange(k, device=x.device)
+        return j % E, weights, balance, z
+    moe.route = balanced
+
+
+@pytest.mark.slow
+def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_path):
+    """The moe preset on 2 gloo ranks, 1 step, routing forced balanced: rank 0's parameter, fp32
+    gradient and Adam bytes (experts replicated at ep 1, padded under ZeRO-1; E/ep of them at ep 2)
+    and its comm ledger, all-to-alls included, equal the plan to the byte."""
+    from dist_utils import run_layouts
+    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
+            "--no-progress", "--threads", "1"]
+    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS2.items()}
+    run_layouts(2, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
+    for name, argv in runs.items():
+        assert_run_matches_plan(tmp_path / name, argv, 2)
+    model, train = config.parse_args(runs["ep2"])
+    E, k, N = model.moe_experts, model.moe_top_k, train.batch_size // 2 * train.seq_len
+    got = plan.comm_per_step(model, train, Mesh(1, 1, 2, 0))["ep.all_to_all"]
+    assert got["calls"] == 5 * model.n_layers and got["payload"] == model.n_layers * (8 * E + 4 * N * k * 64 * 4)
+    with open(tmp_path / "ep2" / "summary.json") as f:
+        held = json.load(f)["param_bytes"] // 4
+    assert held == model.num_params() - model.n_layers * E // 2 * 3 * model.d_model * model.ffn_dim
+
+
+def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys):
+    import train
+    assert train.main(["--plan", "--preset", "moe", "--nproc", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    model, _ = config.parse_args(["--preset", "moe"])
+    active = model.num_params() - model.moe_extra_params() + model.moe_extra_params(active=True)
+    from nanohlat.tools.plan.fmt import fmt_count
+    assert active < model.num_params()
+    assert f"{fmt_count(model.num_params())} parameters in all, {fmt_count(active)} active per token" in out
+    for text in ("E/ep = 2 experts", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
+                 "on its active parameters"):
+        assert text in out, text
+    for flags, named in ((["--search"], "--plan with --search"), (["--zero", "3"], "--plan with --zero 3")):
+        with pytest.raises(config.UserError, match=named):
+            config.parse_args(["--plan", "--preset", "moe"] + flags)
+
+
+# ---------------------------------------------------------------------------
 # 2d. Peak memory, where it is measurable
 # ---------------------------------------------------------------------------
 
