@@ -305,8 +305,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         dict(batch_size=256, seq_len=2048, lr=6e-4, min_lr=6e-5, warmup_steps=2000, steps=60000),
     ),
     "1b": (
-        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
-                    vocab_size=32000, max_seq_len=2048),
+        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
         dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
     ),
     # tiny's shape with 4 experts of ffn 128, top-2, in every layer: trains on the CPU (moe.py)
@@ -321,18 +320,20 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         # 1024 x 4096 tokens (~4.2M) per step; 1.8T tokens ~ 430k steps
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
              # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
-             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
-             # pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
-             precision="bf16-sr", moments="bf16"),
+             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
+             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-sr", moments="bf16"),
     ),
     "hlat-70b": (
         ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                     vocab_size=32000, max_seq_len=4096),
         dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
-             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True,
-             activation_checkpointing="selective", precision="bf16-mixed"),
+             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-mixed"),
     ),
+    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: fp32, no ZeRO, tp 1)
+    "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
+                             max_seq_len=4096, moe_experts=8, moe_top_k=2),
+                 dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),
 }
 
 
@@ -408,8 +409,7 @@ def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=a
             if kind is bool:
                 g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
             else:
-                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(),
-                               help=HELP.get(f.name, f"(default {f.default!r})"))
+                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(), help=HELP.get(f.name, f"(default {f.default!r})"))
     return p
 
 

@@ -469,12 +469,32 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     from nanohlat.tools.plan.fmt import fmt_count
     assert active < model.num_params()
     assert f"{fmt_count(model.num_params())} parameters in all, {fmt_count(active)} active per token" in out
-    for text in ("E/ep = 2 experts", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
+    for text in ("E/ep = 2 expert(s)", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
                  "on its active parameters"):
         assert text in out, text
     for flags, named in ((["--search"], "--plan with --search"), (["--zero", "3"], "--plan with --zero 3")):
         with pytest.raises(config.UserError, match=named):
             config.parse_args(["--plan", "--preset", "moe"] + flags)
+
+
+def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
+    """hlat-7b's shape, every MLP 8 experts of its ffn 11008, top-2, fp32, dp 2048 with --ep 8:
+    37.0B parameters, 11.1B active; a rank holds 1 of each layer's 8 experts."""
+    model, train = config.parse_args(["--preset", "hlat-moe", "--ep", "8"])
+    d, f, L = 4096, 11008, 32
+    dense = llama_params(L, d, 32, 32, f, 32000)
+    assert model.num_params() == dense + L * (7 * 3 * d * f + 8 * d)                 # + 7 more MLPs, the router
+    t0 = time.perf_counter()
+    text = plan.report(model, train, 2048)
+    assert time.perf_counter() - t0 < 5
+    held = dense + L * 8 * d                                                          # one expert + the router
+    mem = plan.memory_per_rank(model, train, 1, 1, 2048, 0)
+    assert mem["params"] == held and mem["weights"] == 4 * held and mem["optimizer"] == 8 * held
+    assert "37B parameters in all, 11.1B active per token" in text and "E/ep = 1 expert(s)" in text
+    comm = plan.comm_per_step(model, train, Mesh(1, 1, 2048, 0))
+    N = 2048 // 2048 * 4096                                                           # tokens per rank
+    assert comm["ep.all_to_all"]["payload"] == L * (8 * 8 + 4 * N * 2 * d * 4)
+    assert sum(v["payload"] for k, v in comm.items() if k.startswith("ep_dp.")) == 4 * L * 3 * d * f   # over 256
 
 
 # ---------------------------------------------------------------------------

@@ -71,13 +71,13 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     active = cfg.num_params() - cfg.moe_extra_params() + cfg.moe_extra_params(active=True)
     shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
-    where = (f"--ep {ep}: each rank holds E/ep = {E // ep} experts of each sparse layer (weights, fp32 gradients and "
+    where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "
              f"Adam state: the experts' share / {ep}), summed over the dp/ep = {dp // ep} ranks holding the same ones"
              if ep > 1 else "experts replicated on every dp rank like the dense weights (ep 1)")
-    return [f"mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
+    return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
             f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
             f"(its {k} experts{shared}, the router, the dense rest); {where}",
-            "  (activations: the sparse layers' extra bytes are an estimate, memory.moe_activation_extra, not "
+            "    (activations: the sparse layers' extra bytes are an estimate, memory.moe_activation_extra, not "
             "checked against autograd as the dense ones are)"]
 
 
@@ -99,7 +99,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
-                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
+                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]),
+                     fmt_bytes(r["optimizer_zero1"]) if tcfg.ep == 1 else "- (--ep: no ZeRO)",
                      (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
                      + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
