@@ -309,8 +309,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         dict(batch_size=256, seq_len=2048, lr=6e-4, min_lr=6e-5, warmup_steps=2000, steps=60000),
     ),
     "1b": (
-        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
-                    vocab_size=32000, max_seq_len=2048),
+        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
         dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
     ),
     # tiny's shape with 4 experts of ffn 128, top-2, in every layer: trains on the CPU (moe.py)
@@ -325,18 +324,20 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         # 1024 x 4096 tokens (~4.2M) per step; 1.8T tokens ~ 430k steps
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
              # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
-             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
-             # pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
-             precision="bf16-sr", moments="bf16"),
+             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
+             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-sr", moments="bf16"),
     ),
     "hlat-70b": (
         ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                     vocab_size=32000, max_seq_len=4096),
         dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
-             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True,
-             activation_checkpointing="selective", precision="bf16-mixed"),
+             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-mixed"),
     ),
+    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: fp32, no ZeRO, tp 1)
+    "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
+                             max_seq_len=4096, moe_experts=8, moe_top_k=2),
+                 dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),
 }
 
 
@@ -417,8 +418,7 @@ def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=a
             if kind is bool:
                 g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
             else:
-                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(),
-                               help=HELP.get(f.name, f"(default {f.default!r})"))
+                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(), help=HELP.get(f.name, f"(default {f.default!r})"))
     return p
 
 
@@ -450,17 +450,17 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
-    refused += [_flag(name) for name in ("compile", "plan") if getattr(tcfg, name)]   # plan: counts dense MLPs
+    refused += [f for f, on in (("--compile", tcfg.compile), ("--plan with --search", tcfg.plan and tcfg.search),
+                                ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3)) if on]   # (tools/plan/)
     if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, without ZeRO
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
         refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
             ("--moe-capacity-factor", model_cfg.moe_capacity_factor), (f"--zero {tcfg.zero}", tcfg.zero),
-            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas))
-            if on]
+            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas)) if on]
     if refused:
-        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with "
-                        f"--dp (any --zero): experts replicated like the dense weights (moe.py); --ep: dropless, fp32, no ZeRO")
+        raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
+                        f"(any --zero): experts replicated (moe.py); --ep: dropless, fp32, no ZeRO; --plan: ZeRO 0-2, no --search")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

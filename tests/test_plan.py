@@ -417,6 +417,88 @@ def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, ex
 
 
 # ---------------------------------------------------------------------------
+# 2c'. A mixture of experts: its bytes per rank at ep 1 and 2, its all-to-alls
+# ---------------------------------------------------------------------------
+
+MOE_LAYOUTS2 = {"dp2_zero1": ["--dp", "2", "--zero", "1"], "ep2": ["--ep", "2"],
+                "ep2_full_m2": ["--ep", "2", "--activation-checkpointing", "full", "--microbatches", "2"],
+                "ep2_every2_shared": ["--ep", "2", "--moe-every", "2", "--moe-shared-experts", "1"]}
+
+
+def _balanced_routing(rank):
+    """Token j of a micro-batch (flattened) picks experts j, j+1, ... (mod E): every expert, so every
+    ep rank, gets N*k/E choices from each rank, the balanced routing the plan predicts the
+    all-to-alls for. Patched into each worker before it trains (run_layouts' setup)."""
+    from nanohlat import moe
+    route = moe.route
+
+    def balanced(x, w_router, k):
+        experts, weights, balance, z = route(x, w_router, k)
+        B, T, E = x.shape[0], x.shape[1], w_router.shape[0]
+        j = torch.arange(B * T, device=x.device).view(B, T, 1) + torch.arange(k, device=x.device)
+        return j % E, weights, balance, z
+    moe.route = balanced
+
+
+@pytest.mark.slow
+def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_path):
+    """The moe preset on 2 gloo ranks, 1 step, routing forced balanced: rank 0's parameter, fp32
+    gradient and Adam bytes (experts replicated at ep 1, padded under ZeRO-1; E/ep of them at ep 2)
+    and its comm ledger, all-to-alls included, equal the plan to the byte."""
+    from dist_utils import run_layouts
+    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
+            "--no-progress", "--threads", "1"]
+    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS2.items()}
+    run_layouts(2, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
+    for name, argv in runs.items():
+        assert_run_matches_plan(tmp_path / name, argv, 2)
+    model, train = config.parse_args(runs["ep2"])
+    E, k, N = model.moe_experts, model.moe_top_k, train.batch_size // 2 * train.seq_len
+    got = plan.comm_per_step(model, train, Mesh(1, 1, 2, 0))["ep.all_to_all"]
+    assert got["calls"] == 5 * model.n_layers and got["payload"] == model.n_layers * (8 * E + 4 * N * k * 64 * 4)
+    with open(tmp_path / "ep2" / "summary.json") as f:
+        held = json.load(f)["param_bytes"] // 4
+    assert held == model.num_params() - model.n_layers * E // 2 * 3 * model.d_model * model.ffn_dim
+
+
+def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys):
+    import train
+    assert train.main(["--plan", "--preset", "moe", "--nproc", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    model, _ = config.parse_args(["--preset", "moe"])
+    active = model.num_params() - model.moe_extra_params() + model.moe_extra_params(active=True)
+    from nanohlat.tools.plan.fmt import fmt_count
+    assert active < model.num_params()
+    assert f"{fmt_count(model.num_params())} parameters in all, {fmt_count(active)} active per token" in out
+    for text in ("E/ep = 2 expert(s)", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
+                 "on its active parameters"):
+        assert text in out, text
+    for flags, named in ((["--search"], "--plan with --search"), (["--zero", "3"], "--plan with --zero 3")):
+        with pytest.raises(config.UserError, match=named):
+            config.parse_args(["--plan", "--preset", "moe"] + flags)
+
+
+def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
+    """hlat-7b's shape, every MLP 8 experts of its ffn 11008, top-2, fp32, dp 2048 with --ep 8:
+    37.0B parameters, 11.1B active; a rank holds 1 of each layer's 8 experts."""
+    model, train = config.parse_args(["--preset", "hlat-moe", "--ep", "8"])
+    d, f, L = 4096, 11008, 32
+    dense = llama_params(L, d, 32, 32, f, 32000)
+    assert model.num_params() == dense + L * (7 * 3 * d * f + 8 * d)                 # + 7 more MLPs, the router
+    t0 = time.perf_counter()
+    text = plan.report(model, train, 2048)
+    assert time.perf_counter() - t0 < 5
+    held = dense + L * 8 * d                                                          # one expert + the router
+    mem = plan.memory_per_rank(model, train, 1, 1, 2048, 0)
+    assert mem["params"] == held and mem["weights"] == 4 * held and mem["optimizer"] == 8 * held
+    assert "37B parameters in all, 11.1B active per token" in text and "E/ep = 1 expert(s)" in text
+    comm = plan.comm_per_step(model, train, Mesh(1, 1, 2048, 0))
+    N = 2048 // 2048 * 4096                                                           # tokens per rank
+    assert comm["ep.all_to_all"]["payload"] == L * (8 * 8 + 4 * N * 2 * d * 4)
+    assert sum(v["payload"] for k, v in comm.items() if k.startswith("ep_dp.")) == 4 * L * 3 * d * f   # over 256
+
+
+# ---------------------------------------------------------------------------
 # 2d. Peak memory, where it is measurable
 # ---------------------------------------------------------------------------
 

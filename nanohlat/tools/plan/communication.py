@@ -119,7 +119,10 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             entry["padding"] += (ticks[b] - n) * x
             entry["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
-    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero)
+    ep = tcfg.ep
+    if ep > 1:
+        _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize)
+    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero, ep)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
     for kind, n in groups:
@@ -132,8 +135,11 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if dp > 1:
         _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
-        for _, n in groups:   # one flat buffer after the other (optim.FlatGroup)
-            if tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
+        for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
+            if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
+                if dp > ep:
+                    _add_buckets(out, "ep_dp.all_reduce", n, bucket, 1, 4, dp // ep)
+            elif tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
                 cols = padded_size(n, dp) // dp
                 for _ in range(m if tcfg.zero >= 2 else 1):
                     _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
@@ -145,6 +151,24 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         if tcfg.zero:
             _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
     return dict(sorted(out.items()))
+
+
+def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int) -> None:
+    """--ep N (moe.dispatch_expert_parallel): per sparse layer and micro-batch, over the ep group,
+    5 all-to-alls: the counts (E/N int64 to each rank), the dispatch (this rank's N*k rows of
+    d_model, N = mb x seq_len tokens), the return trip (the rows this rank RECEIVED), and in
+    backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
+    What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
+    rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact
+    whatever the routing. Full checkpointing replays the three forward ones. Then, once per step,
+    the experts' share of the grad norm's square (4 bytes over the ep group)."""
+    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    calls = sparse * tcfg.microbatches
+    replays = 1 + (tcfg.activation_checkpointing == "full")
+    rows = mb * tcfg.seq_len * cfg.moe_top_k
+    _add(out, "ep.all_to_all", 8 * cfg.moe_experts, calls * replays, ep)                   # counts
+    _add(out, "ep.all_to_all", rows * cfg.d_model * itemsize, calls * (2 * replays + 2), ep)  # the rows, both ways
+    _add(out, "ep.all_reduce", 4, 1, ep)
 
 
 def comm_bytes_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:

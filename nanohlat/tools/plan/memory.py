@@ -78,6 +78,11 @@ at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
 v chunks of n_layers/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
+A mixture of experts (tp 1, pp 1) holds its routers and experts in flat
+buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
+rank at --ep N, their weights, fp32 gradients and Adam state alike; its
+sparse layers' activations beyond a dense MLP are an estimate
+(moe_activation_extra), not yet measured as the dense ones are.
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
 W: until its B all the forward's activations, from B to W only what W needs,
 its linears' inputs and output gradients (weight_grad_bytes; with full
@@ -141,6 +146,16 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
     return norms + inputs + core + mlp
 
 
+def moe_activation_extra(cfg: ModelConfig, N: int, itemsize: int) -> int:
+    """An ESTIMATE, not checked against autograd: what one sparse layer keeps beyond a dense MLP
+    for N tokens: its k experts' and shared experts' SwiGLU intermediates on their rows (k + shared
+    times a dense MLP's 4 x N x ffn, less the dense one), the dispatched rows and the weighted
+    outputs (2 x N*k x d_model), the router's fp32 logits and probabilities (2 x N x E)."""
+    k, E = cfg.moe_top_k, cfg.moe_experts
+    return (itemsize * (4 * N * cfg.ffn_dim * (k + cfg.moe_shared_experts - 1) + 2 * N * k * cfg.d_model)
+            + 4 * 2 * N * E)
+
+
 def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
                      mode: str | None = None, sp: bool | None = None, fused: bool = True, chunk: int = 0) -> int:
     """Bytes autograd (and the pipeline runner) keep for ONE micro-batch on a rank
@@ -153,6 +168,8 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     regather = tcfg.sp_regather
     v = tcfg.virtual_stages
     total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather)
+    if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: config.check_moe_layout)
+        total += sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * moe_activation_extra(cfg, mb * T, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + itemsize * mb * T
@@ -284,7 +301,7 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     zero = tcfg.zero if zero is None else zero
     shards = dp if zero else 1
     return sum(padded_size(n, shards) // shards
-               for n in flat_groups(cfg, tp, pp, stage, zero)) * state_bytes_per_param(tcfg)
+               for n in flat_groups(cfg, tp, pp, stage, zero, tcfg.ep)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -304,7 +321,7 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero == 3 else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
-                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero))
+                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -333,7 +350,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
-    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero)
+    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1
     buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
@@ -353,7 +370,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                     fused: bool = True, eager: bool = False) -> dict:
     """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
-    params = stage_param_counts(cfg, tp, pp, stage)["total"]
+    params = stage_param_counts(cfg, tp, pp, stage, tcfg.ep)["total"]
     itemsize = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)

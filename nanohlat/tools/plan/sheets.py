@@ -53,7 +53,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
          f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
     lines.append("  " + bytes_per_param_line(tcfg))
-    lines += ["  " + n for n in notes]
+    lines += ["  " + n for n in notes] + _moe_lines(cfg, tcfg, dp)
     lines += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
           layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages)]
     lines += _memory_section(cfg, tcfg, dp)
@@ -61,6 +61,24 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     lines += _time_section(cfg, tcfg, world)
     lines += kv_cache_section(cfg, tcfg)
     return "\n".join(lines)
+
+
+def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    """A mixture of experts: its total and active parameters, where its experts live."""
+    if not cfg.moe_experts:
+        return []
+    E, k, ep = cfg.moe_experts, cfg.moe_top_k, tcfg.ep
+    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    active = cfg.num_params() - cfg.moe_extra_params() + cfg.moe_extra_params(active=True)
+    shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
+    where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "
+             f"Adam state: the experts' share / {ep}), summed over the dp/ep = {dp // ep} ranks holding the same ones"
+             if ep > 1 else "experts replicated on every dp rank like the dense weights (ep 1)")
+    return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
+            f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
+            f"(its {k} experts{shared}, the router, the dense rest); {where}",
+            "    (activations: the sparse layers' extra bytes are an estimate, memory.moe_activation_extra, not "
+            "checked against autograd as the dense ones are)"]
 
 
 def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
@@ -82,7 +100,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
-                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]), fmt_bytes(r["optimizer_zero1"]),
+                     fmt_bytes(r["grads"]), fmt_bytes(r["optimizer_replicated"]),
+                     fmt_bytes(r["optimizer_zero1"]) if tcfg.ep == 1 else "- (--ep: no ZeRO)",
                      (f"{r['in_flight']} x " if tcfg.schedule != "zb-h1" else f"{r['in_flight']} mb: ")
                      + fmt_bytes(r["activations"] / (r["in_flight"] if tcfg.schedule != "zb-h1" else 1)),
                      fmt_bytes(r["flat_grads"]), fmt_bytes(r["loss_backward"])]
@@ -178,6 +197,16 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines += comm_table(by_stage[s])
     everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp
     lines.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    if tcfg.ep > 1:
+        N = micro_batch_size(tcfg, dp) * tcfg.seq_len
+        lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
+                     f"int64 to each of the {tcfg.ep} ranks), the dispatch ({N} tokens x top-{cfg.moe_top_k} = "
+                     f"{N * cfg.moe_top_k} rows of d_model {cfg.d_model}) and the return trip's gradient (as many "
+                     f"rows), the return trip and the dispatch's gradient (the rows this rank received: PREDICTED "
+                     f"FOR BALANCED ROUTING, {N * cfg.moe_top_k}, 1/{tcfg.ep} of them from itself; a real router "
+                     f"moves more to some ranks, less to others, the same summed over the ep group)"
+                     + ("; full checkpointing replays the 3 forward ones" if tcfg.activation_checkpointing == "full"
+                        else ""))
     if tcfg.activation_checkpointing == "full" and tp > 1:
         lines.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
                  "all 4 with torch_xla's (--device xla)")
@@ -185,7 +214,8 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
 def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     tokens = tcfg.batch_size * tcfg.seq_len
     f_tok = flops_per_token(cfg, tcfg.seq_len)
-    lines = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params + 12 x layers x d_model x seq_len, "
+    active = " (active: the k experts a token uses)" if cfg.moe_experts else ""
+    lines = ["", f"compute: {fmt_flop(f_tok)} per token (6 x matmul params{active} + 12 x layers x d_model x seq_len, "
              f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_tok * tokens)} per step, "
              f"{fmt_flop(f_tok * tokens / world)} per rank",
          "", "estimated time per step (rank 0's groups; the slower of the first and last stage)"]
@@ -193,21 +223,24 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
     for dev in devices:
         est = estimate_step(cfg, tcfg, world, dev)
-        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp)}
+        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep}
         comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
-                      for g in ("tp", "pp", "dp")]
+                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ())]
         rows.append([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
                     + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
                        f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
                        fmt_seconds(est["step"] * tcfg.steps)])
-    lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm", "bubble", "step", "tokens/s",
+    lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm"]
+                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + ["bubble", "step", "tokens/s",
                  "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     lines += ["  assumptions:",
           f"  - the matmuls run at {DEFAULT_MFU:.0%} of the device's peak, recomputation included (activation "
           f"checkpointing {tcfg.activation_checkpointing}: "
           f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
-          f"MFU counts the model's FLOPs only",
+          f"MFU counts the model's FLOPs only" + (" (of a mixture: on its active parameters)" if cfg.moe_experts else "")
+          + ("; ep all-to-all: per micro-batch, between the matmuls; dp comm includes the experts' gradient "
+             "sum over ep_dp" if tcfg.ep > 1 else ""),
           "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
           "the group: 'in' = all its ranks in one node, 'across' = over the network, 'mixed' = a ring with hops "
           "of both kinds; tp and pp: all devices of a node share its network equally; dp: hop by hop, at the "

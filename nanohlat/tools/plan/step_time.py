@@ -43,6 +43,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
               "dp": [rank_of(d, 0, 0, tp, dp) for d in range(dp)],
               "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))],
               "kv": [rank_of(0, 0, r, tp, dp) for r in range(kv_replicas(cfg, tp))]}   # copies of one kv head
+    if tcfg.ep > 1:   # a mixture's experts: the ranks sharing them, and those holding the same ones
+        groups.update(ep=[rank_of(d, 0, 0, tp, dp) for d in range(tcfg.ep)],
+                      ep_dp=[rank_of(d, 0, 0, tp, dp) for d in range(0, dp, tcfg.ep)])
     inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
     ring = dp_ring(tp, pp, dp, net)
     links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
@@ -64,8 +67,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
                               + (entry["calls"] - loss) * lat) if entry else 0.0)
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
-    # each micro-batch's forward + backward, with its tp collectives and pp exchanges
-    per_microbatch = (compute + comm_s["tp"] + comm_s["pp"]) / m
+    comm_s["dp"] += comm_s.pop("ep_dp", 0.0)   # --ep: the experts' gradient sum, after the backward like the dense one
+    # each micro-batch's forward + backward, with its tp collectives, pp exchanges (and --ep all-to-alls)
+    per_microbatch = (compute + comm_s["tp"] + comm_s["pp"] + comm_s.get("ep", 0.0)) / m
     # (p-1)/(m+p-1) of the pipeline's time; interleaved: its p-1 fill and drain ops are chunks,
     # 1/v of a stage's work each: (p-1)/(v*m+p-1); zb-h1: (p-1)/(3m+p-1), its p-1 are single
     # F, B or W ops, a third of a micro-batch's work each (F = B = W, as timeline.py's ideal)
