@@ -20,7 +20,7 @@ from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
 from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat.system import files
-from nanohlat.tools.metrics import (Throughput, describe_peak, device_peak, flops_per_token, mfu,
+from nanohlat.tools.metrics import (Throughput, active_params, describe_peak, device_peak, flops_per_token, mfu,
                                     optimizer_bytes, resample_cpu_peak)
 
 
@@ -131,7 +131,7 @@ class TrainLog:
             truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16, cp=mesh.cp,
                                     v=tcfg.virtual_stages))
-            active = model_cfg.num_params() - model_cfg.moe_extra_params() + model_cfg.moe_extra_params(active=True)
+            active = active_params(model_cfg)
             sparse = (f" ({active / 1e6:.2f}M active per token: the top-{model_cfg.moe_top_k} of "
                       f"{model_cfg.moe_experts} experts)" if model_cfg.moe_experts else "")
             self.print(f"model: {model_cfg.num_params() / 1e6:.2f}M parameters{sparse}; this rank: "

@@ -57,6 +57,12 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 _PRECISION_COLUMN = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-sr": "bf16", "bf16": "bf16"}
 
 
+def active_params(model_cfg) -> int:
+    """The parameters a token's forward uses: all of a dense model's; with experts, the
+    dense part, its k experts (+ the shared ones) and the router of each sparse layer."""
+    return model_cfg.num_params() - model_cfg.moe_extra_params() + model_cfg.moe_extra_params(active=True)
+
+
 def flops_per_token(model_cfg, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token, the PaLM appendix B count.
 

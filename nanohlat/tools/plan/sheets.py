@@ -7,7 +7,7 @@ from __future__ import annotations
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
-from nanohlat.tools.metrics import flops_per_token
+from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
@@ -69,7 +69,7 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         return []
     E, k, ep = cfg.moe_experts, cfg.moe_top_k, tcfg.ep
     sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    active = cfg.num_params() - cfg.moe_extra_params() + cfg.moe_extra_params(active=True)
+    active = active_params(cfg)
     shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
     where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "
              f"Adam state: the experts' share / {ep}), summed over the dp/ep = {dp // ep} ranks holding the same ones"
