@@ -72,8 +72,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 @pytest.mark.parametrize("flags, named", [
     (["--compile"], "--compile"), (["--plan"], "--plan"),
-    (["--timeline"], "--timeline"), (["--precision", "bf16-sr"], "--precision bf16-sr"),
-    (["--precision", "bf16-mixed"], "--precision bf16-mixed"),
+    (["--timeline"], "--timeline"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),
     (["--cp-attention", "ulysses", "--tp", "8"], "its 1 heads and 1 kv heads"),   # heads / tp: 1 per tp rank
@@ -198,3 +197,39 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
         off = max(abs(m["loss"] - ref[m["step"]]["loss"]) / ref[m["step"]]["loss"] for m in read_metrics(str(out)))
         print(control.__name__, "off by", off)
         assert off > CAUGHT, (control.__name__, off)
+
+
+BF16_LOSS_REL = 1e-3   # bf16 keeps 8 significant bits: one rounding is up to 2^-9 = 2e-3 relative
+
+
+@pytest.mark.slow
+def test_cp_in_bf16_is_as_close_to_one_process_as_tp_is(cache_dir, tmp_path):
+    """In bf16 (--precision bf16-sr, HLAT's) no layout gives one process's losses to fp32
+    round-off: a different split of a matmul or a softmax rounds its partial sums to bf16
+    in another order. What cp must show is that it costs no more than any other layout
+    does. One process, tp 2 (the layout the suite trusts) and cp 2 with each algorithm,
+    replicas checked bitwise every step (--check-replicas 1): every step's loss within
+    BF16_LOSS_REL of one process's, and the no-exchange control (each rank attending to its
+    own tokens) outside it. Measured on 2 cores: tp 2 1.2e-4, allgather 2.5e-4, ring 7.0e-5,
+    ulysses 1.1e-4; the control 3.4e-3 in fp32 (test above).
+    The grad norm is not compared: this tiny model's norm jumps from step to step (0.96 ->
+    2.07 at steps 8-9) and there bf16's reorderings move it by 9-15% at tp 2 as much as at
+    cp 2, so it tells nothing about cp."""
+    bf16 = ["--precision", "bf16-sr"]
+    run_layouts(1, [_flags(cache_dir, tmp_path / "one", *bf16)], str(tmp_path / "err1"))
+    runs = {"tp2": ["--tp", 2], **{a: ["--cp", 2, "--cp-attention", a, "--check-replicas", 1]
+                                   for a in ("allgather", "ring", "ulysses")}}
+    run_layouts(2, [_flags(cache_dir, tmp_path / name, *bf16, *extra) for name, extra in runs.items()],
+                str(tmp_path / "err2"))
+    run_layouts(2, [_flags(cache_dir, tmp_path / "control", *bf16, "--cp", 2)], str(tmp_path / "errc"),
+                setup=_local_attention)
+    ref = {m["step"]: m["loss"] for m in read_metrics(str(tmp_path / "one"))}
+
+    def worst(name):
+        got = read_metrics(str(tmp_path / name))
+        assert [m["step"] for m in got] == list(range(1, 11)), name
+        return max(abs(m["loss"] - ref[m["step"]]) / ref[m["step"]] for m in got)
+    off = {name: worst(name) for name in [*runs, "control"]}
+    print("bf16-sr: max relative loss difference from one process:", off)
+    assert all(off[name] <= BF16_LOSS_REL for name in runs), off
+    assert off["control"] > BF16_LOSS_REL, off
