@@ -4,12 +4,13 @@ The mesh's cp dimension (between tp and dp) and its groups; this rank's share of
 batch (shift first, then the zigzag chunks); the refusals of what cp does not do yet;
 and, in gloo workers, the tiny preset over 10 steps at --cp 2 with each
 --cp-attention, with activation checkpointing, at cp 2 x dp 2 with ZeRO-1, 2 and 3,
-at cp 2 x tp 2 (with SP) and cp 2 x pp 2,
+at cp 2 x tp 2 (with SP) and cp 2 x pp 2, at cp 4 with each --cp-attention,
 and from cp checkpoints resumed at cp 1,
 at cp 4 and with another algorithm: every step's loss equal to one process's to
 <= 1e-5 relative (fp32 round-off: the sums over the cp ranks add in another order;
-measured <= 8.5e-8, one fp32 step of the loss), and the grad norm as test_parallel.py
-allows it. A negative control (rotary angles at each rank's local places 0..T/cp-1
+measured <= 8.5e-8, one fp32 step of the loss), the grad norm as test_parallel.py
+allows it, and the weights after step 10 as test_parallel.py compares them
+(dist_utils.assert_same_weights): every parameter's gradients did what one process's did. A negative control (rotary angles at each rank's local places 0..T/cp-1
 instead of its tokens' places in the whole sequence) and another (each rank attending
 to its own tokens only) must be off by ten times the tolerance: measured 2.9e-4 and
 3.4e-3 (this small model, in 10 steps, leans little on positions and context).
@@ -21,9 +22,10 @@ import pytest
 import torch
 
 from conftest import read_metrics
-from dist_utils import run_layouts
+from dist_utils import assert_same_weights, run_layouts
 from nanohlat import config
 from nanohlat.config import UserError
+from nanohlat.context_parallel import ALGORITHMS
 from nanohlat.mesh import Mesh, layout_table
 
 LOSS_REL = 1e-5
@@ -164,7 +166,8 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
                     _flags(cache_dir, tmp_path / "cp2_tp2_ulysses", "--cp", 2, "--cp-attention", "ulysses", "--tp", 2),
                     _flags(cache_dir, tmp_path / "cp2_pp2_1f1b_allgather", "--cp", 2, "--pp", 2, "--microbatches", 2),
                     _flags(cache_dir, tmp_path / "cp4_from_cp2", "--cp", 4, "--cp-attention", "ulysses",
-                           "--resume", ckpt("allgather"))],
+                           "--resume", ckpt("allgather")),
+                    *[_flags(cache_dir, tmp_path / f"cp4_{a}", "--cp", 4, "--cp-attention", a) for a in ALGORITHMS]],
                 str(tmp_path / "err4"))
     run_layouts(1, [_flags(cache_dir, tmp_path / "one_from_cp2", "--resume", ckpt("allgather")),
                     _flags(cache_dir, tmp_path / "one_from_cp2_dp2", "--zero", 1, "--resume", ckpt("cp2_dp2_zero1"))],
@@ -175,15 +178,20 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     runs = {"allgather": 1, "ring": 1, "ulysses": 1, "ring_selective": 1, "allgather_full": 1, "cp2_dp2_zero1": 1,
             "cp2_dp2_zero2": 1, "cp2_dp2_zero3": 1, "cp2_tp2_sp_ring": 1, "cp2_tp2_ulysses": 1,
             "cp2_pp2_1f1b_allgather": 1, "cp4_from_cp2": 6, "one_from_cp2": 6,
-            "one_from_cp2_dp2": 6, "ring_from_cp2_dp2": 6}
+            "one_from_cp2_dp2": 6, "ring_from_cp2_dp2": 6, **{f"cp4_{a}": 1 for a in ALGORITHMS}}
     worst = {name: _compare(ref, read_metrics(str(tmp_path / name)), first, name) for name, first in runs.items()}
     print("max relative loss difference from one process:", worst)
+    # and the same weights after step 10: what the gradients of every parameter did, step by step
+    from nanohlat import device as devicelib
+    from nanohlat.serving.generate import load_model
+    ref_model, _ = load_model(str(tmp_path / "one"), devicelib.get_device("cpu"))
+    ref_weights = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    for name in runs:
+        assert_same_weights(tmp_path / name, ref_weights)
 
     # serving is at cp 1: the cp 2 checkpoint loads through the one inference loader, and its loss on
     # step 6's batch is the loss the uninterrupted one-process run logged at step 6
-    from nanohlat import device as devicelib
     from nanohlat.run import preflight
-    from nanohlat.serving.generate import load_model
     model, _ = load_model(ckpt("allgather"), devicelib.get_device("cpu"))
     _, tcfg, ds, _ = preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path / "serve")))
     batch = ds.batch(5, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
