@@ -205,6 +205,8 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
         off = max(abs(m["loss"] - ref[m["step"]]["loss"]) / ref[m["step"]]["loss"] for m in read_metrics(str(out)))
         print(control.__name__, "off by", off)
         assert off > CAUGHT, (control.__name__, off)
+        with pytest.raises(AssertionError):                 # and the weights' check sees it too
+            assert_same_weights(out, ref_weights)
 
 
 BF16_LOSS_REL = 1e-3   # bf16 keeps 8 significant bits: one rounding is up to 2^-9 = 2e-3 relative
