@@ -18,7 +18,7 @@ from nanohlat.run.launch import free_port, start_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-__all__ = ["free_port", "spawn_workers", "run_layouts", "fixed_threads"]
+__all__ = ["free_port", "spawn_workers", "run_layouts", "fixed_threads", "assert_same_weights"]
 
 # The tests that fix a CPU thread count (workers, tutorial commands with
 # --threads 1) use this one, 1 unless the environment says otherwise. Results
@@ -78,3 +78,22 @@ def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> 
     """Train every argv in `runs` with `world` gloo workers; raise with the first rank's traceback.
     `setup(rank)`, a module-level function, runs first in each worker (e.g. to patch something)."""
     spawn_workers(_train, world, (runs, setup), err_dir)
+
+
+# The consolidated weights of a layout against one process's, per tensor: at most
+# 0.5% of its elements (or 3, if more) differ by more than 1e-6, none by more than
+# 1e-4. tests/test_parallel.py's docstring says why two numbers, and measured them.
+WEIGHT_TOL, WEIGHT_MAX, OUTLIER_SHARE, OUTLIERS_MIN = 1e-6, 1e-4, 5e-3, 3
+
+
+def assert_same_weights(out_dir, ref_weights: dict) -> None:
+    """The run in out_dir, loaded as every command loads it, holds ref_weights."""
+    from nanohlat import device
+    from nanohlat.serving.generate import load_model   # the loader of every command
+    model, _ = load_model(str(out_dir), device.get_device("cpu"))
+    for name, p in model.named_parameters():
+        diff = (p - ref_weights[name]).abs()
+        assert diff.max().item() < WEIGHT_MAX, f"{name} differs by {diff.max().item()}"
+        outliers = int((diff > WEIGHT_TOL).sum())
+        assert outliers <= max(OUTLIERS_MIN, OUTLIER_SHARE * diff.numel()), \
+            f"{name}: {outliers} of {diff.numel()} elements differ by more than {WEIGHT_TOL}"

@@ -1,8 +1,9 @@
 """Replicas stay bitwise identical, and --check-replicas notices when they do not.
 
 Every rank that holds a copy of a parameter (dp replicas, with or without
-ZeRO-1; tp ranks for the replicated RMSNorm gains and, with more tp ranks
-than kv heads, for the kv heads they share) updates its own copy. The
+ZeRO-1; cp ranks, which hold the same weights and other tokens; tp ranks for
+the replicated RMSNorm gains and, with more tp ranks than kv heads, for the kv
+heads they share) updates its own copy. The
 copies stay equal only if every rank computes the same update bit for bit:
 the same reduced gradients, the same grad norm and, in bf16-sr, the same
 stochastic-rounding noise for the same element (precision.py). Ten steps in
@@ -28,10 +29,15 @@ def precision_flags(precision: str) -> list[str]:
     name, _, moments = precision.partition("+")
     return ["--precision", name] + (["--moments", "bf16"] if moments else [])
 WORLD2 = {"dp2": ["--dp", "2"], "dp2_zero1": ["--dp", "2", "--zero1", "--bucket-mb", "0.01"],
-          "tp2_sp": ["--tp", "2", "--sequence-parallel"]}
+          "tp2_sp": ["--tp", "2", "--sequence-parallel"],
+          # the cp ranks hold the same weights (and other tokens): copies like dp's
+          "cp2_ring": ["--cp", "2", "--cp-attention", "ring"]}
 WORLD4 = {"tp2_pp2_sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--microbatches", "2"],
           # 2 kv heads on 4 tp ranks: ranks [0 1] and [2 3] each hold copies of one kv head
-          "tp4_kv2_sp": ["--tp", "4", "--n-kv-heads", "2", "--sequence-parallel"]}
+          "tp4_kv2_sp": ["--tp", "4", "--n-kv-heads", "2", "--sequence-parallel"],
+          # ZeRO-1's shards over the dp x cp ranks; Ulysses' all-to-alls in the forward and backward
+          "cp2_dp2_zero1_ulysses": ["--cp", "2", "--cp-attention", "ulysses", "--dp", "2", "--zero1",
+                                    "--bucket-mb", "0.01"]}
 
 
 def _skip_cpu_peak() -> None:
@@ -93,7 +99,7 @@ def test_every_replica_is_bitwise_identical(layout, precision, replica_runs):
     compared = 0
     for a in ranks:
         for b in ranks:
-            if a is b or a["pp"] != b["pp"]:
+            if a is b or a["pp"] != b["pp"]:   # (cp ranks: same dp and tp, so compared below)
                 continue
             for name, (wa, slice_a) in a["params"].items():
                 wb, slice_b = b["params"][name]
