@@ -242,6 +242,23 @@ def merge(o_a, lse_a, o_b, lse_b):
     return o, m + torch.log(total)
 
 
+def _block_grads(q, dout, lse, delta, k, v, mask):
+    """One (query chunk, key chunk) pair's share of dQ, dK, dV, in fp32 (all inputs fp32): flash
+    attention's backward, with P = exp(S - lse) the final softmax and delta = rowsum(dO * O):
+        dV = P^T dO     dP = dO V^T     dS = P * (dP - delta)
+        dQ = dS K / sqrt(D)             dK = dS^T Q / sqrt(D)
+    dK and dV summed over the query heads that share each kv head: (B, K, ., D)."""
+    H, K, scale = q.shape[1], k.shape[1], 1 / math.sqrt(q.shape[-1])
+    kb, vb = _expand(k, H), _expand(v, H)
+    p = torch.exp(q @ kb.transpose(-1, -2) * scale - lse[..., None])
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
+    ds = p * (dout @ vb.transpose(-1, -2) - delta[..., None])
+    dk = (ds.transpose(-1, -2) @ q * scale).unflatten(1, (K, H // K)).sum(2)
+    dv = (p.transpose(-1, -2) @ dout).unflatten(1, (K, H // K)).sum(2)
+    return ds @ kb * scale, dk, dv
+
+
 def _pairs(q_pos, k_pos, device):
     """The (query chunk a, key chunk b, mask or None) pairs that are not skipped."""
     for a, qp in enumerate(q_pos.chunk(2)):
@@ -282,12 +299,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Flash-attention's backward for one pair, with P = exp(S - lse) the final softmax:
-        #   dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))
-        #   dQ += dS K / sqrt(D)             dK += dS^T Q / sqrt(D)
         q, k, v, out, lse = ctx.saved_tensors
         group, positions = ctx.group, ctx.positions
-        n, me, H, scale = group.size, group.rank, q.shape[1], 1 / math.sqrt(q.shape[-1])
+        n, me = group.size, group.rank
         dout = grad.float()
         delta = (dout * out).sum(-1)                                # (B, H, t)
         q_pos = positions[me]
@@ -301,15 +315,10 @@ class RingAttention(torch.autograd.Function):
             kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
             dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))   # views: += writes into dkv
             for a, b, mask in _pairs(q_pos, positions[(me + s) % n], q.device):
-                kb, vb = _expand(kc[b], H), _expand(vc[b], H)
-                p = torch.exp(qc[a] @ kb.transpose(-1, -2) * scale - lc[a][..., None])
-                if mask is not None:
-                    p = p.masked_fill(~mask, 0.0)
-                ds = p * (dc[a] @ vb.transpose(-1, -2) - deltac[a][..., None])
-                dq[a] += ds @ kb * scale
-                K = kc[b].shape[1]   # sum the query heads' shares back onto their kv head
-                dk[b] += (ds.transpose(-1, -2) @ qc[a] * scale).unflatten(1, (K, H // K)).sum(2)
-                dv[b] += (p.transpose(-1, -2) @ dc[a]).unflatten(1, (K, H // K)).sum(2)
+                g_q, g_k, g_v = _block_grads(qc[a], dc[a], lc[a], deltac[a], kc[b], vc[b], mask)
+                dq[a] += g_q
+                dk[b] += g_k
+                dv[b] += g_v
             # this block's dK/dV goes on with it; after the last step, the hop home
             dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)
             for h in dkv_handles + (handles if s < n - 1 else []):
