@@ -59,10 +59,12 @@ def zigzag_positions(T: int, cp: int) -> torch.Tensor:
     if T % (2 * cp):
         raise ValueError(f"a sequence of {T} tokens does not split into 2 x cp = {2 * cp} equal chunks: "
                          f"make --seq-len a multiple of {2 * cp}")
+    # exercise 11b: begin
     c = T // (2 * cp)   # tokens per chunk
     rows = [torch.cat([torch.arange(i * c, (i + 1) * c), torch.arange((2 * cp - 1 - i) * c, (2 * cp - i) * c)])
             for i in range(cp)]
     return torch.stack(rows)
+    # exercise 11b: end
 
 
 def contiguous_positions(T: int, cp: int) -> torch.Tensor:
@@ -96,9 +98,11 @@ class Context:
 def split_sequence(tokens: torch.Tensor, cp: int, rank: int):
     """tokens (B, T+1) -> this rank's (inputs, targets, positions): (B, T/cp), (B, T/cp), (T/cp,).
     The shift into (input, target) comes first, on the whole sequence (see above)."""
+    # exercise 11b: begin
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = zigzag_positions(inputs.shape[1], cp)[rank]
     return inputs[:, positions], targets[:, positions], positions
+    # exercise 11b: end
 
 
 def attention(q, k, v, group, positions: torch.Tensor, algorithm: str):
@@ -234,12 +238,14 @@ def _block(q, k, v, mask):
 
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial results for the same queries over disjoint keys -> the result over both."""
+    # exercise 11a: begin
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
     o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-30)[..., None]
     return o, m + torch.log(total)
+    # exercise 11a: end
 
 
 def _block_grads(q, dout, lse, delta, k, v, mask):
@@ -307,6 +313,7 @@ class RingAttention(torch.autograd.Function):
         q_pos = positions[me]
         qc, dc, lc, deltac = q.float().chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
         dq = [torch.zeros_like(c) for c in qc]
+        # exercise 11c: begin
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)   # travels with its block
         for s in range(n):
@@ -326,3 +333,4 @@ class RingAttention(torch.autograd.Function):
             if s < n - 1:
                 kv = arriving
         return torch.cat(dq, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        # exercise 11c: end
