@@ -59,10 +59,12 @@ def zigzag_positions(T: int, cp: int) -> torch.Tensor:
     if T % (2 * cp):
         raise ValueError(f"a sequence of {T} tokens does not split into 2 x cp = {2 * cp} equal chunks: "
                          f"make --seq-len a multiple of {2 * cp}")
+    # exercise 11b: begin
     c = T // (2 * cp)   # tokens per chunk
     rows = [torch.cat([torch.arange(i * c, (i + 1) * c), torch.arange((2 * cp - 1 - i) * c, (2 * cp - i) * c)])
             for i in range(cp)]
     return torch.stack(rows)
+    # exercise 11b: end
 
 
 def contiguous_positions(T: int, cp: int) -> torch.Tensor:
@@ -96,9 +98,11 @@ class Context:
 def split_sequence(tokens: torch.Tensor, cp: int, rank: int):
     """tokens (B, T+1) -> this rank's (inputs, targets, positions): (B, T/cp), (B, T/cp), (T/cp,).
     The shift into (input, target) comes first, on the whole sequence (see above)."""
+    # exercise 11b: begin
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = zigzag_positions(inputs.shape[1], cp)[rank]
     return inputs[:, positions], targets[:, positions], positions
+    # exercise 11b: end
 
 
 def attention(q, k, v, group, positions: torch.Tensor, algorithm: str):
@@ -234,12 +238,31 @@ def _block(q, k, v, mask):
 
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial results for the same queries over disjoint keys -> the result over both."""
+    # exercise 11a: begin
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
     total = w_a + w_b
     o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-30)[..., None]
     return o, m + torch.log(total)
+    # exercise 11a: end
+
+
+def _block_grads(q, dout, lse, delta, k, v, mask):
+    """One (query chunk, key chunk) pair's share of dQ, dK, dV, in fp32 (all inputs fp32): flash
+    attention's backward, with P = exp(S - lse) the final softmax and delta = rowsum(dO * O):
+        dV = P^T dO     dP = dO V^T     dS = P * (dP - delta)
+        dQ = dS K / sqrt(D)             dK = dS^T Q / sqrt(D)
+    dK and dV summed over the query heads that share each kv head: (B, K, ., D)."""
+    H, K, scale = q.shape[1], k.shape[1], 1 / math.sqrt(q.shape[-1])
+    kb, vb = _expand(k, H), _expand(v, H)
+    p = torch.exp(q @ kb.transpose(-1, -2) * scale - lse[..., None])
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
+    ds = p * (dout @ vb.transpose(-1, -2) - delta[..., None])
+    dk = (ds.transpose(-1, -2) @ q * scale).unflatten(1, (K, H // K)).sum(2)
+    dv = (p.transpose(-1, -2) @ dout).unflatten(1, (K, H // K)).sum(2)
+    return ds @ kb * scale, dk, dv
 
 
 def _pairs(q_pos, k_pos, device):
@@ -282,17 +305,15 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Flash-attention's backward for one pair, with P = exp(S - lse) the final softmax:
-        #   dV += P^T dO     dP = dO V^T     dS = P * (dP - rowsum(dO * O))
-        #   dQ += dS K / sqrt(D)             dK += dS^T Q / sqrt(D)
         q, k, v, out, lse = ctx.saved_tensors
         group, positions = ctx.group, ctx.positions
-        n, me, H, scale = group.size, group.rank, q.shape[1], 1 / math.sqrt(q.shape[-1])
+        n, me = group.size, group.rank
         dout = grad.float()
         delta = (dout * out).sum(-1)                                # (B, H, t)
         q_pos = positions[me]
         qc, dc, lc, deltac = q.float().chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
         dq = [torch.zeros_like(c) for c in qc]
+        # exercise 11c: begin
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)   # travels with its block
         for s in range(n):
@@ -301,15 +322,10 @@ class RingAttention(torch.autograd.Function):
             kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
             dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))   # views: += writes into dkv
             for a, b, mask in _pairs(q_pos, positions[(me + s) % n], q.device):
-                kb, vb = _expand(kc[b], H), _expand(vc[b], H)
-                p = torch.exp(qc[a] @ kb.transpose(-1, -2) * scale - lc[a][..., None])
-                if mask is not None:
-                    p = p.masked_fill(~mask, 0.0)
-                ds = p * (dc[a] @ vb.transpose(-1, -2) - deltac[a][..., None])
-                dq[a] += ds @ kb * scale
-                K = kc[b].shape[1]   # sum the query heads' shares back onto their kv head
-                dk[b] += (ds.transpose(-1, -2) @ qc[a] * scale).unflatten(1, (K, H // K)).sum(2)
-                dv[b] += (p.transpose(-1, -2) @ dc[a]).unflatten(1, (K, H // K)).sum(2)
+                g_q, g_k, g_v = _block_grads(qc[a], dc[a], lc[a], deltac[a], kc[b], vc[b], mask)
+                dq[a] += g_q
+                dk[b] += g_k
+                dv[b] += g_v
             # this block's dK/dV goes on with it; after the last step, the hop home
             dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)
             for h in dkv_handles + (handles if s < n - 1 else []):
@@ -317,3 +333,4 @@ class RingAttention(torch.autograd.Function):
             if s < n - 1:
                 kv = arriving
         return torch.cat(dq, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        # exercise 11c: end

@@ -112,6 +112,27 @@ ZERO_AG = reference("3c")
 WRONG_COMM = "right values, but"
 WROTE_INTO = "right values, but it wrote into"
 ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
+RING = reference("11c")
+RING_PAIRS = """
+    for a, b, mask in _pairs(q_pos, positions[r], q.device):
+        g_q, g_k, g_v = _block_grads(qc[a], dc[a], lc[a], deltac[a], kc[b], vc[b], mask)
+        dq[a] += g_q
+        dk[b] += g_k
+        dv[b] += g_v
+"""
+RING_RETURN = "return torch.cat(dq, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None"
+
+
+def ring(head: str, tail: str, ret: str = RING_RETURN):
+    """11c's region as `head` (ending inside a loop over the blocks, r the block's rank), the
+    reference's arithmetic for each pair of block r, `tail` (back in the loop), then `ret`."""
+    head = head.rstrip("\n")
+    last = head.splitlines()[-1]
+    code = textwrap.dedent(head + "\n" + last[:len(last) - len(last.lstrip())] + "<pairs>" + tail.rstrip())
+    at = code.index("<pairs>")
+    indent = code[code.rindex("\n", 0, at) + 1:at]
+    pairs = textwrap.indent(textwrap.dedent(RING_PAIRS).strip("\n"), indent)
+    return body(0, code.replace(indent + "<pairs>", pairs) + "\n" + ret)
 
 PLANTS = [
     # ---- 1a RMSNorm -------------------------------------------------------------------------------
@@ -552,6 +573,119 @@ PLANTS = [
                   where = [slice(None)] * len(full_shape)
                   where[tp_dim] = slice(part * size, (part + 1) * size)
                   dst, cov = out[tuple(where)], covered[tuple(where)]""")),
+    # ---- 11a the online-softmax merge -----------------------------------------------------------
+    wrong("11a", "no running max: exp(lse) itself, which overflows fp32 past about 88", "large logits",
+          body(0, """
+              w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+              total = w_a + w_b
+              return (w_a[..., None] * o_a + w_b[..., None] * o_b) / total[..., None], torch.log(total)""")),
+    wrong("11a", "averages the two partial outputs (each block's softmax weighted alike)", "two blocks of 6 keys",
+          body(0, "return (o_a + o_b) / 2, torch.logaddexp(lse_a, lse_b)")),
+    wrong("11a", "returns the running max as the merged lse (forgets + log of the summed weights)",
+          "two blocks of 6 keys: the merged lse", sub("return o, m + torch.log(total)", "return o, m")),
+    wrong("11a", "no guard for a row with no key in either block: -inf - -inf is nan", "no key in either",
+          body(0, reference("11a").replace("m = torch.where(torch.isinf(m), torch.zeros_like(m), m)\n", ""))),
+    wrong("11a", "divides by the summed weights unclamped: a row with no key is 0/0", "no key in either",
+          sub("/ total.clamp_min(1e-30)[..., None]", "/ total[..., None]")),
+    wrong("11a", "the weights swapped (block b's weight on block a's output)", "two blocks of 6 keys",
+          sub("(w_a[..., None] * o_a + w_b[..., None] * o_b)", "(w_b[..., None] * o_a + w_a[..., None] * o_b)")),
+    right("11a", "logaddexp for the merged lse, each block's weight exp(lse_b - lse), 0 where both are -inf",
+          body(0, """
+              lse = torch.logaddexp(lse_a, lse_b)
+              w_a = torch.exp(lse_a - lse).nan_to_num(0.0)
+              w_b = torch.exp(lse_b - lse).nan_to_num(0.0)
+              return w_a[..., None] * o_a + w_b[..., None] * o_b, lse""")),
+    # ---- 11b the zigzag split ---------------------------------------------------------------------
+    wrong("11b", "a contiguous split: rank i holds tokens i t .. (i+1) t - 1", "T=8, cp=2): the causal work",
+          body(0, "return torch.arange(T).view(cp, T // cp)")),
+    wrong("11b", "rank i holds chunks i and 2cp-i (off by one)", "T=6, cp=1): the table",
+          sub("(2 * cp - 1 - i) * c, (2 * cp - i) * c", "(2 * cp - i) * c, (2 * cp + 1 - i) * c")),
+    wrong("11b", "every rank's positions its own 0..t-1 (local positions)", "T=8, cp=2): the table",
+          body(0, "return torch.arange(T // cp).repeat(cp, 1)")),
+    wrong("11b", "split_sequence returns local positions 0..t-1", "over cp=2, rank 0: positions",
+          sub("return inputs[:, positions], targets[:, positions], positions",
+              "return inputs[:, positions], targets[:, positions], torch.arange(len(positions))")),
+    wrong("11b", "shifts after the split: the last token of a chunk gets the next chunk's first as target",
+          "over cp=2, rank 0: targets", body(1, """
+              positions = zigzag_positions(tokens.shape[1] - 1, cp)[rank]
+              mine = tokens[:, torch.cat([positions, positions[-1:] + 1])]
+              return mine[:, :-1], mine[:, 1:], positions""")),
+    right("11b", "the 2cp chunks as rows of a view, the late ones flipped; targets at positions + 1",
+          body(0, """
+              chunks = torch.arange(T).view(2 * cp, T // (2 * cp))
+              return torch.cat([chunks[:cp], chunks.flip(0)[:cp]], dim=1)"""),
+          body(1, """
+              positions = zigzag_positions(tokens.shape[1] - 1, cp)[rank]
+              return tokens[:, positions], tokens[:, positions + 1], positions""")),
+    # ---- 11c the ring's backward ------------------------------------------------------------------
+    wrong("11c", "a stale K/V block: the fp32 copies of K and V taken once, before the ring turns", "cp 4, fp32: dq",
+          body(0, RING.replace("    kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)\n", "")
+               .replace("for s in range(n):\n", "kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)\n"
+                        "for s in range(n):\n"))),
+    wrong("11c", "dK/dV not sent home: no hop after the last step (each rank keeps its neighbour's)",
+          "cp 4, fp32: dk", sub("dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)",
+                                "dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1) if s < n - 1 else (dkv, [])")),
+    wrong("11c", "dK/dV sent the forward's way (+1) while their K/V block goes the other", "cp 4, fp32: dk",
+          sub("dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)",
+              "dkv, dkv_handles = comm.start_ring_shift(dkv, group, +1)")),
+    wrong("11c", "dK/dV accumulated in the inputs' dtype (bf16: rounded at every hop)", "cp 4, bf16 inputs",
+          sub("dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)",
+              "dkv = torch.zeros(kv.shape, dtype=kv.dtype, device=kv.device)")),
+    wrong("11c", "every block's dK/dV kept in a full buffer and all-reduced at the end", "cp 4, fp32 backward on "
+          "rank 0: " + WRONG_COMM + " this rank sent", ring("""
+              kv = torch.stack([k, v])
+              dkv_all = torch.zeros((n,) + tuple(kv.shape), dtype=torch.float32, device=kv.device)
+              for s in range(n):
+                  if s < n - 1:
+                      arriving, handles = comm.start_ring_shift(kv, group, -1)
+                  kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
+                  r = (me + s) % n
+                  dk, dv = list(dkv_all[r, 0].chunk(2, 2)), list(dkv_all[r, 1].chunk(2, 2))""", """
+                  if s < n - 1:
+                      for h in handles:
+                          h.wait()
+                      kv = arriving
+              dkv = comm.all_reduce(dkv_all, group)[me]""")),
+    wrong("11c", "all of K/V all-gathered and dK/dV reduce-scattered (the allgather algorithm's exchange)",
+          "cp 4, fp32 backward on rank 0: " + WRONG_COMM + " an all_gather", ring("""
+              kv = comm.all_gather(torch.stack([k, v]), group, dim=3)   # (2, B, K, n t, D): every block
+              dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+              t = k.shape[2]
+              for r in range(n):
+                  kc = kv[0, :, :, r * t:(r + 1) * t].float().chunk(2, 2)
+                  vc = kv[1, :, :, r * t:(r + 1) * t].float().chunk(2, 2)
+                  dk = list(dkv[0, :, :, r * t:(r + 1) * t].chunk(2, 2))
+                  dv = list(dkv[1, :, :, r * t:(r + 1) * t].chunk(2, 2))""", "",
+               "dkv = comm.reduce_scatter(dkv, group, dim=3)\n" + RING_RETURN)),
+    right("11c", "no overlap: each step computes, then shifts K/V and dK/dV and waits", ring("""
+              kv = torch.stack([k, v])
+              dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+              for s in range(n):
+                  r = (me + s) % n
+                  kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
+                  dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))""", """
+                  handles = []
+                  if s < n - 1:
+                      kv, handles = comm.start_ring_shift(kv, group, -1)
+                  dkv, more = comm.start_ring_shift(dkv, group, -1)
+                  for h in handles + more:
+                      h.wait()""")),
+    right("11c", "K, V, dK and dV as four messages a step (more calls, the same bytes)", ring("""
+              kk, vv = k, v
+              dk_home = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+              dv_home = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+              for s in range(n):
+                  r = (me + s) % n
+                  kc, vc = kk.float().chunk(2, 2), vv.float().chunk(2, 2)
+                  dk, dv = list(dk_home.chunk(2, 2)), list(dv_home.chunk(2, 2))""", """
+                  handles = []
+                  if s < n - 1:
+                      (kk, h1), (vv, h2) = comm.start_ring_shift(kk, group, -1), comm.start_ring_shift(vv, group, -1)
+                      handles = h1 + h2
+                  (dk_home, h3), (dv_home, h4) = (comm.start_ring_shift(dk_home, group, -1),
+                                                  comm.start_ring_shift(dv_home, group, -1))
+                  for h in handles + h3 + h4:
+                      h.wait()""", "return torch.cat(dq, 2).to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None")),
 ]
 
 
@@ -682,12 +816,13 @@ def test_the_plants_cover_every_exercise_and_chapter():
         assert n >= 3, f"exercise {e.id}: {n} planted mistakes"
     chapters = {e.chapter for e in kit.EXERCISES}
     assert chapters <= {int(p.ex[:-1]) for p in PLANTS if p.right}
-    for ex in ("3b", "3c", "3d", "3e", "4a", "4b", "4c"):
+    for ex in ("3b", "3c", "3d", "3e", "4a", "4b", "4c", "11c"):
         assert any(WRONG_COMM in p.catches for p in PLANTS if p.ex == ex), ex
     for ex in ("3a", "3b", "3d", "3e", "4a"):
         assert any("default (world)" in p.catches for p in PLANTS if p.ex == ex), ex
     for ex, words in (("4c", "large logits"), ("7a", "odd NaN"), ("7a", "noise drawn by the function"),
-                      ("1a", "1.5 bf16 steps"), ("1c", "ragged rows")):
+                      ("1a", "1.5 bf16 steps"), ("1c", "ragged rows"), ("11a", "large logits"),
+                      ("11a", "no key in either"), ("11c", "bf16 inputs")):
         assert any(words in p.catches for p in PLANTS if p.ex == ex), (ex, words)
     # docs/teaching.md says how many there are
     mistakes = [p for p in PLANTS if not p.right]

@@ -98,6 +98,12 @@ EXERCISES = [
     Exercise("6b", "the process groups: every tp, dp and pp group of the mesh", "6"),
     Exercise("7a", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
     Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
+    Exercise("11a", "the merge of two partial attention results (o, lse) over disjoint keys: an online softmax in fp32, "
+                    "its running max keeping exp() finite", "11"),
+    Exercise("11b", "the zigzag split: rank i holds chunks i and 2cp-1-i, each token at its place in the whole "
+                    "sequence; shift into (input, target) before splitting", "11"),
+    Exercise("11c", "the ring's backward: K/V blocks go round the other way, each with its dK/dV in fp32, "
+                    "and a last hop brings each block's dK/dV home", "11"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
 

@@ -39,7 +39,8 @@ called on some ranks only.
 Where things are: harness.py (verdicts, the gloo workers), wire.py (what a
 rank moves), then one file of oracles per chapter of tutorial.md, in its
 order: ch1_transformer.py, ch3_data_parallel.py, ch4_tensor_parallel.py,
-ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch8_checkpoints.py. This
+ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch8_checkpoints.py,
+ch11_context_parallel.py. This
 file runs an exercise's checks (`run`) and lists them (`CHECKS`).
 """
 
@@ -53,6 +54,7 @@ from nanohlat.classroom.checks.ch5_pipeline import check_1f1b, check_exchange_pl
 from nanohlat.classroom.checks.ch6_mesh import check_coords, check_groups
 from nanohlat.classroom.checks.ch7_precision import check_stochastic_rounding
 from nanohlat.classroom.checks.ch8_checkpoints import check_reshard
+from nanohlat.classroom.checks.ch11_context_parallel import check_merge, check_ring_backward, check_zigzag
 
 
 def run(ex) -> str | None:
@@ -87,4 +89,7 @@ CHECKS = {
     "6b": [check_groups],
     "7a": [check_stochastic_rounding],
     "8a": [check_reshard],
+    "11a": [check_merge],
+    "11b": [check_zigzag],
+    "11c": [check_ring_backward],
 }

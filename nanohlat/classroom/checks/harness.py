@@ -100,6 +100,7 @@ def _worker(rank, world, port, fn, args, queue):
     import datetime
     import torch.distributed as dist
     torch.set_num_threads(1)
+    told = False
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIME_LIMIT))
@@ -109,9 +110,11 @@ def _worker(rank, world, port, fn, args, queue):
         except Exception as e:
             verdict = explain(e)
         queue.put((rank, verdict))
+        told = True
         dist.destroy_process_group()
     except Exception as e:   # gloo itself failed (e.g. a peer died)
-        queue.put((rank, explain(e)))
+        if not told:         # (not the verdict's own aftermath: a peer that left with a message in flight)
+            queue.put((rank, explain(e)))
 
 
 def spawn(fn, world: int, *args) -> str | None:
