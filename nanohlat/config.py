@@ -475,13 +475,13 @@ def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
                         f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
                         f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
                         f"use --cp-attention allgather or ring, or another --cp")
-    refused = [_flag(name) for name in ("compile", "plan", "timeline") if getattr(tcfg, name)]
-    refused += [f"--precision {tcfg.precision}"] if tcfg.precision != "fp32" else []
+    refused = [_flag(name) for name in ("compile", "timeline") if getattr(tcfg, name)]
+    refused += [f"--precision {tcfg.precision}"] if tcfg.precision != "fp32" and not tcfg.plan else []   # (--plan: any)
     refused += ["a mixture of experts (--moe-experts)"] if model_cfg.moe_experts else []
     if refused:
         raise UserError(f"--cp {cp} with {', '.join(refused)} is not supported yet: context parallelism trains "
                         f"with --tp (and SP), --pp (any schedule), --dp, any --zero and activation checkpointing, "
-                        f"in fp32, on a dense model (context_parallel.py)")
+                        f"in fp32, on a dense model (context_parallel.py); --plan and --search plan it")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

@@ -71,7 +71,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--compile"], "--compile"), (["--plan"], "--plan"),
+    (["--compile"], "--compile"),
     (["--timeline"], "--timeline"), (["--precision", "bf16-sr"], "--precision bf16-sr"),
     (["--precision", "bf16-mixed"], "--precision bf16-mixed"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),

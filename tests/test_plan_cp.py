@@ -45,23 +45,57 @@ LAYOUTS = {   # world -> name -> flags; rank 0's ledger
 }
 
 
-def _train_worker(rank, world, runs):
+MODES = [(a, m) for a in context.ALGORITHMS for m in ("none", "selective", "full")]
+
+
+def forward_bytes_cp(mesh, algorithm, mode) -> tuple[int, int]:
+    """(measured, planned) bytes kept after one micro-batch's forward of the whole tiny model on
+    this cp rank: its zigzag share of 4 sequences of 32 tokens (split_sequence)."""
+    from test_plan import LiveBytes
+    from nanohlat.device import get_device
+    from nanohlat.model import Transformer, init_weights
+    argv = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--cp", str(mesh.cp),
+            "--cp-attention", algorithm, "--activation-checkpointing", mode]
+    cfg, t = config.parse_args(argv)
+    model = Transformer(cfg, mesh.tp_group, False, list(range(cfg.n_layers)), True, True,
+                        cp=context_parallel.Context(mesh.group("cp"), algorithm))
+    init_weights(model, t.seed)
+    model.set_activation_checkpointing(mode, get_device("cpu").checkpoint)
+    batch = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y, _ = context_parallel.split_sequence(batch, mesh.cp, mesh.cp_rank)
+    existing = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    with LiveBytes(existing) as live:
+        loss = model(x, y).sum()
+    measured = live.alive() - loss.numel() * loss.element_size()
+    loss.backward()   # (every rank takes part in the backward's exchanges)
+    return measured, plan.activation_bytes(cfg, t, 1, 1, 1, 0)
+
+
+def _train_worker(rank, world, runs, out_dir):
+    """Train each run (train.py writes summary.json), then measure every (algorithm, mode) at cp = world."""
     import train
+    from nanohlat import comm
+    from nanohlat.device import get_device
     from nanohlat.run import preflight
     for argv in runs:
         train.train(*preflight.inputs(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
                     rank, world, rank, world)
+    mesh = Mesh(1, 1, 1, rank, cp=world, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
+    with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
+        json.dump([forward_bytes_cp(mesh, a, m) for a, m in MODES], f)
 
 
 @pytest.fixture(scope="module")
 def ledgers(cache_dir, tmp_path_factory):
-    """name -> (argv, world, rank 0's summary.json), one worker group per world size."""
+    """name -> (argv, world, rank 0's summary.json), one worker group per world size; and
+    ("activations", world) -> {rank: [(measured, planned) for MODES]}."""
     out = {}
     for world, layouts in LAYOUTS.items():
         root = tmp_path_factory.mktemp(f"cpplan{world}")
         runs = {name: BASE + ["--cache-dir", cache_dir, "--out-dir", str(root / name.replace(" ", "_"))] + extra
                 for name, extra in layouts.items()}
-        spawn_workers(_train_worker, world, (list(runs.values()),), str(root / "errors"))
+        spawn_workers(_train_worker, world, (list(runs.values()), str(root)), str(root / "errors"))
+        out["activations", world] = {r: json.load(open(root / f"activations{r}.json")) for r in range(world)}
         for name, argv in runs.items():
             with open(os.path.join(argv[argv.index("--out-dir") + 1], "summary.json")) as f:
                 out[name] = (argv, world, json.load(f))
@@ -83,3 +117,54 @@ def test_cp_comm_ledger_equals_the_plan_to_the_byte(ledgers, name):
     for figure, key in (("payload", "comm_bytes"), ("wire", "comm_wire_bytes"),
                         ("padding", "comm_padding_bytes"), ("calls", "comm_calls")):
         assert measured[key] == {k: v[figure] for k, v in predicted.items()}, (figure, measured[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", list(LAYOUTS))
+@pytest.mark.parametrize("i", range(len(MODES)), ids=[" ".join(x) for x in MODES])
+def test_cp_activation_bytes_equal_autograds(ledgers, world, i):
+    """At cp 2 and 4, on every cp rank, to the byte (the plan's 10% margin is not needed)."""
+    for rank, results in ledgers["activations", world].items():
+        measured, planned = results[i]
+        assert measured == planned, (MODES[i], rank, measured, planned)
+
+
+# ---------------------------------------------------------------------------
+# The causal balance: counted from the split and the masks the code builds
+# ---------------------------------------------------------------------------
+
+def unmasked_pairs(positions: torch.Tensor) -> list[int]:
+    """Per cp rank: the (query, key) pairs its queries attend to, from allgather's mask (this rank's
+    places against every rank's) and, the same work block by block, from the ring's (query chunk,
+    key chunk) pairs it does not skip (context_parallel._pairs), each asserted equal."""
+    n = positions.shape[0]
+    out = []
+    for r in range(n):
+        dense = int(context_parallel._causal_mask(positions[r], positions.flatten(), "cpu").sum())
+        ring = 0
+        for s in range(n):   # step s: the K/V block of rank (r - s) mod n
+            kp = positions[(r - s) % n]
+            for a, b, mask in context_parallel._pairs(positions[r], kp, "cpu"):
+                ring += int(mask.sum()) if mask is not None else len(positions[r].chunk(2)[a]) * len(kp.chunk(2)[b])
+        assert ring == dense
+        out.append(dense)
+    return out
+
+
+@pytest.mark.parametrize("T, cp", [(32, 2), (64, 4), (4096, 4), (32768, 8)])
+def test_zigzag_balances_causal_work_and_the_plan_counts_it(T, cp):
+    tokens = torch.arange(T + 1).unsqueeze(0)   # token i is i: the split's inputs are their own places
+    zigzag = torch.stack([context_parallel.split_sequence(tokens, cp, r)[0][0] for r in range(cp)])
+    assert torch.equal(zigzag, context_parallel.zigzag_positions(T, cp))
+    contiguous = context_parallel.contiguous_positions(T, cp)
+    if T > 4096:   # (the masks of 32k tokens would not fit: the plan's formula only, against a direct sum)
+        got = {"zigzag": [int((zigzag[r] + 1).sum()) for r in range(cp)],
+               "contiguous": [int((contiguous[r] + 1).sum()) for r in range(cp)]}
+    else:
+        got = {"zigzag": unmasked_pairs(zigzag), "contiguous": unmasked_pairs(contiguous)}
+    assert sum(got["zigzag"]) == sum(got["contiguous"]) == T * (T + 1) // 2   # every pair once, on some rank
+    for split in ("zigzag", "contiguous"):
+        assert got[split] == context.attention_pairs(T, cp, split), split
+    spread = lambda xs: max(xs) / min(xs) - 1
+    assert spread(got["zigzag"]) < 0.05
+    assert spread(got["contiguous"]) > 1.0   # the last rank: about 2cp-1 times the first's work

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
+from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text, validate_layout
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
+from nanohlat.tools.plan.context import cp_section
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
 from nanohlat.tools.plan.kv_cache import kv_cache_section
@@ -41,23 +42,26 @@ def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tup
 def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     """Everything above as text: the answer to `train.py --plan`."""
     dp, notes = validate_plan_layout(cfg, tcfg, world)
-    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    tp, pp, m, cp = tcfg.tp, tcfg.pp, tcfg.microbatches, tcfg.cp
     sp = tcfg.sequence_parallel and tp > 1
     tokens = tcfg.batch_size * tcfg.seq_len
+    cp_text = f" x cp {cp} ({tcfg.cp_attention} attention)" if cp > 1 else ""
     lines = [f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters "
          f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
-         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
+         f"  layout: dp {dp} x pp {pp}{cp_text} x tp {tp}; sequence parallel "
          f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
          f"{f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {schedule_text(tcfg)}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
-         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
+         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"
+         + (f", each sequence split over the {cp} cp ranks: {tcfg.seq_len // cp:,} tokens of it on each" if cp > 1 else "")]
     lines.append("  " + bytes_per_param_line(tcfg))
     lines += ["  " + n for n in notes] + _moe_lines(cfg, tcfg, dp)
     lines += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
-          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages)]
+          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages, cp=cp)]
     lines += _memory_section(cfg, tcfg, dp)
     lines += _comm_section(cfg, tcfg, dp)
+    lines += cp_section(cfg, tcfg, dp)
     lines += _time_section(cfg, tcfg, world)
     lines += kv_cache_section(cfg, tcfg)
     return "\n".join(lines)
@@ -135,7 +139,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
             if tcfg.virtual_stages > 1 else f"{flight} of {m} micro-batch(es)")
     lines += ["", f"activations per rank of stage {largest}, by checkpointing mode ({held} "
-              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
+              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len // tcfg.cp} tokens in flight"
+              + (f", 1/{tcfg.cp} of each sequence: context parallelism below" if tcfg.cp > 1 else "") + "):"]
     rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
     for mode in ("none", "selective", "full"):
         for sp in ((False, True) if tp > 1 else (False,)):
@@ -188,15 +193,17 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
 
 def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     tp, pp = tcfg.tp, tcfg.pp
+    cp = tcfg.cp
     lines = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
-    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    first = {s: lift(rank_of(0, s, 0, tp, dp), 0, tp, cp) for s in range(pp)}   # (cp rank 0 of the stage)
+    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, first[s], cp=cp)) for s in range(pp)}
     if not by_stage[0]:
         return lines + ["  none: one process"]
     for s in sorted({0, pp - 1}):
-        lines.append(f"  rank {rank_of(0, s, 0, tp, dp)} (stage {s}):")
+        lines.append(f"  rank {first[s]} (stage {s}):")
         lines += comm_table(by_stage[s])
-    everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp
-    lines.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
+    lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
     if tcfg.ep > 1:
         N = micro_batch_size(tcfg, dp) * tcfg.seq_len
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
@@ -223,15 +230,16 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
     for dev in devices:
         est = estimate_step(cfg, tcfg, world, dev)
-        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep}
+        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep, "cp": tcfg.cp}
         comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
-                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ())]
+                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ()) + (("cp",) if tcfg.cp > 1 else ())]
         rows.append([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
                     + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
                        f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
                        fmt_seconds(est["step"] * tcfg.steps)])
     lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm"]
-                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + ["bubble", "step", "tokens/s",
+                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + (["cp attention"] if tcfg.cp > 1 else [])
+                   + ["bubble", "step", "tokens/s",
                  "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     lines += ["  assumptions:",
@@ -240,7 +248,10 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
           f"MFU counts the model's FLOPs only" + (" (of a mixture: on its active parameters)" if cfg.moe_experts else "")
           + ("; ep all-to-all: per micro-batch, between the matmuls; dp comm includes the experts' gradient "
-             "sum over ep_dp" if tcfg.ep > 1 else ""),
+             "sum over ep_dp" if tcfg.ep > 1 else "")
+          + ("; cp attention: the cp group's exchanges, per micro-batch, as if none overlapped the arithmetic "
+             "(the ring's do overlap its blocks' in the code); dp comm: the gradients' sum over dp x cp"
+             if tcfg.cp > 1 else ""),
           "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
           "the group: 'in' = all its ranks in one node, 'across' = over the network, 'mixed' = a ring with hops "
           "of both kinds; tp and pp: all devices of a node share its network equally; dp: hop by hop, at the "
@@ -268,13 +279,13 @@ def _where(est: dict, group: str) -> str:
 def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: list[str]) -> list[str]:
     """"where the dp bytes go": rank 0's dp ring, hop by hop, on each device's network."""
     tp, pp = tcfg.tp, tcfg.pp
-    dp = world // (tp * pp)
+    dp = world // (tp * pp)   # (--cp: the gradients' ring is dp x cp ranks, as a cp-1 mesh's dp group of that size)
     if dp == 1:
         return []
     ranks = dp_groups(tp, pp, dp)[0]
     shown = " -> ".join(map(str, ranks[:4])) + (" -> ... -> " + str(ranks[-1]) if dp > 4 else "") + f" -> {ranks[0]}"
-    lines = ["", f"where the dp bytes go: rank 0's dp ring {shown} ({dp} hops); {tp * pp} such rings reduce at "
-             f"once, one per (stage, tp rank)"]
+    lines = ["", f"where the dp bytes go: rank 0's {'dp x cp' if tcfg.cp > 1 else 'dp'} ring {shown} ({dp} hops); "
+             f"{tp * pp} such rings reduce at once, one per (stage, tp rank)"]
     rows = []
     for dev in devices:
         est = estimate_step(cfg, tcfg, world, dev)
