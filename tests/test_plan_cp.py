@@ -168,3 +168,52 @@ def test_zigzag_balances_causal_work_and_the_plan_counts_it(T, cp):
     spread = lambda xs: max(xs) / min(xs) - 1
     assert spread(got["zigzag"]) < 0.05
     assert spread(got["contiguous"]) > 1.0   # the last rank: about 2cp-1 times the first's work
+
+
+# ---------------------------------------------------------------------------
+# --search with cp, and the memory check before a run
+# ---------------------------------------------------------------------------
+
+def test_search_tries_cp_for_long_sequences_only_and_ranks_it():
+    model, t = config.parse_args(["--preset", "tiny", "--seq-len", "8192", "--max-seq-len", "8192", "--device", "cpu"])
+    layouts = list(plan.candidate_layouts(model, t, 8))
+    assert {c.cp for c in layouts} == {1, 2, 4, 8}            # 8192 / 8 = 1024 tokens a rank at most cp
+    assert {c.cp_attention for c in layouts if c.cp > 1} == set(context.ALGORITHMS)
+    assert all(c.cp == 1 or c.cp_attention != "ulysses" or context.ulysses_fits(model, c.tp, c.cp) for c in layouts)
+    short, t_short = config.parse_args(["--preset", "tiny", "--device", "cpu"])
+    assert {c.cp for c in plan.candidate_layouts(short, t_short, 8)} == {1}   # 32 tokens: no cp
+    rows = plan.search(model, t, 8, "cpu")
+    one_sequence = lambda cp, alg: [r["activations"] for r in rows if (r["t"].cp, r["t"].tp, r["t"].pp) == (cp, 1, 1)
+                                    and (cp == 1 or r["t"].cp_attention == alg) and r["t"].activation_checkpointing
+                                    == "none" and plan.micro_batch_size(r["t"], 8 // cp) == 1]
+    # a micro-batch of one sequence: with ring attention at cp 8 each rank holds 1/8 of its tokens (dp 8 at
+    # cp 1: all 8192); allgather and ulysses keep masks of t x T and T x T (4 B each here) in every layer
+    assert max(one_sequence(8, "ring")) < min(one_sequence(1, None)) / 4
+    assert min(one_sequence(4, "ulysses")) > min(one_sequence(1, None))   # (cp 8: 4 kv heads do not divide)
+
+
+@pytest.mark.slow
+def test_hlat_7b_at_32k_fits_a_neuroncore_only_with_cp(capsys):
+    import train
+    assert train.main(["--plan", "--search", "--preset", "hlat-7b", "--nproc", "2048", "--seq-len", "32768",
+                       "--max-seq-len", "32768"]) == 0
+    out = capsys.readouterr().out
+    ranked = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert ranked and all(int(r[3]) > 1 for r in ranked)   # every layout shown splits the sequence
+    assert "it does not fit" in out and "splits each sequence over cp" in out
+
+
+def test_preflight_memory_check_uses_the_plan_with_cp(monkeypatch):
+    from nanohlat.config import UserError
+    from nanohlat.run import preflight
+    argv = ["--preset", "tiny", "--seq-len", "2048", "--max-seq-len", "2048", "--device", "cpu", "--batch-size", "4"]
+    # micro-batches of one sequence: over dp 2 each rank holds all its 2048 tokens, over cp 2 (ring) 1024
+    m2, t2 = config.parse_args(argv + ["--cp", "2", "--cp-attention", "ring", "--microbatches", "4"])
+    m1, t1 = config.parse_args(argv + ["--dp", "2", "--microbatches", "2"])
+    cp2, dp2 = (plan.peak_memory_per_rank(m, t, 2) for m, t in ((m2, t2), (m1, t1)))
+    assert cp2 < dp2 * 0.75
+    monkeypatch.setattr(preflight, "memory_of", lambda kind: (2 * (cp2 + dp2) // 2 + 2 * preflight.rotary_bytes(m2),
+                                                              "this test's machine"))
+    preflight.check_memory(m2, t2, 2, 2, spawns=True)     # fits: the plan at cp 2
+    with pytest.raises(UserError):
+        preflight.check_memory(m1, t1, 2, 2, spawns=True)
