@@ -83,6 +83,8 @@ buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
 rank at --ep N, their weights, fp32 gradients and Adam state alike; its
 sparse layers' activations beyond a dense MLP are an estimate
 (moe_activation_extra), not yet measured as the dense ones are.
+With --cp every rank holds T/cp tokens of each sequence: all of the above at
+T/cp, the attention core each algorithm's (context.py), ZeRO sharded over dp x cp.
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
 W: until its B all the forward's activations, from B to W only what W needs,
 its linears' inputs and output gradients (weight_grad_bytes; with full
