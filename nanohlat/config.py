@@ -355,8 +355,7 @@ HELP = {
     "nproc": "local worker processes train.py starts itself",
     "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
-    "plan": "print the layout, memory, FLOPs, communication and time plan (with --cp: the attention "
-            "algorithms side by side), then exit",
+    "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
     "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
               "cuda overlapped gradient reduction) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",

@@ -217,3 +217,16 @@ def test_preflight_memory_check_uses_the_plan_with_cp(monkeypatch):
     preflight.check_memory(m2, t2, 2, 2, spawns=True)     # fits: the plan at cp 2
     with pytest.raises(UserError):
         preflight.check_memory(m1, t1, 2, 2, spawns=True)
+
+
+def test_plan_prints_the_three_algorithms_and_the_balance_side_by_side():
+    model, t = config.parse_args(["--preset", "tiny", "--cp", "4", "--cp-attention", "ring", "--device", "cpu"])
+    text = plan.report(model, t, 4)
+    assert "layout: dp 1 x pp 1 x cp 4 (ring attention) x tp 1" in text and "world 4 = dp 1 x pp 1 x cp 4 x tp 1" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1] in (["allgather"], ["ring"], ["ulysses"])}
+    assert set(rows) == set(context.ALGORITHMS) and "<- this run" in rows["ring"]
+    assert " 3 / 7 " in rows["ring"] and " 1 / 1 " in rows["allgather"] and " 2 / 2 " in rows["ulysses"]   # n-1; 2n-1
+    assert "divisible by cp 4: yes" in rows["ulysses"]
+    zig, cont = context.attention_pairs(32, 4, "zigzag"), context.attention_pairs(32, 4, "contiguous")
+    assert f"zigzag {max(zig) / min(zig) - 1:.1%}, contiguous {max(cont) / min(cont) - 1:.1%}" in text
+    assert "cp.ring_shift" in text and "dp_cp.all_reduce" in text

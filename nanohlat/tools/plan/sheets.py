@@ -4,15 +4,19 @@ go, then the KV cache; and the comm table a run prints beside its ledger."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text, validate_layout
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
-from nanohlat.tools.plan.context import cp_section
+from nanohlat.tools.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
+                                         attention_pairs, local_tokens, ulysses_fits)
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
 from nanohlat.tools.plan.kv_cache import kv_cache_section
+from nanohlat.tools.plan.params import dtype_bytes
 from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
@@ -161,6 +165,60 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
                          "all-gather it again in backward" if tcfg.sp_regather else
                          "'kept' (--no-sp-regather): the matmuls after each norm keep the all-gathered sequence"))
+    return lines
+
+
+def cp_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    """`--plan` with --cp: the three algorithms side by side on this layout (memory, bytes,
+    constraints), and the causal work per cp rank, zigzag against a contiguous split."""
+    cp, tp, T = tcfg.cp, tcfg.tp, tcfg.seq_len
+    if cp == 1:
+        return []
+    mb, t, e, mode = micro_batch_size(tcfg, dp), local_tokens(tcfg), dtype_bytes(tcfg.precision), tcfg.activation_checkpointing
+    fused = tcfg.device in ("cpu", "cuda")
+    layers = cfg.n_layers // tcfg.pp
+    rows = []
+    for alg in ALGORITHMS:
+        fits = alg != "ulysses" or ulysses_fits(cfg, tp, cp)
+        calls = attention_collectives(cfg, mb, t, tp, cp, e, alg, mode)
+        count = lambda when: sum(c for w, _, _, c in calls if w == when)
+        moved = lambda when: fmt_bytes(sum(p * c for w, _, p, c in calls if w == when))
+        acts = activation_bytes(cfg, dataclasses.replace(tcfg, cp_attention=alg), tp, tcfg.pp, dp, 0)
+        rows.append([alg + (" <- this run" if alg == tcfg.cp_attention else ""),
+                     fmt_bytes(attention_core_bytes(cfg, mb, t, tp, cp, e, alg, fused)), fmt_bytes(acts),
+                     f"{count('forward')} / {count('backward')}" + (f" + {count('replay')}" if count("replay") else ""),
+                     moved("forward"), moved("backward") + (f" + {moved('replay')}" if count("replay") else ""),
+                     {"allgather": "-", "ring": "-"}.get(alg) or (
+                         f"heads {cfg.n_heads // tp}, kv heads {cfg.kv_heads_per_rank(tp)} per tp rank divisible by "
+                         f"cp {cp}: " + ("yes" if fits else "NO"))])
+    H, K = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    lines = ["", f"context parallelism: cp {cp}, each rank {t:,} of a sequence's {T:,} tokens (zigzag: chunks i and "
+             f"{2 * cp - 1}-i of {2 * cp}); attention on one rank, per layer and micro-batch ({mb} x {t:,} tokens, "
+             f"{H} heads, {K} kv heads of dim {cfg.head_dim} per tp rank):"]
+    lines += table(["algorithm", "attention keeps (no ckpt)", f"stage 0 activations, 1 mb ({mode})",
+                    "calls fwd / bwd (+ replay)", "bytes fwd", "bytes bwd (+ replay)", "constraint"], rows)
+    lines += ["  allgather: all-gather [K; V] (every rank's T tokens of K/V held, 2 x mb*T*heads*dim once repeated "
+              "to the query heads, and the t x T mask), backward reduce-scatter of dK/dV; ring: n-1 shifts of "
+              "[K; V] forward, n-1 of [K; V] and n of the fp32 dK/dV backward (3n-2; two K/V blocks in flight, "
+              "no T*T); ulysses: all-to-all sequence -> heads and back, forward and backward (4; T tokens x "
+              "heads/cp, and the T x T mask)",
+              f"  'replay': activation checkpointing ({mode}) repeats the forward's exchanges in backward"
+              if mode != "none" else "  (with selective or full checkpointing the forward's exchanges are replayed "
+              "in backward)",
+              "  'attention keeps': " + ("fused kernel (cpu, cuda): its log-sum-exp, no T*T scores" if fused else
+                                         "xla: the softmax probabilities kept (ring: none, its backward recomputes them)")]
+    shown = list(range(cp)) if cp <= 16 else list(range(4)) + list(range(cp - 4, cp))
+    zig, cont = attention_pairs(T, cp, "zigzag"), attention_pairs(T, cp, "contiguous")
+    spread = lambda xs: max(xs) / min(xs) - 1
+    lines += ["", f"causal attention work per cp rank, one sequence, one layer, one tp rank (pairs: the (query, key) "
+              f"pairs its queries attend to; FLOPs: 12 x dim x heads a pair, forward and backward):"]
+    lines += table(["cp rank", "zigzag pairs", "zigzag FLOPs", "contiguous pairs", "contiguous FLOPs"],
+                   [[r, f"{zig[r]:,}", fmt_flop(attention_flops(cfg, zig[r], tp)), f"{cont[r]:,}",
+                     fmt_flop(attention_flops(cfg, cont[r], tp))] for r in shown])
+    lines.append(f"  max/min - 1 across the ranks: zigzag {spread(zig):.1%}, contiguous {spread(cont):.1%} (its last "
+                 f"rank {cont[-1] / cont[0]:.1f}x the first's: the others wait for it every layer)")
+    if tcfg.precision != "fp32":
+        lines.append(f"  note: --cp trains in fp32 only so far; this plans --precision {tcfg.precision}")
     return lines
 
 
