@@ -355,8 +355,8 @@ HELP = {
     "nproc": "local worker processes train.py starts itself",
     "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
-    "plan": "print the layout, memory, FLOPs, communication and time plan, then exit",
-    "search": "with --plan: rank every layout (tp, pp, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
+    "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
+    "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
               "cuda overlapped gradient reduction) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
@@ -475,12 +475,12 @@ def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
                         f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
                         f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
                         f"use --cp-attention allgather or ring, or another --cp")
-    refused = [_flag(name) for name in ("compile", "plan", "timeline") if getattr(tcfg, name)]
+    refused = [_flag(name) for name in ("compile", "timeline") if getattr(tcfg, name)]
     refused += ["a mixture of experts (--moe-experts)"] if model_cfg.moe_experts else []
     if refused:
         raise UserError(f"--cp {cp} with {', '.join(refused)} is not supported yet: context parallelism trains "
                         f"with --tp (and SP), --pp (any schedule), --dp, any --zero, activation checkpointing "
-                        f"and any --precision, on a dense model (context_parallel.py)")
+                        f"and any --precision, on a dense model (context_parallel.py); --plan and --search plan it")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

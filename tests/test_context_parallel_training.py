@@ -73,7 +73,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--compile"], "--compile"), (["--plan"], "--plan"),
+    (["--compile"], "--compile"),
     (["--timeline"], "--timeline"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),

@@ -602,8 +602,8 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
             step = live
         elif e.name == "STEP_END":
             peak, step = max(peak, step), None
-    dp = world // (tcfg.tp * tcfg.pp)
-    stage = Mesh(tcfg.tp, tcfg.pp, dp, rank).pp_rank
+    dp = world // (tcfg.tp * tcfg.pp * tcfg.cp)
+    stage = Mesh(tcfg.tp, tcfg.pp, dp, rank, cp=tcfg.cp).pp_rank
     return stage, peak, plan.memory_per_rank(model_cfg, tcfg, tcfg.tp, tcfg.pp, dp, stage, fused=True, eager=True)["peak"]
 
 
@@ -612,7 +612,8 @@ PEAK_LAYOUTS = {   # world -> name -> flags
     1: {"one process": []},
     2: {"tp 2 SP": ["--tp", "2", "--sequence-parallel"],
         **{f"ZeRO-{z} dp 2": ["--dp", "2", "--zero", str(z)] for z in (1, 2, 3)},
-        **{f"pp 2 {s}": ["--pp", "2", "--microbatches", "4", "--schedule", s] + v for s, v in SCHEDULES.items()}},
+        **{f"pp 2 {s}": ["--pp", "2", "--microbatches", "4", "--schedule", s] + v for s, v in SCHEDULES.items()},
+        **{f"cp 2 {a}": ["--cp", "2", "--cp-attention", a] for a in ("allgather", "ring", "ulysses")}},
     4: {f"pp 4 {s}": ["--n-layers", "8", "--pp", "4", "--microbatches", "8", "--schedule", s] + v
         for s, v in SCHEDULES.items()},
 }

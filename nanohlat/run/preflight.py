@@ -158,8 +158,7 @@ def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world:
     kind = devicelib.resolve_kind(tcfg.device)
     if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
         return
-    # (the plan has no cp yet: with --cp its layout at cp 1, each rank holding whole sequences, which is more)
-    per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind, cp=1), world // tcfg.cp) \
+    per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
         + rotary_bytes(model_cfg)
     ranks = 1 if kind == "cuda" else max(1, min(local, world))
     refuse_if_too_big(ranks * per_rank, memory_of(kind), f"weights, optimizer, activations and the rotary tables "

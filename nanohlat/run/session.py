@@ -107,9 +107,8 @@ class Session:
         measured = self.mesh.ledger.snapshot()
         if not measured:
             return "communication: none (one process)"
-        if self.model_cfg.moe_experts or self.mesh.cp > 1:   # the plan has neither MoE nor cp yet: the ledger alone
-            what = "MoE" if self.model_cfg.moe_experts else "context parallelism"
-            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (the plan has no {what} yet)"]
+        if self.model_cfg.moe_experts:   # the plan has no MoE routing yet: the ledger alone
+            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (the plan has no MoE yet)"]
             return "\n".join(lines + plan.comm_table(measured))
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
         lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]

@@ -11,6 +11,7 @@ One idea a file, in the order they build on each other:
 
     params.py         the parameters one rank holds, in FlatAdamW's flat groups
     memory.py         weights, optimizer state, gradient buffers, activations: the peak per rank
+    context.py        --cp: each attention algorithm's bytes kept and sent, the causal work per cp rank
     communication.py  every collective per step, counted like the comm ledger
     hardware.py       device memory, the interconnects, the dp ring hop by hop
     step_time.py      compute + communication + bubble: an estimated step

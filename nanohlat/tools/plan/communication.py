@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import coords, kv_replicas
+from nanohlat.mesh import Mesh, kv_replicas
 from nanohlat.pipeline import PipelineRunner, timetable
+from nanohlat.tools.plan.context import attention_collectives, local_tokens
 from nanohlat.tools.plan.params import dtype_bytes, group_kinds
 from nanohlat.zero1 import padded_size
 
@@ -60,12 +61,12 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     --device xla) or stops early (torch's non-reentrant one, cpu and cuda)."""
     if whole_block_replay is None:
         whole_block_replay = tcfg.device == "xla"
-    tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
-    dp_rank, stage, _ = coords(mesh.rank, tp, pp, dp)
+    tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, tcfg.cp
+    stage = Mesh(tp, pp, dp, mesh.rank, cp=cp).pp_rank
     itemsize = dtype_bytes(tcfg.precision)
     m = tcfg.microbatches
     mb = tcfg.batch_size // (dp * m)
-    T, C = tcfg.seq_len, cfg.d_model
+    T, C = local_tokens(tcfg), cfg.d_model     # (--cp: the T/cp tokens of each sequence on this rank)
     sp = tcfg.sequence_parallel and tp > 1
     act = mb * T * C * itemsize                # one full-sequence residual-stream tensor
     layers = cfg.n_layers // pp
@@ -119,10 +120,17 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             entry["padding"] += (ticks[b] - n) * x
             entry["calls"] += ticks[b]
         _add(out, "pp.all_reduce", 4, 2, pp)                      # loss sum, grad-norm square
+    if cp > 1:   # each layer's attention over the cp ranks (context.py: its collectives per layer and micro-batch)
+        for _, op, payload, calls in attention_collectives(cfg, mb, T, tp, cp, itemsize, tcfg.cp_attention,
+                                                           tcfg.activation_checkpointing):
+            _add(out, f"cp.{op}", payload, calls * m * layers, cp)
     ep = tcfg.ep
     if ep > 1:
         _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize)
     groups = group_kinds(cfg, tp, pp, stage, tcfg.zero, ep)
+    # the gradients (and ZeRO's shards, the loss) go over the ranks holding the same weights:
+    # dp, with --cp dp x cp (mesh.grad_group, the ledger's 'dp_cp')
+    g, dp = ("dp_cp", dp * cp) if cp > 1 else ("dp", dp)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
     for kind, n in groups:
@@ -133,7 +141,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if tp > 1:
         _add(out, "tp.all_reduce", 4, 1, tp)                      # grad-norm square
     if dp > 1:
-        _add(out, "dp.all_reduce", 4, 1, dp)                      # loss
+        _add(out, f"{g}.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
             if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
@@ -142,14 +150,14 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             elif tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
                 cols = padded_size(n, dp) // dp
                 for _ in range(m if tcfg.zero >= 2 else 1):
-                    _add_buckets(out, "dp.reduce_scatter", cols, bucket // dp, dp, 4, dp)
+                    _add_buckets(out, f"{g}.reduce_scatter", cols, bucket // dp, dp, 4, dp)
                 # the new weights after the step; ZeRO-3: each micro-batch's forward and backward instead
                 for _ in range(2 * m if tcfg.zero == 3 else 1):
-                    _add_buckets(out, "dp.all_gather", cols, bucket // dp, dp, itemsize, dp)
+                    _add_buckets(out, f"{g}.all_gather", cols, bucket // dp, dp, itemsize, dp)
             else:
-                _add_buckets(out, "dp.all_reduce", n, bucket, 1, 4, dp)
+                _add_buckets(out, f"{g}.all_reduce", n, bucket, 1, 4, dp)
         if tcfg.zero:
-            _add(out, "dp.all_reduce", 4, 1, dp)                  # grad-norm square
+            _add(out, f"{g}.all_reduce", 4, 1, dp)                  # grad-norm square
     return dict(sorted(out.items()))
 
 

@@ -10,7 +10,8 @@ from nanohlat.config import ModelConfig, TrainConfig, UserError
 from nanohlat.mesh import divisors
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
-from nanohlat.tools.plan.memory import peak_memory_per_rank
+from nanohlat.tools.plan.context import ALGORITHMS, ulysses_fits
+from nanohlat.tools.plan.memory import memory_per_rank
 from nanohlat.tools.plan.sheets import schedule_text, validate_plan_layout
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step
 
@@ -18,40 +19,60 @@ from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step
 SEARCH_DEVICE = {"xla": "NeuronCore-v2", "auto": "NeuronCore-v2", "cuda": "H100", "cpu": "cpu"}
 
 
+# Context parallelism is for long sequences: the search tries cp > 1 from this --seq-len on (or when
+# --cp is given), and only while each rank keeps at least CP_MIN_TOKENS tokens of a sequence.
+CP_SEARCH_FROM, CP_MIN_TOKENS = 8192, 1024
+
+
+def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list[tuple[int, str]]:
+    """(cp, attention algorithm) pairs for `ranks` = world / (tp * pp): cp 1, and (long sequences, above)
+    every cp dividing them whose 2 x cp chunks split --seq-len, with each of allgather, ring and ulysses
+    (where its heads divide: context.py)."""
+    out = [(1, tcfg.cp_attention)]
+    if tcfg.seq_len < CP_SEARCH_FROM and tcfg.cp == 1 or cfg.moe_experts:
+        return out
+    for cp in divisors(ranks)[1:]:
+        if tcfg.seq_len % (2 * cp) == 0 and tcfg.seq_len // cp >= min(CP_MIN_TOKENS, tcfg.seq_len // tcfg.cp):
+            out += [(cp, a) for a in ALGORITHMS if a != "ulysses" or ulysses_fits(cfg, tp, cp)]
+    return out
+
+
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
-    """Every valid (tp, pp, dp, micro-batches, ZeRO stage, sequence parallel,
+    """Every valid (tp, pp, cp and its attention, dp, micro-batches, ZeRO stage, sequence parallel,
     checkpointing, and on cpu and cuda overlapped gradient reduction or not)
     for this model, batch and world size, as TrainConfigs."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
-            # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
-            sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
-                     else dict(schedule=tcfg.schedule, virtual_stages=tcfg.virtual_stages))
-            if cfg.n_layers % (pp * sched["virtual_stages"]):
-                continue
-            try:
-                dp, _ = validate_plan_layout(cfg, dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=1,
-                                                                      sequence_parallel=False, schedule="1f1b",
-                                                                      virtual_stages=1), world)
-            except UserError:
-                continue
-            for m in divisors(tcfg.batch_size // dp):
-                if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
-                    continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
-                for sp in ((False, True) if tp > 1 and tcfg.seq_len % tp == 0 else (False,)):
-                    # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks or zb-h1's B and W;
-                    # ZeRO-3: pp 1 on cpu and cuda only, config.py)
-                    split = sched["virtual_stages"] > 1 or sched["schedule"] == "zb-h1"
-                    zeros = (0, 1) if split else (0, 1, 2)
-                    zeros += (3,) if pp == 1 and not split and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
-                    for zero in (zeros if dp > 1 else (0,)):
-                        for mode in ("none", "selective", "full"):
-                            for ov in ((True, False) if dp > 1 and tcfg.device in ("cpu", "cuda")
-                                       else (tcfg.overlap_grad_reduce,)):
-                                yield dataclasses.replace(tcfg, tp=tp, pp=pp, dp=0, microbatches=m,
-                                                          sequence_parallel=sp, zero=zero,
-                                                          activation_checkpointing=mode, overlap_grad_reduce=ov,
-                                                          **sched)
+            for cp, attention in cp_choices(cfg, tcfg, tp, world // (tp * pp)):
+                # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
+                sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
+                         else dict(schedule=tcfg.schedule, virtual_stages=tcfg.virtual_stages))
+                if cfg.n_layers % (pp * sched["virtual_stages"]):
+                    continue
+                try:
+                    dp, _ = validate_plan_layout(cfg, dataclasses.replace(tcfg, tp=tp, pp=pp, cp=cp, dp=0, microbatches=1,
+                                                                          sequence_parallel=False, schedule="1f1b",
+                                                                          virtual_stages=1), world)
+                except UserError:
+                    continue
+                for m in divisors(tcfg.batch_size // dp):
+                    if sched["virtual_stages"] > 1 and m % pp or sched["schedule"] == "zb-h1" and m < pp:
+                        continue                    # (zb-h1: at least one micro-batch per stage, mesh.py)
+                    for sp in ((False, True) if tp > 1 and tcfg.seq_len // cp % tp == 0 else (False,)):
+                        # (ZeRO-2 fills a bucket per micro-batch: not with interleaved chunks or zb-h1's B and W;
+                        # ZeRO-3: pp 1 on cpu and cuda only, config.py)
+                        split = sched["virtual_stages"] > 1 or sched["schedule"] == "zb-h1"
+                        zeros = (0, 1) if split else (0, 1, 2)
+                        zeros += (3,) if pp == 1 and not split and tcfg.device in ("cpu", "cuda") and not tcfg.compile else ()
+                        for zero in (zeros if dp * cp > 1 else (0,)):
+                            for mode in ("none", "selective", "full"):
+                                for ov in ((True, False) if dp * cp > 1 and tcfg.device in ("cpu", "cuda")
+                                           else (tcfg.overlap_grad_reduce,)):
+                                    yield dataclasses.replace(tcfg, tp=tp, pp=pp, cp=cp, cp_attention=attention, dp=0,
+                                                              microbatches=m,
+                                                              sequence_parallel=sp, zero=zero,
+                                                              activation_checkpointing=mode, overlap_grad_reduce=ov,
+                                                              **sched)
 
 
 def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list[dict]:
@@ -59,8 +80,11 @@ def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list
     cap = DEVICE_MEMORY.get(device)
     out = []
     for c in candidate_layouts(cfg, tcfg, world):
-        peak = peak_memory_per_rank(cfg, c, world)
-        out.append({"t": c, "peak_memory": peak, "fits": cap is None or peak <= cap,
+        dp, eager = world // (c.tp * c.pp * c.cp), c.device in ("cpu", "cuda")   # (memory.peak_memory_per_rank)
+        mems = [memory_per_rank(cfg, c, c.tp, c.pp, dp, s, fused=eager, eager=eager) for s in sorted({0, c.pp - 1})]
+        peak = max(x["peak"] for x in mems)
+        out.append({"t": c, "peak_memory": peak, "activations": max(x["activations"] for x in mems),
+                    "fits": cap is None or peak <= cap,
                     "estimate": estimate_step(cfg, c, world, device)})
     out.sort(key=lambda r: (r["estimate"]["step"], r["peak_memory"]))
     return out
@@ -68,21 +92,24 @@ def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list
 
 def _layout_name(c: TrainConfig) -> tuple:
     return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing,
-            c.overlap_grad_reduce)
+            c.cp, c.cp_attention if c.cp > 1 else "-", c.overlap_grad_reduce)
 
 
 def _search_row(i, r, world) -> list[str]:
     c, est = r["t"], r["estimate"]
-    return [i, c.tp, c.pp, world // (c.tp * c.pp), c.microbatches, c.zero or "-",
+    return [i, c.tp, c.pp, c.cp, c.cp_attention if c.cp > 1 else "-", world // (c.tp * c.pp * c.cp),
+            c.microbatches, c.zero or "-",
             "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
             fmt_bytes(r["peak_memory"]), fmt_seconds(est["compute"]),
-            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"]),
+            fmt_bytes(r["activations"]),
+            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"] + est["comm"].get("cp", 0.0)),
             fmt_seconds(est["bubble"]) if c.pp > 1 else "-",
             fmt_seconds(est["step"]), f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}"] + (
             ["on" if c.overlap_grad_reduce and c.tp * c.pp < world else "-"] if c.device in ("cpu", "cuda") else [])
 
 
-SEARCH_HEADER = ["#", "tp", "pp", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute", "comm", "bubble",
+SEARCH_HEADER = ["#", "tp", "pp", "cp", "cp attn", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute",
+                 "activations", "comm", "bubble",
                  "step", "tokens/s", "MFU"]   # + "overlap" on cpu and cuda
 
 
@@ -138,6 +165,10 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
         text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(est['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")
+    if best is not None and best["t"].cp > mine["t"].cp:   # (why a long sequence wants context parallelism)
+        text += (f" #1 splits each sequence over cp {best['t'].cp} ranks ({best['t'].cp_attention} attention): "
+                 f"{best['t'].seq_len // best['t'].cp:,} tokens a rank, activations {fmt_bytes(best['activations'])} "
+                 f"per rank against {fmt_bytes(mine['activations'])} here.")
     if est["step_overlapped"] < 0.99 * est["step"]:
         text += (f" Overlapping all the dp reduction with the backward, which nanohlat does not do "
                  f"{'on XLA' if est['device'].startswith('NeuronCore') else 'beyond the last micro-batch'}, "

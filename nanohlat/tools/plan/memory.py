@@ -83,6 +83,8 @@ buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
 rank at --ep N, their weights, fp32 gradients and Adam state alike; its
 sparse layers' activations beyond a dense MLP are an estimate
 (moe_activation_extra), not yet measured as the dense ones are.
+With --cp every rank holds T/cp tokens of each sequence: all of the above at
+T/cp, the attention core each algorithm's (context.py), ZeRO sharded over dp x cp.
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
 W: until its B all the forward's activations, from B to W only what W needs,
 its linears' inputs and output gradients (weight_grad_bytes; with full
@@ -94,6 +96,8 @@ from __future__ import annotations
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.pipeline import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
+from nanohlat.tools.plan import context
+from nanohlat.tools.plan.context import local_tokens
 from nanohlat.tools.plan.params import dtype_bytes, flat_groups, stage_param_counts, zero3_gathered
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
@@ -120,8 +124,9 @@ SP_SAVED_GATHERS = 2
 
 
 def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize: int, mode: str, sp: bool,
-                           fused: bool, regather: bool = True) -> int:
-    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring)."""
+                           fused: bool, regather: bool = True, cp: int = 1, algorithm: str = "allgather") -> int:
+    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring); T: the
+    tokens of a sequence on the rank (with --cp, T/cp: the attention core is context.py's)."""
     C, D = cfg.d_model, cfg.head_dim
     sp = sp and tp > 1
     N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
@@ -138,6 +143,8 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
     inputs = SP_SAVED_GATHERS * itemsize * N if sp and not regather else 2 * itemsize * n
     if mode == "selective":
         core = itemsize * (q + 2 * kv) + itemsize * q
+    elif cp > 1:
+        core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm, fused)
     elif fused:
         core = 4 * itemsize * q + 4 * mb * heads * T
     else:
@@ -163,11 +170,14 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     --virtual-stages chunks, `chunk`). mode/sp default to the config's."""
     mode = tcfg.activation_checkpointing if mode is None else mode
     sp = (tcfg.sequence_parallel if sp is None else sp) and tp > 1
-    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), local_tokens(tcfg), cfg.d_model
     n = mb * (T // tp if sp else T) * C
     regather = tcfg.sp_regather
     v = tcfg.virtual_stages
-    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather)
+    total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather,
+                                                              tcfg.cp, tcfg.cp_attention)
+    if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
+        total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
     if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: config.check_moe_layout)
         total += sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * moe_activation_extra(cfg, mb * T, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
@@ -203,7 +213,7 @@ def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp:
     gate, up and down's outputs; the last stage adds the head's input and its
     (mb, T, V/tp) output gradient. Any checkpointing mode: B recomputed them."""
     sp = tcfg.sequence_parallel and tp > 1
-    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), tcfg.seq_len, cfg.d_model
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), local_tokens(tcfg), cfg.d_model
     N = mb * T * C
     n = N // tp if sp else N
     norm_out = N if sp and not tcfg.sp_regather else n
@@ -226,7 +236,7 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     stage's linears, the head included, not the embedding, and AccumulateGrad's copy of one."""
     itemsize, C = dtype_bytes(tcfg.precision), cfg.d_model
     sp = tcfg.sequence_parallel and tp > 1
-    mb, T = micro_batch_size(tcfg, dp), tcfg.seq_len
+    mb, T = micro_batch_size(tcfg, dp), local_tokens(tcfg)
     flowing = 2 * mb * (T // tp if sp else T) * C + 2 * mb * T * cfg.ffn_dim // tp
     vocab = cfg.padded_vocab * C // tp if stage in (0, pp - 1) else 0
     one = max(vocab, C * cfg.ffn_dim // tp, C * C // tp)
@@ -256,7 +266,7 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
         # are neighbours too): the all-gather's output, mine and theirs (the view returned keeps both), and
         # the zeros of an idle direction, each (mb, T or T/tp, C)
         sp = tcfg.sequence_parallel and tp > 1
-        exchange = exchange_neighbours(tcfg, pp, stage) * 3 * dtype_bytes(tcfg.precision) * micro_batch_size(tcfg, dp) * tcfg.seq_len \
+        exchange = exchange_neighbours(tcfg, pp, stage) * 3 * dtype_bytes(tcfg.precision) * micro_batch_size(tcfg, dp) * local_tokens(tcfg) \
             // (tp if sp else 1) * cfg.d_model
         made = {k: made.get(k, 0) + exchange for k in "FBW"}
     held = peak = 0
@@ -282,8 +292,8 @@ def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, 
     on xla the step is one graph)."""
     sp = tcfg.sequence_parallel and tp > 1
     last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
-        * micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if sp else 1) * cfg.d_model
-    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * tcfg.seq_len + last_exchange
+        * micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if sp else 1) * cfg.d_model
+    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) + last_exchange
 
 
 def state_bytes_per_param(tcfg: TrainConfig) -> int:
@@ -299,7 +309,7 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     """Adam moments + separate master weights, if any, on one rank (1/dp of them with ZeRO-1, 2 and 3),
     under ZeRO stage `zero` (default: the config's)."""
     zero = tcfg.zero if zero is None else zero
-    shards = dp if zero else 1
+    shards = dp * tcfg.cp if zero else 1
     return sum(padded_size(n, shards) // shards
                for n in flat_groups(cfg, tp, pp, stage, zero, tcfg.ep)) * state_bytes_per_param(tcfg)
 
@@ -318,7 +328,7 @@ def bytes_per_param_line(tcfg: TrainConfig) -> str:
 def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int = 0) -> int:
     """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO;
     ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
-    shards = dp if tcfg.zero else 1
+    shards = dp * tcfg.cp if tcfg.zero else 1
     kept = shards if tcfg.zero == 3 else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
                                              for n in flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep))
@@ -351,7 +361,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
     groups = flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep)
-    shards = dp if tcfg.zero else 1
+    shards = dp * tcfg.cp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1
     buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
     largest_shard = max(padded_size(n, shards) // shards for n in groups)
@@ -374,6 +384,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     itemsize = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
+    zdp = dp * tcfg.cp   # the ranks ZeRO shards over: dp, with --cp dp x cp (mesh.grad_group)
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
            "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
@@ -385,18 +396,18 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            # the loss's backward briefly holds two more (mb, T, V/tp) tensors, the
            # gradient of the fp32 logits and of the head's output (parameter
            # dtype), while most activations are still alive (measured on CUDA)
-           "loss_backward": (4 + itemsize) * micro_batch_size(tcfg, dp) * tcfg.seq_len * cfg.padded_vocab // tp
+           "loss_backward": (4 + itemsize) * micro_batch_size(tcfg, dp) * local_tokens(tcfg) * cfg.padded_vocab // tp
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
-           "grad_staging": (4 * sum(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, stage))
-                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, dp)) if tcfg.zero >= 2 and dp > 1 else 0,
+           "grad_staging": (4 * sum(padded_size(n, zdp) for n in flat_groups(cfg, tp, pp, stage))
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, zdp)) if tcfg.zero >= 2 and zdp > 1 else 0,
            # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
-           "gathered": itemsize * (zero3_gathered(cfg, tp, dp)
-                            + max(padded_size(n, dp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
+           "gathered": itemsize * (zero3_gathered(cfg, tp, zdp)
+                            + max(padded_size(n, zdp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
-        out["grad_staging"] += out["grad_staging"] // dp
+        out["grad_staging"] += out["grad_staging"] // zdp
     # eager: the gradients a backward makes before they are freed, and the exchange's buffers, at the walk's worst moment
     # (xla: the step is one compiled graph whose buffers the compiler assigns; not modelled, not measured)
     out["backward_transients"] = (activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, grads=True)
@@ -411,6 +422,6 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
 
 def peak_memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     """The plan's peak over the first and last stage (the largest ones)."""
-    dp, eager = world // (tcfg.tp * tcfg.pp), tcfg.device in ("cpu", "cuda")
+    dp, eager = world // (tcfg.tp * tcfg.pp * tcfg.cp), tcfg.device in ("cpu", "cuda")
     return max(memory_per_rank(cfg, tcfg, tcfg.tp, tcfg.pp, dp, s, fused=eager, eager=eager)["peak"]
                for s in sorted({0, tcfg.pp - 1}))

@@ -4,14 +4,19 @@ go, then the KV cache; and the comm table a run prints beside its ledger."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanohlat import comm
 from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import Mesh, kv_replicas, layout_table, rank_of, stage_layer_text, validate_layout
+from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text, validate_layout
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
+from nanohlat.tools.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
+                                         attention_pairs, local_tokens, ulysses_fits)
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
 from nanohlat.tools.plan.kv_cache import kv_cache_section
+from nanohlat.tools.plan.params import dtype_bytes
 from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
@@ -41,23 +46,26 @@ def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tup
 def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     """Everything above as text: the answer to `train.py --plan`."""
     dp, notes = validate_plan_layout(cfg, tcfg, world)
-    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    tp, pp, m, cp = tcfg.tp, tcfg.pp, tcfg.microbatches, tcfg.cp
     sp = tcfg.sequence_parallel and tp > 1
     tokens = tcfg.batch_size * tcfg.seq_len
+    cp_text = f" x cp {cp} ({tcfg.cp_attention} attention)" if cp > 1 else ""
     lines = [f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters "
          f"(vocabulary {cfg.vocab_size}, padded {cfg.padded_vocab}), {world} ranks",
-         f"  layout: dp {dp} x pp {pp} x tp {tp}; sequence parallel "
+         f"  layout: dp {dp} x pp {pp}{cp_text} x tp {tp}; sequence parallel "
          f"{('on, ' + ('re-gathered in backward' if tcfg.sp_regather else 'gathers kept')) if sp else 'off'}; "
          f"activation checkpointing {tcfg.activation_checkpointing}; "
          f"{f'ZeRO-{tcfg.zero}' if tcfg.zero else 'replicated optimizer'}; precision {tcfg.precision}; schedule {schedule_text(tcfg)}",
          f"  batch: {tcfg.batch_size} sequences x {tcfg.seq_len} tokens = {tokens:,} tokens per step; per dp rank "
-         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"]
+         f"{tcfg.batch_size // dp} = {m} micro-batch(es) of {micro_batch_size(tcfg, dp)}"
+         + (f", each sequence split over the {cp} cp ranks: {tcfg.seq_len // cp:,} tokens of it on each" if cp > 1 else "")]
     lines.append("  " + bytes_per_param_line(tcfg))
     lines += ["  " + n for n in notes] + _moe_lines(cfg, tcfg, dp)
     lines += ["", "mesh (rank -> coordinates, and the layers each stage holds)",
-          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages)]
+          layout_table(tp, pp, dp, cfg.n_layers, max_rows=16, v=tcfg.virtual_stages, cp=cp)]
     lines += _memory_section(cfg, tcfg, dp)
     lines += _comm_section(cfg, tcfg, dp)
+    lines += cp_section(cfg, tcfg, dp)
     lines += _time_section(cfg, tcfg, world)
     lines += kv_cache_section(cfg, tcfg)
     return "\n".join(lines)
@@ -135,7 +143,8 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
             if tcfg.virtual_stages > 1 else f"{flight} of {m} micro-batch(es)")
     lines += ["", f"activations per rank of stage {largest}, by checkpointing mode ({held} "
-              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len} tokens in flight):"]
+              f"of {micro_batch_size(tcfg, dp)} x {tcfg.seq_len // tcfg.cp} tokens in flight"
+              + (f", 1/{tcfg.cp} of each sequence: context parallelism below" if tcfg.cp > 1 else "") + "):"]
     rows, sp_label = [], "on, re-gather" if tcfg.sp_regather else "on, kept"
     for mode in ("none", "selective", "full"):
         for sp in ((False, True) if tp > 1 else (False,)):
@@ -156,6 +165,58 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines.append("  " + ("'re-gather' (--sp-regather): the matmuls after each norm keep its T/tp output and "
                          "all-gather it again in backward" if tcfg.sp_regather else
                          "'kept' (--no-sp-regather): the matmuls after each norm keep the all-gathered sequence"))
+    return lines
+
+
+def cp_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    """`--plan` with --cp: the three algorithms side by side on this layout (memory, bytes,
+    constraints), and the causal work per cp rank, zigzag against a contiguous split."""
+    cp, tp, T = tcfg.cp, tcfg.tp, tcfg.seq_len
+    if cp == 1:
+        return []
+    mb, t, e, mode = micro_batch_size(tcfg, dp), local_tokens(tcfg), dtype_bytes(tcfg.precision), tcfg.activation_checkpointing
+    fused = tcfg.device in ("cpu", "cuda")
+    layers = cfg.n_layers // tcfg.pp
+    rows = []
+    for alg in ALGORITHMS:
+        fits = alg != "ulysses" or ulysses_fits(cfg, tp, cp)
+        calls = attention_collectives(cfg, mb, t, tp, cp, e, alg, mode)
+        count = lambda when: sum(c for w, _, _, c in calls if w == when)
+        moved = lambda when: fmt_bytes(sum(p * c for w, _, p, c in calls if w == when))
+        acts = activation_bytes(cfg, dataclasses.replace(tcfg, cp_attention=alg), tp, tcfg.pp, dp, 0)
+        rows.append([alg + (" <- this run" if alg == tcfg.cp_attention else ""),
+                     fmt_bytes(attention_core_bytes(cfg, mb, t, tp, cp, e, alg, fused)), fmt_bytes(acts),
+                     f"{count('forward')} / {count('backward')}" + (f" + {count('replay')}" if count("replay") else ""),
+                     moved("forward"), moved("backward") + (f" + {moved('replay')}" if count("replay") else ""),
+                     {"allgather": "-", "ring": "-"}.get(alg) or (
+                         f"heads {cfg.n_heads // tp}, kv heads {cfg.kv_heads_per_rank(tp)} per tp rank divisible by "
+                         f"cp {cp}: " + ("yes" if fits else "NO"))])
+    H, K = cfg.n_heads // tp, cfg.kv_heads_per_rank(tp)
+    lines = ["", f"context parallelism: cp {cp}, each rank {t:,} of a sequence's {T:,} tokens (zigzag: chunks i and "
+             f"{2 * cp - 1}-i of {2 * cp}); attention on one rank, per layer and micro-batch ({mb} x {t:,} tokens, "
+             f"{H} heads, {K} kv heads of dim {cfg.head_dim} per tp rank):"]
+    lines += table(["algorithm", "attention keeps (no ckpt)", f"stage 0 activations, 1 mb ({mode})",
+                    "calls fwd / bwd (+ replay)", "bytes fwd", "bytes bwd (+ replay)", "constraint"], rows)
+    lines += ["  allgather: all-gather [K; V] (every rank's T tokens of K/V held, 2 x mb*T*heads*dim once repeated "
+              "to the query heads, and the t x T mask), backward reduce-scatter of dK/dV; ring: n-1 shifts of "
+              "[K; V] forward, n-1 of [K; V] and n of the fp32 dK/dV backward (3n-2; two K/V blocks in flight, "
+              "no T*T); ulysses: all-to-all sequence -> heads and back, forward and backward (4; T tokens x "
+              "heads/cp, and the T x T mask)",
+              f"  'replay': activation checkpointing ({mode}) repeats the forward's exchanges in backward"
+              if mode != "none" else "  (with selective or full checkpointing the forward's exchanges are replayed "
+              "in backward)",
+              "  'attention keeps': " + ("fused kernel (cpu, cuda): its log-sum-exp, no T*T scores" if fused else
+                                         "xla: the softmax probabilities kept (ring: none, its backward recomputes them)")]
+    shown = list(range(cp)) if cp <= 16 else list(range(4)) + list(range(cp - 4, cp))
+    zig, cont = attention_pairs(T, cp, "zigzag"), attention_pairs(T, cp, "contiguous")
+    spread = lambda xs: max(xs) / min(xs) - 1
+    lines += ["", f"causal attention work per cp rank, one sequence, one layer, one tp rank (pairs: the (query, key) "
+              f"pairs its queries attend to; FLOPs: 12 x dim x heads a pair, forward and backward):"]
+    lines += table(["cp rank", "zigzag pairs", "zigzag FLOPs", "contiguous pairs", "contiguous FLOPs"],
+                   [[r, f"{zig[r]:,}", fmt_flop(attention_flops(cfg, zig[r], tp)), f"{cont[r]:,}",
+                     fmt_flop(attention_flops(cfg, cont[r], tp))] for r in shown])
+    lines.append(f"  max/min - 1 across the ranks: zigzag {spread(zig):.1%}, contiguous {spread(cont):.1%} (its last "
+                 f"rank {cont[-1] / cont[0]:.1f}x the first's: the others wait for it every layer)")
     return lines
 
 
@@ -188,15 +249,17 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
 
 def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     tp, pp = tcfg.tp, tcfg.pp
+    cp = tcfg.cp
     lines = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
-    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, s, 0, tp, dp))) for s in range(pp)}
+    first = {s: lift(rank_of(0, s, 0, tp, dp), 0, tp, cp) for s in range(pp)}   # (cp rank 0 of the stage)
+    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, first[s], cp=cp)) for s in range(pp)}
     if not by_stage[0]:
         return lines + ["  none: one process"]
     for s in sorted({0, pp - 1}):
-        lines.append(f"  rank {rank_of(0, s, 0, tp, dp)} (stage {s}):")
+        lines.append(f"  rank {first[s]} (stage {s}):")
         lines += comm_table(by_stage[s])
-    everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp
-    lines.append(f"  all {tp * pp * dp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
+    lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
     if tcfg.ep > 1:
         N = micro_batch_size(tcfg, dp) * tcfg.seq_len
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
@@ -223,15 +286,16 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
     for dev in devices:
         est = estimate_step(cfg, tcfg, world, dev)
-        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep}
+        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep, "cp": tcfg.cp}
         comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
-                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ())]
+                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ()) + (("cp",) if tcfg.cp > 1 else ())]
         rows.append([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
                     + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
                        f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
                        fmt_seconds(est["step"] * tcfg.steps)])
     lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm"]
-                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + ["bubble", "step", "tokens/s",
+                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + (["cp attention"] if tcfg.cp > 1 else [])
+                   + ["bubble", "step", "tokens/s",
                  "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     lines += ["  assumptions:",
@@ -240,7 +304,10 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           f"+{recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) / f_tok:.0%} FLOPs); "
           f"MFU counts the model's FLOPs only" + (" (of a mixture: on its active parameters)" if cfg.moe_experts else "")
           + ("; ep all-to-all: per micro-batch, between the matmuls; dp comm includes the experts' gradient "
-             "sum over ep_dp" if tcfg.ep > 1 else ""),
+             "sum over ep_dp" if tcfg.ep > 1 else "")
+          + ("; cp attention: the cp group's exchanges, per micro-batch, as if none overlapped the arithmetic "
+             "(the ring's do overlap its blocks' in the code); dp comm: the gradients' sum over dp x cp"
+             if tcfg.cp > 1 else ""),
           "  - communication time = (wire + padding bytes) / link bandwidth + calls x latency, on the links of "
           "the group: 'in' = all its ranks in one node, 'across' = over the network, 'mixed' = a ring with hops "
           "of both kinds; tp and pp: all devices of a node share its network equally; dp: hop by hop, at the "
@@ -268,13 +335,13 @@ def _where(est: dict, group: str) -> str:
 def _dp_ring_section(cfg: ModelConfig, tcfg: TrainConfig, world: int, devices: list[str]) -> list[str]:
     """"where the dp bytes go": rank 0's dp ring, hop by hop, on each device's network."""
     tp, pp = tcfg.tp, tcfg.pp
-    dp = world // (tp * pp)
+    dp = world // (tp * pp)   # (--cp: the gradients' ring is dp x cp ranks, as a cp-1 mesh's dp group of that size)
     if dp == 1:
         return []
     ranks = dp_groups(tp, pp, dp)[0]
     shown = " -> ".join(map(str, ranks[:4])) + (" -> ... -> " + str(ranks[-1]) if dp > 4 else "") + f" -> {ranks[0]}"
-    lines = ["", f"where the dp bytes go: rank 0's dp ring {shown} ({dp} hops); {tp * pp} such rings reduce at "
-             f"once, one per (stage, tp rank)"]
+    lines = ["", f"where the dp bytes go: rank 0's {'dp x cp' if tcfg.cp > 1 else 'dp'} ring {shown} ({dp} hops); "
+             f"{tp * pp} such rings reduce at once, one per (stage, tp rank)"]
     rows = []
     for dev in devices:
         est = estimate_step(cfg, tcfg, world, dev)

@@ -29,8 +29,8 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
                   network: Network | None = None) -> dict:
     """Seconds per step on `device`, part by part, for the layout in `tcfg` (see
     `_time_section` for the assumptions). Slowest of the first and last stage."""
-    tp, pp = tcfg.tp, tcfg.pp
-    dp = world // (tp * pp)
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    dp = world // (tp * pp * cp)
     m = tcfg.microbatches
     net = network or NETWORKS[device]
     threads = max(1, tcfg.threads) if device == "cpu" else None
@@ -39,22 +39,27 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     model_flops = flops_per_token(cfg, tcfg.seq_len) * tokens
     hardware_flops = model_flops + recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) * tokens
     compute = hardware_flops / world / (peak * utilisation)
-    groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],       # rank 0's groups
-              "dp": [rank_of(d, 0, 0, tp, dp) for d in range(dp)],
-              "pp": [rank_of(0, s, 0, tp, dp) for s in range(min(pp, 2))],
+    # rank 0's groups; with --cp the gradients' group is dp x cp, ranks tp apart like a cp-1 mesh's dp group
+    # of dp x cp ranks (mesh.py's last section), and the cp group's ranks are tp apart
+    groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],
+              "dp": [rank_of(d, 0, 0, tp, dp * cp) for d in range(dp * cp)],
+              "pp": [rank_of(0, s, 0, tp, dp * cp) for s in range(min(pp, 2))],
               "kv": [rank_of(0, 0, r, tp, dp) for r in range(kv_replicas(cfg, tp))]}   # copies of one kv head
+    if cp > 1:
+        groups["cp"] = [c * tp for c in range(cp)]
     if tcfg.ep > 1:   # a mixture's experts: the ranks sharing them, and those holding the same ones
         groups.update(ep=[rank_of(d, 0, 0, tp, dp) for d in range(tcfg.ep)],
                       ep_dp=[rank_of(d, 0, 0, tp, dp) for d in range(0, dp, tcfg.ep)])
     inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
-    ring = dp_ring(tp, pp, dp, net)
+    ring = dp_ring(tp, pp, dp * cp, net)
     links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
     links["dp"] = (ring.bandwidth, ring.latency)     # the dp ring goes at its slowest hop's pace
     comm_s = dict.fromkeys(groups, 0.0)
     dp_wire, grad_s = 0, 0.0
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
-        entries = comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp)))
+        entries = comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp * cp), cp=cp))
+        entries = {k.replace("dp_cp.", "dp."): v for k, v in entries.items()}   # (--cp: the gradients' dp x cp group)
         dp_wire = max(dp_wire, sum(entry["wire"] + entry["padding"] for k, entry in entries.items() if k.startswith("dp.")))
         for key, entry in entries.items():
             g = key.split(".")[0]
@@ -63,13 +68,14 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
         bw, lat = links["dp"]   # the gradients' dp collective, the one --overlap-grad-reduce starts in backward
         entry = entries.get("dp.reduce_scatter" if tcfg.zero else "dp.all_reduce")
         loss = 0 if tcfg.zero else 1                       # (ZeRO-0: the loss's all-reduce, after the backward)
-        grad_s = max(grad_s, ((entry["wire"] - loss * comm.wire_bytes("all_reduce", dp, 4)) / bw
+        grad_s = max(grad_s, ((entry["wire"] - loss * comm.wire_bytes("all_reduce", dp * cp, 4)) / bw
                               + (entry["calls"] - loss) * lat) if entry else 0.0)
         comm_s = {g: max(comm_s[g], per[g]) for g in groups}
     comm_s["tp"] += comm_s.pop("kv")   # the kv-head gradient sum, once per step: counted like the norm gains' tp one
     comm_s["dp"] += comm_s.pop("ep_dp", 0.0)   # --ep: the experts' gradient sum, after the backward like the dense one
     # each micro-batch's forward + backward, with its tp collectives, pp exchanges (and --ep all-to-alls)
-    per_microbatch = (compute + comm_s["tp"] + comm_s["pp"] + comm_s.get("ep", 0.0)) / m
+    # (--cp: the cp group's attention exchanges too, counted as not overlapped with the arithmetic)
+    per_microbatch = (compute + comm_s["tp"] + comm_s["pp"] + comm_s.get("ep", 0.0) + comm_s.get("cp", 0.0)) / m
     # (p-1)/(m+p-1) of the pipeline's time; interleaved: its p-1 fill and drain ops are chunks,
     # 1/v of a stage's work each: (p-1)/(v*m+p-1); zb-h1: (p-1)/(3m+p-1), its p-1 are single
     # F, B or W ops, a third of a micro-batch's work each (F = B = W, as timeline.py's ideal)
