@@ -97,7 +97,7 @@ MEASURED = [
     re.compile(r"^(?P<m> +)\^$"),                            # where the backward ends
     re.compile(r"; (?P<m>\d+) known complete when it ended"),   # dp collectives: the summary's measured figures
     re.compile(r"the last seen complete (?P<m>[\d.]+) ms after it ended"),     # the buckets: how long after it
-    re.compile(r"(?P<m>[\d.]+) ms (?:blocked (?:on|in) |the host's own work)"),   # the span after the backward, split
+    re.compile(r"(?P<m>[\d.]+) ms (?:blocked (?:on|in) |outside them)"),   # the span after the backward, split
     re.compile(r"(?P<m>[\d.]+ / [\d.]+) ms"),                 # host blocked by the backward's end / after it
     re.compile(r"^(?P<m>[.sx]+\s+\[100%\])$"),               # pytest: its progress line (xla tests run or skip)
     re.compile(r"^(?P<m>\d+ passed.*)$"),                    # pytest: its summary line

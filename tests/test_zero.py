@@ -399,7 +399,7 @@ def test_the_timeline_names_every_dp_collective_and_numbers_buckets_by_identity(
         else:
             assert not during and r[0][0] == "loss", text     # the loss's all-reduce, then phase 1
             assert f"0 issued during the backward, {len(buckets)} after it" in text
-        assert "blocked in the loss's all-reduce" in text and "ms the host's own work between them" in text
+        assert "blocked in the loss's all-reduce" in text and "ms outside them (the host's own work)" in text
         assert re.search(r"^  bucket 0: buffer 0 (\[0, |columns \[0, )", text, re.M), text
     for on, off in (("on", "off"), ("z1_on", "z1_off")):
         assert bucket_bytes(rows[on]) == bucket_bytes(rows[off]), (rows[on], rows[off])

@@ -257,8 +257,11 @@ def _kind(label: str) -> str:
             "grad": "in the grad norm's all-reduce"}.get(label.split(" ")[0], "in other collectives")
 
 
-def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
-    """The dp collectives of the last step against this rank's ops (`ops`), as text lines."""
+def reduction_report(trace, ops, rank: int, width: int = 72, others=()) -> list[str]:
+    """The dp collectives of the last step against this rank's ops (`ops`), as text lines. `others`:
+    the mesh's other groups with collectives in a step ('tp', 'pp', 'cp'), which the trace does not see."""
+    groups = "groups'" if len(others) > 1 else "group's"
+    not_shown = f", and the {', '.join(others)} {groups} collectives, not shown" if others else ""
     events = trace.events
     if not events:
         return []
@@ -308,8 +311,8 @@ def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
                      f"{len(during)} issued during the backward, {len(buckets) - len(during)} after it; "
                      f"{len(done_by_end)} known complete when it ended; " + (
                          f"the last seen complete {after * 1e3:.1f} ms after it ended (or sooner: seen when "
-                         f"polled or waited for): {split}{max(0.0, after - sum(parts.values())) * 1e3:.1f} ms the host's "
-                         f"own work between them" if math.isfinite(after) else "not all seen complete"))
+                         f"polled or waited for): {split}{max(0.0, after - sum(parts.values())) * 1e3:.1f} ms outside "
+                         f"them (the host's own work{not_shown})" if math.isfinite(after) else "not all seen complete"))
     by_kind = {}
     for ev in events:
         by_kind.setdefault(_kind(ev.label), []).append(ev)
@@ -519,7 +522,8 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     if runner.device.kind == "xla":
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
     if runner.clock.trace is not None and mesh.rank == 0:
-        lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank)
+        lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank,
+                                  others=[k for k, n in (("tp", mesh.tp), ("pp", pp), ("cp", mesh.cp)) if n > 1])
         if runner.device.kind == "cuda":
             lines.append("note: on CUDA the clock waits for the device at every op boundary, collectives in flight "
                          "included")
