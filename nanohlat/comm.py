@@ -16,8 +16,8 @@ Expert and context parallelism add three, on gloo and nccl:
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
-`trace` (--timeline: tools/timeline.py:CommTrace) is told when these five are issued
-and end, with the caller's `what` (what the collective is: 'loss', 'grad norm', or
+`trace` (--timeline: tools/timeline.py:CommTrace) is told when these two, all_reduce,
+reduce_scatter and all_gather are issued and end, with the caller's `what` (what the collective is: 'loss', 'grad norm', or
 (flat gradient buffer, k), its bucket k): it names and times them and changes nothing.
 
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow

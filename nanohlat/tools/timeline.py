@@ -74,7 +74,8 @@ class StepClock:
     micro-batch, started, chunk) after it and stop() after the last tick; `records`
     then holds (kind, micro-batch, start, end, chunk), times in seconds since start().
     With `synchronize` each reading first waits for the device. With a `trace`
-    (CommTrace), every reading also polls the dp collectives in flight.
+    (CommTrace), every reading also polls the dp collectives in flight; the
+    trace records from start() to end_step() (run/session.py, after the optimizer step).
     """
 
     def __init__(self, device, synchronize: bool = False):
