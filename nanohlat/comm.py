@@ -16,8 +16,9 @@ Expert and context parallelism add three, on gloo and nccl:
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
-`trace` (--timeline: tools/timeline.py:CommTrace) is told when these and the two
-reductions are issued and end; it times them and changes nothing.
+`trace` (--timeline: tools/timeline.py:CommTrace) is told when these two, all_reduce,
+reduce_scatter and all_gather are issued and end, with the caller's `what` (what the collective is: 'loss', 'grad norm', or
+(flat gradient buffer, k), its bucket k): it names and times them and changes nothing.
 
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
 on the xla backend, while an all-gather between two neighbours is a
@@ -74,7 +75,7 @@ class Group:
     rank: int                   # my index inside `ranks`
     pg: object = None           # torch.distributed ProcessGroup, None when size 1
     ledger: object = None       # CommLedger shared by all groups of the mesh
-    trace: object = None        # None, or told of its reductions (module docstring)
+    trace: object = None        # None, or told of its collectives (module docstring)
 
     @property
     def size(self) -> int:
@@ -132,6 +133,12 @@ def _record(group, op: str, payload: int) -> None:
         group.ledger.record(f"{group.name}.{op}", payload, wire_bytes(op, group.size, payload))
 
 
+def _issued(group, op: str, x: torch.Tensor, payload: int, what, work=None):
+    """--timeline: tell the group's trace that `op` of x was issued (blocking: work None); returns what
+    stands in for `work` (blocking: what to tell that it ended), or without a trace `work` itself."""
+    return group.trace.issued(f"{group.name}.{op}", x, payload, what, work) if group.trace else work
+
+
 def _check_device(x: torch.Tensor, group) -> None:
     # gloo silently does nothing with an XLA tensor; refuse loudly instead.
     backend = dist.get_backend(group.pg)
@@ -140,38 +147,38 @@ def _check_device(x: torch.Tensor, group) -> None:
                            f"their backend's device")
 
 
-def all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
-    """Sum of x over the group, on every rank (a new tensor unless `inplace`)."""
+def all_reduce(x: torch.Tensor, group, inplace: bool = False, what=None) -> torch.Tensor:
+    """Sum of x over the group, on every rank (a new tensor unless `inplace`). `what`: only for the trace."""
     if group.size == 1:
         return x
     _check_device(x, group)
     _record(group, "all_reduce", x.numel() * x.element_size())
     out = x if inplace else x.clone()
-    traced = group.trace.issued("all_reduce", out) if group.trace else None
+    traced = _issued(group, "all_reduce", out, x.numel() * x.element_size(), what)
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.pg)
     if traced:
         traced.ended()
     return out
 
 
-def start_all_reduce(x: torch.Tensor, group):
+def start_all_reduce(x: torch.Tensor, group, what=None):
     """all_reduce of a contiguous x in place, started, not finished: returns the handle to
     `.wait()` on before x is read (overlapped gradient reduction, data_parallel.py). Same ledger entry."""
     _check_device(x, group)
     _record(group, "all_reduce", x.numel() * x.element_size())
     work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
-    return group.trace.issued("all_reduce", x, work) if group.trace else work
+    return _issued(group, "all_reduce", x, x.numel() * x.element_size(), what, work)
 
 
-def start_reduce_scatter(x: torch.Tensor, out: torch.Tensor, group):
+def start_reduce_scatter(x: torch.Tensor, out: torch.Tensor, group, what=None):
     """reduce_scatter of a flat x into `out` (x.numel() / size elements), started: returns the handle."""
     _check_device(x, group)
     _record(group, "reduce_scatter", x.numel() * x.element_size())
     work = _reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
-    return group.trace.issued("reduce_scatter", x, work) if group.trace else work
+    return _issued(group, "reduce_scatter", x, x.numel() * x.element_size(), what, work)
 
 
-def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group, dim: int = 0, what=None) -> torch.Tensor:
     """Concatenate every rank's x along `dim`, in group order."""
     if group.size == 1:
         return x
@@ -180,13 +187,16 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((group.size * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     _record(group, "all_gather", out.numel() * out.element_size())
+    traced = _issued(group, "all_gather", xt, out.numel() * out.element_size(), what)
     _all_gather_tensor(out, xt, group=group.pg)
+    if traced:
+        traced.ended()
     # contiguous: otherwise every matmul that reads the gathered sequence
     # (wq, wk, wv; gate, up) saves its own contiguous copy for backward
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0, what=None) -> torch.Tensor:
     """Sum x over the group and keep this rank's 1/size chunk along `dim`."""
     if group.size == 1:
         return x
@@ -194,7 +204,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((xt.shape[0] // group.size,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     _record(group, "reduce_scatter", xt.numel() * xt.element_size())
-    traced = group.trace.issued("reduce_scatter", xt) if group.trace else None
+    traced = _issued(group, "reduce_scatter", xt, xt.numel() * xt.element_size(), what)
     _reduce_scatter_tensor(out, xt, op=dist.ReduceOp.SUM, group=group.pg)
     if traced:
         traced.ended()

@@ -208,4 +208,4 @@ def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
     each cp rank holds other tokens' losses) gives the global mean.
     The tensor-parallel ranks of a stage already agree on it (vocab-parallel
     cross-entropy), so no sum over tp."""
-    return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group)
+    return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss")

@@ -60,9 +60,9 @@ def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torc
     # exercise 3b: begin
     rows = flat.view(group.size, -1)                       # (dp, S)
     shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
-    for a, b in bucket_ranges(rows.shape[1], bucket_elems // group.size):
+    for k, (a, b) in enumerate(bucket_ranges(rows.shape[1], bucket_elems // group.size)):
         piece = rows[:, a:b].contiguous().view(-1)         # (dp * (b-a),)
-        shard[a:b] = comm.reduce_scatter(piece, group)
+        shard[a:b] = comm.reduce_scatter(piece, group, what=(flat, k))   # (what: bucket k of flat, --timeline)
     return shard
     # exercise 3b: end
 
@@ -101,7 +101,7 @@ class ZeroOneDP(ReplicatedDP):
             r.reduced = torch.empty(r.grad.numel() // self.group.size, dtype=r.grad.dtype, device=r.grad.device)
         (a, b), n = r.watch.buckets[k][0], self.group.size
         piece = r.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
-        return comm.start_reduce_scatter(piece, r.reduced[a:b], self.group), piece
+        return comm.start_reduce_scatter(piece, r.reduced[a:b], self.group, what=(r.grad, k)), piece
 
     def reduce_gradients(self, r: Reduction, flat: torch.Tensor) -> torch.Tensor:
         """Summed gradients of this rank's shard."""
@@ -113,7 +113,7 @@ class ZeroOneDP(ReplicatedDP):
 
     def sum_norm_squares(self, sq: torch.Tensor) -> torch.Tensor:
         """Each dp rank holds a different shard: the squares add up over dp."""
-        return comm.all_reduce(sq, self.group)
+        return comm.all_reduce(sq, self.group, what="grad norm")
 
     def gather_parameters(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's updated shard -> the full flat buffer of new weights."""

@@ -84,12 +84,12 @@ class ZeroTwoDP(ZeroOneDP):
         piece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]
         if self.overlap:
             out = torch.empty(b - a, dtype=piece.dtype, device=piece.device)
-            s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)
+            s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group, what=(s.grad, k)), out, piece)
             if len(s.flight) == len(s.watch.buckets):    # this micro-batch's last: keep no staging after it
                 for j in sorted(s.flight):
                     self.finish(s, j)
         else:
-            s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))
+            s.grad[a:b].add_(comm.reduce_scatter(piece, self.group, what=(s.grad, k)))
         # exercise 3d: end
 
     def finish(self, s: Staging, k: int) -> None:

@@ -111,7 +111,7 @@ return shard
 ZERO_AG = reference("3c")
 WRONG_COMM = "right values, but"
 WROTE_INTO = "right values, but it wrote into"
-ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group))"
+ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group, what=(s.grad, k)))"
 RING = reference("11c")
 RING_PAIRS = """
     for a, b, mask in _pairs(q_pos, positions[r], q.device):
@@ -284,8 +284,8 @@ PLANTS = [
           body(0, "self.finish(s, k)\npiece, (a, b) = s.staged.pop(k), s.watch.buckets[k][0]\n" + ZERO2_RS)),
     wrong("3d", "overlap: starts each bucket's reduce-scatter, then waits for it at once",
           "dp=3, overlap on, n=10, bucket_elems=6: bucket 1's reduce_scatter was started and waited before",
-          sub("s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)",
-              "s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group), out, piece)\n"
+          sub("s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group, what=(s.grad, k)), out, piece)",
+              "s.flight[k] = (comm.start_reduce_scatter(piece, out, self.group, what=(s.grad, k)), out, piece)\n"
               "            self.finish(s, k)")),
     wrong("3d", "ignores --no-overlap-grad-reduce: always starts the reduce-scatter, waits at the last bucket",
           "dp=3, overlap off, n=10, bucket_elems=6: bucket 1's reduce_scatter was still in flight",

@@ -90,13 +90,15 @@ MEASURED = [
     re.compile(r"bubble: measured (?P<m>[\d.]+)"),          # pipeline: idle fraction, measured
     re.compile(r"; measured (?P<m>[\d.]+) \(idle"),           # pipeline: the same, in the three-bubble line
     re.compile(r"its backward ended at (?P<m>[\d.]+ ms)"),  # dp collectives (--timeline, dp > 1): times
-    re.compile(r"^\s+#\d+\s+\w+\s+[\d,]+\s+(?P<m>[\d.]+)\s+(?:in|after)"),   # a bucket: when it was issued,
+    re.compile(r"^\s+(?:bucket \d+|params \d+|loss|grad norm|\w+ \?)\s+[\w.]+\s+[\d,]+\s+(?P<m>[\d.]+)\s+"
+               r"(?:in|after)"),                            # a dp collective: when it was issued,
     re.compile(r"(?:in [FBW]\d+|after the backward)\s+(?P<m>\d.*)$"),           # when complete, the host blocked
-    re.compile(r"^\s+#\d+ (?P<m>\|[~w ]*\|)$"),             # a bucket drawn to scale
+    re.compile(r"^\s+(?:[bp](?:\d+|\?)|loss|norm) (?P<m>\|[~w ]*\|)$"),   # a dp collective drawn to scale
     re.compile(r"^(?P<m> +)\^$"),                            # where the backward ends
     re.compile(r"; (?P<m>\d+) known complete when it ended"),   # dp collectives: the summary's measured figures
-    re.compile(r"blocked on them (?P<m>[\d.]+ ms during the backward, [\d.]+ ms after it; the last seen "
-               r"complete [\d.]+ ms)"),
+    re.compile(r"the last seen complete (?P<m>[\d.]+) ms after it ended"),     # the buckets: how long after it
+    re.compile(r"(?P<m>[\d.]+) ms (?:blocked (?:on|in) |outside them)"),   # the span after the backward, split
+    re.compile(r"(?P<m>[\d.]+ / [\d.]+) ms"),                 # host blocked by the backward's end / after it
     re.compile(r"^(?P<m>[.sx]+\s+\[100%\])$"),               # pytest: its progress line (xla tests run or skip)
     re.compile(r"^(?P<m>\d+ passed.*)$"),                    # pytest: its summary line
     re.compile(r"done in (?P<m>[\d.]+s)"),                  # eval.py: time per checkpoint

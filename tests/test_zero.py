@@ -331,37 +331,111 @@ def test_eval_and_sample_read_a_zero3_checkpoint_as_the_zero0_one(stage_runs):
     assert torch.allclose(z3(tokens), z0(tokens), rtol=0, atol=1e-4)
 
 
-BUCKET_ROW = re.compile(r"^\s+#\d+\s+(all_reduce|reduce_scatter)\s+([\d,]+)\s+([\d.]+)\s+(in [FBW]\d+|after the backward)")
+# a row of --timeline's dp collectives: what it is, the collective, bytes, when issued, where
+TIMELINE_ROW = re.compile(r"^  (bucket \d+|params \d+|loss|grad norm|\w+ \?)\s+(dp\.\w+)\s+([\d,]+)\s+([\d.]+)\s+"
+                          r"(in [FBW]\d+|after the backward)")
 
 
-def test_the_timeline_shows_each_buckets_collective_against_the_backward(cache_dir, tmp_path):
-    """--timeline at dp 2 lists every gradient bucket's collective: with overlap issued in the
-    last backward, before it ends; without, all after it. It times and changes nothing: the
-    same losses, norms and weights bitwise and the same comm ledger as without --timeline."""
+def timeline_rows(text: str) -> list[tuple[str, str, int, float, str]]:
+    """(what, collective, bytes, issued, where) of each dp collective a timeline.txt lists, in its order."""
+    return [(w, op, int(b.replace(",", "")), float(t), at)
+            for w, op, b, t, at in (m.groups() for m in map(TIMELINE_ROW.match, text.splitlines()) if m)]
+
+
+def bucket_bytes(rows) -> dict:
+    """{bucket number: its bytes} of the gradient buckets among `rows` (each bucket once per step here)."""
+    return {w: b for w, _, b, _, _ in rows if w.startswith("bucket")}
+
+
+def test_the_timeline_names_every_dp_collective_and_numbers_buckets_by_identity(cache_dir, tmp_path):
+    """--timeline at dp 2 lists every collective of the last step on the dp group, named: each
+    gradient bucket's, the loss's all-reduce, ZeRO-1's grad-norm all-reduce and all-gathers of
+    the parameters; each the ledger's calls and bytes of a step (the first: the same traffic).
+    With overlap the buckets are issued in the last backward, before it ends; without, all after
+    it, the loss first. A bucket has the same number (and bytes) in both, though the order of
+    issue differs: numbering rows by that order (the planted mistake) fails the same check. It
+    times and changes nothing: the same losses, norms and weights bitwise and the same comm
+    ledger as without --timeline."""
     import torch
     from dist_utils import run_layouts
-    runs = {name: _flags(cache_dir, tmp_path / name, ["--dp", "2", "--steps", "3", "--save-every", "3"] + extra)
+    runs = {name: _flags(cache_dir, tmp_path / name, ["--dp", "2", "--steps", "3", "--save-every", "3",
+                                                      "--check-replicas", "0"] + extra)
             for name, extra in (("on", ["--timeline"]), ("off", ["--timeline", "--no-overlap-grad-reduce"]),
-                                ("plain", []))}
+                                ("plain", []), ("z1_on", ["--zero", "1", "--timeline"]),
+                                ("z1_off", ["--zero", "1", "--timeline", "--no-overlap-grad-reduce"]))}
     run_layouts(2, list(runs.values()), str(tmp_path / "errors"))
     ledger = {name: {k: v for k, v in _summary(tmp_path / name).items() if k.startswith("comm_")} for name in runs}
     assert ledger["on"] == ledger["plain"] == ledger["off"] and ledger["on"]["comm_calls"]
+    assert ledger["z1_on"] == ledger["z1_off"]
     assert _metrics(tmp_path / "on") == _metrics(tmp_path / "plain") == _metrics(tmp_path / "off")
     for rank in range(2):
         a, b = (torch.load(f"{_ckpt(tmp_path / n, 3)}/shard_{rank:05d}.pt", weights_only=True)
                 for n in ("on", "plain"))
         assert _same(a["model"], b["model"]) and _same(a["optim"], b["optim"])
-    for name in ("on", "off"):
+    rows = {}
+    for name in ("on", "off", "z1_on", "z1_off"):
         text = (tmp_path / name / "timeline.txt").read_text()
         end = float(re.search(r"its backward ended at ([\d.]+) ms", text).group(1))
-        rows = [m.groups() for m in map(BUCKET_ROW.match, text.splitlines()) if m]
-        # every bucket once per step (the ledger's all-reduces less the loss's), all its bytes
-        assert len(rows) == ledger[name]["comm_calls"]["dp.all_reduce"] - 1 and len(rows) > 2, text
-        assert sum(int(b.replace(",", "")) for _, b, _, _ in rows) == ledger[name]["comm_bytes"]["dp.all_reduce"] - 4
-        during = [r for r in rows if r[3].startswith("in B") and float(r[2]) <= end]
-        if name == "on":
-            assert during and all(r[3] == "in B1" for r in during), text       # the last micro-batch's backward
-            assert f"{len(rows)} issued during the backward, 0 after it" in text
+        rows[name] = r = timeline_rows(text)
+        # every dp collective of a step, named: the ledger's calls and bytes, key by key
+        for key, calls in ledger[name]["comm_calls"].items():
+            if key.startswith("dp."):
+                assert sum(op == key for _, op, _, _, _ in r) == calls, (key, text)
+                assert sum(b for _, op, b, _, _ in r if op == key) == ledger[name]["comm_bytes"][key], (key, text)
+        assert len(r) == sum(c for k, c in ledger[name]["comm_calls"].items() if k.startswith("dp.")), text
+        assert not [w for w, *_ in r if "?" in w], text                          # each one named
+        loss = [row for row in r if row[0] == "loss"]
+        assert len(loss) == 1 and loss[0][1:3] == ("dp.all_reduce", 4) and loss[0][4] == "after the backward", text
+        buckets = [row for row in r if row[0].startswith("bucket")]
+        assert len(buckets) > 2 and len(bucket_bytes(buckets)) == len(buckets), text
+        if name.startswith("z1"):
+            assert [(w, op, b) for w, op, b, _, _ in r if w == "grad norm"] == [("grad norm", "dp.all_reduce", 4)]
+            gathers = {w.replace("params", "bucket"): b for w, op, b, _, _ in r if op == "dp.all_gather"}
+            assert gathers == bucket_bytes(r), text     # bucket k's new weights: as many bytes as its fp32 grads
+        during = [row for row in buckets if row[4].startswith("in B") and row[3] <= end]
+        if name.endswith("on"):
+            assert len(during) == len(buckets) and all(row[4] == "in B1" for row in during), text
+            assert f"{len(buckets)} issued during the backward, 0 after it" in text
         else:
-            assert not during and all(r[3] == "after the backward" for r in rows), text
-            assert f"0 issued during the backward, {len(rows)} after it" in text
+            assert not during and r[0][0] == "loss", text     # the loss's all-reduce, then phase 1
+            assert f"0 issued during the backward, {len(buckets)} after it" in text
+        assert "blocked in the loss's all-reduce" in text and "ms outside them (the host's own work)" in text
+        assert re.search(r"^  bucket 0: buffer 0 (\[0, |columns \[0, )", text, re.M), text
+    for on, off in (("on", "off"), ("z1_on", "z1_off")):
+        assert bucket_bytes(rows[on]) == bucket_bytes(rows[off]), (rows[on], rows[off])
+        # the negative control: numbered by the order of issue, the same buckets get other numbers
+        by_issue = {name: {n: b for n, (_, _, b, _, _) in enumerate(x for x in rows[name] if x[0].startswith("bucket"))}
+                    for name in (on, off)}
+        assert by_issue[on] != by_issue[off], by_issue
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_a_bucket_is_named_by_its_place_in_the_buffers_not_by_when_it_goes(zero):
+    """CommTrace.name, in one process: every bucket of every flat gradient buffer, told in reverse
+    order, gets the number of its place (buffer order, then bucket order), by its view of the
+    buffer (plain dp) or the (buffer, k) its caller says (ZeRO); a copy of a bucket, which says
+    nothing, is 'bucket ?' (named by where it lies, not by how many came before it); ZeRO's
+    all-gathers of a kept shard's columns are 'params k'."""
+    import torch
+    from nanohlat import comm, device as devicelib, mesh as meshlib, optim
+    from nanohlat.model import Transformer, init_weights
+    from nanohlat.tools.timeline import CommTrace
+    model_cfg, tcfg = config.parse_args(TINY + ["--n-layers", "2", "--zero", str(zero), "--bucket-mb", "0.05"])
+    model = Transformer(model_cfg)
+    init_weights(model, tcfg.seed)
+    opt = optim.FlatAdamW(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg, devicelib.get_device("cpu"))
+    trace = CommTrace(None, opt)
+    want, n = [], 0
+    for g in opt.groups:
+        for k, ranges in enumerate(g.dp.buckets(g.padded)):
+            (lo, hi), what = ranges[0], (None if zero == 0 else (g.grad, k))
+            want.append((f"bucket {n}", g.grad[lo:hi], what, lo, hi, g))
+            n += 1
+    assert n > len(opt.groups) >= 2
+    for label, view, what, lo, hi, g in reversed(want):
+        assert trace.name("dp.all_reduce", view, what) == label
+        assert trace.name("dp.all_reduce", view.clone(), None) == "bucket ?"     # a copy: no place
+        if zero:
+            shard = getattr(g.dp_state, "param_shard", g.master)
+            assert trace.name("dp.all_gather", shard[lo:hi], None) == label.replace("bucket", "params")
+    assert trace.name("dp.all_reduce", torch.zeros(()), "loss") == "loss"

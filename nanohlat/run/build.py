@@ -6,8 +6,6 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 
 from __future__ import annotations
 
-import dataclasses
-
 from nanohlat import context_parallel, optim, pipeline
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
@@ -49,10 +47,10 @@ def build(model_cfg, tcfg, mesh, dev):
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
     if clock and mesh.dp > 1:
-        # --timeline: the DP strategy's own copy of the dp group (same process group, same ledger)
-        # tells a CommTrace when each gradient bucket's reduction is issued and ends
-        clock.trace = timeline.CommTrace(clock)
-        opt.dp.group = dataclasses.replace(opt.dp.group, trace=clock.trace)
+        # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group) tells a CommTrace
+        # when each of its collectives in a step is issued and ends, and what it is
+        clock.trace = timeline.CommTrace(clock, opt)
+        opt.dp.group.trace = clock.trace
     # xla: make the optimizer's new buffers device data now, so that the first step's graphs
     # read them as every later step does (else one more compile)
     dev.sync()

@@ -46,6 +46,8 @@ class Session:
         """After the optimizer step of step `step` (counted from 1). True: the run stops here."""
         tcfg, mesh, dev = self.tcfg, self.mesh, self.dev
         last = step == tcfg.steps or 0 < tcfg.stop_after <= step   # --stop-after: as if interrupted
+        if self.runner.clock:
+            self.runner.clock.end_step()   # --timeline: what follows is no collective of the step
         self.log.count(finite)   # runs of non-finite steps, counted on the device (part of the step)
         replicas.check(self.model, mesh, step, tcfg.check_replicas, self.opt)   # --check-replicas N: copies identical?
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs

@@ -21,11 +21,15 @@ and says how much of the step was idle, the **bubble**:
    on this machine, not of the schedule; the report says when ranks
    outnumber cores.
 
-With dp > 1 the report also times each gradient bucket's dp collective
-against this rank's ops (`CommTrace`): when it was issued (during which
-backward, or after the backward: phase 1 of the optimizer step), when it was
-known to be complete, and how long the host was blocked on it. Known complete
-means: a blocking call returned, an async work's wait() returned, or its
+With dp > 1 the report also times every collective of the step on the dp
+group against this rank's ops (`CommTrace`): each gradient bucket's, the
+loss's all-reduce, and under ZeRO the grad norm's all-reduce and the
+parameters' all-gathers, each named by what it is (buckets by their place in
+the flat gradient buffers, so a bucket has the same number with and without
+overlap): when it was issued (during which forward or backward, or after the
+backward: the loss, then the optimizer step), when it was known to be
+complete, and how long the host was blocked on it. Known complete means: a
+blocking call returned, an async work's wait() returned, or its
 is_completed() said so when polled at an op boundary. gloo tells nothing in
 between, so "complete by" is an upper bound on when it finished.
 
@@ -70,7 +74,8 @@ class StepClock:
     micro-batch, started, chunk) after it and stop() after the last tick; `records`
     then holds (kind, micro-batch, start, end, chunk), times in seconds since start().
     With `synchronize` each reading first waits for the device. With a `trace`
-    (CommTrace), every reading also polls the dp collectives in flight.
+    (CommTrace), every reading also polls the dp collectives in flight; the
+    trace records from start() to end_step() (run/session.py, after the optimizer step).
     """
 
     def __init__(self, device, synchronize: bool = False):
@@ -88,7 +93,12 @@ class StepClock:
         self.records = []
         self.t0 = self._now()
         if self.trace:
-            self.trace.events = []
+            self.trace.events, self.trace.open = [], True
+
+    def end_step(self) -> None:
+        """The optimizer step is over (run/session.py): the trace records nothing more until the next start."""
+        if self.trace:
+            self.trace.open = False
 
     def op_start(self) -> float:
         return self._poll(self._now())
@@ -112,18 +122,18 @@ class StepClock:
 
 
 class Reduction:
-    """One gradient bucket's dp collective, in seconds since the step's start: `issued`,
-    `done` (known complete by then, and `how`: 'returned' from a blocking call, 'polled'
-    is_completed() at an op boundary, 'wait' returned) and `blocked`, the (start, end)
-    spans the host spent in the blocking call or in wait(). For an async one it stands in
-    for the work: the caller's wait() and is_completed() go through it."""
+    """One dp collective of the step, in seconds since the step's start: `issued`, `done` (known
+    complete by then, and `how`: 'returned' from a blocking call, 'polled' is_completed() at an op
+    boundary, 'wait' returned) and `blocked`, the (start, end) spans the host spent in the blocking
+    call or in wait(). `label` says what it is (CommTrace.name). For an async one it stands in for
+    the work: the caller's wait() and is_completed() go through it."""
 
-    def __init__(self, trace, op: str, nbytes: int, work=None):
-        self.trace, self.op, self.nbytes, self.work = trace, op, nbytes, work
+    def __init__(self, trace, op: str, nbytes: int, label: str, work=None):
+        self.trace, self.op, self.nbytes, self.label, self.work = trace, op, nbytes, label, work
         # read without waiting for the device: on CUDA that wait would stall the backward
         self.issued, self.done, self.how, self.blocked = trace.now(synchronize=False), None, "", []
 
-    def ended(self) -> None:                    # a blocking reduction returned
+    def ended(self) -> None:                    # a blocking collective returned
         self.done, self.how = self.trace.now(), "returned"
         self.blocked.append((self.issued, self.done))
 
@@ -145,28 +155,88 @@ class Reduction:
         return out
 
 
-class CommTrace:
-    """--timeline, dp > 1: the group's `trace` (comm.py) on the copy of the dp group that
-    the optimizer's DP strategy uses (run/build.py), so it sees the gradient buckets' reductions
-    and no other collective: not the loss's or the check's; the norm's squares (ZeRO), one
-    number, it ignores. It changes no result and no byte of the comm ledger: it reads the clock."""
+def _same_storage(x: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """x is a view of buffer's storage (never asked on XLA, whose tensors have no storage to compare)."""
+    return (x.device.type != "xla" and buffer is not None and buffer.numel() > 0
+            and x.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr())
 
-    def __init__(self, clock):
-        self.clock, self.events = clock, []
+
+class CommTrace:
+    """--timeline, dp > 1: the dp group's `trace` (comm.py; run/build.py sets it on the mesh's
+    group, which the optimizer's DP strategy and the loss's all-reduce both use). From the step's
+    start (StepClock.start) to its end (StepClock.end_step) it records every collective on that
+    group: each gradient bucket's, the loss's all-reduce, ZeRO's all-gathers of the parameters
+    and its grad-norm all-reduce; outside (evaluation, --check-replicas, checkpoints) nothing.
+    It changes no result and no byte of the comm ledger: it reads the clock.
+
+    Buckets are numbered by what they are, not by when they go: the flat gradient buffers of the
+    strategy in the optimizer's order, each one's buckets in buffer order (the strategy's
+    `buckets`), so a bucket has one number with and without overlap. A collective says which it
+    is by its `what` (comm.py), or by where its tensor lies: a view of a flat gradient buffer
+    (plain dp's buckets), of a kept parameter shard (ZeRO's all-gathers)."""
+
+    def __init__(self, clock, opt=None):
+        self.clock, self.events, self.open = clock, [], False
+        self.buffers = []                        # (flat group, number of its first bucket, its buckets)
+        for g in opt.groups if opt is not None else []:
+            if g.dp is opt.dp:                   # (--ep: the experts' groups reduce over another group)
+                first = self.buffers[-1][1] + len(self.buffers[-1][2]) if self.buffers else 0
+                self.buffers.append((g, first, g.dp.buckets(g.padded)))
 
     def now(self, synchronize: bool = True) -> float:
         """Seconds since the step's start (on CUDA after waiting for the device, unless told not to)."""
         t = self.clock._now() if synchronize else time.perf_counter()
         return t - self.clock.t0
 
-    def issued(self, op: str, x: torch.Tensor, work=None):
-        """A reduction of x is being issued (blocking: work None) or was (async): its Reduction,
-        or `work` itself for a number that is no bucket."""
-        if x.dim() != 1:
+    def issued(self, op: str, x: torch.Tensor, payload: int, what=None, work=None):
+        """`op` ('dp.all_reduce', ...) of x, `payload` bytes in the comm ledger, is being issued (blocking:
+        work None) or was (async): its Reduction, or outside the step `work` itself."""
+        if not self.open:
             return work
-        event = Reduction(self, op, x.numel() * x.element_size(), work)
+        event = Reduction(self, op, payload, self.name(op, x, what), work)
         self.events.append(event)
         return event
+
+    def name(self, op: str, x: torch.Tensor, what) -> str:
+        """'loss', 'grad norm' (as the caller says), 'bucket k' (a gradient bucket), 'params k' (ZeRO:
+        the all-gather of the new weights in bucket k's columns); '?' for a number that is not known."""
+        if isinstance(what, str):
+            return what
+        kind = "params" if op.endswith("all_gather") else "bucket"
+        for g, first, buckets in self.buffers:
+            if isinstance(what, tuple) and what[0] is g.grad:          # (flat gradient buffer, k)
+                return f"bucket {first + what[1]}"
+            if what is None and kind == "bucket" and _same_storage(x, g.grad):
+                at = x.storage_offset() - g.grad.storage_offset()     # plain dp: a view of the buffer
+            elif what is None and kind == "params":
+                shard = getattr(g.dp_state, "param_shard", None)       # ZeRO-3's kept shard, else the master
+                shard = shard if shard is not None else g.master
+                if not _same_storage(x, shard):
+                    continue
+                at = x.storage_offset() - shard.storage_offset()       # its columns [at, ...) of every row
+            else:
+                continue
+            for k, bucket in enumerate(buckets):
+                if bucket[0][0] == at:
+                    return f"{kind} {first + k}"
+        return f"{kind} ?"
+
+    def buckets_shown(self, labels) -> list[str]:
+        """What each bucket among `labels` ('bucket k', 'params k') holds, one line each."""
+        lines = []
+        for g, first, buckets in self.buffers:
+            for k, ranges in enumerate(buckets):
+                if f"bucket {first + k}" not in labels and f"params {first + k}" not in labels:
+                    continue
+                names = [n for n, off, p in zip(g.names, g.offsets, g.params)
+                         if any(max(lo, off) < min(hi, off + p.numel()) for lo, hi in ranges)]
+                where = (f"[{ranges[0][0]:,}, {ranges[0][1]:,})" if len(ranges) == 1 else
+                         f"columns [{ranges[0][0]:,}, {ranges[0][1]:,}) of its {len(ranges)} dp rows")
+                held = (names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} parameters)"
+                        if names else "padding only")
+                lines.append(f"  bucket {first + k}: buffer {self.buffers.index((g, first, buckets))} "
+                             f"{where}: {held}")
+        return lines
 
 
 def where(t: float, ops) -> str:
@@ -177,31 +247,49 @@ def where(t: float, ops) -> str:
     return "after the backward" if not ops or t > ops[-1][3] else "between ops"
 
 
-def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
-    """The dp collectives of the last step against this rank's ops (`ops`), as text lines."""
+def _blocked(events, lo: float, hi: float) -> float:
+    """Seconds the host spent blocked on `events` between lo and hi."""
+    return sum(max(0.0, min(e, hi) - max(b, lo)) for ev in events for b, e in ev.blocked)
+
+
+def _kind(label: str) -> str:
+    """What the summary calls a row's kind: 'bucket 3' -> 'on gradient buckets', 'loss' -> "in the loss's all-reduce"."""
+    return {"bucket": "on gradient buckets", "params": "on parameter all-gathers", "loss": "in the loss's all-reduce",
+            "grad": "in the grad norm's all-reduce"}.get(label.split(" ")[0], "in other collectives")
+
+
+def reduction_report(trace, ops, rank: int, width: int = 72, others=()) -> list[str]:
+    """The dp collectives of the last step against this rank's ops (`ops`), as text lines. `others`:
+    the mesh's other groups with collectives in a step ('tp', 'pp', 'cp'), which the trace does not see."""
+    groups = "groups'" if len(others) > 1 else "group's"
+    not_shown = f", and the {', '.join(others)} {groups} collectives, not shown" if others else ""
     events = trace.events
     if not events:
         return []
     end_b = max((e for kind, _, _, e, _ in ops if kind in "BW"), default=0.0)   # the backward's end
-    during = [ev for ev in events if ev.issued <= end_b]
+    buckets = [ev for ev in events if ev.label.startswith("bucket")]
+    during = [ev for ev in buckets if ev.issued <= end_b]
     done_by_end = [ev for ev in during if ev.done is not None and ev.done <= end_b]
-    blocked_in = sum(max(0.0, min(e, end_b) - b) for ev in events for b, e in ev.blocked)
-    blocked_after = sum(max(0.0, e - max(b, end_b)) for ev in events for b, e in ev.blocked)
-    lines = ["", f"dp gradient collectives on rank {rank}, last step (ms since the step began; "
-                 f"its backward ended at {end_b * 1e3:.1f} ms):",
-             "     #  collective          bytes   issued                        known complete   "
+    lines = ["", f"collectives on rank {rank}'s dp group, last step, in the order issued (ms since the step "
+                 f"began; its backward ended at {end_b * 1e3:.1f} ms):",
+             "  what        collective           bytes   issued                        known complete   "
              "host blocked on it"]
-    for n, ev in enumerate(events):
+    for ev in events:
         done = f"{ev.done * 1e3:7.1f} {ev.how:8s}" if ev.done is not None else "     never seen"
         blocked = ", ".join(f"{b * 1e3:.1f}-{e * 1e3:.1f}" for b, e in ev.blocked) or "-"
-        lines.append(f"{'#' + str(n):>6s}  {ev.op:14s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
+        lines.append(f"  {ev.label:10s}  {ev.op:17s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
                      f"{where(ev.issued, ops):20s}  {done}  {blocked}")
-    last = max(ev.done if ev.done is not None else math.inf for ev in events)
+    shown = {ev.label for ev in events}
+    if any(label.split(" ")[0] in ("bucket", "params") for label in shown):
+        lines += ["buckets, numbered in the order of the flat gradient buffers, the same with and without overlap"
+                  + ("; params k: the new weights of bucket k's elements, all-gathered" if
+                     any(label.startswith("params") for label in shown) else "") + ":"]
+        lines += trace.buckets_shown(shown)
     span = max([end_b] + [ev.done or 0.0 for ev in events] + [e for ev in events for _, e in ev.blocked])
     lines += ["", f"drawn to scale ({span * 1e3:.1f} ms; ~ issued, not known complete; w host blocked on it; "
-                  f"^ the backward ends):"]
+                  f"^ the backward ends; bN bucket N, pN params N):"]
     lines += _draw([ops], span, width)
-    for n, ev in enumerate(events):
+    for ev in events:
         row = [" "] * width
         lo, hi = int(ev.issued / span * width), int((ev.done if ev.done is not None else span) / span * width)
         for x in range(lo, min(max(hi, lo + 1), width)):
@@ -209,14 +297,29 @@ def reduction_report(trace, ops, rank: int, width: int = 72) -> list[str]:
         for b, e in ev.blocked:
             for x in range(int(b / span * width), min(max(int(e / span * width), int(b / span * width) + 1), width)):
                 row[x] = "w"
-        lines.append(f"{'#' + str(n):>7s} |" + "".join(row) + "|")
+        short = ev.label.replace("bucket ", "b").replace("params ", "p").replace("grad norm", "norm")
+        lines.append(f"{short:>7s} |" + "".join(row) + "|")
     lines.append(" " * (len("stage 0 |") + min(int(end_b / span * width), width - 1)) + "^")
-    lines.append(f"dp gradient collectives: {len(events)}, {sum(ev.nbytes for ev in events):,} bytes; "
-                 f"{len(during)} issued during the backward, {len(events) - len(during)} after it; "
-                 f"{len(done_by_end)} known complete when it ended; host blocked on them "
-                 f"{blocked_in * 1e3:.1f} ms during the backward, {blocked_after * 1e3:.1f} ms after it; "
-                 f"the last seen complete {max(0.0, last - end_b) * 1e3:.1f} ms after it ended (or sooner: "
-                 f"seen when polled or waited for)")
+    if buckets:
+        last = max(ev.done if ev.done is not None else math.inf for ev in buckets)
+        after = max(0.0, last - end_b)
+        # what the host did from the backward's end to the last bucket seen complete, kind by kind
+        parts = {}
+        for ev in events:
+            parts[_kind(ev.label)] = parts.get(_kind(ev.label), 0.0) + _blocked([ev], end_b, last)
+        split = "".join(f"{t * 1e3:.1f} ms blocked {k}, " for k, t in parts.items())
+        lines.append(f"gradient buckets: {len(buckets)}, {sum(ev.nbytes for ev in buckets):,} bytes; "
+                     f"{len(during)} issued during the backward, {len(buckets) - len(during)} after it; "
+                     f"{len(done_by_end)} known complete when it ended; " + (
+                         f"the last seen complete {after * 1e3:.1f} ms after it ended (or sooner: seen when "
+                         f"polled or waited for): {split}{max(0.0, after - sum(parts.values())) * 1e3:.1f} ms outside "
+                         f"them (the host's own work{not_shown})" if math.isfinite(after) else "not all seen complete"))
+    by_kind = {}
+    for ev in events:
+        by_kind.setdefault(_kind(ev.label), []).append(ev)
+    lines.append("host blocked on the dp group's collectives, by the backward's end / after it: " + "; ".join(
+        f"{k[3:]} {_blocked(evs, 0.0, end_b) * 1e3:.1f} / "
+        f"{_blocked(evs, end_b, math.inf) * 1e3:.1f} ms" for k, evs in by_kind.items()))
     return lines
 
 
@@ -420,7 +523,8 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     if runner.device.kind == "xla":
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
     if runner.clock.trace is not None and mesh.rank == 0:
-        lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank)
+        lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank,
+                                  others=[k for k, n in (("tp", mesh.tp), ("pp", pp), ("cp", mesh.cp)) if n > 1])
         if runner.device.kind == "cuda":
             lines.append("note: on CUDA the clock waits for the device at every op boundary, collectives in flight "
                          "included")
