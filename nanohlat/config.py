@@ -452,15 +452,15 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
     refused += [f for f, on in (("--compile", tcfg.compile), ("--plan with --search", tcfg.plan and tcfg.search),
                                 ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3)) if on]   # (tools/plan/)
-    if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, ZeRO 0-2
+    if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
         refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
             ("--moe-capacity-factor", model_cfg.moe_capacity_factor), ("--zero 3", tcfg.zero == 3),
-            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas)) if on]
+            ) if on]
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero): experts replicated (moe.py); --ep: dropless, fp32, --zero 0-2; --plan: ZeRO 0-2, no --search")
+                        f"(any --zero): experts replicated (moe.py); --ep: dropless, --zero 0-2; --plan: ZeRO 0-2, no --search")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

@@ -375,8 +375,7 @@ def test_expert_parallel_groups_and_refusals():
     m = Mesh(1, 1, 4, rank=2, ep=2)
     assert m._all("ep") == [[0, 1], [2, 3]] and m._all("ep_dp") == [[0, 2], [1, 3]]
     assert Mesh(2, 1, 4, ep=2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
-    for flags, named in ((["--zero", "3"], "--ep 2 with --zero 3"), (["--moe-capacity-factor", "1"], "capacity"),
-                         (["--precision", "bf16-mixed"], "bf16-mixed")):
+    for flags, named in ((["--zero", "3"], "--ep 2 with --zero 3"), (["--moe-capacity-factor", "1"], "capacity")):
         with pytest.raises(UserError) as e:
             config.parse_args(["--preset", "moe", "--ep", "2"] + flags)
         assert named in str(e.value)
@@ -505,7 +504,7 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
     dense layouts', and step 1's gradient of every parameter, put together from the ranks' shards,
     to fp32 round-off. The negative control: the grad norm with the experts' squares added over ep
     before ZeRO's sum over dp (counted twice) is caught at step 1."""
-    layouts = {"dp4_ep2_zero1": ["--zero", "1"], "dp4_ep2_zero2_m2": ["--zero", "2", "--microbatches", "2"],
+    layouts = {"dp4_ep2_zero1": ["--zero", "1", "--check-replicas", "1"], "dp4_ep2_zero2_m2": ["--zero", "2", "--microbatches", "2"],
                "dp4_ep2_zero1_planted": ["--zero", "1"]}
     run_layouts(4, [_flags(cache_dir, tmp_path / n, "--dp", 4, "--ep", 2, *extra) for n, extra in layouts.items()],
                 str(tmp_path / "err"), setup=_gradient_recorder)
@@ -518,3 +517,63 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
     with pytest.raises(AssertionError):
         _assert_same_training(tmp_path / "dp4_ep2_zero1_planted", one_process_moe, "planted")
     _assert_same_gradients(tmp_path / "dp4_ep2_zero1_planted", one_process_moe, "planted")   # (only the norm is wrong)
+
+
+def _plant_expert_divergence(rank: int) -> None:
+    """Worker setup: after the 2nd optimizer step, rank 2 (dp 4, ep 2: it holds the experts rank 0
+    holds, ep_dp [0 2]) flips a mantissa bit of its first expert matrix, weight and master."""
+    from nanohlat import optim
+    from nanohlat.tools import metrics
+    metrics.measure_cpu_peak = lambda *args, **kwargs: 1e12
+    real_write_back, calls = optim.FlatAdamW.write_back, []
+
+    @torch.no_grad()
+    def write_back(self):
+        out = real_write_back(self)
+        calls.append(1)
+        if len(calls) == 2 and rank == 2:
+            group = next(g for g in self.groups if g.params[0].shard.group == "ep")
+            for t in [group.params[0]] + ([] if group.master_is_params else [group.master]):
+                t.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)[0] ^= 8
+        return out
+    optim.FlatAdamW.write_back = write_back
+
+
+BF16_EP = {"bf16-sr": ["--zero", "1", "--precision", "bf16-sr", "--moments", "bf16"],
+           "bf16-mixed": ["--precision", "bf16-mixed"], "bf16": ["--zero", "2", "--precision", "bf16"]}
+
+
+def test_expert_parallel_replicas_stay_bitwise_identical_in_every_precision(cache_dir, tmp_path):
+    """dp 4, ep 2 in bf16 with stochastic rounding (ZeRO-1, bf16 moments), bf16-mixed (no ZeRO) and
+    bf16 (ZeRO-2), --check-replicas 1: every step the replicated experts (ep_dp [0 2], [1 3]) and the
+    dense weights (all 4 dp ranks) are compared bit for bit, and a difference stops the run. The
+    losses against one process in the same precision: step 1 (same weights) to 1e-5 relative, the
+    10 steps to 1e-3 (measured <= 3.5e-4; not round-off: bf16 rounds sums of other orders otherwise,
+    and this model's bf16 itself differs from its fp32 by up to 6.9e-4 in 10 steps). The negative
+    control: one flipped bit in rank 2's copy of an expert after step 2 stops the run after step 2,
+    naming the expert and its ep_dp replicas."""
+    import os
+    runs = [_flags(cache_dir, tmp_path / p, "--dp", 4, "--ep", 2, "--check-replicas", 1, *extra)
+            for p, extra in BF16_EP.items()]
+    run_layouts(4, runs, str(tmp_path / "err"), setup=_gradient_recorder)
+    for p, extra in BF16_EP.items():
+        precision = extra[extra.index("--precision"):]                       # (one process: no ZeRO)
+        _train_here(_flags(cache_dir, tmp_path / f"one_{p}", *precision))
+        ref, got = read_metrics(str(tmp_path / f"one_{p}")), read_metrics(str(tmp_path / p))
+        assert [m["step"] for m in got] == list(range(1, 11)), p
+        assert abs(got[0]["loss"] - ref[0]["loss"]) <= 1e-5 * ref[0]["loss"], (p, got[0], ref[0])
+        for a, b in zip(got, ref):
+            assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (p, a, b)
+    with pytest.raises(AssertionError):
+        run_layouts(4, [_flags(cache_dir, tmp_path / "planted", "--dp", 4, "--ep", 2, "--check-replicas", 1,
+                               *BF16_EP["bf16-sr"])], str(tmp_path / "err_planted"), setup=_plant_expert_divergence)
+    last = {n: open(tmp_path / "err_planted" / n).read().strip().splitlines()[-1]
+            for n in sorted(os.listdir(tmp_path / "err_planted"))}
+    assert sorted(last) == [f"rank{r}.txt" for r in range(4)], "every rank must stop"
+    for r in (0, 2):   # the two holders of those experts name them; ranks 1 and 3 hold others
+        assert last[f"rank{r}.txt"].startswith(
+            "nanohlat.config.UserError: --check-replicas: after step 2, parameter layers.0.mlp.gate.weight "
+            "differs between its ep_dp replicas on ranks [0, 2]"), last
+    for r in (1, 3):
+        assert last[f"rank{r}.txt"] == ("nanohlat.config.UserError: --check-replicas: after step 2, replicas "
+                                        "differ on other ranks (their error names the parameter)"), last
