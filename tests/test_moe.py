@@ -503,9 +503,10 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
     parameters' state sharded over the 4 dp ranks, the experts' over the 2 ranks holding the same
     ones. The losses equal one process's to <= 1e-5 relative over 10 steps, the grad norms as the
     dense layouts', and step 1's gradient of every parameter, put together from the ranks' shards,
-    to fp32 round-off. The negative control: the grad norm with the experts' squares added over ep
-    before ZeRO's sum over dp (counted twice) is caught at step 1."""
-    layouts = {"dp4_ep2_zero1": ["--zero", "1", "--check-replicas", "1"], "dp4_ep2_zero2_m2": ["--zero", "2", "--microbatches", "2"],
+    to fp32 round-off; the ZeRO-1 run's step-5 checkpoint (each rank's shard of the optimizer state)
+    continues in one process as the uninterrupted run. The negative control: the grad norm with the
+    experts' squares added over ep before ZeRO's sum over dp (counted twice) is caught at step 1."""
+    layouts = {"dp4_ep2_zero1": ["--zero", "1", "--check-replicas", "1", "--save-every", "5"], "dp4_ep2_zero2_m2": ["--zero", "2", "--microbatches", "2"],
                "dp4_ep2_zero1_planted": ["--zero", "1"]}
     run_layouts(4, [_flags(cache_dir, tmp_path / n, "--dp", 4, "--ep", 2, *extra) for n, extra in layouts.items()],
                 str(tmp_path / "err"), setup=_gradient_recorder)
@@ -513,6 +514,12 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
         _assert_same_training(tmp_path / name, one_process_moe, name)
         _assert_same_gradients(tmp_path / name, one_process_moe, name)
     assert any(".mlp.gate." in n for n in _full_gradients(tmp_path / "dp4_ep2_zero1"))   # the experts compared too
+    _train_here(_flags(cache_dir, tmp_path / "one_from_zero1", "--resume",
+                       str(tmp_path / "dp4_ep2_zero1" / "checkpoints" / "step_00000005")))
+    ref = {m["step"]: m["loss"] for m in read_metrics(str(one_process_moe))}
+    resumed = read_metrics(str(tmp_path / "one_from_zero1"))
+    assert [m["step"] for m in resumed] == list(range(6, 11))
+    assert all(abs(m["loss"] - ref[m["step"]]) <= 1e-5 * ref[m["step"]] for m in resumed), (resumed, ref)
     planted, ref = read_metrics(str(tmp_path / "dp4_ep2_zero1_planted"))[0], read_metrics(str(one_process_moe))[0]
     assert abs(planted["loss"] - ref["loss"]) <= 1e-5 * ref["loss"] and planted["grad_norm"] > (1 + 1e-3) * ref["grad_norm"], (planted, ref)
     with pytest.raises(AssertionError):
