@@ -334,7 +334,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
              tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-mixed"),
     ),
-    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: fp32, no ZeRO, tp 1)
+    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: no ZeRO, tp 1)
     "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
                              max_seq_len=4096, moe_experts=8, moe_top_k=2),
                  dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),
@@ -451,16 +451,17 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
     refused += [f for f, on in (("--compile", tcfg.compile), ("--plan with --search", tcfg.plan and tcfg.search),
-                                ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3)) if on]   # (tools/plan/)
-    if tcfg.ep > 1:   # expert parallelism: so far dropless, fp32, without ZeRO
+                                ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ counts
+                                ("--plan with --ep and --zero", tcfg.plan and tcfg.ep > 1 and tcfg.zero)) if on]   # ep unsharded)
+    if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
         refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
-            ("--moe-capacity-factor", model_cfg.moe_capacity_factor), (f"--zero {tcfg.zero}", tcfg.zero),
-            (f"--precision {tcfg.precision}", tcfg.precision != "fp32"), ("--check-replicas", tcfg.check_replicas)) if on]
+            ("--moe-capacity-factor", model_cfg.moe_capacity_factor), ("--zero 3", tcfg.zero == 3),
+            ) if on]
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero): experts replicated (moe.py); --ep: dropless, fp32, no ZeRO; --plan: ZeRO 0-2, no --search")
+                        f"(any --zero): experts replicated (moe.py); --ep: dropless, --zero 0-2; --plan: ZeRO 0-2 (--ep: 0), no --search")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

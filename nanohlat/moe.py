@@ -57,7 +57,7 @@ expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`); an
 expert's gradient is then summed over the dp/N ranks holding the same experts
-(optim.py). tp and pp with MoE are refused in config.py; Mixtral's shape exports (serving/hf.py).
+(optim.py; ZeRO-1 and 2 shard their state over those ranks). tp and pp with MoE are refused in config.py; Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 
@@ -136,7 +136,9 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     token = order // k
     xs = x[token]                                                  # (N*k, C): the permuted tokens
     counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()   # tokens per expert (the host needs them)
-    outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts)) if counts[e]]
+    # every expert runs, on no tokens too: its gradient is then zeros, not missing (the overlapped
+    # gradient reduction waits for every parameter's, data_parallel.py)
+    outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]
     out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
 
@@ -185,7 +187,7 @@ def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
     by_expert = expert_of.argsort(stable=True)                     # 4. group by local expert
     sizes = torch.bincount(expert_of, minlength=local).tolist()
     chunks = received[by_expert].split(sizes)
-    outs = [swiglu(c, gate[e], up[e], down[e]) if sizes[e] else c for e, c in enumerate(chunks)]
+    outs = [swiglu(c, gate[e], up[e], down[e]) for e, c in enumerate(chunks)]   # (no tokens too: dispatch_sorted)
     out = torch.cat(outs)[by_expert.argsort()]                     # back in received order
     back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
     return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))

@@ -31,7 +31,8 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
     likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
-    except under ZeRO-1, 2 and 3, where each dp rank holds a different shard -> sum over dp.
+    except under ZeRO-1, 2 and 3, where each dp rank holds a different shard -> sum over dp;
+  * experts (--ep): each ep rank holds other experts -> sum over ep (ZeRO: the sum over dp does it).
 Get any of these wrong and clipping silently differs between layouts.
 
 Every holder of an element (dp replicas, tp-replicated norms) computes the same
@@ -162,13 +163,13 @@ class FlatAdamW:
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
         # the one place data parallelism enters: all-reduce everything, or ZeRO-1's, 2's or 3's shards;
         # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
-        self.dp = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero](
-            mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches,   # dp (x cp: mesh.grad_group)
-            tcfg.overlap_grad_reduce and device.kind != "xla")
-        # --ep: experts' gradients are summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
-        self.expert_dp = data_parallel.ReplicatedDP(
-            mesh.group("ep_dp"), self.dp.bucket_elems, tcfg.microbatches,
-            tcfg.overlap_grad_reduce and device.kind != "xla") if mesh.ep > 1 else self.dp
+        strategy = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero]
+        overlap = tcfg.overlap_grad_reduce and device.kind != "xla"
+        self.dp = strategy(mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches, overlap)   # dp (x cp)
+        # --ep: experts' gradients are summed (ZeRO: and their state sharded) over the dp/ep ranks holding
+        # the same experts (mesh.py's ep_dp), with the same strategy as the dense parameters over dp
+        self.expert_dp = strategy(mesh.group("ep_dp"), self.dp.bucket_elems, tcfg.microbatches,
+                                  overlap) if mesh.ep > 1 else self.dp
         by_kind: dict = {}
         for name, p in model.named_parameters():
             key = (zero3.unit_of(name) if tcfg.zero == 3 else 0,   # (ZeRO-3's unit, decay, tp-replicated, parts)
@@ -227,7 +228,9 @@ class FlatAdamW:
                 continue
             copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
             sq = sq + (s / copies if copies > 1 else s)
-        sq = sq.float() + comm.all_reduce(experts.float(), mesh.group("ep"))   # 4 bytes per all-reduce
+        if not self.zero:   # replicated: the ep ranks' experts add up over ep (4 bytes); ZeRO: by the sum over
+            experts = comm.all_reduce(experts.float(), mesh.group("ep"))   # dp below, ep x ep_dp = dp ranks
+        sq = sq.float() + experts.float()
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()

@@ -196,6 +196,7 @@ def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"),
                                           (["--compile"], "--compile"), (["--plan", "--search"], "--plan with --search"),
+                                          (["--plan", "--ep", "2", "--zero", "1"], "--plan with --ep and --zero"),
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
 def test_moe_refuses_what_it_does_not_support_in_one_line(flags, named):
     with pytest.raises(UserError) as e:
@@ -375,8 +376,7 @@ def test_expert_parallel_groups_and_refusals():
     m = Mesh(1, 1, 4, rank=2, ep=2)
     assert m._all("ep") == [[0, 1], [2, 3]] and m._all("ep_dp") == [[0, 2], [1, 3]]
     assert Mesh(2, 1, 4, ep=2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
-    for flags, named in ((["--zero", "1"], "--ep 2 with --zero 1"), (["--moe-capacity-factor", "1"], "capacity"),
-                         (["--precision", "bf16-mixed"], "bf16-mixed")):
+    for flags, named in ((["--zero", "3"], "--ep 2 with --zero 3"), (["--moe-capacity-factor", "1"], "capacity")):
         with pytest.raises(UserError) as e:
             config.parse_args(["--preset", "moe", "--ep", "2"] + flags)
         assert named in str(e.value)
@@ -385,3 +385,203 @@ def test_expert_parallel_groups_and_refusals():
     from nanohlat import mesh as meshlib
     with pytest.raises(UserError, match="must divide dp 3"):
         meshlib.validate_layout(*config.parse_args(["--preset", "moe", "--ep", "2", "--batch-size", "6"]), 3)
+
+
+# -- composing with the other layouts: the same losses, norms and gradients as one process --
+
+def _record_gradients(opt, grads) -> None:
+    """Save step 1's reduced gradients (before clipping), per parameter piece, with
+    each piece's place in the full tensor, to <out-dir>/grads/rank<r>.pt."""
+    import os
+    pieces = [(p.name, p.local_start, p.local_stop, grad[p.start:p.stop].clone(), opt.params[p.name].shard)
+              for g, grad in zip(opt.groups, grads) for p in g.pieces]
+    os.makedirs(os.path.join(opt.tcfg.out_dir, "grads"), exist_ok=True)
+    torch.save([(n, a, b, v, tuple(s.full_shape), s.dim, s.parts, s.part) for n, a, b, v, s in pieces],
+               os.path.join(opt.tcfg.out_dir, "grads", f"rank{opt.mesh.rank}.pt"))
+
+
+def _patch_optimizer(FlatAdamW) -> None:
+    """Step 1's gradients recorded (`_record_gradients`); in a run whose --out-dir ends in
+    "planted", the grad norm counts the experts ep times over (the bug ZeRO's sum over dp
+    invites: the experts' squares added over ep, and then over dp = ep x ep_dp again)."""
+    real_reduce, real_norm = FlatAdamW.reduce_gradients, FlatAdamW.global_grad_norm
+
+    def reduce_gradients(self):
+        grads = real_reduce(self)
+        if not getattr(self, "recorded", False):
+            self.params, self.recorded = dict(self._model_params), True
+            _record_gradients(self, grads)
+        return grads
+
+    def global_grad_norm(self, grads):
+        if not self.tcfg.out_dir.endswith("planted"):
+            return real_norm(self, grads)
+        self.zero = False       # global_grad_norm then adds the experts' squares over ep too
+        try:
+            return real_norm(self, grads)
+        finally:
+            self.zero = True
+
+    real_init = FlatAdamW.__init__
+
+    def init(self, model, *args, **kwargs):
+        real_init(self, model, *args, **kwargs)
+        self._model_params = list(model.named_parameters())
+    FlatAdamW.__init__, FlatAdamW.reduce_gradients, FlatAdamW.global_grad_norm = init, reduce_gradients, global_grad_norm
+
+
+def _gradient_recorder(rank: int) -> None:
+    """Worker setup (run_layouts): `_patch_optimizer` on the optimizer the runs build."""
+    from nanohlat import optim
+    from nanohlat.tools import fast_adamw, metrics
+    metrics.measure_cpu_peak = lambda *args, **kwargs: 1e12     # (the MFU's CPU rate: seconds, not under test)
+    _patch_optimizer(optim.FlatAdamW)
+    assert issubclass(fast_adamw.FastFlatAdamW, optim.FlatAdamW)
+
+
+def _full_gradients(out) -> dict:
+    """The recorded pieces of every rank put together: {name: the full gradient}. Each element
+    must come from some rank, and every rank holding it must agree to the bit."""
+    import os
+    full, seen = {}, {}
+    folder = os.path.join(str(out), "grads")
+    for f in sorted(os.listdir(folder)):
+        for name, a, b, v, shape, dim, parts, part in torch.load(os.path.join(folder, f), weights_only=True):
+            if name not in full:
+                full[name], seen[name] = torch.zeros(shape), torch.zeros(shape, dtype=torch.bool)
+            dst, got = full[name], seen[name]
+            if dim is not None:
+                size = shape[dim] // parts
+                dst, got = dst.narrow(dim, part * size, size), got.narrow(dim, part * size, size)
+            flat, flat_got = dst.contiguous().view(-1), got.contiguous().view(-1)
+            both = flat_got[a:b]
+            assert torch.equal(flat[a:b][both], v.float()[both]), f"{name}: two holders disagree ({f})"
+            flat[a:b], flat_got[a:b] = v.float(), True
+            dst.copy_(flat.view(dst.shape)), got.copy_(flat_got.view(got.shape))
+    for name in full:
+        assert bool(seen[name].all()), f"{name}: {int((~seen[name]).sum())} elements in no rank's pieces"
+    return full
+
+
+def _assert_same_training(got_dir, ref_dir, name, loss_rel=1e-5):
+    """Losses <= loss_rel relative every step, grad norms as test_parallel.py allows them."""
+    ref = {m["step"]: m for m in read_metrics(str(ref_dir))}
+    got = read_metrics(str(got_dir))
+    assert [m["step"] for m in got] == list(range(1, 11)), name
+    for m in got:
+        r = ref[m["step"]]
+        assert abs(m["loss"] - r["loss"]) <= loss_rel * r["loss"], (name, m, r)
+        rel = 1e-6 if m["step"] == 1 else 1e-4
+        assert abs(m["grad_norm"] - r["grad_norm"]) <= rel * r["grad_norm"], (name, m, r)
+
+
+def _assert_same_gradients(got_dir, ref_dir, name):
+    """Step 1's summed gradient of every parameter equals one process's to fp32 round-off."""
+    got, ref = _full_gradients(got_dir), _full_gradients(ref_dir)
+    assert set(got) == set(ref), name
+    for n in ref:
+        scale = float(ref[n].abs().max())
+        assert float((got[n] - ref[n]).abs().max()) <= 1e-5 * scale, (name, n, float((got[n] - ref[n]).abs().max()), scale)
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(cache_dir, tmp_path_factory):
+    """The moe preset for 10 steps in one process, its step-1 gradients recorded."""
+    from nanohlat import optim
+    out = tmp_path_factory.mktemp("moe_one") / "one"
+    real = (optim.FlatAdamW.__init__, optim.FlatAdamW.reduce_gradients, optim.FlatAdamW.global_grad_norm)
+    _patch_optimizer(optim.FlatAdamW)
+    try:
+        _train_here(_flags(cache_dir, out))
+    finally:
+        optim.FlatAdamW.__init__, optim.FlatAdamW.reduce_gradients, optim.FlatAdamW.global_grad_norm = real
+    return out
+
+
+def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, one_process_moe):
+    """dp 4, ep 2 (ep groups [0 1] [2 3]; ep_dp [0 2] [1 3]) with ZeRO-1 and ZeRO-2: the dense
+    parameters' state sharded over the 4 dp ranks, the experts' over the 2 ranks holding the same
+    ones. The losses equal one process's to <= 1e-5 relative over 10 steps, the grad norms as the
+    dense layouts', and step 1's gradient of every parameter, put together from the ranks' shards,
+    to fp32 round-off; the ZeRO-1 run's step-5 checkpoint (each rank's shard of the optimizer state)
+    continues in one process as the uninterrupted run. The negative control: the grad norm with the
+    experts' squares added over ep before ZeRO's sum over dp (counted twice) is caught at step 1."""
+    layouts = {"dp4_ep2_zero1": ["--zero", "1", "--check-replicas", "1", "--save-every", "5"], "dp4_ep2_zero2_m2": ["--zero", "2", "--microbatches", "2"],
+               "dp4_ep2_zero1_planted": ["--zero", "1"]}
+    run_layouts(4, [_flags(cache_dir, tmp_path / n, "--dp", 4, "--ep", 2, *extra) for n, extra in layouts.items()],
+                str(tmp_path / "err"), setup=_gradient_recorder)
+    for name in ("dp4_ep2_zero1", "dp4_ep2_zero2_m2"):
+        _assert_same_training(tmp_path / name, one_process_moe, name)
+        _assert_same_gradients(tmp_path / name, one_process_moe, name)
+    assert any(".mlp.gate." in n for n in _full_gradients(tmp_path / "dp4_ep2_zero1"))   # the experts compared too
+    _train_here(_flags(cache_dir, tmp_path / "one_from_zero1", "--resume",
+                       str(tmp_path / "dp4_ep2_zero1" / "checkpoints" / "step_00000005")))
+    ref = {m["step"]: m["loss"] for m in read_metrics(str(one_process_moe))}
+    resumed = read_metrics(str(tmp_path / "one_from_zero1"))
+    assert [m["step"] for m in resumed] == list(range(6, 11))
+    assert all(abs(m["loss"] - ref[m["step"]]) <= 1e-5 * ref[m["step"]] for m in resumed), (resumed, ref)
+    planted, ref = read_metrics(str(tmp_path / "dp4_ep2_zero1_planted"))[0], read_metrics(str(one_process_moe))[0]
+    assert abs(planted["loss"] - ref["loss"]) <= 1e-5 * ref["loss"] and planted["grad_norm"] > (1 + 1e-3) * ref["grad_norm"], (planted, ref)
+    with pytest.raises(AssertionError):
+        _assert_same_training(tmp_path / "dp4_ep2_zero1_planted", one_process_moe, "planted")
+    _assert_same_gradients(tmp_path / "dp4_ep2_zero1_planted", one_process_moe, "planted")   # (only the norm is wrong)
+
+
+def _plant_expert_divergence(rank: int) -> None:
+    """Worker setup: after the 2nd optimizer step, rank 2 (dp 4, ep 2: it holds the experts rank 0
+    holds, ep_dp [0 2]) flips a mantissa bit of its first expert matrix, weight and master."""
+    from nanohlat import optim
+    from nanohlat.tools import metrics
+    metrics.measure_cpu_peak = lambda *args, **kwargs: 1e12
+    real_write_back, calls = optim.FlatAdamW.write_back, []
+
+    @torch.no_grad()
+    def write_back(self):
+        out = real_write_back(self)
+        calls.append(1)
+        if len(calls) == 2 and rank == 2:
+            group = next(g for g in self.groups if g.params[0].shard.group == "ep")
+            for t in [group.params[0]] + ([] if group.master_is_params else [group.master]):
+                t.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)[0] ^= 8
+        return out
+    optim.FlatAdamW.write_back = write_back
+
+
+BF16_EP = {"bf16-sr": ["--zero", "1", "--precision", "bf16-sr", "--moments", "bf16"],
+           "bf16-mixed": ["--precision", "bf16-mixed"], "bf16": ["--zero", "2", "--precision", "bf16"]}
+
+
+def test_expert_parallel_replicas_stay_bitwise_identical_in_every_precision(cache_dir, tmp_path):
+    """dp 4, ep 2 in bf16 with stochastic rounding (ZeRO-1, bf16 moments), bf16-mixed (no ZeRO) and
+    bf16 (ZeRO-2), --check-replicas 1: every step the replicated experts (ep_dp [0 2], [1 3]) and the
+    dense weights (all 4 dp ranks) are compared bit for bit, and a difference stops the run. The
+    losses against one process in the same precision: step 1 (same weights) to 1e-5 relative, the
+    10 steps to 1e-3 (measured <= 3.5e-4; not round-off: bf16 rounds sums of other orders otherwise,
+    and this model's bf16 itself differs from its fp32 by up to 6.9e-4 in 10 steps). The negative
+    control: one flipped bit in rank 2's copy of an expert after step 2 stops the run after step 2,
+    naming the expert and its ep_dp replicas."""
+    import os
+    runs = [_flags(cache_dir, tmp_path / p, "--dp", 4, "--ep", 2, "--check-replicas", 1, *extra)
+            for p, extra in BF16_EP.items()]
+    run_layouts(4, runs, str(tmp_path / "err"), setup=_gradient_recorder)
+    for p, extra in BF16_EP.items():
+        precision = extra[extra.index("--precision"):]                       # (one process: no ZeRO)
+        _train_here(_flags(cache_dir, tmp_path / f"one_{p}", *precision))
+        ref, got = read_metrics(str(tmp_path / f"one_{p}")), read_metrics(str(tmp_path / p))
+        assert [m["step"] for m in got] == list(range(1, 11)), p
+        assert abs(got[0]["loss"] - ref[0]["loss"]) <= 1e-5 * ref[0]["loss"], (p, got[0], ref[0])
+        for a, b in zip(got, ref):
+            assert abs(a["loss"] - b["loss"]) <= 1e-3 * b["loss"], (p, a, b)
+    with pytest.raises(AssertionError):
+        run_layouts(4, [_flags(cache_dir, tmp_path / "planted", "--dp", 4, "--ep", 2, "--check-replicas", 1,
+                               *BF16_EP["bf16-sr"])], str(tmp_path / "err_planted"), setup=_plant_expert_divergence)
+    last = {n: open(tmp_path / "err_planted" / n).read().strip().splitlines()[-1]
+            for n in sorted(os.listdir(tmp_path / "err_planted"))}
+    assert sorted(last) == [f"rank{r}.txt" for r in range(4)], "every rank must stop"
+    for r in (0, 2):   # the two holders of those experts name them; ranks 1 and 3 hold others
+        assert last[f"rank{r}.txt"].startswith(
+            "nanohlat.config.UserError: --check-replicas: after step 2, parameter layers.0.mlp.gate.weight "
+            "differs between its ep_dp replicas on ranks [0, 2]"), last
+    for r in (1, 3):
+        assert last[f"rank{r}.txt"] == ("nanohlat.config.UserError: --check-replicas: after step 2, replicas "
+                                        "differ on other ranks (their error names the parameter)"), last

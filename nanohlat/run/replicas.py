@@ -2,8 +2,9 @@
 
 Many ranks hold copies of the same parameter: every dp rank holds all of its
 stage's weights (with ZeRO-1 too, after the all-gather), every tp rank holds
-the RMSNorm gains, and tp ranks that share a kv head (tp > n_kv_heads) hold
-that head. Nothing in training ever compares them: each rank applies its own
+the RMSNorm gains, tp ranks that share a kv head (tp > n_kv_heads) hold
+that head, and under --ep the dp ranks of one ep_dp group hold the same
+experts (compared over that group: the ep ranks of a dp group hold others). Nothing in training ever compares them: each rank applies its own
 update to its own copy, and the tests prove the update is the same everywhere.
 If it were not (a rank-dependent random number, a missing all-reduce, a
 flaky device), the copies would drift apart silently and the checkpoint,
@@ -49,11 +50,15 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 def holders(p: torch.Tensor, kind: str, size: int) -> list[list[int]]:
-    """The sets of ranks (indices within a `kind` group of `size`) that hold copies of p."""
-    if kind == "dp":
-        return [list(range(size))]
-    # tp: ranks r with the same chunk r * chunks // tp hold the same slice (chunks 1: replicated)
-    chunks = p.shard.parts
+    """The sets of ranks (indices within a `kind` group of `size`) that hold copies of p.
+    A mixture's experts under --ep (p.shard.group "ep"): the dp ranks holding the same
+    ones are an ep_dp group, not dp (the ep ranks of a dp group hold different experts)."""
+    experts = p.shard.group == "ep"
+    if kind in ("dp", "ep_dp"):
+        return [list(range(size))] if experts == (kind == "ep_dp") else []
+    # tp: ranks r with the same chunk r * chunks // tp hold the same slice (chunks 1: replicated;
+    # experts: cut over ep, replicated over tp)
+    chunks = 1 if experts else p.shard.parts
     sets: dict = {}
     for r in range(size):
         sets.setdefault(r * chunks // size, []).append(r)
@@ -74,7 +79,8 @@ def _check(model, mesh, step: int, quiet) -> None:
     params = list(model.named_parameters())
     sums = torch.stack([checksum(p) for _, p in params])
     problems = []
-    for kind, group in (("dp", mesh.grad_group), ("tp", mesh.tp_group)):   # (--cp: its ranks are replicas too)
+    for kind, group in (("dp", mesh.grad_group), ("ep_dp", mesh.group("ep_dp")),   # (--cp: its ranks are replicas too)
+                        ("tp", mesh.tp_group)):
         if group.size == 1:
             continue
         gathered = comm.all_gather(sums, quiet(group)).view(group.size, -1).cpu()
