@@ -109,8 +109,9 @@ class Session:
         measured = self.mesh.ledger.snapshot()
         if not measured:
             return "communication: none (one process)"
-        if self.model_cfg.moe_experts:   # the plan has no MoE routing yet: the ledger alone
-            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (the plan has no MoE yet)"]
+        if self.model_cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
+            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (a mixture's all-to-alls "
+                     f"carry what the router sent; --plan predicts them for balanced routing)"]
             return "\n".join(lines + plan.comm_table(measured))
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
         lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
