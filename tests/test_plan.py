@@ -618,12 +618,10 @@ PEAK_LAYOUTS = {   # world -> name -> flags
 }
 # What the plan does not bound yet, and why (each measured: plan / allocator peak, on the rank shown)
 PEAK_NOT_BOUNDED = {
-    "ZeRO-1 dp 2": "0.98: gloo's reduce-scatter clones its whole input and its all-gather allocates the whole "
-                   "output, in the step; the plan counts the 1/dp results only",
-    "ZeRO-2 dp 2": "1.24, over: the plan adds the whole staged buffer to the activations and the loss backward, "
-                   "but the activations are largest at the backward's start and the staging at its end",
-    "ZeRO-3 dp 2": "1.20, over: as ZeRO-2, the gathered units and their staging added to the backward's "
-                   "largest moment, which they are not all alive at",
+    "ZeRO-1 dp 2": "1.05 on a rank where gloo has freed its scratch, 0.86-0.92 on one where the clone gloo's "
+                   "overlapped reduce-scatter makes of its whole input (the whole fp32 buffer, one bucket at tiny) "
+                   "is still alive in the next step's backward (timing-dependent); counted, it would put the "
+                   "other rank 1.19 over",
     "tp 2 SP": "1.04-1.05 in most runs, 0.976-0.99 in some (measured on 2 busy cores): gloo's buffers for the "
                "SP all-gathers and reduce-scatters, freed when its threads are done with them, are sometimes still "
                "alive at the peak (up to 150 KB); the plan does not count them",
@@ -668,6 +666,7 @@ def test_plan_peak_is_an_upper_bound_of_the_allocator_peak(allocator_peaks, name
         ratios = ", ".join(f"rank {r} stage {s}: {p / m:.3f}" for r, s, m, p in allocator_peaks[name])
         pytest.xfail(f"{PEAK_NOT_BOUNDED[name]} (plan / measured now: {ratios})")
     for rank, stage, measured, planned in allocator_peaks[name]:
+        print(f"{name}: rank {rank} stage {stage}: plan / measured {planned / measured:.3f}")   # (-s shows them)
         assert measured <= planned <= (1 + plan.PEAK_MARGIN) * measured, \
             (name, rank, stage, measured, planned, round(planned / measured, 4))
 
