@@ -293,7 +293,7 @@ def _staged_at_moments(segments: list[tuple[int, int]], dp: int, bucket_elems: i
             x -= n
         return x
     def touched(a, b, x):   # any of the bucket's real elements at or after x
-        top = max(r for r in range(dp) if r * cols + a < numel or r == 0)
+        top = min(dp - 1, max(0, numel - 1 - a) // cols)   # the last row holding real elements here
         return min(top * cols + b, numel) > x
     out = []
     for m in range(moments):
