@@ -12,15 +12,18 @@ sequences of T tokens per micro-batch; V the padded vocabulary):
 The peak is meant as an upper bound of the allocator's peak on a rank, at most
 PEAK_MARGIN (10%) above it. tests/test_plan.py measures it on the CPU with the
 allocator's own reports (one process, pp 2 and 4 under every schedule, on every
-stage) and names where it does not hold yet: tp 2 with SP (1.04-1.05 in most runs,
-but gloo's buffers for the SP all-gathers and reduce-scatters, freed when its
-threads finish with them, left up to 150 KB more alive at the peak in some: under
-by up to 2.4%, timing-dependent), ZeRO-1 (gloo's
-reduce-scatter and all-gather allocate whole-buffer scratch the plan does not
-count; under by 2%), ZeRO-2 and ZeRO-3 (over by 20-24%: the plan adds the staged buckets and
-the gathered units to the activations and the loss backward, which are largest at
-the backward's start, while the staging is largest at its end, once most
-activations are freed), zb-h1 at pp 4 (under by up to 2% on the middle stages).
+stage) and names where it does not hold yet: tp 2 with
+SP (gloo's buffers for the SP all-gathers and reduce-scatters, freed when its
+threads finish with them, left up to 150 KB more alive at the peak in some runs:
+under by up to 2.4%, timing-dependent), ZeRO-1 (the clone gloo's overlapped
+reduce-scatter makes of its whole input is, in some runs, still alive in the next
+step's backward: under by up to 14%; counting it would put the runs where it is
+freed 19% over), ZeRO-2 (1.08, but the same clone of a whole staged bucket left
+alive in two runs of four: under by 6.5%), ZeRO-3 (1.02-1.06, under by 0.5% in one
+run of four, gloo's clones again), zb-h1 at pp 4 (under by up to 2% on the middle stages in some runs).
+With ZeRO-2 and ZeRO-3 the forward/backward term is not the sum above but the
+largest moment of the backward (backward_moments_bytes): the activations are
+largest at its start, the staged buckets and gathered units later.
 
     weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
     gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
@@ -96,9 +99,10 @@ from __future__ import annotations
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.pipeline import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
+from nanohlat.data_parallel import bucket_ranges
 from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
-from nanohlat.tools.plan.params import dtype_bytes, flat_groups, stage_param_counts, zero3_gathered
+from nanohlat.tools.plan.params import dtype_bytes, flat_groups, group_kinds, stage_param_counts, zero3_gathered
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -106,7 +110,7 @@ from nanohlat.zero1 import padded_size
 # The peak is meant as an upper bound of the allocator's peak on a rank, no more than this
 # fraction above it: tests/test_plan.py measures it on the CPU (gloo) for one process, tp 2
 # with SP, pp 2 and 4 under every schedule, ZeRO-1/2/3 at dp 2, and names the layouts
-# where it does not hold yet (PEAK_NOT_BOUNDED there).
+# where it does not hold yet (PEAK_NOT_BOUNDED there: ZeRO-1/2/3, tp 2 with SP, zb-h1 at pp 4).
 PEAK_MARGIN = 0.10
 
 
@@ -188,13 +192,18 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     if not last:
         total += itemsize * n  # the stage's output, kept by the runner until its backward
     else:           # final norm, then the loss
-        V = cfg.padded_vocab // tp
-        total += 4 * n + itemsize * n + (itemsize * mb * T * C if sp and not regather else itemsize * n) + 4 * (n // C)
-        if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
-            total += 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
-        else:         # vocab-parallel: masked fp32 logits and their exp, and per-token scalars
-            total += 8 * mb * T * V + V + 13 * mb * T
+        total += loss_activation_bytes(cfg, tcfg, tp, dp, sp)
     return total
+
+
+def loss_activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, dp: int, sp: bool) -> int:
+    """What the last stage's final norm and loss keep for backward, one micro-batch (activation_bytes)."""
+    itemsize, mb, T, C = dtype_bytes(tcfg.precision), micro_batch_size(tcfg, dp), local_tokens(tcfg), cfg.d_model
+    n, V = mb * (T // tp if sp else T) * C, cfg.padded_vocab // tp
+    total = 4 * n + itemsize * n + (itemsize * mb * T * C if sp and not tcfg.sp_regather else itemsize * n) + 4 * (n // C)
+    if tp == 1:   # F.cross_entropy: its fp32 log-softmax (unpadded), the flattened targets, one scalar
+        return total + 4 * mb * T * cfg.vocab_size + 8 * mb * T + 4
+    return total + 8 * mb * T * V + V + 13 * mb * T   # vocab-parallel: masked fp32 logits and their exp, per-token scalars
 
 
 def microbatches_in_flight(schedule: str, pp: int, m: int, stage: int, v: int = 1) -> int:
@@ -277,6 +286,101 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     return peak
 
 
+def _staged_at_moments(segments: list[tuple[int, int]], dp: int, bucket_elems: int, overlap: bool,
+                       moments: int) -> list[int]:
+    """ZeRO-2/3: the fp32 staging one flat group holds at each moment of a backward, at most
+    (zero2.ZeroTwoDP.grad_hook). `segments`: (moment its gradients are made at, elements), in the
+    buffer's order; the backward makes them last first, so by moment m a suffix [x, numel) is in.
+    A bucket (columns [a, b) of every row of the (dp, S) view) is staged whole from its first
+    gradient until its last; with overlap its staging and its 1/dp result stay until the group's
+    last bucket is started. Within a moment, the buckets it touches count as staged from its start
+    to its end (an upper bound of what its parameters' hooks hold one after another)."""
+    numel = sum(n for _, n in segments)
+    cols = padded_size(numel, dp) // dp
+    buckets = [(a, b) for a, b in bucket_ranges(cols, bucket_elems // dp)]
+    def suffix(m):   # the first element made by the end of moment m
+        x = numel
+        for when, n in reversed(segments):
+            if when > m:
+                break
+            x -= n
+        return x
+    def touched(a, b, x):   # any of the bucket's real elements at or after x
+        top = min(dp - 1, max(0, numel - 1 - a) // cols)   # the last row holding real elements here
+        return min(top * cols + b, numel) > x
+    out = []
+    for m in range(moments):
+        before, after = suffix(m - 1), suffix(m)
+        done_before = all(a >= before for a, _ in buckets)
+        held = 0
+        for a, b in buckets:
+            if touched(a, b, after) and (overlap and not done_before or a < before):
+                held += 4 * dp * (b - a) + (4 * (b - a) if overlap and a >= after else 0)
+        out.append(held)
+    return out
+
+
+def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
+                           loss_backward: int, transients: int) -> int:
+    """ZeRO-2 and ZeRO-3 (dp > 1): what a micro-batch's forward and backward add, at its largest
+    moment, beyond the activations the other micro-batches in flight hold. The backward is walked
+    as a sequence of moments, the loss's, then the head's (and final norm's), each layer's, last
+    first, and the embedding's: the activations shrink by a layer's (layer_activation_bytes) as
+    each layer's backward ends, while the staged buckets grow (_staged_at_moments) and, ZeRO-3,
+    the rest's unit stays whole and each layer's is gathered for its own backward (that of the
+    layer after it counted as still whole: its last gradients may come after the next one's
+    gather). The loss's moment holds the logits' gradients (loss_backward) and nothing staged: the
+    head's gradient comes out of the same matmul backward that frees them. The largest is the
+    peak's, not the sum of each term's largest (which are at opposite ends of the backward)."""
+    v, itemsize = tcfg.virtual_stages, dtype_bytes(tcfg.precision)
+    L = cfg.n_layers // (pp * v)
+    mb, zdp = micro_batch_size(tcfg, dp), dp * tcfg.cp   # (ZeRO's ranks: dp x cp)
+    layer_act = layer_activation_bytes(cfg, mb, local_tokens(tcfg), tp, itemsize, tcfg.activation_checkpointing,
+                                       tcfg.sequence_parallel and tp > 1, True, tcfg.sp_regather)
+    moments = L + 2                       # 0: head and final norm; 1 + i: layer L-1-i; L+1: embedding
+    head, emb = stage == pp - 1, stage == 0
+    vocab = cfg.padded_vocab * cfg.d_model // tp
+    bucket = int(tcfg.bucket_mb * 2**20 / 4)
+    overlap = tcfg.overlap_grad_reduce
+    kinds = group_kinds(cfg, tp, pp, stage)
+    # each group's elements per layer: less the embedding and head (sharded), the final norm (replicated)
+    ends = {"sharded": vocab * (emb + head), "replicated": cfg.d_model * head}
+    per_layer = {k: (n - ends.get(k, 0)) // (L * v) for k, n in kinds}
+    staged = [0] * moments
+    gathered = [0] * moments
+    def add(segments):
+        for m, b in enumerate(_staged_at_moments(segments, zdp, bucket, overlap, moments)):
+            staged[m] += b
+    if tcfg.zero == 2:
+        for kind, _ in kinds:
+            segs = [(L - layer, per_layer[kind]) for layer in range(L)]
+            if kind == "sharded":
+                segs = ([(L + 1, vocab)] if emb else []) + segs + ([(0, vocab)] if head else [])
+            elif kind == "replicated" and head:
+                segs.append((0, cfg.d_model))
+            add([s for s in segs if s[1]])
+    else:                                 # ZeRO-3 (pp 1): one unit per layer, and the rest's
+        layer_groups = [padded_size(per_layer[k], zdp) for k, _ in kinds]
+        rest = [padded_size(2 * vocab, zdp), padded_size(cfg.d_model, zdp)]
+        for layer in range(L):
+            for k, _ in kinds:
+                add([(L - layer, per_layer[k])])
+        add([(L + 1, vocab), (0, vocab)])
+        add([(0, cfg.d_model)])
+        whole_rest, whole_layer = itemsize * sum(rest), itemsize * sum(layer_groups)
+        # all_gather_buckets' result, one group at a time, beside the buffer it is copied into
+        gather_out = itemsize * max(rest + layer_groups)
+        for m in range(moments):
+            gathered[m] = whole_rest + gather_out + (min(m, 2) * whole_layer if 1 <= m <= L else 0)
+    forward = gathered[0] + (itemsize * sum(layer_groups) if tcfg.zero == 3 else 0)   # the last layer's forward
+    loss = loss_backward + transients + gathered[0]
+    # after the head's backward the final norm's and the loss's saved tensors are freed (one chunk a stage)
+    tail = loss_activation_bytes(cfg, tcfg, tp, dp, tcfg.sequence_parallel and tp > 1) if head and v == 1 else 0
+    walk = [transients + staged[m] + gathered[m] - max(0, m - 1) * layer_act - (tail if m else 0)
+            for m in range(moments)]
+    return max(forward, loss, *walk)
+
+
 def exchange_neighbours(tcfg: TrainConfig, pp: int, stage: int) -> int:
     """The stages this one exchanges with (interleaved: the first and the last are neighbours too)."""
     return (stage > 0) + (stage < pp - 1) + (tcfg.virtual_stages > 1 and pp > 1 and stage in (0, pp - 1))
@@ -289,11 +393,17 @@ def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, 
     ids and targets (int64, its B/dp sequences: data_parallel.split_batch), and (pp > 1) the
     last exchange's all-gather output with each neighbour, mine and theirs (comm.exchange),
     which gloo's worker thread may still hold when the optimizer step begins (eager backends;
-    on xla the step is one graph)."""
+    on xla the step is one graph). ZeRO-1 (dp > 1): the last step's reduce-scattered gradient
+    shards (4 B each), which train.py's `grads` still names through this step's forward and
+    backward, until phase 1 makes the new ones (optimizer_step_bytes counts those)."""
     sp = tcfg.sequence_parallel and tp > 1
     last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
         * micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if sp else 1) * cfg.d_model
-    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) + last_exchange
+    zdp = dp * tcfg.cp   # ZeRO's ranks: dp x cp
+    last_grads = 4 * sum(padded_size(n, zdp) // zdp for n in flat_groups(cfg, tp, pp, stage, 1, tcfg.ep)) \
+        if tcfg.zero == 1 and zdp > 1 else 0
+    return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) \
+        + last_exchange + last_grads
 
 
 def state_bytes_per_param(tcfg: TrainConfig) -> int:
@@ -412,8 +522,9 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     # (xla: the step is one compiled graph whose buffers the compiler assigns; not modelled, not measured)
     out["backward_transients"] = (activations_in_flight_bytes(cfg, tcfg, tp, pp, dp, stage, fused=fused, grads=True)
                           - out["activations"]) if eager else 0
-    out["forward_backward"] = (out["activations"] + out["backward_transients"] + out["loss_backward"] + out["grad_staging"]
-                               + out["gathered"])
+    out["forward_backward"] = out["activations"] + (
+        backward_moments_bytes(cfg, tcfg, tp, pp, dp, stage, out["loss_backward"], out["backward_transients"])
+        if tcfg.zero >= 2 and dp > 1 else out["backward_transients"] + out["loss_backward"])
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat + out["fixed"]
                    + max(out["forward_backward"], out["optimizer_step"]))

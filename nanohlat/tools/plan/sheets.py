@@ -122,14 +122,19 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 + ["optimizer step", "peak"], rows)
     lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + rotary tables, token ids" + (", the last exchange" if pp > 1 and eager else "")
+             + (", the last step's gradient shards" if tcfg.zero == 1 and dp > 1 else "")
              + f" ({fmt_bytes(mems[largest]['fixed'])}) + the larger of "
-             "(activations in flight + loss backward"
+             "(activations in flight + " + ("the backward's largest moment of: " if staging or gathered else "")
+             + "loss backward"
              + (" + transients: a backward's own gradients" + (", the exchange's buffers" if pp > 1 else "")
                 if transient else "")
-             + (f" + ZeRO-{tcfg.zero}'s grad staging" if staging else "")
-             + (" + the layers gathered" if gathered else "") + ") and (optimizer step: " + step_parts + ")")
+             + (f", ZeRO-{tcfg.zero}'s grad staging" if staging else "")
+             + (" and the layers gathered" if gathered else "")
+             + (", as each layer's activations are freed; not the columns' sum" if staging or gathered else "")
+             + ") and (optimizer step: " + step_parts + ")")
     lines.append(f"  peak: meant as an upper bound of the allocator's peak on a rank, at most {PEAK_MARGIN:.0%} above it "
-                 "(measured on the cpu for small layouts, tests/test_plan.py; not yet a bound with ZeRO, zb-h1 or tp with SP)"
+                 "(measured on the cpu for small layouts, tests/test_plan.py; not yet a bound with ZeRO, zb-h1 at pp 4 or "
+                 "tp with SP, where gloo's buffers may outlive their collective)"
                  if eager else "  peak: what the plan counts; on xla the compiler assigns the step's buffers, which the plan "
                  "does not model (the bound is measured on eager backends: --device cpu)")
     biggest = mems[largest]["peak"]
