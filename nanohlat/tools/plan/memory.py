@@ -524,7 +524,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                           - out["activations"]) if eager else 0
     out["forward_backward"] = out["activations"] + (
         backward_moments_bytes(cfg, tcfg, tp, pp, dp, stage, out["loss_backward"], out["backward_transients"])
-        if tcfg.zero >= 2 and dp > 1 else out["backward_transients"] + out["loss_backward"])
+        if tcfg.zero >= 2 and zdp > 1 else out["backward_transients"] + out["loss_backward"])
     out["optimizer_step"] = temporaries
     out["peak"] = (out["weights"] + out["grads"] + out["optimizer"] + flat + out["fixed"]
                    + max(out["forward_backward"], out["optimizer_step"]))
