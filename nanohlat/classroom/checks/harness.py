@@ -118,7 +118,8 @@ def _worker(rank, world, port, fn, args, queue):
 
 
 def spawn(fn, world: int, *args) -> str | None:
-    """Run fn(rank, world, *args) on `world` gloo processes; the first failing rank's verdict."""
+    """Run fn(rank, world, *args) on `world` gloo processes; the first failing rank's verdict
+    (a stub's first, wherever it was met)."""
     import queue as queue_mod
     import torch.multiprocessing as mp
     from nanohlat.run.launch import free_port, start_method
@@ -147,10 +148,10 @@ def spawn(fn, world: int, *args) -> str | None:
         stuck = [r for r in range(world) if r not in verdicts]
         return (f"rank(s) {stuck} did not finish within {TIME_LIMIT:.0f} s: usually a collective that only "
                 f"some ranks call, so the others wait for it forever")
-    for r in range(world):
-        if verdicts[r]:
-            return verdicts[r]
-    return None
+    # a stub on one rank is why its peers' collectives failed ("Connection closed by peer"): name it first
+    failed = [verdicts[r] for r in range(world) if verdicts[r]]
+    stubs = [v for v in failed if v.startswith("not done yet")]
+    return (stubs or failed or [None])[0]
 
 
 def make_group(rank: int, world: int, name: str, ranks: list[int] | None = None):
