@@ -11,7 +11,8 @@ first loss or the second by far more.
 Compiling costs tens of seconds per process on the CPU (Inductor writes and
 builds C++), so there are two such tests: one process (with an evaluation,
 whose no_grad forward is a graph of its own), and one spawned pair of workers
-that runs tp 2, pp 2, then dp 2 with ZeRO-1.
+that runs tp 2, pp 2, dp 2 with ZeRO-1, then cp 2 with each attention algorithm
+(its exchanges and attention core eager between the layer's compiled graphs).
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def _recompile_limit_is_an_error(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_compile_tp2_pp2_and_dp2_zero1_match_eager(eager, cache_dir, tmp_path):
-    """tp 2, pp 2 and dp 2 with ZeRO-1 give the eager losses, compiled all along: a guard that
+def test_compile_tp2_pp2_dp2_zero1_and_cp2_match_eager(eager, cache_dir, tmp_path):
+    """tp 2, pp 2, dp 2 with ZeRO-1 and cp 2 (allgather, ring, ulysses) give the eager losses,
+    compiled all along: a guard that
     fails call after call (as one on comm.py's byte counters did) makes Dynamo
     recompile until its limit, then silently run that code eagerly; here that
     limit is an error (`fail_on_recompile_limit_hit`)."""
-    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"], "dp2_zero1": ["--dp", "2", "--zero1"]}
+    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"], "dp2_zero1": ["--dp", "2", "--zero1"],
+            **{f"cp2_{a}": ["--cp", "2", "--cp-attention", a] for a in ("allgather", "ring", "ulysses")}}
     run_layouts(2, [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
                     for name, extra in runs.items()], str(tmp_path / "err"), _recompile_limit_is_an_error)
     for name in runs:
