@@ -74,7 +74,6 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 @pytest.mark.parametrize("flags, named", [
     (["--compile"], "--compile"),
-    (["--timeline"], "--timeline"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),
     (["--cp-attention", "ulysses", "--tp", "8"], "its 1 heads and 1 kv heads"),   # heads / tp: 1 per tp rank
