@@ -195,7 +195,9 @@ def _same_storage(x: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 class CommTrace:
     """--timeline, dp > 1: the dp group's `trace` (comm.py; run/build.py sets it on the mesh's
-    group, which the optimizer's DP strategy and the loss's all-reduce both use). From the step's
+    group, which the optimizer's DP strategy and the loss's all-reduce both use; dp x cp with --cp;
+    with --cp another one, without `opt`, on the cp group: its collectives, named by their `what`,
+    and the attention they serve, `timed`). From the step's
     start (StepClock.start) to its end (StepClock.end_step) it records every collective on that
     group: each gradient bucket's, the loss's all-reduce, ZeRO's all-gathers of the parameters
     and its grad-norm all-reduce; outside (evaluation, --check-replicas, checkpoints) nothing.
@@ -432,8 +434,8 @@ def cp_report(trace, ops, mesh, dev) -> list[str]:
     lines = []
     for text in sections:
         lines += [""] + text.splitlines()
-    lines += ["", "attention on each cp rank, last step (ms: wall time in context_parallel.attention on that rank; "
-                  "of it, the host blocked on the cp collectives; the rest, its own work):",
+    lines += ["", "attention on each cp rank, last step (ms: wall time in context_parallel.attention on that rank, "
+                  "recomputed forwards included; of it, the host blocked on the cp collectives; the rest, its own work):",
               "  cp rank   forward: calls     wall  blocked      own   backward: calls     wall  blocked      own"]
     own = {"forward": [], "backward": []}
     for r, (fc, fw, fb, bc, bw, bb) in enumerate(times.tolist()):
