@@ -40,8 +40,9 @@ dK/dV s/n' shifts, allgather's 'fwd [K;V]' gather and 'bwd d[K;V]'
 reduce-scatter, ulysses' four all-to-alls), and the wall time that rank spent
 in context_parallel.attention, forward and backward apart: how much of it the
 host was blocked on those collectives, and the rest, its own work, which is
-what the zigzag split balances (`CommTrace.timed`). With dp x cp > 1 the
-gradients' and the loss's collectives are those of the dp x cp group.
+what the zigzag split balances (`CommTrace.timed`; on CUDA each of its
+readings waits for the device too). With dp x cp > 1 the gradients' and the
+loss's collectives are those of the dp x cp group.
 
 On CUDA the clock synchronises the device around every op (with --timeline
 only): kernels are launched asynchronously, and without the wait the
