@@ -11,8 +11,9 @@ first loss or the second by far more.
 Compiling costs tens of seconds per process on the CPU (Inductor writes and
 builds C++), so there are three such tests: one process (with an evaluation,
 whose no_grad forward is a graph of its own), a mixture of experts in one process
-against its eager run, and one spawned pair of workers that runs tp 2, pp 2, dp 2 with ZeRO-1, then cp 2 with each attention algorithm
-(its exchanges and attention core eager between the layer's compiled graphs).
+against its eager run, and one spawned pair of workers that runs tp 2, pp 2,
+dp 2 with ZeRO-1, then cp 2 with each attention algorithm (its exchanges and
+attention core eager between the layer's compiled graphs).
 """
 
 from __future__ import annotations
