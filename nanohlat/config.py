@@ -450,7 +450,7 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
-    refused += [f for f, on in (("--compile", tcfg.compile), ("--plan with --search", tcfg.plan and tcfg.search),
+    refused += [f for f, on in (("--plan with --search", tcfg.plan and tcfg.search),
                                 ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ counts
                                 ("--plan with --ep and --zero", tcfg.plan and tcfg.ep > 1 and tcfg.zero)) if on]   # ep unsharded)
     if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2

@@ -9,10 +9,11 @@ bug (a graph that drops a collective, a stale compiled constant) moves the
 first loss or the second by far more.
 
 Compiling costs tens of seconds per process on the CPU (Inductor writes and
-builds C++), so there are two such tests: one process (with an evaluation,
-whose no_grad forward is a graph of its own), and one spawned pair of workers
-that runs tp 2, pp 2, dp 2 with ZeRO-1, then cp 2 with each attention algorithm
-(its exchanges and attention core eager between the layer's compiled graphs).
+builds C++), so there are three such tests: one process (with an evaluation,
+whose no_grad forward is a graph of its own), a mixture of experts in one process
+against its eager run, and one spawned pair of workers that runs tp 2, pp 2,
+dp 2 with ZeRO-1, then cp 2 with each attention algorithm (its exchanges and
+attention core eager between the layer's compiled graphs).
 """
 
 from __future__ import annotations
@@ -107,3 +108,22 @@ def test_lessons_count_what_the_tutorial_says(capsys):
         "norm.item() on the host": "3 /   1",
         "torch.clamp on the device": "1 /   0",
     }, counts
+
+
+MOE = ["--preset", "moe", "--steps", "5", "--warmup-steps", "2", "--eval-every", "0"]
+
+
+@pytest.mark.slow
+def test_compile_moe_matches_eager(cache_dir, tmp_path):
+    """A mixture of experts compiled: its feed-forward blocks (routing, the dispatch whose shapes are
+    each step's tokens per expert, and with --ep its all-to-alls) run eagerly between the compiled
+    graphs (tools/compile.py); the losses and router losses (balance, z) equal eager's."""
+    def flags(out, extra):
+        return MOE + ["--cache-dir", cache_dir, "--out-dir", str(tmp_path / out), "--no-progress", "--threads", "1"] + extra
+    _train(flags("eager", []))
+    _train(flags("compiled", ["--compile"]))
+    ref, got = read_metrics(str(tmp_path / "eager")), read_metrics(str(tmp_path / "compiled"))
+    assert [m["step"] for m in got] == [m["step"] for m in ref] == list(range(1, 6))
+    for a, b in zip(got, ref):
+        for key in ("loss", "moe_balance", "moe_z"):   # (continuous: not the load, a count)
+            assert abs(a[key] - b[key]) <= LOSS_TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])

@@ -19,7 +19,9 @@ parameter names, checkpoints and the optimizer see the same module. One
 process runs the whole step's forward as one graph; with --tp > 1 each
 collective of comm.py is a graph break (compile_stage), with --cp > 1 each layer's
 attention across the cp ranks (its q, k and v projections and rotary compiled,
-the exchange of keys and values and the attention core eager), and with --pp > 1 every
+the exchange of keys and values and the attention core eager), with a mixture of
+experts each MoE feed-forward block eager (its dispatch's shapes change every
+step), and with --pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat import comm, context_parallel
+from nanohlat import comm, context_parallel, moe
 from nanohlat.config import UserError
 
 
@@ -59,8 +61,10 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
     # 8) and silently runs that code eagerly from then on.
     # --cp: attention across the cp ranks (context_parallel.Context.attention: its collectives,
     # the ring's started shifts and their waits, inside autograd Functions) runs eagerly too.
+    # A mixture of experts' feed-forward (moe.MoE.forward: routing, the dispatch whose shapes are
+    # the step's tokens per expert, --ep's all-to-alls) runs eagerly too.
     for owner, name in ((comm, "all_reduce"), (comm, "all_gather"), (comm, "reduce_scatter"),
-                        (context_parallel.Context, "attention")):
+                        (context_parallel.Context, "attention"), (moe.MoE, "forward")):
         f = getattr(owner, name)
         if not hasattr(f, "__wrapped__"):   # (once per process)
             setattr(owner, name, torch.compiler.disable(f))
