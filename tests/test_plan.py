@@ -712,9 +712,15 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
     finally:
         train.split_batch, session.Session.end_step = split, end
         undo()
+    alive_after = set()
     with warnings.catch_warnings():   # (isinstance on every object touches deprecated names)
         warnings.simplefilter("ignore")
-        alive_after = {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor):
+                try:
+                    alive_after.add(o.untyped_storage().data_ptr())
+                except RuntimeError:   # a tensor with no data (an earlier torch.compile's fake ones)
+                    pass
     live, peak, step = 0, 0, None
     for _, change, mark in live_bytes_timeline(prof.profiler.kineto_results.experimental_event_tree(), alive_after):
         live += change
