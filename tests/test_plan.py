@@ -461,6 +461,34 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_p
     assert held == model.num_params() - model.n_layers * E // 2 * 3 * model.d_model * model.ffn_dim
 
 
+MOE_LAYOUTS4 = {"ep4": ["--ep", "4"], "ep2_of_dp4": ["--ep", "2"]}   # dp 4: ep_dp groups of 1 and of 2
+
+
+@pytest.mark.slow
+def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_4_and_ep_2_of_dp_4(cache_dir, tmp_path):
+    """The same at dp 4 (4 gloo ranks, one group of workers, 1 step each, routing forced balanced):
+    --ep 4 (each rank 1 of the 4 experts, no other rank holding it: no ep_dp sum) and --ep 2 (2
+    experts a rank, their gradients summed over the ep_dp group of the 2 ranks holding the same
+    ones, [0 2] and [1 3]): rank 0's bytes and its whole ledger equal the plan."""
+    from dist_utils import run_layouts
+    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
+            "--no-progress", "--threads", "1"]
+    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS4.items()}
+    run_layouts(4, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
+    for name, argv in runs.items():
+        assert_run_matches_plan(tmp_path / name, argv, 4)
+    model, _ = config.parse_args(runs["ep4"])
+    mlp = 3 * model.d_model * model.ffn_dim
+    with open(tmp_path / "ep4" / "summary.json") as f:
+        ep4 = json.load(f)
+    with open(tmp_path / "ep2_of_dp4" / "summary.json") as f:
+        ep2 = json.load(f)
+    assert ep4["param_bytes"] // 4 == model.num_params() - model.n_layers * 3 * mlp      # 1 of 4 experts a layer
+    assert ep2["param_bytes"] // 4 == model.num_params() - model.n_layers * 2 * mlp      # 2 of 4
+    assert not any(k.startswith("ep_dp.") for k in ep4["comm_bytes"])                   # ep_dp of 1 rank: no sum
+    assert ep2["comm_bytes"]["ep_dp.all_reduce"] == 4 * model.n_layers * 2 * mlp         # its 2 experts' fp32 grads
+
+
 def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys):
     import train
     assert train.main(["--plan", "--preset", "moe", "--nproc", "2", "--ep", "2"]) == 0
