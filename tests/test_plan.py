@@ -524,6 +524,11 @@ def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
     N = 2048 // 2048 * 4096                                                           # tokens per rank
     assert comm["ep.all_to_all"]["payload"] == L * (8 * 8 + 4 * N * 2 * d * 4)
     assert sum(v["payload"] for k, v in comm.items() if k.startswith("ep_dp.")) == 4 * L * 3 * d * f   # over 256
+    # fewer gradient bytes at ep 8 (1 expert's over its ep_dp ring of 256, 8 such rings at once, walked hop by
+    # hop as the dp ring is) than at ep 1 (all 8 experts' over the dp ring of 2048): less dp time
+    ep1 = dataclasses.replace(train, ep=1)
+    assert plan.estimate_step(model, train, 2048, "NeuronCore-v2")["comm"]["dp"] < \
+        plan.estimate_step(model, ep1, 2048, "NeuronCore-v2")["comm"]["dp"]
 
 
 # ---------------------------------------------------------------------------
