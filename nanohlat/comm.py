@@ -17,8 +17,9 @@ Expert and context parallelism add three, on gloo and nccl:
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
 `trace` (--timeline: tools/timeline.py:CommTrace) is told when these two, all_reduce,
-reduce_scatter and all_gather are issued and end, with the caller's `what` (what the collective is: 'loss', 'grad norm', or
-(flat gradient buffer, k), its bucket k): it names and times them and changes nothing.
+reduce_scatter, all_gather, all_to_all and start_ring_shift are issued and end, with the caller's `what` (what the
+collective is: 'loss', 'grad norm', (flat gradient buffer, k), its bucket k, or a cp step such as 'bwd dK/dV 2/2'):
+it names and times them and changes nothing.
 
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
 on the xla backend, while an all-gather between two neighbours is a
@@ -232,7 +233,7 @@ def exchange(x: torch.Tensor, pair, sends: bool = True, receives: bool = True) -
     return out[1 - pair.rank]
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, what=None) -> torch.Tensor:
     """Rows of x to every rank: the first send[0] rows to rank 0 of the group, the next
     send[1] to rank 1, ...; returns the rows received, recv[r] from rank r, in rank order
     (expert parallelism, moe.py: both sides learn the counts first). The ledger's payload
@@ -242,14 +243,17 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torc
     _check_device(x, group)
     x = x.contiguous()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    row = x.element_size() * (x.numel() // max(x.shape[0], 1) if x.shape[0] else 0)
     if group.ledger is not None:
-        row = x.element_size() * (x.numel() // max(x.shape[0], 1) if x.shape[0] else 0)
         group.ledger.record(f"{group.name}.all_to_all", sum(send) * row, (sum(send) - send[group.rank]) * row)
+    traced = _issued(group, "all_to_all", x, sum(send) * row, what)
     dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group.pg)
+    if traced:
+        traced.ended()
     return out
 
 
-def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> torch.Tensor:
+def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int, what=None) -> torch.Tensor:
     """Cut x into group.size equal pieces along `split_dim`, send piece j to rank j, and
     concatenate the pieces received, in rank order, along `cat_dim`: all_to_all with one
     row a rank. Its own inverse with the two dims swapped (Ulysses attention goes
@@ -257,11 +261,11 @@ def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int) -> t
     if group.size == 1:
         return x
     pieces = torch.stack(x.chunk(group.size, dim=split_dim))   # (n, ...): piece j for rank j
-    out = all_to_all(pieces, [1] * group.size, [1] * group.size, group)
+    out = all_to_all(pieces, [1] * group.size, [1] * group.size, group, what)
     return torch.cat(out.unbind(0), dim=cat_dim)
 
 
-def start_ring_shift(x: torch.Tensor, group, step: int = 1):
+def start_ring_shift(x: torch.Tensor, group, step: int = 1, what=None):
     """Send x to the rank `step` places on in the group (wrapping round) and receive the tensor
     of the rank `step` places back, started, not finished: returns (the tensor that will hold
     what arrives, the handles to `.wait()` on before reading it or writing x). Every rank of the
@@ -273,4 +277,4 @@ def start_ring_shift(x: torch.Tensor, group, step: int = 1):
     _record(group, "ring_shift", x.numel() * x.element_size())
     ops = [dist.P2POp(dist.isend, x, group.ranks[(me + step) % n], group.pg),
            dist.P2POp(dist.irecv, out, group.ranks[(me - step) % n], group.pg)]
-    return out, dist.batch_isend_irecv(ops)
+    return out, _issued(group, "ring_shift", x, x.numel() * x.element_size(), what, dist.batch_isend_irecv(ops))

@@ -91,8 +91,9 @@ class Context:
         return cos[mine], sin[mine]
 
     def attention(self, q, k, v):
-        """`attention` below with this rank's group, table and algorithm."""
-        return attention(q, k, v, self.group, self.positions(q.shape[2]), self.algorithm)
+        """`attention` below with this rank's group, table and algorithm (--timeline: timed, tools/timeline.py)."""
+        args = (q, k, v, self.group, self.positions(q.shape[2]), self.algorithm)
+        return self.group.trace.timed(attention, *args) if self.group.trace else attention(*args)
 
 
 def split_sequence(tokens: torch.Tensor, cp: int, rank: int):
@@ -142,11 +143,11 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return comm.all_gather(x, group, dim=2)
+        return comm.all_gather(x, group, dim=2, what="fwd [K;V]")
 
     @staticmethod
     def backward(ctx, g):
-        return comm.reduce_scatter(g, ctx.group, dim=2), None
+        return comm.reduce_scatter(g, ctx.group, dim=2, what="bwd d[K;V]"), None
 
 
 def allgather_attention(q, k, v, group, positions):
@@ -165,13 +166,13 @@ class _AllToAll(torch.autograd.Function):
     """Forward all-to-all (split one dim, gather another); backward the inverse: the same with them swapped."""
 
     @staticmethod
-    def forward(ctx, x, group, split_dim, cat_dim):
-        ctx.args = (group, cat_dim, split_dim)
-        return comm.all_to_all_pieces(x, group, split_dim, cat_dim)
+    def forward(ctx, x, group, split_dim, cat_dim, what):
+        ctx.args = (group, cat_dim, split_dim, what[1])         # (what: its names in --timeline, forward and back)
+        return comm.all_to_all_pieces(x, group, split_dim, cat_dim, what[0])
 
     @staticmethod
     def backward(ctx, g):
-        return comm.all_to_all_pieces(g, *ctx.args), None, None, None
+        return comm.all_to_all_pieces(g, *ctx.args), None, None, None, None
 
 
 def ulysses_attention(q, k, v, group, positions):
@@ -183,11 +184,11 @@ def ulysses_attention(q, k, v, group, positions):
     # (B, n, h + 2kh, t, D): along dim 1, piece j is what rank j gets: query heads j*h .. (j+1)*h - 1
     # and the kv heads they use (kv head of query head i is i // (H/K), so kv heads j*kh .. (j+1)*kh - 1)
     x = torch.cat([q.unflatten(1, (n, h)), k.unflatten(1, (n, kh)), v.unflatten(1, (n, kh))], dim=2)
-    x = _AllToAll.apply(x, group, 1, 3).squeeze(1)               # (B, h + 2kh, T, D): all tokens, my heads
-    q_mine, k_mine, v_mine = x.split([h, kh, kh], dim=1)
+    x = _AllToAll.apply(x, group, 1, 3, ("fwd qkv>heads", "bwd dqkv>seq")).squeeze(1)   # (B, h + 2kh, T, D)
+    q_mine, k_mine, v_mine = x.split([h, kh, kh], dim=1)             # all tokens, my heads
     everyone = positions.flatten()                                # the gathered tokens, in rank order
     y = _dense(q_mine, k_mine, v_mine, _causal_mask(everyone, everyone, q.device))   # (B, h, T, D)
-    return _AllToAll.apply(y, group, 2, 1)                       # back: (B, H, t, D), heads in order again
+    return _AllToAll.apply(y, group, 2, 1, ("fwd out>seq", "bwd dout>heads"))   # back: (B, H, t, D), heads in order again
 
 
 # ---------------------------------------------------------------------------
@@ -289,7 +290,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])                                    # one message: (2, B, K, t, D)
         for s in range(n):
             if s < n - 1:
-                arriving, handles = comm.start_ring_shift(kv, group, +1)
+                arriving, handles = comm.start_ring_shift(kv, group, +1, f"fwd K/V {s + 1}/{n - 1}")
             k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             for a, b, mask in _pairs(q_pos, positions[(me - s) % n], q.device):
                 o, l = _block(q_chunks[a], k_chunks[b], v_chunks[b], mask)
@@ -318,7 +319,7 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)   # travels with its block
         for s in range(n):
             if s < n - 1:
-                arriving, handles = comm.start_ring_shift(kv, group, -1)
+                arriving, handles = comm.start_ring_shift(kv, group, -1, f"bwd K/V {s + 1}/{n - 1}")
             kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
             dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))   # views: += writes into dkv
             for a, b, mask in _pairs(q_pos, positions[(me + s) % n], q.device):
@@ -327,7 +328,7 @@ class RingAttention(torch.autograd.Function):
                 dk[b] += g_k
                 dv[b] += g_v
             # this block's dK/dV goes on with it; after the last step, the hop home
-            dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)
+            dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1, f"bwd dK/dV {s + 1}/{n}")
             for h in dkv_handles + (handles if s < n - 1 else []):
                 h.wait()
             if s < n - 1:

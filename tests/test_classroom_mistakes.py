@@ -623,10 +623,10 @@ PLANTS = [
                .replace("for s in range(n):\n", "kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)\n"
                         "for s in range(n):\n"))),
     wrong("11c", "dK/dV not sent home: no hop after the last step (each rank keeps its neighbour's)",
-          "cp 4, fp32: dk", sub("dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)",
+          "cp 4, fp32: dk", sub('dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1, f"bwd dK/dV {s + 1}/{n}")',
                                 "dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1) if s < n - 1 else (dkv, [])")),
     wrong("11c", "dK/dV sent the forward's way (+1) while their K/V block goes the other", "cp 4, fp32: dk",
-          sub("dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1)",
+          sub('dkv, dkv_handles = comm.start_ring_shift(dkv, group, -1, f"bwd dK/dV {s + 1}/{n}")',
               "dkv, dkv_handles = comm.start_ring_shift(dkv, group, +1)")),
     wrong("11c", "dK/dV accumulated in the inputs' dtype (bf16: rounded at every hop)", "cp 4, bf16 inputs",
           sub("dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)",

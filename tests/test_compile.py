@@ -9,9 +9,11 @@ bug (a graph that drops a collective, a stale compiled constant) moves the
 first loss or the second by far more.
 
 Compiling costs tens of seconds per process on the CPU (Inductor writes and
-builds C++), so there are two such tests: one process (with an evaluation,
-whose no_grad forward is a graph of its own), and one spawned pair of workers
-that runs tp 2, pp 2, then dp 2 with ZeRO-1.
+builds C++), so there are three such tests: one process (with an evaluation,
+whose no_grad forward is a graph of its own), a mixture of experts in one process
+against its eager run, and one spawned pair of workers that runs tp 2, pp 2,
+dp 2 with ZeRO-1, then cp 2 with each attention algorithm (its exchanges and
+attention core eager between the layer's compiled graphs).
 """
 
 from __future__ import annotations
@@ -76,12 +78,14 @@ def _recompile_limit_is_an_error(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_compile_tp2_pp2_and_dp2_zero1_match_eager(eager, cache_dir, tmp_path):
-    """tp 2, pp 2 and dp 2 with ZeRO-1 give the eager losses, compiled all along: a guard that
+def test_compile_tp2_pp2_dp2_zero1_and_cp2_match_eager(eager, cache_dir, tmp_path):
+    """tp 2, pp 2, dp 2 with ZeRO-1 and cp 2 (allgather, ring, ulysses) give the eager losses,
+    compiled all along: a guard that
     fails call after call (as one on comm.py's byte counters did) makes Dynamo
     recompile until its limit, then silently run that code eagerly; here that
     limit is an error (`fail_on_recompile_limit_hit`)."""
-    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"], "dp2_zero1": ["--dp", "2", "--zero1"]}
+    runs = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2", "--microbatches", "2"], "dp2_zero1": ["--dp", "2", "--zero1"],
+            **{f"cp2_{a}": ["--cp", "2", "--cp-attention", a] for a in ("allgather", "ring", "ulysses")}}
     run_layouts(2, [_flags(cache_dir, tmp_path / name, extra + ["--compile", "--eval-every", "10"])
                     for name, extra in runs.items()], str(tmp_path / "err"), _recompile_limit_is_an_error)
     for name in runs:
@@ -104,3 +108,22 @@ def test_lessons_count_what_the_tutorial_says(capsys):
         "norm.item() on the host": "3 /   1",
         "torch.clamp on the device": "1 /   0",
     }, counts
+
+
+MOE = ["--preset", "moe", "--steps", "5", "--warmup-steps", "2", "--eval-every", "0"]
+
+
+@pytest.mark.slow
+def test_compile_moe_matches_eager(cache_dir, tmp_path):
+    """A mixture of experts compiled: its feed-forward blocks (routing, the dispatch whose shapes are
+    each step's tokens per expert, and with --ep its all-to-alls) run eagerly between the compiled
+    graphs (tools/compile.py); the losses and router losses (balance, z) equal eager's."""
+    def flags(out, extra):
+        return MOE + ["--cache-dir", cache_dir, "--out-dir", str(tmp_path / out), "--no-progress", "--threads", "1"] + extra
+    _train(flags("eager", []))
+    _train(flags("compiled", ["--compile"]))
+    ref, got = read_metrics(str(tmp_path / "eager")), read_metrics(str(tmp_path / "compiled"))
+    assert [m["step"] for m in got] == [m["step"] for m in ref] == list(range(1, 6))
+    for a, b in zip(got, ref):
+        for key in ("loss", "moe_balance", "moe_z"):   # (continuous: not the load, a count)
+            assert abs(a[key] - b[key]) <= LOSS_TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])

@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
     if "ring" in algorithms:
         # negative control: a ring whose shift hands back the block it was given (a stale K/V block)
         real = comm.start_ring_shift
-        comm.start_ring_shift = lambda x, group, step=1: (x.clone(), [])
+        comm.start_ring_shift = lambda x, group, step=1, what=None: (x.clone(), [])
         try:
             results["ring stale block"] = errors(cp_run("ring", torch.float32), ref32)
         finally:

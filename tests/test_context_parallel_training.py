@@ -73,8 +73,6 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--compile"], "--compile"),
-    (["--timeline"], "--timeline"),
     (["--moe-experts", "4"], "a mixture of experts"), (["--seq-len", "30"], "not a multiple of 4"),
     (["--cp-attention", "ulysses", "--cp", "8", "--seq-len", "32"], "divisible by --cp 8"),
     (["--cp-attention", "ulysses", "--tp", "8"], "its 1 heads and 1 kv heads"),   # heads / tp: 1 per tp rank
@@ -85,7 +83,7 @@ def test_what_cp_does_not_do_yet_is_refused_in_one_line(flags, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("flags, named", [(["--compile"], "--cp 2 with --compile"),
+@pytest.mark.parametrize("flags, named", [(["--moe-experts", "4"], "--cp 2 with a mixture of experts"),
                                           (["--device", "xla"], "not supported on xla")])
 def test_train_py_refuses_with_exit_2_and_one_line(flags, named, capsys):
     import train

@@ -46,11 +46,14 @@ def build(model_cfg, tcfg, mesh, dev):
     opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
-    if clock and mesh.dp > 1:
-        # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group) tells a CommTrace
-        # when each of its collectives in a step is issued and ends, and what it is
+    if clock and opt.dp.group.size > 1:
+        # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group, dp x cp with --cp) tells a
+        # CommTrace when each of its collectives in a step is issued and ends, and what it is
         clock.trace = timeline.CommTrace(clock, opt)
         opt.dp.group.trace = clock.trace
+    if clock and mesh.cp > 1:
+        # --timeline --cp: the cp group's collectives, and the attention they serve, timed the same way
+        clock.cp_trace = mesh.group("cp").trace = timeline.CommTrace(clock)
     # xla: make the optimizer's new buffers device data now, so that the first step's graphs
     # read them as every later step does (else one more compile)
     dev.sync()

@@ -17,7 +17,11 @@ What is compiled: the model stage, `Transformer.forward` (forward and, through
 AOTAutograd, its backward), compiled in place (`nn.Module.compile`), so
 parameter names, checkpoints and the optimizer see the same module. One
 process runs the whole step's forward as one graph; with --tp > 1 each
-collective of comm.py is a graph break (compile_stage), and with --pp > 1 every
+collective of comm.py is a graph break (compile_stage), with --cp > 1 each layer's
+attention across the cp ranks (its q, k and v projections and rotary compiled,
+the exchange of keys and values and the attention core eager), with a mixture of
+experts each MoE feed-forward block eager (its dispatch's shapes change every
+step), and with --pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat import comm
+from nanohlat import comm, context_parallel, moe
 from nanohlat.config import UserError
 
 
@@ -55,10 +59,15 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
     # traced, every such integer becomes a guard ("payload == 2101252") that the
     # next call fails, a recompilation per call until Dynamo gives up (its limit,
     # 8) and silently runs that code eagerly from then on.
-    for name in ("all_reduce", "all_gather", "reduce_scatter"):
-        f = getattr(comm, name)
+    # --cp: attention across the cp ranks (context_parallel.Context.attention: its collectives,
+    # the ring's started shifts and their waits, inside autograd Functions) runs eagerly too.
+    # A mixture of experts' feed-forward (moe.MoE.forward: routing, the dispatch whose shapes are
+    # the step's tokens per expert, --ep's all-to-alls) runs eagerly too.
+    for owner, name in ((comm, "all_reduce"), (comm, "all_gather"), (comm, "reduce_scatter"),
+                        (context_parallel.Context, "attention"), (moe.MoE, "forward")):
+        f = getattr(owner, name)
         if not hasattr(f, "__wrapped__"):   # (once per process)
-            setattr(comm, name, torch.compiler.disable(f))
+            setattr(owner, name, torch.compiler.disable(f))
     model.compile()
     return model
 

@@ -33,6 +33,17 @@ blocking call returned, an async work's wait() returned, or its
 is_completed() said so when polled at an op boundary. gloo tells nothing in
 between, so "complete by" is an upper bound on when it finished.
 
+With --cp > 1 it also lists, for each rank of rank 0's cp group, that rank's
+collectives on the cp group in the step (`cp_report`), named by the step of
+the algorithm they are (the ring's 'fwd K/V s/n-1', 'bwd K/V s/n-1' and 'bwd
+dK/dV s/n' shifts, allgather's 'fwd [K;V]' gather and 'bwd d[K;V]'
+reduce-scatter, ulysses' four all-to-alls), and the wall time that rank spent
+in context_parallel.attention, forward and backward apart: how much of it the
+host was blocked on those collectives, and the rest, its own work, which is
+what the zigzag split balances (`CommTrace.timed`; on CUDA each of its
+readings waits for the device too). With dp x cp > 1 the gradients' and the
+loss's collectives are those of the dp x cp group.
+
 On CUDA the clock synchronises the device around every op (with --timeline
 only): kernels are launched asynchronously, and without the wait the
 timeline would show launches, not work. That wait includes collectives in
@@ -43,6 +54,7 @@ tracing, not device time.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -74,15 +86,19 @@ class StepClock:
     micro-batch, started, chunk) after it and stop() after the last tick; `records`
     then holds (kind, micro-batch, start, end, chunk), times in seconds since start().
     With `synchronize` each reading first waits for the device. With a `trace`
-    (CommTrace), every reading also polls the dp collectives in flight; the
-    trace records from start() to end_step() (run/session.py, after the optimizer step).
+    (CommTrace: the gradients' group's) or a `cp_trace` (the cp group's), every reading also polls
+    their collectives in flight; they record from start() to end_step() (run/session.py, after the
+    optimizer step).
     """
 
     def __init__(self, device, synchronize: bool = False):
         self.device, self.synchronize = device, synchronize
         self.records: list[tuple[str, int, float, float]] = []
         self.t0 = self.t1 = 0.0
-        self.trace = None
+        self.trace = self.cp_trace = None
+
+    def traces(self) -> list:
+        return [t for t in (self.trace, self.cp_trace) if t is not None]
 
     def _now(self) -> float:
         if self.synchronize:
@@ -92,13 +108,13 @@ class StepClock:
     def start(self) -> None:
         self.records = []
         self.t0 = self._now()
-        if self.trace:
-            self.trace.events, self.trace.open = [], True
+        for trace in self.traces():
+            trace.events, trace.spans, trace.open = [], [], True
 
     def end_step(self) -> None:
-        """The optimizer step is over (run/session.py): the trace records nothing more until the next start."""
-        if self.trace:
-            self.trace.open = False
+        """The optimizer step is over (run/session.py): the traces record nothing more until the next start."""
+        for trace in self.traces():
+            trace.open = False
 
     def op_start(self) -> float:
         return self._poll(self._now())
@@ -110,8 +126,8 @@ class StepClock:
         self.t1 = self._poll(self._now())
 
     def _poll(self, now: float) -> float:
-        if self.trace:
-            for event in self.trace.events:
+        for trace in self.traces():
+            for event in trace.events:
                 event.poll(now - self.t0)
         return now
 
@@ -126,7 +142,7 @@ class Reduction:
     complete by then, and `how`: 'returned' from a blocking call, 'polled' is_completed() at an op
     boundary, 'wait' returned) and `blocked`, the (start, end) spans the host spent in the blocking
     call or in wait(). `label` says what it is (CommTrace.name). For an async one it stands in for
-    the work: the caller's wait() and is_completed() go through it."""
+    the work: the caller's wait() and is_completed() go through it (a ring shift's: its list of works)."""
 
     def __init__(self, trace, op: str, nbytes: int, label: str, work=None):
         self.trace, self.op, self.nbytes, self.label, self.work = trace, op, nbytes, label, work
@@ -137,22 +153,39 @@ class Reduction:
         self.done, self.how = self.trace.now(), "returned"
         self.blocked.append((self.issued, self.done))
 
+    def works(self) -> list:
+        return self.work if isinstance(self.work, list) else [self.work]
+
     def poll(self, t: float) -> None:
-        if self.done is None and self.work is not None and self.work.is_completed():
+        if self.done is None and self.work is not None and self.is_completed():
             self.done, self.how = t, "polled"
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return all(w.is_completed() for w in self.works())
 
     def wait(self, *args, **kwargs):
         begin = self.trace.now(synchronize=False)
         self.poll(begin)
-        out = self.work.wait(*args, **kwargs)
+        out = [w.wait(*args, **kwargs) for w in self.works()][-1]
         end = self.trace.now()
         if self.done is None:
             self.done, self.how = end, "wait"
         self.blocked.append((begin, end))
         return out
+
+
+class _Note(torch.autograd.Function):
+    """Identity on its tensors whose backward first calls `note` (CommTrace.timed: it reads the clock)."""
+
+    @staticmethod
+    def forward(ctx, note, *xs):
+        ctx.note = note
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.note()
+        return (None, *grads)
 
 
 def _same_storage(x: torch.Tensor, buffer: torch.Tensor) -> bool:
@@ -163,7 +196,9 @@ def _same_storage(x: torch.Tensor, buffer: torch.Tensor) -> bool:
 
 class CommTrace:
     """--timeline, dp > 1: the dp group's `trace` (comm.py; run/build.py sets it on the mesh's
-    group, which the optimizer's DP strategy and the loss's all-reduce both use). From the step's
+    group, which the optimizer's DP strategy and the loss's all-reduce both use; dp x cp with --cp;
+    with --cp another one, without `opt`, on the cp group: its collectives, named by their `what`,
+    and the attention they serve, `timed`). From the step's
     start (StepClock.start) to its end (StepClock.end_step) it records every collective on that
     group: each gradient bucket's, the loss's all-reduce, ZeRO's all-gathers of the parameters
     and its grad-norm all-reduce; outside (evaluation, --check-replicas, checkpoints) nothing.
@@ -176,7 +211,7 @@ class CommTrace:
     (plain dp's buckets), of a kept parameter shard (ZeRO's all-gathers)."""
 
     def __init__(self, clock, opt=None):
-        self.clock, self.events, self.open = clock, [], False
+        self.clock, self.events, self.spans, self.open = clock, [], [], False
         self.buffers = []                        # (flat group, number of its first bucket, its buckets)
         for g in opt.groups if opt is not None else []:
             if g.dp is opt.dp:                   # (--ep: the experts' groups reduce over another group)
@@ -190,18 +225,38 @@ class CommTrace:
 
     def issued(self, op: str, x: torch.Tensor, payload: int, what=None, work=None):
         """`op` ('dp.all_reduce', ...) of x, `payload` bytes in the comm ledger, is being issued (blocking:
-        work None) or was (async): its Reduction, or outside the step `work` itself."""
+        work None) or was (async): its Reduction (a list of works: [its Reduction]), or outside the step `work`."""
         if not self.open:
             return work
         event = Reduction(self, op, payload, self.name(op, x, what), work)
         self.events.append(event)
-        return event
+        return [event] if isinstance(work, list) else event
+
+    def timed(self, fn, *args):
+        """--cp: fn(q, k, v, ...) (context_parallel.attention) with its forward and its backward timed on this
+        rank, in a step: (kind 'F' or 'B', start, end) in `spans`, seconds since the step began. The backward
+        begins when the output's gradient reaches an identity on it, and ends when q's, k's and v's have all
+        reached one on them (_Note): after the cp collectives of the backward. Recomputed forwards count as
+        forwards (activation checkpointing). It changes no value: identities, and the clock."""
+        if not self.open:
+            return fn(*args)
+        began = []                                    # the backward's start, once the output's gradient arrives
+
+        def ended():
+            self.spans.append(("B", began[0], self.now()))
+        q, k, v = _Note.apply(ended, *args[:3])
+        start = self.now()
+        out = fn(q, k, v, *args[3:])
+        self.spans.append(("F", start, self.now()))
+        return _Note.apply(lambda: began.append(self.now()), out)[0]
 
     def name(self, op: str, x: torch.Tensor, what) -> str:
         """'loss', 'grad norm' (as the caller says), 'bucket k' (a gradient bucket), 'params k' (ZeRO:
         the all-gather of the new weights in bucket k's columns); '?' for a number that is not known."""
         if isinstance(what, str):
             return what
+        if not self.buffers:                     # the cp group's trace: named only by what its caller says
+            return "?"
         kind = "params" if op.endswith("all_gather") else "bucket"
         for g, first, buckets in self.buffers:
             if isinstance(what, tuple) and what[0] is g.grad:          # (flat gradient buffer, k)
@@ -258,9 +313,10 @@ def _kind(label: str) -> str:
             "grad": "in the grad norm's all-reduce"}.get(label.split(" ")[0], "in other collectives")
 
 
-def reduction_report(trace, ops, rank: int, width: int = 72, others=()) -> list[str]:
+def reduction_report(trace, ops, rank: int, width: int = 72, others=(), group: str = "dp") -> list[str]:
     """The dp collectives of the last step against this rank's ops (`ops`), as text lines. `others`:
-    the mesh's other groups with collectives in a step ('tp', 'pp', 'cp'), which the trace does not see."""
+    the mesh's other groups with collectives in a step ('tp', 'pp'), which the trace does not see; `group`:
+    the gradients' group ('dp', or with --cp 'dp x cp')."""
     groups = "groups'" if len(others) > 1 else "group's"
     not_shown = f", and the {', '.join(others)} {groups} collectives, not shown" if others else ""
     events = trace.events
@@ -270,7 +326,7 @@ def reduction_report(trace, ops, rank: int, width: int = 72, others=()) -> list[
     buckets = [ev for ev in events if ev.label.startswith("bucket")]
     during = [ev for ev in buckets if ev.issued <= end_b]
     done_by_end = [ev for ev in during if ev.done is not None and ev.done <= end_b]
-    lines = ["", f"collectives on rank {rank}'s dp group, last step, in the order issued (ms since the step "
+    lines = ["", f"collectives on rank {rank}'s {group} group, last step, in the order issued (ms since the step "
                  f"began; its backward ended at {end_b * 1e3:.1f} ms):",
              "  what        collective           bytes   issued                        known complete   "
              "host blocked on it"]
@@ -317,9 +373,80 @@ def reduction_report(trace, ops, rank: int, width: int = 72, others=()) -> list[
     by_kind = {}
     for ev in events:
         by_kind.setdefault(_kind(ev.label), []).append(ev)
-    lines.append("host blocked on the dp group's collectives, by the backward's end / after it: " + "; ".join(
+    lines.append(f"host blocked on the {group} group's collectives, by the backward's end / after it: " + "; ".join(
         f"{k[3:]} {_blocked(evs, 0.0, end_b) * 1e3:.1f} / "
         f"{_blocked(evs, end_b, math.inf) * 1e3:.1f} ms" for k, evs in by_kind.items()))
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Context parallelism: the cp group's collectives and the time in attention, on each cp rank
+# ---------------------------------------------------------------------------
+
+def attention_times(trace) -> list[float]:
+    """[calls, wall, blocked] of this rank's attention forwards, then the same of its backwards (seconds):
+    wall time in context_parallel.attention, and of it the host blocked on the cp collectives."""
+    out = []
+    for kind in "FB":
+        spans = [(b, e) for k, b, e in trace.spans if k == kind]
+        out += [len(spans), sum(e - b for b, e in spans), sum(_blocked(trace.events, b, e) for b, e in spans)]
+    return out
+
+
+def cp_rows(trace, ops, cp_rank: int, rank: int) -> list[str]:
+    """This rank's collectives on its cp group in the last step, one row each in the order issued, and
+    per collective its calls and bytes, forward and backward (what the rows' names say)."""
+    lines = [f"cp rank {cp_rank} (rank {rank}): its collectives on the cp group, last step, in the order issued "
+             f"(ms since its step began):",
+             "  what             collective         bytes   issued                        known complete   "
+             "host blocked on it"]
+    totals = {}
+    for ev in trace.events:
+        done = f"{ev.done * 1e3:7.1f} {ev.how:8s}" if ev.done is not None else "     never seen"
+        blocked = ", ".join(f"{b * 1e3:.1f}-{e * 1e3:.1f}" for b, e in ev.blocked) or "-"
+        lines.append(f"  {ev.label:15s}  {ev.op:16s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
+                     f"{where(ev.issued, ops):20s}  {done}  {blocked}")
+        t = totals.setdefault(ev.op, [0, 0, 0, 0])
+        t[0], t[1] = t[0] + 1, t[1] + ev.nbytes
+        t[2 if ev.label.startswith("fwd") else 3] += 1
+    lines += [f"cp rank {cp_rank}: {op} {c} calls, {b:,} bytes ({f} in attention forwards, {k} in its backwards)"
+              for op, (c, b, f, k) in totals.items()]
+    return lines
+
+
+def _gather_text(text: str, group, dev) -> list[str]:
+    """Every rank's `text`, in group order (collective over `group`)."""
+    mine = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    sizes = comm.all_gather(torch.tensor([mine.numel()], device=dev), group).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    every = comm.all_gather(padded.to(dev), group).cpu().view(group.size, -1)
+    return [bytes(row[:n].tolist()).decode() for row, n in zip(every, sizes)]
+
+
+def cp_report(trace, ops, mesh, dev) -> list[str]:
+    """--cp: each cp rank's collectives on the cp group in the last step and its time in attention, as text
+    lines for rank 0 of the cp group (collective over the cp group: each rank writes its own rows)."""
+    group = dataclasses.replace(mesh.group("cp"), ledger=None, trace=None)   # the report's gathers: not the step's
+    sections = _gather_text("\n".join(cp_rows(trace, ops, group.rank, mesh.rank)), group, dev)
+    times = comm.all_gather(torch.tensor([attention_times(trace)], dtype=torch.float64, device=dev), group).cpu()
+    if group.rank != 0:
+        return []
+    lines = []
+    for text in sections:
+        lines += [""] + text.splitlines()
+    lines += ["", "attention on each cp rank, last step (ms: wall time in context_parallel.attention on that rank, "
+                  "recomputed forwards included; of it, the host blocked on the cp collectives; the rest, its own work):",
+              "  cp rank   forward: calls     wall  blocked      own   backward: calls     wall  blocked      own"]
+    own = {"forward": [], "backward": []}
+    for r, (fc, fw, fb, bc, bw, bb) in enumerate(times.tolist()):
+        lines.append(f"  {r:7d}   {int(fc):14d} {fw * 1e3:8.1f} {fb * 1e3:8.1f} {(fw - fb) * 1e3:8.1f}   "
+                     f"{int(bc):15d} {bw * 1e3:8.1f} {bb * 1e3:8.1f} {(bw - bb) * 1e3:8.1f}")
+        own["forward"].append(fw - fb)
+        own["backward"].append(bw - bb)
+    lines.append("own work in attention, max/min - 1 across the cp ranks: " + ", ".join(
+        f"{k} {(max(v) / min(v) - 1) * 100:.0f}%" if min(v) > 0 else f"{k} -" for k, v in own.items())
+        + " (the zigzag split gives every rank the same causal work; a measured spread is this machine's)")
     return lines
 
 
@@ -524,7 +651,12 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
     if runner.clock.trace is not None and mesh.rank == 0:
         lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank,
-                                  others=[k for k, n in (("tp", mesh.tp), ("pp", pp), ("cp", mesh.cp)) if n > 1])
+                                  others=[k for k, n in (("tp", mesh.tp), ("pp", pp)) if n > 1],
+                                  group="dp" if mesh.cp == 1 else "dp x cp")
+    if runner.clock.cp_trace is not None:   # every rank: a gather over its cp group
+        cp_lines = cp_report(runner.clock.cp_trace, runner.clock.records, mesh, runner.device.torch_device)
+        lines += cp_lines if mesh.rank == 0 else []
+    if runner.clock.traces() and mesh.rank == 0:
         if runner.device.kind == "cuda":
             lines.append("note: on CUDA the clock waits for the device at every op boundary, collectives in flight "
                          "included")
