@@ -357,7 +357,7 @@ HELP = {
     "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
     "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
     "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
-              "cuda overlapped gradient reduction) that fits",
+              "cuda overlapped gradient reduction; a MoE model's --ep) that fits",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep_last": "checkpoints to keep (0 = keep all)",
@@ -450,9 +450,8 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
     refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
-    refused += [f for f, on in (("--plan with --search", tcfg.plan and tcfg.search),
-                                ("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ counts
-                                ("--plan with --ep and --zero", tcfg.plan and tcfg.ep > 1 and tcfg.zero)) if on]   # ep unsharded)
+    refused += [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ walks ZeRO-2's
+                                ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2)) if on]   # backward without ep)
     if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
@@ -461,7 +460,7 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
             ) if on]
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero): experts replicated (moe.py); --ep: dropless, --zero 0-2; --plan: ZeRO 0-2 (--ep: 0), no --search")
+                        f"(any --zero): experts replicated (moe.py); --ep: dropless, --zero 0-2; --plan: ZeRO 0-2 (--ep: 0-1)")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

@@ -195,8 +195,8 @@ def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
 
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"),
-                                          (["--plan", "--search"], "--plan with --search"),
-                                          (["--plan", "--ep", "2", "--zero", "1"], "--plan with --ep and --zero"),
+                                          (["--plan", "--zero", "3"], "--plan with --zero 3"),
+                                          (["--plan", "--ep", "2", "--zero", "2"], "--plan with --ep and --zero 2"),
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
 def test_moe_refuses_what_it_does_not_support_in_one_line(flags, named):
     with pytest.raises(UserError) as e:

@@ -462,6 +462,40 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_p
     assert held == model.num_params() - model.n_layers * E // 2 * 3 * model.d_model * model.ffn_dim
 
 
+MOE_LAYOUTS4 = {"ep4": ["--ep", "4"], "ep2_of_dp4": ["--ep", "2"],     # dp 4: ep_dp groups of 1 and of 2
+                "ep4_zero1": ["--ep", "4", "--zero", "1"], "ep2_of_dp4_zero1": ["--ep", "2", "--zero", "1"]}
+
+
+@pytest.mark.slow
+def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_4_and_ep_2_of_dp_4(cache_dir, tmp_path):
+    """The same at dp 4 (4 gloo ranks, one group of workers, 1 step each, routing forced balanced):
+    --ep 4 (each rank 1 of the 4 experts, no other rank holding it: no ep_dp sum) and --ep 2 (2
+    experts a rank, their gradients summed over the ep_dp group of the 2 ranks holding the same
+    ones, [0 2] and [1 3]), each without and with ZeRO-1 (the dense state sharded over dp 4, the
+    experts' over their ep_dp group: unsharded at ep 4, halves at ep 2): rank 0's bytes and its
+    whole ledger equal the plan."""
+    from dist_utils import run_layouts
+    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
+            "--no-progress", "--threads", "1"]
+    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS4.items()}
+    run_layouts(4, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
+    for name, argv in runs.items():
+        assert_run_matches_plan(tmp_path / name, argv, 4)
+    model, _ = config.parse_args(runs["ep4"])
+    mlp = 3 * model.d_model * model.ffn_dim
+    with open(tmp_path / "ep4" / "summary.json") as f:
+        ep4 = json.load(f)
+    with open(tmp_path / "ep2_of_dp4" / "summary.json") as f:
+        ep2 = json.load(f)
+    assert ep4["param_bytes"] // 4 == model.num_params() - model.n_layers * 3 * mlp      # 1 of 4 experts a layer
+    assert ep2["param_bytes"] // 4 == model.num_params() - model.n_layers * 2 * mlp      # 2 of 4
+    assert not any(k.startswith("ep_dp.") for k in ep4["comm_bytes"])                   # ep_dp of 1 rank: no sum
+    assert ep2["comm_bytes"]["ep_dp.all_reduce"] == 4 * model.n_layers * 2 * mlp         # its 2 experts' fp32 grads
+    with open(tmp_path / "ep2_of_dp4_zero1" / "summary.json") as f:
+        z = json.load(f)
+    assert z["comm_bytes"]["ep_dp.reduce_scatter"] == 4 * model.n_layers * 2 * mlp and "ep.all_reduce" not in z["comm_bytes"]
+
+
 def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys):
     import train
     assert train.main(["--plan", "--preset", "moe", "--nproc", "2", "--ep", "2"]) == 0
@@ -474,9 +508,62 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     for text in ("E/ep = 2 expert(s)", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
                  "on its active parameters"):
         assert text in out, text
-    for flags, named in ((["--search"], "--plan with --search"), (["--zero", "3"], "--plan with --zero 3")):
+    for flags, named in ((["--zero", "3"], "--plan with --zero 3"), (["--ep", "2", "--zero", "2"],
+                                                                      "--plan with --ep and --zero 2")):
         with pytest.raises(config.UserError, match=named):
             config.parse_args(["--plan", "--preset", "moe"] + flags)
+
+
+def _search_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+
+
+def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
+    """--plan --search --preset moe on 8 cpu ranks (gloo's stated 1 GB/s and 50 us a call) tries
+    ep 1, 2 and 4 (the divisors of dp 8 that divide the 4 experts), each only with what the MoE
+    plan counts (ZeRO 0-2 at ep 1, 0-1 at ep > 1); every printed row's peak memory and step
+    are plan.memory_per_rank's and estimate_step's for the layout its columns name.
+    ep 4 wins here: at ep 1 every rank all-reduces every expert's fp32 gradient over dp 8 (4
+    layers x 4 experts x 3 x 64 x 128 x 4 B = 1.5 MiB, at 1 GB/s), at ep 4 only its one expert's,
+    over the ep_dp pair holding it, for 5 all-to-alls a layer of 32 tokens x 2 choices x 64 x 4 B
+    (8 KiB each: the 50 us calls cost more than the bytes). On NeuronCores, whose links are ~100
+    times faster and whose calls cost as much, those calls are what a step spends: ep 1 wins."""
+    import train
+    from nanohlat.tools.plan.fmt import fmt_bytes, fmt_seconds
+    argv = ["--preset", "moe", "--device", "cpu"]
+    assert train.main(["--plan", "--search", "--nproc", "8"] + argv) == 0
+    out = capsys.readouterr().out
+    header = next(line.split() for line in out.splitlines() if line.strip().startswith("#  tp"))
+    assert header[:8] == ["#", "tp", "pp", "cp", "cp", "attn", "dp", "ep"]
+    rows = _search_rows(out)
+    assert len(rows) == 10 and {r[6] for r in rows} >= {"1", "4"}
+    model, _ = config.parse_args(argv)
+    for r in rows:
+        assert r[1:6] == ["1", "1", "1", "-", "8"]
+        flags = argv + ["--ep", r[6], "--microbatches", r[7], "--zero", "0" if r[8] == "-" else r[8],
+                        "--activation-checkpointing", r[10]] + (["--no-overlap-grad-reduce"] if r[24] == "-" else [])
+        _, t = config.parse_args(flags)
+        assert t.overlap_grad_reduce == (r[24] == "on")
+        mem = plan.memory_per_rank(model, t, 1, 1, 8, 0, fused=True, eager=True)
+        assert " ".join(r[11:13]) == fmt_bytes(mem["peak"]) and " ".join(r[15:17]) == fmt_bytes(mem["activations"])
+        est = plan.estimate_step(model, t, 8, "cpu")
+        assert " ".join(r[20:22]) == fmt_seconds(est["step"]), r
+        comm = plan.comm_per_step(model, t, Mesh(1, 1, 8, 0))
+        assert ("ep.all_to_all" in comm) == (t.ep > 1)
+    model, t = config.parse_args(argv)
+    layouts = list(plan.candidate_layouts(model, t, 8))
+    assert {(c.ep, c.zero) for c in layouts} == {(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (4, 0), (4, 1)}
+    best = {}
+    for row in plan.search(model, t, 8, "cpu"):
+        best.setdefault(row["t"].ep, row["estimate"]["step"])
+    assert best[4] < best[2] < best[1]
+    best = {}
+    for row in plan.search(model, t, 8, "NeuronCore-v2"):
+        best.setdefault(row["t"].ep, row["estimate"]["step"])
+    assert best[1] < min(best[2], best[4])
+    # a dense model's table keeps its columns: no ep
+    assert train.main(["--plan", "--search", "--nproc", "4"] + TINY + ["--device", "cpu"]) == 0
+    assert "  #  tp  pp  cp  cp attn  dp  m  ZeRO  SP" in capsys.readouterr().out
 
 
 def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
@@ -497,6 +584,11 @@ def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
     N = 2048 // 2048 * 4096                                                           # tokens per rank
     assert comm["ep.all_to_all"]["payload"] == L * (8 * 8 + 4 * N * 2 * d * 4)
     assert sum(v["payload"] for k, v in comm.items() if k.startswith("ep_dp.")) == 4 * L * 3 * d * f   # over 256
+    # fewer gradient bytes at ep 8 (1 expert's over its ep_dp ring of 256, 8 such rings at once, walked hop by
+    # hop as the dp ring is) than at ep 1 (all 8 experts' over the dp ring of 2048): less dp time
+    ep1 = dataclasses.replace(train, ep=1)
+    assert plan.estimate_step(model, train, 2048, "NeuronCore-v2")["comm"]["dp"] < \
+        plan.estimate_step(model, ep1, 2048, "NeuronCore-v2")["comm"]["dp"]
 
 
 # ---------------------------------------------------------------------------

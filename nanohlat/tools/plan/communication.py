@@ -145,7 +145,12 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
             if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
-                if dp > ep:
+                e = dp // ep        # (ZeRO-1: reduce-scattered over them, the new weights all-gathered)
+                if e > 1 and tcfg.zero:
+                    cols = padded_size(n, e) // e
+                    _add_buckets(out, "ep_dp.reduce_scatter", cols, bucket // e, e, 4, e)
+                    _add_buckets(out, "ep_dp.all_gather", cols, bucket // e, e, itemsize, e)
+                elif e > 1:
                     _add_buckets(out, "ep_dp.all_reduce", n, bucket, 1, 4, dp // ep)
             elif tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
                 cols = padded_size(n, dp) // dp
@@ -168,15 +173,16 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
     What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
     rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact
-    whatever the routing. Full checkpointing replays the three forward ones. Then, once per step,
-    the experts' share of the grad norm's square (4 bytes over the ep group)."""
+    whatever the routing. Full checkpointing replays the three forward ones. Then, once per step
+    without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
+    sum over dp adds every expert's shard once)."""
     sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
     rows = mb * tcfg.seq_len * cfg.moe_top_k
     _add(out, "ep.all_to_all", 8 * cfg.moe_experts, calls * replays, ep)                   # counts
     _add(out, "ep.all_to_all", rows * cfg.d_model * itemsize, calls * (2 * replays + 2), ep)  # the rows, both ways
-    _add(out, "ep.all_reduce", 4, 1, ep)
+    _add(out, "ep.all_reduce", 4, 0 if tcfg.zero else 1, ep)
 
 
 def comm_bytes_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay: bool | None = None) -> dict:

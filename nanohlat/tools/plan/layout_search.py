@@ -4,9 +4,10 @@ preset's own layout ranks among them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 
-from nanohlat.config import ModelConfig, TrainConfig, UserError
+from nanohlat.config import ModelConfig, TrainConfig, UserError, check_moe_layout
 from nanohlat.mesh import divisors
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
@@ -37,9 +38,16 @@ def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list
     return out
 
 
+def ep_choices(cfg: ModelConfig, dp: int) -> list[int]:
+    """--ep degrees to try at this dp: for a mixture of experts every ep dividing both dp and the
+    experts (mesh.check_ep); a dense model has none to spread (ep 1)."""
+    return divisors(math.gcd(dp, cfg.moe_experts)) if cfg.moe_experts else [1]
+
+
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     """Every valid (tp, pp, cp and its attention, dp, micro-batches, ZeRO stage, sequence parallel,
-    checkpointing, and on cpu and cuda overlapped gradient reduction or not)
+    checkpointing, and on cpu and cuda overlapped gradient reduction or not; for a mixture of experts
+    ep too, and only what config.check_moe_layout lets its plan count)
     for this model, batch and world size, as TrainConfigs."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
@@ -68,11 +76,17 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                             for mode in ("none", "selective", "full"):
                                 for ov in ((True, False) if dp * cp > 1 and tcfg.device in ("cpu", "cuda")
                                            else (tcfg.overlap_grad_reduce,)):
-                                    yield dataclasses.replace(tcfg, tp=tp, pp=pp, cp=cp, cp_attention=attention, dp=0,
-                                                              microbatches=m,
-                                                              sequence_parallel=sp, zero=zero,
-                                                              activation_checkpointing=mode, overlap_grad_reduce=ov,
-                                                              **sched)
+                                    for ep in ep_choices(cfg, dp):
+                                        c = dataclasses.replace(tcfg, tp=tp, pp=pp, cp=cp, cp_attention=attention,
+                                                                dp=0, microbatches=m, sequence_parallel=sp, zero=zero,
+                                                                activation_checkpointing=mode, overlap_grad_reduce=ov,
+                                                                ep=ep, **sched)
+                                        if cfg.moe_experts:   # (what a MoE model's plan does not count yet)
+                                            try:
+                                                check_moe_layout(cfg, dataclasses.replace(c, plan=True))
+                                            except UserError:
+                                                continue
+                                        yield c
 
 
 def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list[dict]:
@@ -92,17 +106,19 @@ def search(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str) -> list
 
 def _layout_name(c: TrainConfig) -> tuple:
     return (c.tp, c.pp, c.microbatches, c.zero, c.sequence_parallel and c.tp > 1, c.activation_checkpointing,
-            c.cp, c.cp_attention if c.cp > 1 else "-", c.overlap_grad_reduce)
+            c.ep, c.cp, c.cp_attention if c.cp > 1 else "-", c.overlap_grad_reduce)
 
 
-def _search_row(i, r, world) -> list[str]:
+def _search_row(i, r, world, moe: bool = False) -> list[str]:
     c, est = r["t"], r["estimate"]
-    return [i, c.tp, c.pp, c.cp, c.cp_attention if c.cp > 1 else "-", world // (c.tp * c.pp * c.cp),
+    return [i, c.tp, c.pp, c.cp, c.cp_attention if c.cp > 1 else "-", world // (c.tp * c.pp * c.cp)] + (
+            [c.ep] if moe else []) + [
             c.microbatches, c.zero or "-",
             "yes" if c.sequence_parallel and c.tp > 1 else "-", c.activation_checkpointing,
             fmt_bytes(r["peak_memory"]), fmt_seconds(est["compute"]),
             fmt_bytes(r["activations"]),
-            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"] + est["comm"].get("cp", 0.0)),
+            fmt_seconds(est["comm"]["tp"] + est["comm"]["pp"] + est["comm"]["dp"] + est["comm"].get("cp", 0.0)
+                        + est["comm"].get("ep", 0.0)),
             fmt_seconds(est["bubble"]) if c.pp > 1 else "-",
             fmt_seconds(est["step"]), f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}"] + (
             ["on" if c.overlap_grad_reduce and c.tp * c.pp < world else "-"] if c.device in ("cpu", "cuda") else [])
@@ -110,7 +126,13 @@ def _search_row(i, r, world) -> list[str]:
 
 SEARCH_HEADER = ["#", "tp", "pp", "cp", "cp attn", "dp", "m", "ZeRO", "SP", "ckpt", "peak mem", "compute",
                  "activations", "comm", "bubble",
-                 "step", "tokens/s", "MFU"]   # + "overlap" on cpu and cuda
+                 "step", "tokens/s", "MFU"]   # + "ep" after "dp" for a mixture of experts, "overlap" on cpu and cuda
+
+
+def search_header(cfg: ModelConfig, tcfg: TrainConfig) -> list[str]:
+    """SEARCH_HEADER with "ep" (a mixture of experts) and "overlap" (cpu, cuda) where they apply."""
+    head = SEARCH_HEADER[:6] + (["ep"] if cfg.moe_experts else []) + SEARCH_HEADER[6:]
+    return head + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
 
 
 def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10) -> str:
@@ -128,26 +150,30 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
          f"{NETWORKS[device].node} links, "
          + ("the gradients' dp reduction overlapped with the backward where 'overlap' says on)"
             if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
-    header = SEARCH_HEADER + (["overlap"] if tcfg.device in ("cpu", "cuda") else [])
-    lines += table(header, [_search_row(i + 1, r, world) for i, r in enumerate(fits[:top])])
+    moe = bool(cfg.moe_experts)
+    if moe:
+        lines.append(f"  ep: the dp ranks sharing each sparse layer's {cfg.moe_experts} experts ({cfg.moe_experts}/ep a "
+                     f"rank; comm counts its all-to-alls, predicted for balanced routing)")
+    header = search_header(cfg, tcfg)
+    lines += table(header, [_search_row(i + 1, r, world, moe) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
     if mine is None:
         return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
-    lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world)])
-    lines += textwrap.wrap(_why(mine, fits, cap, who).strip(), 100, initial_indent="  ", subsequent_indent="  ")
+    lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world, moe)])
+    lines += textwrap.wrap(_why(mine, fits, cap, who, moe).strip(), 100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 
 
-def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
+def _why(mine: dict, fits: list[dict], cap, who: str, moe: bool = False) -> str:
     """Where `mine` ranks among the layouts that fit, and what separates it from the first."""
     best = fits[0] if fits else None
     est = mine["estimate"]
-    parts = ("compute", "tp", "pp", "dp", "bubble")
+    parts = ("compute", "tp", "pp", "dp", "bubble") + (("ep",) if moe else ())
     def costs(x):
         return {"compute": x["compute"], "tp": x["comm"]["tp"], "pp": x["comm"]["pp"], "dp": x["comm"]["dp"],
-                "bubble": x["bubble"]}
+                "bubble": x["bubble"], "ep": x["comm"].get("ep", 0.0)}
     if not mine["fits"]:
         text = (f"  it does not fit: {fmt_bytes(mine['peak_memory'])} per device at its peak against "
                 f"{fmt_bytes(cap)} (the memory table of --plan says where it goes).")
@@ -161,7 +187,8 @@ def _why(mine: dict, fits: list[dict], cap, who: str) -> str:
     if best is not None and best is not mine:
         diff = {k: costs(est)[k] - costs(best["estimate"])[k] for k in parts}
         big = sorted(diff, key=lambda k: -abs(diff[k]))[:3]
-        names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble"}
+        names = {"compute": "compute", "tp": "tp comm", "pp": "pp exchange", "dp": "dp comm", "bubble": "bubble",
+                 "ep": "ep all-to-all"}
         text += (" Against #1 it spends " + ", ".join(f"{'+' if diff[k] >= 0 else '-'}{fmt_seconds(abs(diff[k]))} "
                  f"on {names[k]}" for k in big) + f" per step ({fmt_seconds(est['step'])} vs "
                  f"{fmt_seconds(best['estimate']['step'])}).")

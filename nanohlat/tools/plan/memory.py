@@ -81,7 +81,8 @@ activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
 A mixture of experts (tp 1, pp 1) holds its routers and experts in flat
 buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
-rank at --ep N, their weights, fp32 gradients and Adam state alike; its
+rank at --ep N, their weights, fp32 gradients and Adam state alike (ZeRO-1: the
+experts' state sharded over the dp/N ranks holding the same ones); its
 sparse layers' activations beyond a dense MLP are an estimate
 (moe_activation_extra), not yet measured as the dense ones are.
 With --cp every rank holds T/cp tokens of each sequence: all of the above at
@@ -100,7 +101,8 @@ from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
 from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
-from nanohlat.tools.plan.params import dtype_bytes, flat_groups, group_kinds, stage_param_counts, zero3_gathered
+from nanohlat.tools.plan.params import (dtype_bytes, flat_groups, group_kinds, stage_param_counts, zero3_gathered,
+                                        zero_groups)
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -397,7 +399,7 @@ def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, 
     last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
         * micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if sp else 1) * cfg.d_model
     zdp = dp * tcfg.cp   # ZeRO's ranks: dp x cp
-    last_grads = 4 * sum(padded_size(n, zdp) // zdp for n in flat_groups(cfg, tp, pp, stage, 1, tcfg.ep)) \
+    last_grads = 4 * sum(padded_size(n, s) // s for n, s in zero_groups(cfg, tp, pp, stage, 1, tcfg.ep, zdp)) \
         if tcfg.zero == 1 and zdp > 1 else 0
     return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) \
         + last_exchange + last_grads
@@ -417,8 +419,8 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     under ZeRO stage `zero` (default: the config's)."""
     zero = tcfg.zero if zero is None else zero
     shards = dp * tcfg.cp if zero else 1
-    return sum(padded_size(n, shards) // shards
-               for n in flat_groups(cfg, tp, pp, stage, zero, tcfg.ep)) * state_bytes_per_param(tcfg)
+    return sum(padded_size(n, s) // s
+               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -436,9 +438,8 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
     """The parameters in their flat buffers (optim.FlatGroup.flat), padded to a multiple of dp under ZeRO;
     ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp * tcfg.cp if tcfg.zero else 1
-    kept = shards if tcfg.zero == 3 else 1
-    return dtype_bytes(tcfg.precision) * sum(padded_size(n, shards) // kept
-                                             for n in flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep))
+    return dtype_bytes(tcfg.precision) * sum(padded_size(n, s) // (s if tcfg.zero == 3 else 1)
+                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -467,15 +468,14 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     step ZeRO-1 also holds the reduce-scattered 1/dp gradient shards (ZeRO-2's
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
-    groups = flat_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep)
     shards = dp * tcfg.cp if tcfg.zero else 1
-    kept = shards if tcfg.zero >= 2 else 1
-    buffers = 4 * sum(padded_size(n, shards) // kept for n in groups)
-    largest_shard = max(padded_size(n, shards) // shards for n in groups)
+    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards)   # (--ep: the experts' over dp/ep)
+    buffers = 4 * sum(padded_size(n, s) // (s if tcfg.zero >= 2 else 1) for n, s in groups)
+    largest_shard = max(padded_size(n, s) // s for n, s in groups)
     during = 0
     if shards > 1:
-        during += 4 * sum(padded_size(n, shards) // shards for n in groups) if tcfg.zero == 1 else 0
-        during += dtype_bytes(tcfg.precision) * max(padded_size(n, shards) for n in groups) if tcfg.zero < 3 else 0
+        during += 4 * sum(padded_size(n, s) // s for n, s in groups) if tcfg.zero == 1 else 0
+        during += dtype_bytes(tcfg.precision) * max(padded_size(n, s) for n, s in groups) if tcfg.zero < 3 else 0
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         # phase 2 before phase 3: the grad norm's fp64 copy of one chunk of a buffer, then AdamW's copies

@@ -56,7 +56,7 @@ def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0,
     norms ("replicated": summed over tp under SP). Each is padded to a multiple of dp under ZeRO,
     so the plan sums them group by group. ZeRO-3 (pp 1): the same kinds per unit (zero3.py), each
     layer's, then the rest's (embedding and head; final norm). A mixture of experts adds "moe"
-    and, with --ep, "experts" (moe_counts; its plan refuses ZeRO-3)."""
+    and, with --ep, "experts" (moe_counts; its plan refuses ZeRO-3, and with --ep ZeRO-2: zero_groups)."""
     if zero == 3:
         d, kv = cfg.d_model, 2 * cfg.d_model * cfg.kv_heads_per_rank(tp) * cfg.head_dim if tp > cfg.n_kv_heads else 0
         layer = [("sharded", cfg.layer_matrix_params(tp) - kv), ("kv", kv), ("replicated", 2 * d)]
@@ -66,6 +66,14 @@ def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0,
         groups = [("sharded", c["sharded"] - c["kv"]), ("kv", c["kv"]), ("moe", c["moe"]), ("experts", c["experts"]),
                   ("replicated", c["replicated"])]
     return [(kind, n) for kind, n in groups if n]
+
+
+def zero_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int, ep: int, ranks: int) -> list[tuple[int, int]]:
+    """(elements, ranks its ZeRO shards go over) of each flat buffer (group_kinds), for `ranks` = dp (x cp)
+    under ZeRO, 1 without: all of them over those ranks but --ep's experts, sharded over the ranks holding
+    the same experts (ranks / ep: optim.FlatAdamW's expert_dp over mesh.py's ep_dp)."""
+    return [(n, ranks // ep if kind == "experts" and ranks > 1 else ranks)
+            for kind, n in group_kinds(cfg, tp, pp, stage, zero, ep)]
 
 
 def flat_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0, ep: int = 1) -> list[int]:

@@ -54,6 +54,9 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     ring = dp_ring(tp, pp, dp * cp, net)
     links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
     links["dp"] = (ring.bandwidth, ring.latency)     # the dp ring goes at its slowest hop's pace
+    if tcfg.ep > 1:   # the ep_dp rings, ranks tp x ep apart, all running at once: walked hop by hop like dp's
+        ep_ring = dp_ring(tp * tcfg.ep, pp, dp // tcfg.ep, net)
+        links["ep_dp"] = (ep_ring.bandwidth, ep_ring.latency)
     comm_s = dict.fromkeys(groups, 0.0)
     dp_wire, grad_s = 0, 0.0
     for stage in sorted({0, pp - 1}):
