@@ -441,18 +441,25 @@ def _balanced_routing(rank):
     moe.route = balanced
 
 
+def _moe_runs_match_the_plan(layouts: dict, world: int, cache_dir, tmp_path) -> dict:
+    """Train each layout of the moe preset 1 step on `world` gloo ranks (one group of workers, routing
+    forced balanced); assert rank 0's bytes and ledger equal the plan; returns name -> argv."""
+    from dist_utils import run_layouts
+    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
+            "--no-progress", "--threads", "1"]
+    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in layouts.items()}
+    run_layouts(world, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
+    for name, argv in runs.items():
+        assert_run_matches_plan(tmp_path / name, argv, world)
+    return runs
+
+
 @pytest.mark.slow
 def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_path):
     """The moe preset on 2 gloo ranks, 1 step, routing forced balanced: rank 0's parameter, fp32
     gradient and Adam bytes (experts replicated at ep 1, padded under ZeRO-1; E/ep of them at ep 2)
     and its comm ledger, all-to-alls included, equal the plan to the byte."""
-    from dist_utils import run_layouts
-    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
-            "--no-progress", "--threads", "1"]
-    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS2.items()}
-    run_layouts(2, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
-    for name, argv in runs.items():
-        assert_run_matches_plan(tmp_path / name, argv, 2)
+    runs = _moe_runs_match_the_plan(MOE_LAYOUTS2, 2, cache_dir, tmp_path)
     model, train = config.parse_args(runs["ep2"])
     E, k, N = model.moe_experts, model.moe_top_k, train.batch_size // 2 * train.seq_len
     got = plan.comm_per_step(model, train, Mesh(1, 1, 2, 0))["ep.all_to_all"]
@@ -474,13 +481,7 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_4_and_ep_2_of_dp_4(cache
     ones, [0 2] and [1 3]), each without and with ZeRO-1 (the dense state sharded over dp 4, the
     experts' over their ep_dp group: unsharded at ep 4, halves at ep 2): rank 0's bytes and its
     whole ledger equal the plan."""
-    from dist_utils import run_layouts
-    base = ["--preset", "moe", "--steps", "1", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir,
-            "--no-progress", "--threads", "1"]
-    runs = {name: base + ["--out-dir", str(tmp_path / name)] + extra for name, extra in MOE_LAYOUTS4.items()}
-    run_layouts(4, list(runs.values()), str(tmp_path / "errors"), setup=_balanced_routing)
-    for name, argv in runs.items():
-        assert_run_matches_plan(tmp_path / name, argv, 4)
+    runs = _moe_runs_match_the_plan(MOE_LAYOUTS4, 4, cache_dir, tmp_path)
     model, _ = config.parse_args(runs["ep4"])
     mlp = 3 * model.d_model * model.ffn_dim
     with open(tmp_path / "ep4" / "summary.json") as f:
