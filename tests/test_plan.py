@@ -662,17 +662,22 @@ def test_peak_memory_matches_on_cuda(extra):
 # reported is counted as freed when the program's wait for that collective returned (for a
 # blocking one, when its call returned), which is when gloo lets go of it, to the microsecond.
 
+def _mark_done(key: int) -> None:
+    """Mark, in the profile, the moment the program saw collective `key` end."""
+    from torch.profiler import record_function
+    with record_function(f"COLLECTIVE_DONE {key}"):
+        pass
+
+
 class _Watched:
-    """A collective's work: its wait() marks, in the profile, the moment the program saw it end."""
+    """A collective's work: its wait() marks the moment the program saw it end (_mark_done)."""
 
     def __init__(self, work, key: int):
         self._work, self._key = work, key
 
     def wait(self, *args, **kwargs):
-        from torch.profiler import record_function
         done = self._work.wait(*args, **kwargs)
-        with record_function(f"COLLECTIVE_DONE {self._key}"):
-            pass
+        _mark_done(self._key)
         return done
 
     def __getattr__(self, name):
@@ -702,8 +707,7 @@ def _watch_collectives():
             with record_function(f"COLLECTIVE {key} {storages}"):
                 work = fn(*args, **kwargs)
             if work is None:
-                with record_function(f"COLLECTIVE_DONE {key}"):
-                    pass
+                _mark_done(key)
                 return None
             return [_Watched(w, key) for w in work] if isinstance(work, list) else _Watched(work, key)
         return call
@@ -727,6 +731,8 @@ def live_bytes_timeline(events, alive_after: set[int]) -> list[tuple[int, int, s
     """(time, change in bytes held, marker name) from a profile's events, frees made on gloo's
     threads placed at their collective's end (see above). A block never freed nor reused is
     still alive if a tensor still holds it (`alive_after`: the storages Python still sees)."""
+    from torch._C._profiler import _EventType
+
     def walk(es):
         for e in es:
             yield e
@@ -740,7 +746,7 @@ def live_bytes_timeline(events, alive_after: set[int]) -> list[tuple[int, int, s
     for e in events:
         t = e.start_time_ns
         spans = [(end, key) for end, key in spans if t < end]
-        if e.typed[0] == _event_type().Allocation:
+        if e.typed[0] == _EventType.Allocation:
             f = e.typed[1]
             if f.alloc_size > 0:
                 if f.ptr in alive:       # an address reused: its free went unreported
@@ -772,11 +778,6 @@ def live_bytes_timeline(events, alive_after: set[int]) -> list[tuple[int, int, s
         elif free:
             changes.append((free[1], -size, None))
     return sorted(changes, key=lambda c: (c[0], c[1] > 0))   # at one instant, frees first
-
-
-def _event_type():
-    from torch._C._profiler import _EventType
-    return _EventType
 
 
 def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
