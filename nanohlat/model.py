@@ -158,9 +158,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         if not cfg.is_moe_layer(layer):   # the dense SwiGLU MLP (every layer unless --moe-experts is given)
             self.mlp = MLP(cfg, group, sequence_parallel, regather)
-        else:                             # a mixture of experts in its place (moe.py; tp 1, pp 1: config.py)
+        else:                             # a mixture of experts in its place (moe.py; pp 1: config.py)
             self.mlp = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
-                               cfg.moe_capacity_factor, ep_group)
+                               cfg.moe_capacity_factor, ep_group, seq_group=group if sequence_parallel else None)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)

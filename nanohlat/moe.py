@@ -57,12 +57,23 @@ expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`); an
 expert's gradient is then summed over the dp/N ranks holding the same experts
-(optim.py; ZeRO-1 and 2 shard their state over those ranks). tp and pp with MoE are refused in config.py; Mixtral's shape exports (serving/hf.py).
+(optim.py; ZeRO-1 and 2 shard their state over those ranks).
+
+With tensor parallelism (--tp) the router and the experts are replicated over
+the tp group, as the norms are: every tp rank computes the whole block on the
+tokens it holds. Without sequence parallelism those are all T tokens, the same
+on every tp rank, and so are the gradients; with it (--sequence-parallel) each
+rank routes its T/tp tokens, so the router's sums over a sequence (f_e, P_e,
+z) add up over tp (`route`'s seq_group) and the gradients, partial, too
+(optim.py). Splitting each expert over tp is the other choice (Megatron's
+expert tensor parallelism); replication keeps this block free of tp code.
+pp with MoE is refused in config.py; Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,6 +81,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm, shard_spec
+from . import tensor_parallel as tpl
 
 
 class Weight(nn.Module):
@@ -78,12 +90,13 @@ class Weight(nn.Module):
     (E, F, C) / (E, C, F). Named like the dense MLP's linears, so that
     model.full_init initialises them alike (`...mlp.down.weight` is scaled down)."""
 
-    def __init__(self, *shape: int, ep: int = 1, ep_rank: int = 0):
+    def __init__(self, *shape: int, ep: int = 1, ep_rank: int = 0, sequence_parallel: bool = False):
         super().__init__()
+        sp = sequence_parallel   # (its tp ranks saw other tokens: their gradients add up over tp, optim.py)
         if ep == 1:
-            self.weight = shard_spec._param(shape, None, 1)
+            self.weight = shard_spec._param(shape, None, 1, sequence_parallel=sp)
         else:   # expert parallelism: this rank's E/ep experts of the full (E, ...) stack
-            self.weight = shard_spec._param(shape, 0, ep, ep_rank, group="ep")
+            self.weight = shard_spec._param(shape, 0, ep, ep_rank, sequence_parallel=sp, group="ep")
 
 
 def swiglu(x, gate, up, down):
@@ -91,7 +104,7 @@ def swiglu(x, gate, up, down):
     return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
-def route(x, w_router, k: int):
+def route(x, w_router, k: int, seq_group=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
     experts (B, T, k)  each token's k chosen experts, likeliest first
@@ -99,18 +112,24 @@ def route(x, w_router, k: int):
     balance (B,)       each sequence's load-balancing loss E * sum_e f_e P_e
     z       (B,)       each sequence's router z-loss, mean over its tokens of logsumexp^2
 
-    In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often)."""
+    In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often).
+    seq_group: with sequence parallelism x holds T/tp of each sequence's tokens, and the
+    sums over a sequence add up over this tp group (forward all-reduce, backward identity)."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
+    T = x.shape[1] * (seq_group.size if seq_group is not None else 1)   # the whole sequence's tokens
+
+    def over_sequence(t):   # (B, T or T/tp, ...) -> (B, ...): the sum over the sequence's tokens
+        return t.sum(dim=1) if seq_group is None else tpl.reduce_sum(t.sum(dim=1), seq_group)
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
     probs = logits.softmax(dim=-1)                                 # (B, T, E)
     top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
     weights = top_p / top_p.sum(dim=-1, keepdim=True)              # renormalised over the chosen k
     # f_e: share of the sequence's T*k choices that picked e (counts: no gradient)
     chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)            # (B, T, E): 1 where e is among t's k
-    f = chosen.mean(dim=1) / k                                     # (B, E), sums to 1 per sequence
-    P = probs.mean(dim=1)                                          # (B, E), sums to 1 per sequence
+    f = over_sequence(chosen) / (T * k)                            # (B, E), sums to 1 per sequence
+    P = over_sequence(probs) / T                                   # (B, E), sums to 1 per sequence
     balance = E * (f * P).sum(dim=-1)                              # (B,)
-    z = torch.logsumexp(logits, dim=-1).pow(2).mean(dim=1)         # (B,)
+    z = over_sequence(torch.logsumexp(logits, dim=-1).pow(2)) / T  # (B,)
     return experts, weights.to(x.dtype), balance, z
 
 
@@ -226,24 +245,26 @@ class MoE(nn.Module):
     `self.load` its tokens per expert and dropped fraction, for model.py's loss and log."""
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
-                 capacity_factor: float = 0.0, ep_group=None):
+                 capacity_factor: float = 0.0, ep_group=None, seq_group=None):
         super().__init__()
         self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
+        self.seq_group = seq_group                                 # --tp with SP: x holds T/tp tokens (route)
+        W = functools.partial(Weight, sequence_parallel=seq_group is not None)
         ep, ep_rank = (ep_group.size, ep_group.rank) if ep_group is not None else (1, 0)
-        self.router = Weight(n_experts, d_model)                   # one linear, no bias: logits = x W_r^T
-        self.gate = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)   # (E/ep of them with --ep)
-        self.up = Weight(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)
-        self.down = Weight(n_experts, d_model, ffn_dim, ep=ep, ep_rank=ep_rank)
+        self.router = W(n_experts, d_model)                        # one linear, no bias: logits = x W_r^T
+        self.gate = W(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)   # (E/ep of them with --ep)
+        self.up = W(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)
+        self.down = W(n_experts, d_model, ffn_dim, ep=ep, ep_rank=ep_rank)
         self.n_shared = n_shared
         if n_shared:   # shared experts: every token uses them; n of width F act as one of width n * F
-            self.shared_gate = Weight(n_shared * ffn_dim, d_model)
-            self.shared_up = Weight(n_shared * ffn_dim, d_model)
-            self.shared_down = Weight(d_model, n_shared * ffn_dim)
+            self.shared_gate = W(n_shared * ffn_dim, d_model)
+            self.shared_up = W(n_shared * ffn_dim, d_model)
+            self.shared_down = W(d_model, n_shared * ffn_dim)
         self.losses = self.load = None
 
     def forward(self, x):
         B, T, C = x.shape
-        experts, weights, balance, z = route(x, self.router.weight, self.k)
+        experts, weights, balance, z = route(x, self.router.weight, self.k, self.seq_group)
         flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
         params = (self.gate.weight, self.up.weight, self.down.weight)
         if self.capacity_factor > 0:

@@ -102,8 +102,9 @@ class FlatGroup:
         self.decay, self.tp_replicated = decay, tp_replicated
         # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
         # norms saw only their rank's tokens, the kv heads' copies only their own query heads
-        sp = tp > 1 and tp_replicated and any(p.shard.sequence_parallel for p in params)
-        self.partial = "tp" if sp else "kv" if not tp_replicated and tp // params[0].shard.parts > 1 else None
+        whole = tp_replicated or params[0].shard.group == "ep"   # (a mixture's experts: whole on every tp rank)
+        sp = tp > 1 and whole and any(p.shard.sequence_parallel for p in params)
+        self.partial = "tp" if sp else "kv" if not whole and tp // params[0].shard.parts > 1 else None
         self.numel = sum(p.numel() for p in params)
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
@@ -230,7 +231,7 @@ class FlatAdamW:
             sq = sq + (s / copies if copies > 1 else s)
         if not self.zero:   # replicated: the ep ranks' experts add up over ep (4 bytes); ZeRO: by the sum over
             experts = comm.all_reduce(experts.float(), mesh.group("ep"))   # dp below, ep x ep_dp = dp ranks
-        sq = sq.float() + experts.float()
+        sq = sq.float() + experts.float() / mesh.tp      # (every tp rank holds the same experts: once over tp)
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()

@@ -194,7 +194,7 @@ def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
     assert model.moe_tally[:, :4].sum(1).tolist() == [2 * 16 * 2] * 4   # every token's 2 choices counted
 
 
-@pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp 2"), (["--pp", "2"], "--pp 2"),
+@pytest.mark.parametrize("flags, named", [(["--pp", "2"], "--pp 2"), (["--plan", "--tp", "2"], "--plan with --tp"),
                                           (["--plan", "--zero", "3"], "--plan with --zero 3"),
                                           (["--plan", "--ep", "2", "--zero", "2"], "--plan with --ep and --zero 2"),
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
@@ -585,3 +585,40 @@ def test_expert_parallel_replicas_stay_bitwise_identical_in_every_precision(cach
     for r in (1, 3):
         assert last[f"rank{r}.txt"] == ("nanohlat.config.UserError: --check-replicas: after step 2, replicas "
                                         "differ on other ranks (their error names the parameter)"), last
+
+
+def _route_per_rank(rank: int) -> None:
+    """Worker setup, the planted mistake: with SP each tp rank's router losses see only its
+    own T/tp tokens (route called without the tp group), as if they were whole sequences."""
+    _gradient_recorder(rank)
+    real = moe.route
+    moe.route = lambda x, w, k, seq_group=None: real(x, w, k)
+
+
+def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_process_moe):
+    """Experts replicated over tp, as the norms are (moe.py): tp 2; tp 2 with SP (each rank
+    routes its T/2 tokens, the router's sums over a sequence added over tp, the experts'
+    gradients too), replicas checked bitwise every step; and dp 2 x tp 2 with SP, ep 2 and
+    ZeRO-1, its step-5 checkpoint resumed in one process. Losses <= 1e-5 relative to one
+    process over 10 steps, grad norms as the dense layouts', step 1's gradients of every
+    parameter to fp32 round-off. The negative control: SP's router losses over each rank's
+    tokens alone (`_route_per_rank`) trains differently from step 1."""
+    layouts = {"tp2": ["--tp", 2], "tp2_sp": ["--tp", 2, "--sequence-parallel", "--check-replicas", 1]}
+    run_layouts(2, [_flags(cache_dir, tmp_path / n, *extra) for n, extra in layouts.items()],
+                str(tmp_path / "err"), setup=_gradient_recorder)
+    ep = ["--dp", 2, "--tp", 2, "--sequence-parallel", "--ep", 2, "--zero", 1, "--check-replicas", 1, "--save-every", 5]
+    run_layouts(4, [_flags(cache_dir, tmp_path / "dp2_tp2_sp_ep2_zero1", *ep)], str(tmp_path / "err4"),
+                setup=_gradient_recorder)
+    for name in (*layouts, "dp2_tp2_sp_ep2_zero1"):
+        _assert_same_training(tmp_path / name, one_process_moe, name)
+        _assert_same_gradients(tmp_path / name, one_process_moe, name)
+    _train_here(_flags(cache_dir, tmp_path / "one_from_tp", "--resume",
+                       str(tmp_path / "dp2_tp2_sp_ep2_zero1" / "checkpoints" / "step_00000005")))
+    ref = {m["step"]: m["loss"] for m in read_metrics(str(one_process_moe))}
+    resumed = read_metrics(str(tmp_path / "one_from_tp"))
+    assert [m["step"] for m in resumed] == list(range(6, 11))
+    assert all(abs(m["loss"] - ref[m["step"]]) <= 1e-5 * ref[m["step"]] for m in resumed), (resumed, ref)
+    run_layouts(2, [_flags(cache_dir, tmp_path / "planted", "--tp", 2, "--sequence-parallel")],
+                str(tmp_path / "err_planted"), setup=_route_per_rank)
+    planted, first = read_metrics(str(tmp_path / "planted"))[0], read_metrics(str(one_process_moe))[0]
+    assert abs(planted["loss"] - first["loss"]) > 1e-5 * first["loss"], (planted, first)

@@ -78,13 +78,15 @@ class Session:
         return last
 
     def moe_figures(self) -> dict:
-        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches
-        and dp ranks; {} for a dense model. Every rank takes part (one all-reduce over dp)."""
+        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches,
+        tp ranks (with SP each routed its share of the tokens; without, the same ones: the
+        figures are ratios) and dp ranks; {} for a dense model. Every rank takes part."""
         tally, self.model.moe_tally = self.model.moe_tally, None
         if tally is None:
             return {}
-        quiet = dataclasses.replace(self.mesh.dp_group, ledger=None)   # (no ledger: not the step's traffic)
-        return moe.step_metrics(comm.all_reduce(tally, quiet).cpu())
+        for group in (self.mesh.tp_group, self.mesh.dp_group):   # (no ledger: not the step's traffic)
+            tally = comm.all_reduce(tally, dataclasses.replace(group, ledger=None))
+        return moe.step_metrics(tally.cpu())
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
