@@ -49,7 +49,9 @@ Dispatch, two ways (`MoE.capacity_factor`):
     finds its expert full is dropped (that expert adds nothing to the token,
     whose other choices and residual stream still do; the weights are not
     renormalised again). `dispatch_capacity` returns the dropped fraction,
-    which is logged.
+    which is logged. N is what one rank routes in one micro-batch (with SP its
+    T/tp share of each sequence): unlike dropless, what is dropped depends on
+    the layout (at dp 2 each half of the batch fills its own queues).
 
 Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
