@@ -433,8 +433,8 @@ def _balanced_routing(rank):
     from nanohlat import moe
     route = moe.route
 
-    def balanced(x, w_router, k):
-        experts, weights, balance, z = route(x, w_router, k)
+    def balanced(x, w_router, k, seq_group=None):
+        experts, weights, balance, z = route(x, w_router, k, seq_group)
         B, T, E = x.shape[0], x.shape[1], w_router.shape[0]
         j = torch.arange(B * T, device=x.device).view(B, T, 1) + torch.arange(k, device=x.device)
         return j % E, weights, balance, z
