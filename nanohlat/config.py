@@ -454,15 +454,13 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     refused += [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ walks ZeRO-2's
                                 ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
                                 ("--plan with --tp", tcfg.plan and tcfg.tp > 1)) if on]   # backward without ep)
-    if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2
+    if tcfg.ep > 1:   # expert parallelism: so far ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
-        refused += [f"--ep {tcfg.ep} with {flag}" for flag, on in (
-            ("--moe-capacity-factor", model_cfg.moe_capacity_factor), ("--zero 3", tcfg.zero == 3),
-            ) if on]
+        refused += [f"--ep {tcfg.ep} with --zero 3"] if tcfg.zero == 3 else []
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero) and --tp: experts replicated (moe.py); --ep: dropless, --zero 0-2; "
+                        f"(any --zero) and --tp: experts replicated (moe.py); --ep: --zero 0-2; "
                         f"--plan: tp 1, ZeRO 0-2 (--ep: 0-1)")
 
 

@@ -57,7 +57,8 @@ Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
 expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
-travel to their experts' ranks and back (`dispatch_expert_parallel`); an
+travel to their experts' ranks and back (`dispatch_expert_parallel`; in
+capacity mode each rank's fixed queues do, `capacity_expert_parallel`); an
 expert's gradient is then summed over the dp/N ranks holding the same experts
 (optim.py; ZeRO-1 and 2 shard their state over those ranks).
 
@@ -219,12 +220,34 @@ def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
     return math.ceil(factor * n_tokens * k / n_experts)
 
 
-def dispatch_capacity(x, experts, weights, gate, up, down, factor: float):
+def batched_swiglu(h, gate, up, down):
+    """Every expert at once on a queue of the same length: h (E, n, C) -> (E, n, C)."""
+    return torch.bmm(F.silu(torch.bmm(h, gate.transpose(1, 2))) * torch.bmm(h, up.transpose(1, 2)),
+                     down.transpose(1, 2))
+
+
+def capacity_expert_parallel(h, gate, up, down, group):
+    """Capacity mode's experts over the ep ranks of `group`: h (E, C, d), this rank's queue
+    for every expert; gate, up, down this rank's E/ep experts. The queues are all one size,
+    so the all-to-alls need no counts: E/ep x C rows to each rank, and the same back.
+    Returns (E, C, d), every queue computed by its expert's holder."""
+    E, C, d = h.shape
+    ep, local = group.size, gate.shape[0]
+    rows = [local * C] * ep                                        # rank r's experts' queues: one run
+    got = _AllToAll.apply(h.reshape(E * C, d), rows, rows, group).view(ep, local, C, d)   # [source, expert]
+    out = batched_swiglu(got.transpose(0, 1).reshape(local, ep * C, d), gate, up, down)   # each expert's rows
+    out = out.view(local, ep, C, d).transpose(0, 1).reshape(E * C, d)                   # back by source
+    return _AllToAll.apply(out, rows, rows, group).view(E, C, d)
+
+
+def dispatch_capacity(x, experts, weights, gate, up, down, factor: float, group=None):
     """Capacity mode, every shape static: (y, dropped fraction). Drop rule (the
     module docstring): choices served rank by rank, then token by token; each
-    expert keeps its first C = capacity(N, k, E, factor) and drops the rest."""
+    expert keeps its first C = capacity(N, k, E, factor) and drops the rest.
+    group: --ep, gate, up, down are this rank's E/ep experts (capacity_expert_parallel)."""
     N, k = experts.shape
-    E, C = gate.shape[0], capacity(N, k, gate.shape[0], factor)
+    E = gate.shape[0] * (group.size if group is not None else 1)
+    C = capacity(N, k, E, factor)
     rank_major = experts.t().reshape(-1)                           # (k*N,): all first choices, then all second ...
     onehot = F.one_hot(rank_major, E)                              # (k*N, E)
     position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)           # place of each choice in its expert's queue
@@ -233,8 +256,10 @@ def dispatch_capacity(x, experts, weights, gate, up, down, factor: float):
     token = torch.arange(N, device=x.device).repeat(k)             # rank-major order: token of choice j is j % N
     buf = torch.zeros(E * C + 1, x.shape[1], dtype=x.dtype, device=x.device).index_add(0, slot, x[token])
     h = buf[:E * C].view(E, C, -1)                                 # (E, C, C_model): each expert's queue
-    out = torch.bmm(F.silu(torch.bmm(h, gate.transpose(1, 2))) * torch.bmm(h, up.transpose(1, 2)),
-                    down.transpose(1, 2))                          # (E, C, d): all experts in one batched matmul
+    if group is None or group.size == 1:
+        out = batched_swiglu(h, gate, up, down)                    # (E, C, d): all experts in one batched matmul
+    else:
+        out = capacity_expert_parallel(h, gate, up, down, group)   # (E, C, d): on the experts' ranks
     out = torch.cat([out.reshape(E * C, -1), out.new_zeros(1, out.shape[-1])])   # a zero row for the dropped
     w = weights.t().reshape(-1) * keep                             # a dropped choice adds nothing
     y = torch.zeros_like(x).index_add(0, token, out[slot] * w.unsqueeze(-1).to(x.dtype))
@@ -269,8 +294,8 @@ class MoE(nn.Module):
         experts, weights, balance, z = route(x, self.router.weight, self.k, self.seq_group)
         flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
         params = (self.gate.weight, self.up.weight, self.down.weight)
-        if self.capacity_factor > 0:
-            y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor)
+        if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
+            y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor, self.ep_group)
         elif self.ep_group is not None and self.ep_group.size > 1:   # --ep: to the experts' ranks and back
             y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group)
             dropped = flat.new_zeros((), dtype=torch.float32)

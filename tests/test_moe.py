@@ -209,6 +209,10 @@ def test_dropless_moe_on_xla_is_refused_in_one_line(capsys):
     assert train.main(["--preset", "moe", "--device", "xla"]) == 2
     err = capsys.readouterr().err.strip()
     assert "dropless" in err and "--moe-capacity-factor" in err and len(err.splitlines()) == 1
+    assert train.main(["--preset", "moe", "--device", "xla", "--moe-capacity-factor", "1", "--nproc", "2",
+                       "--ep", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--ep 2 is not supported on xla" in err and len(err.splitlines()) == 1
 
 
 def _train_here(argv):
@@ -334,6 +338,57 @@ def test_expert_parallel_dispatch_equals_one_process(tmp_path):
         assert to_other > 0 and from_other > 0
 
 
+def _capacity_parallel_worker(rank: int, world: int, out_dir: str) -> None:
+    """One rank of an ep group of `world` in capacity mode (factor 1): its share of the batch
+    fills its own queues, which travel to the experts' ranks and back."""
+    import torch.distributed as dist
+    from nanohlat.comm import CommLedger, Group
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ledger = CommLedger()
+    group = Group("ep", list(range(world)), rank, dist.new_group(list(range(world))), ledger)
+    x, w, params, g = _expert_parallel_case()
+    N, local = x.shape[0] // world, params[0].shape[0] // world
+    mine = x[rank * N:(rank + 1) * N].clone().requires_grad_()
+    experts, weights, _, _ = moe.route(mine.unsqueeze(0), w, 2)
+    held = [p[rank * local:(rank + 1) * local].clone().requires_grad_() for p in params]
+    y, dropped = moe.dispatch_capacity(mine, experts[0], weights[0], *held, 1.0, group)
+    (y * g[rank * N:(rank + 1) * N]).sum().backward()
+    torch.save({"y": y.detach(), "dropped": float(dropped), "x_grad": mine.grad, "grads": [p.grad for p in held],
+                "ledger": ledger.snapshot()}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_capacity_mode_over_expert_parallel_ranks_equals_each_rank_alone(tmp_path):
+    """Capacity mode at ep 2 (two gloo processes, two experts each): each rank's output, its
+    dropped share and its tokens' input gradients are what dispatch_capacity gives that rank's
+    tokens with all four experts in one process (its queues, its drops), and each expert's
+    gradient on its holder the sum over both ranks' queues (fp64, to round-off). What was sent:
+    4 all-to-alls (there and back, and their gradients), each the 2 other experts' queues of
+    C = ceil(1.0 x 24 x 2 / 4) = 12 rows: no counts, whatever the routing."""
+    from dist_utils import spawn_workers
+    spawn_workers(_capacity_parallel_worker, 2, (str(tmp_path),), str(tmp_path / "err"))
+    x, w, params, g = _expert_parallel_case()
+    x = x.clone().requires_grad_()
+    params = [p.clone().requires_grad_() for p in params]
+    N, local, ys, drops = x.shape[0] // 2, 2, [], []
+    for r in range(2):
+        experts, weights, _, _ = moe.route(x[r * N:(r + 1) * N].unsqueeze(0), w, 2)
+        y, dropped = moe.dispatch_capacity(x[r * N:(r + 1) * N], experts[0], weights[0], *params, 1.0)
+        ys.append(y), drops.append(float(dropped))
+    (torch.cat(ys) * g).sum().backward()
+    assert max(drops) > 0                                       # the queues do drop here
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.allclose(got["y"], ys[r].detach(), rtol=0, atol=1e-12) and got["dropped"] == drops[r]
+        assert torch.allclose(got["x_grad"], x.grad[r * N:(r + 1) * N], rtol=0, atol=1e-12)
+        for mine, full in zip(got["grads"], params):
+            assert torch.allclose(mine, full.grad[r * local:(r + 1) * local], rtol=0, atol=1e-12)
+        C = moe.capacity(N, 2, 4, 1.0)
+        assert C == 12 and got["ledger"]["ep.all_to_all"]["calls"] == 4
+        assert got["ledger"]["ep.all_to_all"]["wire"] == 4 * local * C * 16 * 8
+
+
 def test_expert_parallel_training_equals_one_process_and_its_checkpoints_move(cache_dir, tmp_path):
     """python train.py --preset moe --nproc 2 --ep 2: each rank holds 2 of the 4
     experts of every layer. Over 10 steps its losses and grad norms equal one
@@ -376,10 +431,8 @@ def test_expert_parallel_groups_and_refusals():
     m = Mesh(1, 1, 4, rank=2, ep=2)
     assert m._all("ep") == [[0, 1], [2, 3]] and m._all("ep_dp") == [[0, 2], [1, 3]]
     assert Mesh(2, 1, 4, ep=2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
-    for flags, named in ((["--zero", "3"], "--ep 2 with --zero 3"), (["--moe-capacity-factor", "1"], "capacity")):
-        with pytest.raises(UserError) as e:
-            config.parse_args(["--preset", "moe", "--ep", "2"] + flags)
-        assert named in str(e.value)
+    with pytest.raises(UserError, match="--ep 2 with --zero 3"):
+        config.parse_args(["--preset", "moe", "--ep", "2", "--zero", "3"])
     with pytest.raises(UserError, match="give --moe-experts"):
         config.parse_args(["--ep", "2"])
     from nanohlat import mesh as meshlib
@@ -622,3 +675,20 @@ def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_pr
                 str(tmp_path / "err_planted"), setup=_route_per_rank)
     planted, first = read_metrics(str(tmp_path / "planted"))[0], read_metrics(str(one_process_moe))[0]
     assert abs(planted["loss"] - first["loss"]) > 1e-5 * first["loss"], (planted, first)
+
+
+def test_capacity_mode_trains_alike_with_its_experts_spread_or_replicated(cache_dir, tmp_path):
+    """Capacity mode (factor 1.0, which drops) at dp 2: each rank fills its own queues
+    (moe.py), so the run to compare with is dp 2 with the experts replicated, not one
+    process. --ep 2 (the queues travel to the experts' ranks and back), replicas checked
+    every step: the same losses (<= 1e-5 relative), grad norms, dropped shares and step 1's
+    gradients of every parameter as dp 2 with them replicated."""
+    cap = ["--dp", 2, "--moe-capacity-factor", "1.0"]
+    runs = {"dp2": cap, "dp2_ep2": cap + ["--ep", 2, "--check-replicas", 1]}
+    run_layouts(2, [_flags(cache_dir, tmp_path / n, *extra) for n, extra in runs.items()], str(tmp_path / "err"),
+                setup=_gradient_recorder)
+    _assert_same_training(tmp_path / "dp2_ep2", tmp_path / "dp2", "dp2_ep2")
+    _assert_same_gradients(tmp_path / "dp2_ep2", tmp_path / "dp2", "dp2_ep2")
+    got, ref = read_metrics(str(tmp_path / "dp2_ep2")), read_metrics(str(tmp_path / "dp2"))
+    assert all(a["moe_dropped"] == pytest.approx(b["moe_dropped"], abs=1e-6) for a, b in zip(got, ref))
+    assert min(m["moe_dropped"] for m in ref) > 0.01, ref          # (the queues do drop)

@@ -423,7 +423,8 @@ def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, ex
 
 MOE_LAYOUTS2 = {"dp2_zero1": ["--dp", "2", "--zero", "1"], "ep2": ["--ep", "2"],
                 "ep2_full_m2": ["--ep", "2", "--activation-checkpointing", "full", "--microbatches", "2"],
-                "ep2_every2_shared": ["--ep", "2", "--moe-every", "2", "--moe-shared-experts", "1"]}
+                "ep2_every2_shared": ["--ep", "2", "--moe-every", "2", "--moe-shared-experts", "1"],
+                "ep2_capacity_full": ["--ep", "2", "--moe-capacity-factor", "1.25", "--activation-checkpointing", "full"]}
 
 
 def _balanced_routing(rank):

@@ -68,6 +68,9 @@ def main(train, argv: list[str]) -> int:
         if model_cfg.moe_experts and not model_cfg.moe_capacity_factor and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("a dropless mixture of experts is not supported on xla: each expert's token count "
                             "is a new shape, a new graph; give --moe-capacity-factor (e.g. 1.25: static shapes)")
+        if tcfg.ep > 1 and devicelib.resolve_kind(tcfg.device) == "xla":
+            raise UserError(f"--ep {tcfg.ep} is not supported on xla yet (its all-to-alls are tested on cpu and "
+                            f"cuda only); on xla train a mixture of experts with its experts replicated, --ep 1")
         if tcfg.cp > 1 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError(f"--cp {tcfg.cp} is not supported on xla yet (--cp-attention {tcfg.cp_attention} is "
                             f"tested on cpu and cuda only); train with --cp 1 there")

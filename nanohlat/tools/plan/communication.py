@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from nanohlat import comm
+from nanohlat import comm, moe
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas
 from nanohlat.pipeline import PipelineRunner, timetable
@@ -173,14 +173,20 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
     What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
     rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact
-    whatever the routing. Full checkpointing replays the three forward ones. Then, once per step
+    whatever the routing. Capacity mode (moe.capacity_expert_parallel) sends no counts, and its
+    four carry E x C rows each, C = moe.capacity(N, k, E, factor), exact whatever the routing.
+    Full checkpointing replays the forward ones. Then, once per step
     without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
     sum over dp adds every expert's shard once)."""
     sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
-    rows = mb * tcfg.seq_len * cfg.moe_top_k
-    _add(out, "ep.all_to_all", 8 * cfg.moe_experts, calls * replays, ep)                   # counts
+    N, E, k = mb * tcfg.seq_len, cfg.moe_experts, cfg.moe_top_k
+    if cfg.moe_capacity_factor:   # static queues: E x C rows to and fro
+        rows = E * moe.capacity(N, k, E, cfg.moe_capacity_factor)
+    else:
+        rows = N * k
+        _add(out, "ep.all_to_all", 8 * E, calls * replays, ep)                              # counts
     _add(out, "ep.all_to_all", rows * cfg.d_model * itemsize, calls * (2 * replays + 2), ep)  # the rows, both ways
     _add(out, "ep.all_reduce", 4, 0 if tcfg.zero else 1, ep)
 

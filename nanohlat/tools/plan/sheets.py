@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanohlat import comm
+from nanohlat import comm, moe
 from nanohlat.config import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text, validate_layout
 from nanohlat.tools.metrics import active_params, flops_per_token
@@ -264,7 +264,16 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines += comm_table(by_stage[s])
     everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
     lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
-    if tcfg.ep > 1:
+    if tcfg.ep > 1 and cfg.moe_capacity_factor:
+        N, E = micro_batch_size(tcfg, dp) * tcfg.seq_len, cfg.moe_experts
+        C = moe.capacity(N, cfg.moe_top_k, E, cfg.moe_capacity_factor)
+        lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 4 calls, each {E} experts' queues of "
+                     f"capacity {C} (ceil({cfg.moe_capacity_factor} x {N} tokens x top-{cfg.moe_top_k} / {E})) = "
+                     f"{E * C} rows of d_model {cfg.d_model}, whatever the routing (capacity mode: static shapes, "
+                     f"no counts): the queues to the experts' ranks, the outputs back, and both gradients"
+                     + ("; full checkpointing replays the 2 forward ones" if tcfg.activation_checkpointing == "full"
+                        else ""))
+    elif tcfg.ep > 1:
         N = micro_batch_size(tcfg, dp) * tcfg.seq_len
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
                      f"int64 to each of the {tcfg.ep} ranks), the dispatch ({N} tokens x top-{cfg.moe_top_k} = "
