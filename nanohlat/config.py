@@ -448,10 +448,11 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 
 
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO)."""
-    refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp), ("pp", tcfg.pp)) if value > 1]
+    """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any ZeRO), --pp."""
+    refused = [f"--{name} {value}" for name, value in (("tp", tcfg.tp),) if value > 1]
     refused += [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ walks ZeRO-2's
-                                ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2)) if on]   # backward without ep)
+                                ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),   # backward without ep)
+                                ("--plan with --pp", tcfg.plan and tcfg.pp > 1)) if on]
     if tcfg.ep > 1:   # expert parallelism: so far dropless, ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
@@ -460,7 +461,8 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
             ) if on]
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero): experts replicated (moe.py); --ep: dropless, --zero 0-2; --plan: ZeRO 0-2 (--ep: 0-1)")
+                        f"(any --zero) and --pp (any schedule): experts replicated (moe.py); --ep: dropless, --zero 0-2; "
+                        f"--plan: pp 1, ZeRO 0-2 (--ep: 0-1)")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

@@ -57,7 +57,8 @@ expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`); an
 expert's gradient is then summed over the dp/N ranks holding the same experts
-(optim.py; ZeRO-1 and 2 shard their state over those ranks). tp and pp with MoE are refused in config.py; Mixtral's shape exports (serving/hf.py).
+(optim.py; ZeRO-1 and 2 shard their state over those ranks). tp with MoE is refused in config.py (pp trains:
+the router losses of a chunk before the last enter its backward as at pp 1, pipeline.py); Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 

@@ -32,7 +32,7 @@ MAX_CORE_MODULES = 18      # nanohlat/*.py besides __init__.py (14 until ZB-H1's
                            # did not grow, MAX_CORE_LINES still counts them all; 16 until mixture of experts,
                            # moe.py: a layer of its own, so that the dense path reads as before; 17 until context
                            # parallelism, context_parallel.py, a fourth way to split the work, read beside tp)
-MAX_CORE_LINES = 4471      # those modules together (3000 until ZeRO-2 and overlapped reduction, zero2.py and
+MAX_CORE_LINES = 4494      # those modules together (3000 until ZeRO-2 and overlapped reduction, zero2.py and
                            # data_parallel.BucketWatch, and the interleaved schedule: pipeline.py, mesh.py; 3250
                            # until ZeRO-3: zero3.py, its per-layer groups in optim.py and its refusals in config.py
                            # (+175), and ZB-H1: its order and W op, pipeline.py, and the split backward,
@@ -62,7 +62,10 @@ MAX_CORE_LINES = 4471      # those modules together (3000 until ZeRO-2 and overl
                            # every expert run on no tokens too (its zero gradient), moe.py (+2), and --plan with --ep
                            # and ZeRO refused, config.py (+1): the plan counts ep's experts unsharded); 4466
                            # (4465 used) until --timeline with --cp: comm.py traces all_to_all and the ring
-                           # shift (+4), Context's timed call (+1), the cp refusal's longer message, config.py (+1)
+                           # shift (+4), Context's timed call (+1), the cp refusal's longer message, config.py (+1); 4471 until
+                           # a MoE model trained with --pp: each chunk's router losses and its rows of the tally,
+                           # model.py (+16), their backward and value in the pipeline, pipeline.py (+7), the
+                           # refusal of --plan with pp, config.py (+2), moe.py's docstring (+1)
 # optim: ~230 asked, + the 20-line reference AdamW, the flat parameter buffers and XLA's in-graph gather/scatter
 # of them, + ZeRO-3's per-layer groups and kept shard (5), + expert parallelism's own reduction group for the
 # experts and their term in the grad norm (6), + the experts under ZeRO (their own sharded strategy, the norm) (3)

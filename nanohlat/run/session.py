@@ -78,13 +78,18 @@ class Session:
         return last
 
     def moe_figures(self) -> dict:
-        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches
-        and dp ranks; {} for a dense model. Every rank takes part (one all-reduce over dp)."""
+        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches,
+        dp ranks and pipeline stages (each stage fills its own layers' rows: model.py); {} for
+        a dense model. Every rank takes part (an all-reduce over dp, one over pp)."""
         tally, self.model.moe_tally = self.model.moe_tally, None
-        if tally is None:
+        if not self.model_cfg.moe_experts:
             return {}
-        quiet = dataclasses.replace(self.mesh.dp_group, ledger=None)   # (no ledger: not the step's traffic)
-        return moe.step_metrics(comm.all_reduce(tally, quiet).cpu())
+        if tally is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
+            sparse = sum(self.model_cfg.is_moe_layer(i) for i in range(self.model_cfg.n_layers))
+            tally = torch.zeros(sparse, self.model_cfg.moe_experts + 4, device=self.dev.torch_device)
+        for group in (self.mesh.dp_group, self.mesh.pp_group):   # (no ledger: not the step's traffic)
+            tally = comm.all_reduce(tally, dataclasses.replace(group, ledger=None))
+        return moe.step_metrics(tally.cpu())
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
