@@ -449,19 +449,19 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """What a MoE model trains with so far: data parallelism (experts replicated like dense weights, any
-    ZeRO) and tensor parallelism (experts replicated over tp, moe.py)."""
-    refused = [f"--pp {tcfg.pp}"] if tcfg.pp > 1 else []
-    refused += [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ walks ZeRO-2's
-                                ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
-                                ("--plan with --tp", tcfg.plan and tcfg.tp > 1)) if on]   # backward without ep)
+    ZeRO), tensor parallelism (experts replicated over tp, moe.py) and --pp (any schedule)."""
+    refused = [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),   # (tools/plan/ walks ZeRO-2's
+                               ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
+                               ("--plan with --tp", tcfg.plan and tcfg.tp > 1),   # backward without ep)
+                               ("--plan with --pp", tcfg.plan and tcfg.pp > 1)) if on]
     if tcfg.ep > 1:   # expert parallelism: so far ZeRO 0-2
         if not model_cfg.moe_experts:
             raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
         refused += [f"--ep {tcfg.ep} with --zero 3"] if tcfg.zero == 3 else []
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero) and --tp: experts replicated (moe.py); --ep: --zero 0-2; "
-                        f"--plan: tp 1, ZeRO 0-2 (--ep: 0-1)")
+                        f"(any --zero), --tp and --pp (any schedule): experts replicated (moe.py); --ep: --zero 0-2; "
+                        f"--plan: tp 1, pp 1, ZeRO 0-2 (--ep: 0-1)")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

@@ -202,8 +202,8 @@ def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:
 def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
     """This rank's share of a mean -> the mean over the whole global batch, on every rank.
 
-    `x` is already divided by the global token count, and only the last
-    pipeline stage holds a loss (the others hold 0), so summing over the
+    `x` is already divided by the global token count, and only the last pipeline stage
+    holds a loss (the others 0, or a MoE model's router losses of their layers), so summing over the
     pipeline group and then over the data-parallel group (with --cp, dp x cp:
     each cp rank holds other tokens' losses) gives the global mean.
     The tensor-parallel ranks of a stage already agree on it (vocab-parallel

@@ -70,7 +70,8 @@ rank routes its T/tp tokens, so the router's sums over a sequence (f_e, P_e,
 z) add up over tp (`route`'s seq_group) and the gradients, partial, too
 (optim.py). Splitting each expert over tp is the other choice (Megatron's
 expert tensor parallelism); replication keeps this block free of tp code.
-pp with MoE is refused in config.py; Mixtral's shape exports (serving/hf.py).
+With pipeline parallelism the router losses of a chunk before the last enter
+its backward as at pp 1 (pipeline.py); Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 

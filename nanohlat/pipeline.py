@@ -224,7 +224,8 @@ class PipelineRunner:
         """tokens/targets: this dp rank's m micro-batches, one (mb, T) device
         tensor each (used on the first / last stage). The gradients go into
         FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
-        this stage's scaled micro-batch losses (zero off the last stage).
+        this stage's scaled micro-batch losses (off the last stage zero, or a
+        MoE model's router losses of this stage's layers: model.chunk_router).
 
         Each tick: this stage's op of the timetable (`_forward`, `_backward`,
         zb-h1's W), then the tick's exchanges (`_exchange`), then, on XLA, a
@@ -280,12 +281,16 @@ class PipelineRunner:
         loss to loss_sum instead."""
         layers = self.chunks[c]
         x = tokens[i] if self._first(c) else self.inputs.pop((i, c)).clone().requires_grad_()
+        router = None
         if self._last(c):
             out = self.model(x, targets[i], layers=layers).sum() * loss_scale
             self.loss_sum = self.loss_sum + out.detach()
         else:
             out = self.model(x, layers=layers)
-        self.in_flight[(i, c)] = (x, out)
+            if self.model.chunk_router is not None:   # MoE: this chunk's router losses, weighted as at pp 1
+                router = self.model.chunk_router * loss_scale
+                self.loss_sum = self.loss_sum + router.detach()
+        self.in_flight[(i, c)] = (x, out, router)
         self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight) + len(self.deferred))
         return None if self._last(c) else out.detach()
 
@@ -293,11 +298,13 @@ class PipelineRunner:
         """B of micro-batch i through chunk c, from the gradient received for
         its output (the model's last chunk starts from its loss). Returns the
         gradient of its input for the previous chunk (None for the first)."""
-        x, out = self.in_flight.pop((i, c))   # freed after this backward
+        x, out, router = self.in_flight.pop((i, c))   # freed after this backward
         if self._last(c):
             out.backward()
-        else:
+        elif router is None:
             out.backward(self.grads_in.pop((i, c)))
+        else:   # MoE: the router losses' gradient joins the received one (zb-h1: in B's dx and W's dW alike)
+            torch.autograd.backward([out, router], [self.grads_in.pop((i, c)), None])
         if self.split:                        # zb-h1: the linears' dW left for W
             self.deferred[(i, c)], self.split_backward.stash = self.split_backward.stash, []
         return None if self._first(c) else x.grad

@@ -1,7 +1,7 @@
 """Mixture of experts (nanohlat/moe.py): the router's losses against independent
 formulas, its gradient, dropless dispatch against the plain per-expert loop,
 capacity mode's drop rule, the `moe` preset's training, resume and init, and
-data parallelism equal to one process."""
+data, expert and pipeline parallelism equal to one process."""
 
 from __future__ import annotations
 
@@ -194,7 +194,8 @@ def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
     assert model.moe_tally[:, :4].sum(1).tolist() == [2 * 16 * 2] * 4   # every token's 2 choices counted
 
 
-@pytest.mark.parametrize("flags, named", [(["--pp", "2"], "--pp 2"), (["--plan", "--tp", "2"], "--plan with --tp"),
+@pytest.mark.parametrize("flags, named", [(["--plan", "--tp", "2"], "--plan with --tp"),
+                                          (["--plan", "--pp", "2"], "--plan with --pp"),
                                           (["--plan", "--zero", "3"], "--plan with --zero 3"),
                                           (["--plan", "--ep", "2", "--zero", "2"], "--plan with --ep and --zero 2"),
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
@@ -580,6 +581,63 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
     _assert_same_gradients(tmp_path / "dp4_ep2_zero1_planted", one_process_moe, "planted")   # (only the norm is wrong)
 
 
+def _plant_dropped_router_losses(rank: int) -> None:
+    """Worker setup: `_gradient_recorder`, and in a run whose --out-dir ends in "planted" the
+    router losses of the chunks before the model's last are dropped (model.chunk_router None:
+    neither their gradient nor their value, as before the pipeline counted them)."""
+    from nanohlat import pipeline
+    _gradient_recorder(rank)
+    real_init = pipeline.PipelineRunner.__init__
+
+    def init(self, model, mesh, tcfg, *args, **kwargs):
+        real_init(self, model, mesh, tcfg, *args, **kwargs)
+        if tcfg.out_dir.endswith("planted"):
+            real_forward = model.forward
+
+            def forward(*a, **k):
+                out = real_forward(*a, **k)
+                model.chunk_router = None
+                return out
+            model.forward = forward
+    pipeline.PipelineRunner.__init__ = init
+
+
+PP2 = {"pp2_1f1b": ["--schedule", "1f1b", "--save-every", "5"], "pp2_afab": ["--schedule", "afab"],
+       "pp2_interleaved": ["--schedule", "interleaved", "--virtual-stages", "2"], "pp2_zb_h1": ["--schedule", "zb-h1"],
+       "pp2_1f1b_planted": ["--schedule", "1f1b"]}
+
+
+def test_pipeline_parallel_trains_like_one_process(cache_dir, tmp_path, one_process_moe):
+    """--pp 2 (2 micro-batches) with 1F1B, AFAB, interleaved (2 chunks of one layer per stage) and
+    ZB-H1, and dp 2 x ep 2 x pp 2 (1F1B, 4 ranks): the router losses of stage 0's layers enter the
+    backward and the logged loss as at pp 1 (pipeline.py, model.chunk_router), the router figures
+    cover every stage's layers (session.moe_figures). Losses <= 1e-5 relative over 10 steps, grad
+    norms as the other layouts', step 1's gradient of every parameter to fp32 round-off, the logged
+    balance, z and load as one process's; the 1F1B run's step-5 checkpoint continues in one process
+    as the uninterrupted run. The negative control: stage 0's router losses dropped (gradient and
+    value) is caught, by the losses and by the gradients."""
+    run_layouts(2, [_flags(cache_dir, tmp_path / n, "--pp", 2, "--microbatches", 2, *extra) for n, extra in PP2.items()],
+                str(tmp_path / "err"), setup=_plant_dropped_router_losses)
+    run_layouts(4, [_flags(cache_dir, tmp_path / "dp2_ep2_pp2", "--pp", 2, "--dp", 2, "--ep", 2, "--microbatches", 2)],
+                str(tmp_path / "err4"), setup=_gradient_recorder)
+    ref = read_metrics(str(one_process_moe))
+    for name in [n for n in PP2 if not n.endswith("planted")] + ["dp2_ep2_pp2"]:
+        _assert_same_training(tmp_path / name, one_process_moe, name)
+        _assert_same_gradients(tmp_path / name, one_process_moe, name)
+        for a, b in zip(read_metrics(str(tmp_path / name)), ref):
+            assert abs(a["moe_balance"] - b["moe_balance"]) <= 1e-5 and abs(a["moe_z"] - b["moe_z"]) <= 1e-5 * b["moe_z"]
+            assert a["moe_load_max"] == pytest.approx(b["moe_load_max"], rel=1e-2), (name, a, b)
+    _train_here(_flags(cache_dir, tmp_path / "one_from_pp2", "--resume",
+                       str(tmp_path / "pp2_1f1b" / "checkpoints" / "step_00000005")))
+    resumed, losses = read_metrics(str(tmp_path / "one_from_pp2")), {m["step"]: m["loss"] for m in ref}
+    assert [m["step"] for m in resumed] == list(range(6, 11))
+    assert all(abs(m["loss"] - losses[m["step"]]) <= 1e-5 * losses[m["step"]] for m in resumed), (resumed, losses)
+    with pytest.raises(AssertionError):
+        _assert_same_training(tmp_path / "pp2_1f1b_planted", one_process_moe, "planted")
+    with pytest.raises(AssertionError):
+        _assert_same_gradients(tmp_path / "pp2_1f1b_planted", one_process_moe, "planted")
+
+
 def _plant_expert_divergence(rank: int) -> None:
     """Worker setup: after the 2nd optimizer step, rank 2 (dp 4, ep 2: it holds the experts rank 0
     holds, ep_dp [0 2]) flips a mantissa bit of its first expert matrix, weight and master."""
@@ -651,8 +709,8 @@ def _route_per_rank(rank: int) -> None:
 def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_process_moe):
     """Experts replicated over tp, as the norms are (moe.py): tp 2; tp 2 with SP (each rank
     routes its T/2 tokens, the router's sums over a sequence added over tp, the experts'
-    gradients too), replicas checked bitwise every step; and dp 2 x tp 2 with SP, ep 2 and
-    ZeRO-1, its step-5 checkpoint resumed in one process. Losses <= 1e-5 relative to one
+    gradients too), replicas checked bitwise every step; dp 2 x tp 2 with SP, ep 2 and
+    ZeRO-1, its step-5 checkpoint resumed in one process; and tp 2 with SP x pp 2 (1F1B). Losses <= 1e-5 relative to one
     process over 10 steps, grad norms as the dense layouts', step 1's gradients of every
     parameter to fp32 round-off. The negative control: SP's router losses over each rank's
     tokens alone (`_route_per_rank`) trains differently from step 1."""
@@ -660,9 +718,10 @@ def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_pr
     run_layouts(2, [_flags(cache_dir, tmp_path / n, *extra) for n, extra in layouts.items()],
                 str(tmp_path / "err"), setup=_gradient_recorder)
     ep = ["--dp", 2, "--tp", 2, "--sequence-parallel", "--ep", 2, "--zero", 1, "--check-replicas", 1, "--save-every", 5]
-    run_layouts(4, [_flags(cache_dir, tmp_path / "dp2_tp2_sp_ep2_zero1", *ep)], str(tmp_path / "err4"),
-                setup=_gradient_recorder)
-    for name in (*layouts, "dp2_tp2_sp_ep2_zero1"):
+    pp = ["--tp", 2, "--sequence-parallel", "--pp", 2, "--microbatches", 2, "--check-replicas", 1]
+    run_layouts(4, [_flags(cache_dir, tmp_path / "dp2_tp2_sp_ep2_zero1", *ep), _flags(cache_dir, tmp_path / "tp2_sp_pp2", *pp)],
+                str(tmp_path / "err4"), setup=_gradient_recorder)
+    for name in (*layouts, "dp2_tp2_sp_ep2_zero1", "tp2_sp_pp2"):
         _assert_same_training(tmp_path / name, one_process_moe, name)
         _assert_same_gradients(tmp_path / name, one_process_moe, name)
     _train_here(_flags(cache_dir, tmp_path / "one_from_tp", "--resume",

@@ -80,11 +80,15 @@ class Session:
     def moe_figures(self) -> dict:
         """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches,
         tp ranks (with SP each routed its share of the tokens; without, the same ones: the
-        figures are ratios) and dp ranks; {} for a dense model. Every rank takes part."""
+        figures are ratios), dp ranks and pipeline stages (each stage fills its own layers'
+        rows: model.py); {} for a dense model. Every rank takes part."""
         tally, self.model.moe_tally = self.model.moe_tally, None
-        if tally is None:
+        if not self.model_cfg.moe_experts:
             return {}
-        for group in (self.mesh.tp_group, self.mesh.dp_group):   # (no ledger: not the step's traffic)
+        if tally is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
+            sparse = sum(self.model_cfg.is_moe_layer(i) for i in range(self.model_cfg.n_layers))
+            tally = torch.zeros(sparse, self.model_cfg.moe_experts + 4, device=self.dev.torch_device)
+        for group in (self.mesh.tp_group, self.mesh.dp_group, self.mesh.pp_group):   # (no ledger: not traffic)
             tally = comm.all_reduce(tally, dataclasses.replace(group, ledger=None))
         return moe.step_metrics(tally.cpu())
 
