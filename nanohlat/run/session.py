@@ -117,7 +117,7 @@ class Session:
             return "communication: none (one process)"
         if self.model_cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
             lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (a mixture's all-to-alls "
-                     f"carry what the router sent; --plan predicts them for balanced routing)"]
+                     f"carry what the router sent; --plan, at tp 1 and pp 1, predicts them for balanced routing)"]
             return "\n".join(lines + plan.comm_table(measured))
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
         lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
