@@ -454,13 +454,11 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
                                ("--plan with --ep and --zero 2", tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
                                ("--plan with --tp", tcfg.plan and tcfg.tp > 1),   # backward without ep)
                                ("--plan with --pp", tcfg.plan and tcfg.pp > 1)) if on]
-    if tcfg.ep > 1:   # expert parallelism: so far ZeRO 0-2
-        if not model_cfg.moe_experts:
-            raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
-        refused += [f"--ep {tcfg.ep} with --zero 3"] if tcfg.zero == 3 else []
+    if tcfg.ep > 1 and not model_cfg.moe_experts:
+        raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
     if refused:
         raise UserError(f"a mixture of experts with {', '.join(refused)} is not supported yet: it trains with --dp "
-                        f"(any --zero), --tp and --pp (any schedule): experts replicated (moe.py); --ep: --zero 0-2; "
+                        f"(any --zero), --tp and --pp (any schedule): experts replicated (moe.py) or --ep; "
                         f"--plan: tp 1, pp 1, ZeRO 0-2 (--ep: 0-1)")
 
 

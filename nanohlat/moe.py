@@ -60,7 +60,7 @@ group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`; in
 capacity mode each rank's fixed queues do, `capacity_expert_parallel`); an
 expert's gradient is then summed over the dp/N ranks holding the same experts
-(optim.py; ZeRO-1 and 2 shard their state over those ranks).
+(optim.py; ZeRO-1, 2 and 3 shard their state over those ranks).
 
 With tensor parallelism (--tp) the router and the experts are replicated over
 the tp group, as the norms are: every tp rank computes the whole block on the

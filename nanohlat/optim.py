@@ -181,7 +181,7 @@ class FlatAdamW:
                                  master_dtype(tcfg.precision), moment_dtype(tcfg.moments), device.torch_device,
                                  mesh.tp_rank, mesh.tp)
                        for (_, decay, repl, _, split), (names, params) in sorted(by_kind.items(), reverse=True)]
-        self.units = zero3.attach(model, self.groups, self.dp) if tcfg.zero == 3 else []   # (gathered, freed together)
+        self.units = zero3.attach(model, self.groups) if tcfg.zero == 3 else []   # (gathered, freed together)
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
 

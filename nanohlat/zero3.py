@@ -38,6 +38,9 @@ Not here: pipeline parallelism (a stage's micro-batches interleave forwards
 and backwards of different units, and the units' hooks would have to follow
 them) and XLA (one traced graph per step, where freeing a buffer's storage
 means nothing): config.py and run/preflight.py refuse both in one line.
+A mixture's experts under --ep are sharded over the ranks holding the same
+ones (ep_dp), not over dp: each layer's experts are a second unit of that
+layer, gathered and freed with it over their own group (`attach`).
 Evaluation runs the same hooks; a checkpoint's export all-gathers each group
 (`Unit.gathered`), its load and --check-replicas gather everything (`whole`).
 """
@@ -45,6 +48,7 @@ Evaluation runs the same hooks; a checkpoint's export all-gathers each group
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -147,21 +151,27 @@ def unit_of(name: str) -> int:
     return int(name.split(".")[1]) if name.startswith("layers.") else -1
 
 
-def attach(model, groups, dp: ZeroThreeDP) -> list:
-    """One Unit per layer (and one for the rest) over FlatAdamW's groups' Shards, hooked to its module."""
-    ids = sorted({unit_of(g.names[0]) for g in groups})
-    units = {u: Unit([g.dp_state for g in groups if unit_of(g.names[0]) == u], dp) for u in ids}
-    for u, unit in units.items():
-        unit.attach(model if u < 0 else model.layers[str(u)])
-    return list(units.values())
+def attach(model, groups) -> list:
+    """One Unit per layer (and one for the rest) over FlatAdamW's groups' Shards, hooked to its module.
+    A layer's experts under --ep, sharded over their own ranks (ep_dp, optim.py), are a second Unit
+    of that layer, gathered and freed with it."""
+    by_unit: dict = {}
+    for g in groups:   # (each group's strategy: the dense parameters' over dp, the experts' over ep_dp)
+        by_unit.setdefault((unit_of(g.names[0]), g.dp), []).append(g.dp_state)
+    units = []
+    for (u, strategy), shards in by_unit.items():
+        units.append(Unit(shards, strategy))
+        units[-1].attach(model if u < 0 else model.layers[str(u)])
+    return units
 
 
 @contextlib.contextmanager
-def whole(opt, group=None):
-    """Every unit whole (a checkpoint's load, --check-replicas), then each rank keeps its shard of the result."""
+def whole(opt, quiet: bool = False):
+    """Every unit whole (a checkpoint's load, --check-replicas), then each rank keeps its shard of the result.
+    quiet: gathered off the comm ledger (not training's traffic)."""
     units = getattr(opt, "units", [])
     for u in units:
-        u.gather(group)
+        u.gather(dataclasses.replace(u.dp.group, ledger=None) if quiet else None)
     try:
         yield
     finally:

@@ -71,7 +71,7 @@ def check(model, mesh, step: int, every: int, opt=None) -> None:
     if not every or step % every:
         return
     quiet = lambda g: dataclasses.replace(g, ledger=None)    # noqa: E731  (not training's traffic)
-    with zero3.whole(opt, quiet(mesh.grad_group)):   # (dp, or with --cp dp x cp: ZeRO's ranks)
+    with zero3.whole(opt, quiet=True):   # (each unit over its ZeRO ranks: dp, dp x cp, or the experts' ep_dp)
         _check(model, mesh, step, quiet)
 
 
