@@ -75,6 +75,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
         opt.write_back()                                # ZeRO-1, 2: all-gather into the parameters (ZeRO-3: its shard)
+        del grads                                       # (ZeRO-1's reduced shard: not kept through the next step)
         # the end of the step, and what a run does between steps (run/session.py:Session.end_step)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break

@@ -79,7 +79,10 @@ def log_collectives(rank: int) -> None:
     """In each worker: note in $ZERO_TEST_LOG/rank{rank}.txt each run's start ('run'), each
     collective a hook started in the backward ('start'), each phase 1 of a step ('phase1') and,
     after each micro-batch's backward, the elements ZeRO-2 still stages ('staged0': none) and
-    the ZeRO-3 flat buffers still whole ('whole0': none)."""
+    the ZeRO-3 flat buffers still whole ('whole0': none); at each step's start, how many of the
+    last step's reduced gradients are still alive ('kept0': none), unless they are the flat buffers'."""
+    import weakref
+
     import train
     from nanohlat import comm, optim, pipeline, zero2, zero3
     path = os.path.join(os.environ["ZERO_TEST_LOG"], f"rank{rank}.txt")
@@ -107,9 +110,22 @@ def log_collectives(rank: int) -> None:
             f.write(f"staged{held}\nwhole{whole}\n")
         return out
     pipeline.PipelineRunner._backward = backward_then_note
+    reduced, reduce, run = [], optim.FlatAdamW.reduce_gradients, pipeline.PipelineRunner.run
+
+    def reduce_and_note(self):
+        grads = reduce(self)
+        buffers = {g.grad.untyped_storage().data_ptr() for g in self.groups}
+        reduced[:] = [weakref.ref(t) for t in grads if t.untyped_storage().data_ptr() not in buffers]
+        return grads
+
+    def run_and_note(self, *args, **kwargs):
+        with open(path, "a") as f:
+            f.write(f"kept{sum(r() is not None for r in reduced)}\n")
+        return run(self, *args, **kwargs)
+    pipeline.PipelineRunner.run = run_and_note
     comm.start_all_reduce = noting(comm.start_all_reduce, "start")
     comm.start_reduce_scatter = noting(comm.start_reduce_scatter, "start")
-    optim.FlatAdamW.reduce_gradients = noting(optim.FlatAdamW.reduce_gradients, "phase1")
+    optim.FlatAdamW.reduce_gradients = noting(reduce_and_note, "phase1")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +170,14 @@ def test_zero2_keeps_no_full_gradient_buffer_between_micro_batches(stage_runs):
     for name in ("z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap", "z3_overlap", "z3_no-overlap"):
         staged = [e for e in stage_runs["log"][name] if e.startswith("staged")]
         assert staged == ["staged0"] * 10, (name, staged)      # 5 steps x 2 micro-batches
+
+
+def test_a_steps_reduced_gradients_are_freed_before_the_next_step(stage_runs):
+    """ZeRO-1's reduce-scatter makes each step a new fp32 shard of the gradients (1/dp of them):
+    train.py frees it after the update, so the next step's forward and backward do not carry it."""
+    for name in ("z1_overlap", "z1_no-overlap"):
+        kept = [e for e in stage_runs["log"][name] if e.startswith("kept")]
+        assert kept == ["kept0"] * 5, (name, kept)
 
 
 def test_zero3_frees_every_layer_after_its_backward(stage_runs):

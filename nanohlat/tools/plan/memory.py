@@ -392,17 +392,13 @@ def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, 
     ids and targets (int64, its B/dp sequences: data_parallel.split_batch), and (pp > 1) the
     last exchange's all-gather output with each neighbour, mine and theirs (comm.exchange),
     which gloo's worker thread may still hold when the optimizer step begins (eager backends;
-    on xla the step is one graph). ZeRO-1 (dp > 1): the last step's reduce-scattered gradient
-    shards (4 B each), which train.py's `grads` still names through this step's forward and
-    backward, until phase 1 makes the new ones (optimizer_step_bytes counts those)."""
+    on xla the step is one graph). (ZeRO-1's reduce-scattered gradient shards live only from
+    phase 1 to the end of the step: train.py frees them; optimizer_step_bytes counts them.)"""
     sp = tcfg.sequence_parallel and tp > 1
     last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
         * micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if sp else 1) * cfg.d_model
-    zdp = dp * tcfg.cp   # ZeRO's ranks: dp x cp
-    last_grads = 4 * sum(padded_size(n, s) // s for n, s in zero_groups(cfg, tp, pp, stage, 1, tcfg.ep, zdp)) \
-        if tcfg.zero == 1 and zdp > 1 else 0
     return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) \
-        + last_exchange + last_grads
+        + last_exchange
 
 
 def state_bytes_per_param(tcfg: TrainConfig) -> int:
