@@ -69,9 +69,12 @@ on every tp rank, and so are the gradients; with it (--sequence-parallel) each
 rank routes its T/tp tokens, so the router's sums over a sequence (f_e, P_e,
 z) add up over tp (`route`'s seq_group) and the gradients, partial, too
 (optim.py). Splitting each expert over tp is the other choice (Megatron's
-expert tensor parallelism); replication keeps this block free of tp code.
+expert tensor parallelism); replication keeps tp out of this block but for
+the router's sums. Its price: every tp rank holds all E experts, and under SP
+all-reduces their gradients over tp each step (without SP it computes them
+on every token, as each of its tp peers does).
 With pipeline parallelism the router losses of a chunk before the last enter
-its backward as at pp 1 (pipeline.py); Mixtral's shape exports (serving/hf.py).
+its backward as at pp 1 (pipeline.py). Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 
@@ -268,7 +271,7 @@ def dispatch_capacity(x, experts, weights, gate, up, down, factor: float, group=
 
 
 class MoE(nn.Module):
-    """The sparse feed-forward block (a drop-in for model.MLP at tp 1). After each
+    """The sparse feed-forward block (a drop-in for model.MLP, replicated over tp). After each
     forward, `self.losses` holds this forward's per-sequence (balance, z) and
     `self.load` its tokens per expert and dropped fraction, for model.py's loss and log."""
 

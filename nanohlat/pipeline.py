@@ -236,7 +236,7 @@ class PipelineRunner:
         in number or size with m: a tick's graph is set by its op's kind and
         chunk and by what crosses (tests/test_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
-        self.in_flight = {}                   # (mb, chunk) -> (chunk input, chunk output) kept for backward
+        self.in_flight = {}                   # (mb, chunk) -> (input, output, MoE router losses or None), for B
         self.deferred = {}                    # zb-h1: (mb, chunk) -> what its W needs, B to W
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
@@ -278,7 +278,7 @@ class PipelineRunner:
         """F of micro-batch i through chunk c: its input is its tokens (first
         chunk of the model) or the activation received for it. Returns the
         activation for the next chunk; the model's last chunk adds its scaled
-        loss to loss_sum instead."""
+        loss to loss_sum instead (a MoE chunk before it, its router losses)."""
         layers = self.chunks[c]
         x = tokens[i] if self._first(c) else self.inputs.pop((i, c)).clone().requires_grad_()
         router = None

@@ -116,8 +116,8 @@ class Session:
         if not measured:
             return "communication: none (one process)"
         if self.model_cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
-            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (a mixture's all-to-alls "
-                     f"carry what the router sent; --plan, at tp 1 and pp 1, predicts them for balanced routing)"]
+            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (a mixture's; --plan, at tp 1 "
+                     f"and pp 1, predicts it, with --ep its all-to-alls for balanced routing)"]
             return "\n".join(lines + plan.comm_table(measured))
         predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
         lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
