@@ -283,9 +283,10 @@ def test_without_the_balance_loss_the_busiest_expert_takes_more(cache_dir, tmp_p
     assert load["0"] > load["0.1"] + 0.2, load
 
 
-def _expert_parallel_worker(rank: int, world: int, out_dir: str) -> None:
+def _expert_parallel_worker(rank: int, world: int, out_dir: str, factor: float = 0.0) -> None:
     """One rank of an ep group of `world`: its half of a fixed batch, its half of the
-    experts; saves its output and gradients for the test to compare."""
+    experts; saves its output and gradients for the test to compare. factor > 0: capacity
+    mode, its share of the batch filling its own queues."""
     import torch.distributed as dist
     from nanohlat.comm import CommLedger, Group
     torch.set_num_threads(1)
@@ -297,9 +298,12 @@ def _expert_parallel_worker(rank: int, world: int, out_dir: str) -> None:
     mine = x[rank * N:(rank + 1) * N].clone().requires_grad_()
     experts, weights, _, _ = moe.route(mine.unsqueeze(0), w, 2)
     held = [p[rank * local:(rank + 1) * local].clone().requires_grad_() for p in params]
-    y = moe.dispatch_expert_parallel(mine, experts[0], weights[0], *held, group)
+    if factor:
+        y, dropped = moe.dispatch_capacity(mine, experts[0], weights[0], *held, factor, group)
+    else:
+        y, dropped = moe.dispatch_expert_parallel(mine, experts[0], weights[0], *held, group), 0.0
     (y * g[rank * N:(rank + 1) * N]).sum().backward()
-    torch.save({"y": y.detach(), "x_grad": mine.grad, "grads": [p.grad for p in held],
+    torch.save({"y": y.detach(), "dropped": float(dropped), "x_grad": mine.grad, "grads": [p.grad for p in held],
                 "ledger": ledger.snapshot()}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -339,27 +343,6 @@ def test_expert_parallel_dispatch_equals_one_process(tmp_path):
         assert to_other > 0 and from_other > 0
 
 
-def _capacity_parallel_worker(rank: int, world: int, out_dir: str) -> None:
-    """One rank of an ep group of `world` in capacity mode (factor 1): its share of the batch
-    fills its own queues, which travel to the experts' ranks and back."""
-    import torch.distributed as dist
-    from nanohlat.comm import CommLedger, Group
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    ledger = CommLedger()
-    group = Group("ep", list(range(world)), rank, dist.new_group(list(range(world))), ledger)
-    x, w, params, g = _expert_parallel_case()
-    N, local = x.shape[0] // world, params[0].shape[0] // world
-    mine = x[rank * N:(rank + 1) * N].clone().requires_grad_()
-    experts, weights, _, _ = moe.route(mine.unsqueeze(0), w, 2)
-    held = [p[rank * local:(rank + 1) * local].clone().requires_grad_() for p in params]
-    y, dropped = moe.dispatch_capacity(mine, experts[0], weights[0], *held, 1.0, group)
-    (y * g[rank * N:(rank + 1) * N]).sum().backward()
-    torch.save({"y": y.detach(), "dropped": float(dropped), "x_grad": mine.grad, "grads": [p.grad for p in held],
-                "ledger": ledger.snapshot()}, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
-
-
 def test_capacity_mode_over_expert_parallel_ranks_equals_each_rank_alone(tmp_path):
     """Capacity mode at ep 2 (two gloo processes, two experts each): each rank's output, its
     dropped share and its tokens' input gradients are what dispatch_capacity gives that rank's
@@ -368,7 +351,7 @@ def test_capacity_mode_over_expert_parallel_ranks_equals_each_rank_alone(tmp_pat
     4 all-to-alls (there and back, and their gradients), each the 2 other experts' queues of
     C = ceil(1.0 x 24 x 2 / 4) = 12 rows: no counts, whatever the routing."""
     from dist_utils import spawn_workers
-    spawn_workers(_capacity_parallel_worker, 2, (str(tmp_path),), str(tmp_path / "err"))
+    spawn_workers(_expert_parallel_worker, 2, (str(tmp_path), 1.0), str(tmp_path / "err"))
     x, w, params, g = _expert_parallel_case()
     x = x.clone().requires_grad_()
     params = [p.clone().requires_grad_() for p in params]
