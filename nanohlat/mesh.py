@@ -309,9 +309,11 @@ def ep_groups(kind: str, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
     if ep == 1:
         return []
     r = lambda d, p, t: rank_of(d, p, t, tp, dp)   # noqa: E731
+    # exercise 10c: begin
     if kind == "ep":
         return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]
     return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]
+    # exercise 10c: end
 
 
 def check_ep(tcfg: TrainConfig, dp: int, n_experts: int) -> None:

@@ -127,6 +127,7 @@ def route(x, w_router, k: int, seq_group=None):
 
     def over_sequence(t):   # (B, T or T/tp, ...) -> (B, ...): the sum over the sequence's tokens
         return t.sum(dim=1) if seq_group is None else tpl.reduce_sum(t.sum(dim=1), seq_group)
+    # exercise 10a: begin
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
     probs = logits.softmax(dim=-1)                                 # (B, T, E)
     top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
@@ -138,6 +139,7 @@ def route(x, w_router, k: int, seq_group=None):
     balance = E * (f * P).sum(dim=-1)                              # (B,)
     z = over_sequence(torch.logsumexp(logits, dim=-1).pow(2)) / T  # (B,)
     return experts, weights.to(x.dtype), balance, z
+    # exercise 10a: end
 
 
 def dispatch_loop(x, experts, weights, gate, up, down):
@@ -156,6 +158,7 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
     tokens are one contiguous slice; one matmul per slice; combine. Same arguments
     and result as `dispatch_loop`."""
+    # exercise 10b: begin
     N, k = experts.shape
     flat = experts.reshape(-1)                                     # choice j = token j // k, rank j % k
     order = flat.argsort(stable=True)                              # choices grouped by expert, token order inside
@@ -167,6 +170,7 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]
     out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
+    # exercise 10b: end
 
 
 class _AllToAll(torch.autograd.Function):

@@ -573,6 +573,97 @@ PLANTS = [
                   where = [slice(None)] * len(full_shape)
                   where[tp_dim] = slice(part * size, (part + 1) * size)
                   dst, cov = out[tuple(where)], covered[tuple(where)]""")),
+    # ---- 10a top-k routing with the aux losses ------------------------------------------------------
+    wrong("10a", "renormalises the chosen k over all E probabilities (which sum to 1: no renormalisation)",
+          "k 2 of E 5, 3 sequences of 7 tokens: weights",
+          sub("weights = top_p / top_p.sum(dim=-1, keepdim=True)", "weights = top_p / probs.sum(dim=-1, keepdim=True)")),
+    wrong("10a", "f_e from the probabilities of the chosen experts (a gradient through f)",
+          "k 2 of E 5, 3 sequences of 7 tokens: through balance: the gradient of",
+          sub("chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)",
+              "chosen = F.one_hot(experts, E).sum(dim=2).to(dtype) * probs / probs.detach()")),
+    wrong("10a", "f_e and P_e over the whole batch, not per sequence", "3 sequences of 7 tokens: balance",
+          sub("balance = E * (f * P).sum(dim=-1)",
+              "balance = E * (f.mean(0) * P.mean(0)).sum(dim=-1).expand(f.shape[0])")),
+    wrong("10a", "the z-loss without the square", "k 2 of E 5, 3 sequences of 7 tokens: z",
+          sub("torch.logsumexp(logits, dim=-1).pow(2)", "torch.logsumexp(logits, dim=-1)")),
+    wrong("10a", "the balance loss without the factor E", "k 2 of E 5, 3 sequences of 7 tokens: balance",
+          sub("balance = E * (f * P).sum(dim=-1)", "balance = (f * P).sum(dim=-1)")),
+    wrong("10a", "top-k over the wrong dim (the tokens, not the experts)", "k 2 of E 5, 3 sequences of 7 tokens",
+          sub("top_p, experts = probs.topk(k, dim=-1)", "top_p, experts = probs.topk(k, dim=1)")),
+    wrong("10a", "f_e divided by the tokens, not the T*k choices (sums to k)", "k 2 of E 5, 3 sequences of 7 tokens: balance",
+          sub("f = over_sequence(chosen) / (T * k)", "f = over_sequence(chosen) / T")),
+    wrong("10a", "sums over this rank's tokens only: sequence parallelism's halves not added up over tp",
+          "sequence parallelism", sub("P = over_sequence(probs) / T", "P = probs.sum(dim=1) / T")),
+    right("10a", "top-k on the logits, the weights a softmax over the chosen k logits (Mixtral's way), "
+          "f from a scatter of ones", body(0, """
+              logits = x.to(dtype) @ w_router.to(dtype).t()
+              top_logits, experts = logits.topk(k, dim=-1)
+              weights = top_logits.softmax(dim=-1)
+              probs = logits.softmax(dim=-1)
+              ones = torch.ones(experts.shape, dtype=dtype, device=x.device)
+              chosen = torch.zeros(logits.shape, dtype=dtype, device=x.device).scatter_add(2, experts, ones)
+              f, P = over_sequence(chosen) / (T * k), over_sequence(probs) / T
+              z = over_sequence(torch.logsumexp(logits, dim=-1) ** 2) / T
+              return experts, weights.to(x.dtype), E * (f * P).sum(dim=-1), z""")),
+    # ---- 10b the sorted dispatch -------------------------------------------------------------------
+    wrong("10b", "index_copy back instead of index_add (a token keeps one of its k results)",
+          "9 tokens, k 2 of E 4: y", sub("return torch.zeros_like(x).index_add(0, token, out)",
+                                         "return torch.zeros_like(x).index_copy(0, token, out)")),
+    wrong("10b", "the weights in the unsorted order", "9 tokens, k 2 of E 4: y",
+          sub("torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)", "torch.cat(outs) * weights.reshape(-1).unsqueeze(-1)")),
+    wrong("10b", "the token of choice j as j % k (its rank) instead of j // k", "9 tokens, k 2 of E 4: y",
+          sub("token = order // k\n    xs = x[token]", "token = order % k\n    xs = x[token]")),
+    wrong("10b", "each expert's slice taken in expert order but the tokens left unsorted", "9 tokens, k 2 of E 4: y",
+          sub("xs = x[token]  ", "xs = x[torch.arange(N * k) // k]  ")),
+    wrong("10b", "the weight applied to the token before its expert (SwiGLU is not linear)", "9 tokens, k 2 of E 4: y",
+          body(0, """
+              N, k = experts.shape
+              flat = experts.reshape(-1)
+              order = flat.argsort(stable=True)
+              token = order // k
+              xs = x[token] * weights.reshape(-1)[order].unsqueeze(-1)
+              counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+              outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]
+              return torch.zeros_like(x).index_add(0, token, torch.cat(outs))""")),
+    right("10b", "an unstable sort, and back by the inverse permutation, summed over the k", body(0, """
+              N, k = experts.shape
+              order = experts.reshape(-1).argsort()
+              counts = torch.bincount(experts.reshape(-1), minlength=gate.shape[0]).tolist()
+              xs = x[order // k].split(counts)
+              out = torch.cat([swiglu(c, gate[e], up[e], down[e]) for e, c in enumerate(xs)])
+              out = out[order.argsort()].view(N, k, -1)            # choice j back at row j
+              return (out * weights.unsqueeze(-1)).sum(dim=1)""")),
+    right("10b", "experts with no token skipped (the stacked weights' gradient is still whole: zeros there)",
+          sub("outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]",
+              "outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts)) if len(chunk)]")),
+    # ---- 10c the expert-parallel groups --------------------------------------------------------------
+    wrong("10c", "ep_dp the ep groups themselves (the gradients summed over ranks holding other experts)",
+          "dp 4, ep 2: rank", body(0, """
+              return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]""")),
+    wrong("10c", "ep_dp the whole dp group (each expert's gradient mixed with the other experts')", "dp 4, ep 2: rank",
+          sub("return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]",
+              "return [[r(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]")),
+    wrong("10c", "ep strided and ep_dp contiguous: the right sums, through the wrong groups",
+          "dp 4, ep 2: rank 0: right values, but the tokens' all-to-all ran on ranks [0, 2]", body(0, """
+              if kind == "ep":
+                  return [[r(d, p, t) for d in range(j, dp, dp // ep)] for p in range(pp) for t in range(tp)
+                          for j in range(dp // ep)]
+              return [[r(d, p, t) for d in range(i, i + dp // ep)] for p in range(pp) for t in range(tp)
+                      for i in range(0, dp, dp // ep)]""")),
+    wrong("10c", "ep_dp strided by dp / ep instead of ep (right at dp 4, ep 2 only)", "dp 4, ep 4: rank 0: the summed",
+          sub("for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]",
+              "for d in range(j, dp, dp // ep)] for p in range(pp) for t in range(tp) for j in range(dp // ep)]")),
+    wrong("10c", "the groups of tp rank 0 only", "tp=2, pp=1, dp=4, ep=2, the ep groups",
+          sub("for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]",
+              "for p in range(pp) for t in range(1) for i in range(0, dp, ep)]")),
+    right("10c", "from the coordinates: the ranks whose dp rank has the same run (ep) or place (ep_dp)", body(0, """
+              key = (lambda d: d // ep) if kind == "ep" else (lambda d: d % ep)
+              groups = {}
+              for p in range(pp):
+                  for t in range(tp):
+                      for d in range(dp):
+                          groups.setdefault((p, t, key(d)), []).append(r(d, p, t))
+              return list(groups.values())""")),
     # ---- 11a the online-softmax merge -----------------------------------------------------------
     wrong("11a", "no running max: exp(lse) itself, which overflows fp32 past about 88", "large logits",
           body(0, """
@@ -816,13 +907,14 @@ def test_the_plants_cover_every_exercise_and_chapter():
         assert n >= 3, f"exercise {e.id}: {n} planted mistakes"
     chapters = {e.chapter for e in kit.EXERCISES}
     assert chapters <= {int(p.ex[:-1]) for p in PLANTS if p.right}
-    for ex in ("3b", "3c", "3d", "3e", "4a", "4b", "4c", "11c"):
+    for ex in ("3b", "3c", "3d", "3e", "4a", "4b", "4c", "10c", "11c"):
         assert any(WRONG_COMM in p.catches for p in PLANTS if p.ex == ex), ex
     for ex in ("3a", "3b", "3d", "3e", "4a"):
         assert any("default (world)" in p.catches for p in PLANTS if p.ex == ex), ex
     for ex, words in (("4c", "large logits"), ("7a", "odd NaN"), ("7a", "noise drawn by the function"),
                       ("1a", "1.5 bf16 steps"), ("1c", "ragged rows"), ("11a", "large logits"),
-                      ("11a", "no key in either"), ("11c", "bf16 inputs")):
+                      ("11a", "no key in either"), ("11c", "bf16 inputs"), ("10a", "sequence parallelism"),
+                      ("10a", "through balance")):
         assert any(words in p.catches for p in PLANTS if p.ex == ex), (ex, words)
     # docs/teaching.md says how many there are
     mistakes = [p for p in PLANTS if not p.right]

@@ -98,6 +98,12 @@ EXERCISES = [
     Exercise("6b", "the process groups: every tp, dp and pp group of the mesh", "6"),
     Exercise("7a", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
     Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
+    Exercise("10a", "top-k routing: each token's k likeliest experts, their probabilities renormalised over the k; "
+                    "per sequence the load-balancing loss E sum f_e P_e (f_e counts, no gradient) and the z-loss", "10"),
+    Exercise("10b", "the sorted dispatch: sort the choices by expert, one SwiGLU per expert's slice (every expert), "
+                    "weight, and add each back to its token", "10"),
+    Exercise("10c", "the expert-parallel groups: ep, runs of ep neighbouring dp ranks sharing the experts; ep_dp, "
+                    "the ranks holding the same ones, over which their gradients are summed", "10"),
     Exercise("11a", "the merge of two partial attention results (o, lse) over disjoint keys: an online softmax in fp32, "
                     "its running max keeping exp() finite", "11"),
     Exercise("11b", "the zigzag split: rank i holds chunks i and 2cp-1-i, each token at its place in the whole "

@@ -40,7 +40,7 @@ Where things are: harness.py (verdicts, the gloo workers), wire.py (what a
 rank moves), then one file of oracles per chapter of tutorial.md, in its
 order: ch1_transformer.py, ch3_data_parallel.py, ch4_tensor_parallel.py,
 ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch8_checkpoints.py,
-ch11_context_parallel.py. This
+ch10_moe.py, ch11_context_parallel.py. This
 file runs an exercise's checks (`run`) and lists them (`CHECKS`).
 """
 
@@ -54,6 +54,7 @@ from nanohlat.classroom.checks.ch5_pipeline import check_1f1b, check_exchange_pl
 from nanohlat.classroom.checks.ch6_mesh import check_coords, check_groups
 from nanohlat.classroom.checks.ch7_precision import check_stochastic_rounding
 from nanohlat.classroom.checks.ch8_checkpoints import check_reshard
+from nanohlat.classroom.checks.ch10_moe import check_dispatch, check_ep_groups, check_route
 from nanohlat.classroom.checks.ch11_context_parallel import check_merge, check_ring_backward, check_zigzag
 
 
@@ -89,6 +90,9 @@ CHECKS = {
     "6b": [check_groups],
     "7a": [check_stochastic_rounding],
     "8a": [check_reshard],
+    "10a": [check_route],
+    "10b": [check_dispatch],
+    "10c": [check_ep_groups],
     "11a": [check_merge],
     "11b": [check_zigzag],
     "11c": [check_ring_backward],
