@@ -131,9 +131,8 @@ def _route_case(name, x, w, k, seq_group=None, part=None, rank=None, **tol) -> s
         mine = upstream[:, sl] if what == "weights" else upstream
         gx, gw = torch.autograd.grad((got.double() * mine).sum(), (mx, mw), retain_graph=True, allow_unused=True)
         if seq_group is not None and gw is not None:   # each tp rank's router gradient is partial: optim.py adds them
-            import torch.distributed as dist
-            gw = gw.clone()
-            dist.all_reduce(gw, group=seq_group.pg)
+            from nanohlat import comm
+            gw = comm.all_reduce(gw, seq_group)
         ex, ew = torch.autograd.grad((exact * upstream).sum(), (ref_x, ref_w), retain_graph=True)
         v = _grads(f"{name}: through {what}", (gx, gw), (ex[:, sl], ew), ("x", "w_router"), rank, **tol)
         if v and what == "balance" and gw is not None:
