@@ -73,8 +73,8 @@ def contiguous_positions(T: int, cp: int) -> torch.Tensor:
 
 
 class Context:
-    """What a model's layers need to run context parallel (model.py's one call): the cp group
-    and the algorithm. Every table comes from the number of tokens a rank holds."""
+    """What a model's layers need to run context parallel (`apply`): the cp group and the
+    algorithm. Every table comes from the number of tokens a rank holds."""
 
     def __init__(self, group, algorithm: str):
         if algorithm not in ALGORITHMS:
@@ -94,6 +94,21 @@ class Context:
         """`attention` below with this rank's group, table and algorithm (--timeline: timed, tools/timeline.py)."""
         args = (q, k, v, self.group, self.positions(q.shape[2]), self.algorithm)
         return self.group.trace.timed(attention, *args) if self.group.trace else attention(*args)
+
+    def __call__(self, q, k, v):
+        """A layer's attention core (model.Attention.core, set by `apply`): `attention`."""
+        return self.attention(q, k, v)
+
+
+def apply(model, group, algorithm: str) -> Context:
+    """Context parallelism on this rank's stage `model` (model.py's seams): every layer's attention core
+    across the cp ranks of `group` by `algorithm`, and the rotary angles of each of this rank's tokens at
+    its place in the whole sequence (Context.rotary)."""
+    ctx = Context(group, algorithm)
+    for block in model.layers.values():
+        block.attn.core = ctx
+    model.rotary = lambda t: ctx.rotary(model.cos, model.sin, t)   # (the tables as they are now: moved, cast)
+    return ctx
 
 
 def split_sequence(tokens: torch.Tensor, cp: int, rank: int):

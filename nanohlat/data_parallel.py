@@ -135,6 +135,14 @@ class ReplicatedDP:
     def buckets(self, padded: int) -> list:
         return [[r] for r in bucket_ranges(padded, self.bucket_elems)]
 
+    def unit_of(self, name: str) -> int:
+        """Which flat buffers parameter `name` joins, besides its kind (optim.FlatAdamW): the same for all."""
+        return 0
+
+    def gathered(self, g) -> torch.Tensor:
+        """Group g's whole flat parameter buffer: kept (aliased), or on XLA gathered from the parameters."""
+        return g.flat if g.aliased else g.flatten([p.detach() for p in g.params], g.params[0].dtype)
+
     def track(self, g) -> Reduction:
         """Group g's Reduction; with overlap, a BucketWatch of its buckets (else: reduced in phase 1)."""
         return Reduction(g, BucketWatch(self.buckets(g.padded), g.numel, self.every)
@@ -149,7 +157,7 @@ class ReplicatedDP:
         pieces = r.watch.pieces(off, numel)
 
         def hook(p):
-            if p.grad is None:                # zb-h1's B: a linear's gradient comes in its W (split_backward.py)
+            if p.grad is None:                # (a backward that leaves this weight's gradient for later)
                 return
             add(p)
             for k, lo, hi, _ in pieces:

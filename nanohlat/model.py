@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import context_parallel as cpl, moe, shard_spec, tensor_parallel as tpl
+from . import moe, shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -83,6 +83,11 @@ def attention_core(q, k, v, causal: bool, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
+def causal_attention(q, k, v):
+    """Training's attention core: each token attends to itself and the tokens before it."""
+    return attention_core(q, k, v, True)
+
+
 class Attention(nn.Module):
     """Each tp rank computes n_heads/tp query heads and the kv heads they use:
     n_kv_heads/tp of them, or, with more tp ranks than kv heads, a replica of
@@ -90,10 +95,9 @@ class Attention(nn.Module):
     tp/n_kv_heads replicas; tensor_parallel.py's docstring)."""
 
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True, cp: cpl.Context | None = None):
+                 regather: bool = True):
         super().__init__()
         tp = group.size
-        self.cp = cp   # context parallel (--cp > 1): this rank holds T/cp tokens of each sequence
         replicas = kv_group.size if kv_group is not None else 1
         assert replicas == max(tp // cfg.n_kv_heads, 1), \
             f"tp {tp} with {cfg.n_kv_heads} kv heads needs kv groups of {max(tp // cfg.n_kv_heads, 1)} ranks"
@@ -103,6 +107,7 @@ class Attention(nn.Module):
         self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
+        self.core = causal_attention   # (q, k, v) -> y in training: any function computing the same
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
     def forward(self, x, cos, sin, cache=None):
@@ -122,13 +127,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
             y = attention_core(q, k, v, False, mask)
-        elif self.cp is not None:   # --cp: over the whole sequence's keys, on the cp ranks (context_parallel.py)
-            core = self.checkpoint_core or (lambda f, *args: f(*args))      # (selective: recomputed, exchanges too)
-            y = core(self.cp.attention, q, k, v)
         elif self.checkpoint_core is not None:
-            y = self.checkpoint_core(attention_core, q, k, v, True)
+            y = self.checkpoint_core(self.core, q, k, v)    # selective: recomputed in the backward
         else:
-            y = attention_core(q, k, v, True)                           # (B, H, T, D)
+            y = self.core(q, k, v)                          # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(y)                                  # (B, T or T/tp, C) after the reduce
 
@@ -150,17 +152,12 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, group: Group, sequence_parallel: bool, kv_group: Group | None = None,
-                 regather: bool = True, layer: int = 0, ep_group: Group | None = None,
-                 cp: cpl.Context | None = None):
+                 regather: bool = True):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather, cp)
+        self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        if not cfg.is_moe_layer(layer):   # the dense SwiGLU MLP (every layer unless --moe-experts is given)
-            self.mlp = MLP(cfg, group, sequence_parallel, regather)
-        else:                             # a mixture of experts in its place (moe.py)
-            self.mlp = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
-                               cfg.moe_capacity_factor, ep_group, seq_group=group if sequence_parallel else None)
+        self.mlp = MLP(cfg, group, sequence_parallel, regather)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)
@@ -172,14 +169,15 @@ class Transformer(nn.Module):
     the tp group; `kv_group`: the ranks sharing a kv head when tp > n_kv_heads
     (mesh.group("kv")); `sp_regather`: with sequence parallel, keep only each
     rank's T/tp tokens for the column-parallel matmuls' backward and gather
-    them again there (--sp-regather; tensor_parallel.enter_linears); `ep_group`:
-    the ranks sharing the experts of a mixture of experts (--ep; moe.py); `cp`:
-    context parallelism's group and algorithm (--cp; context_parallel.Context)."""
+    them again there (--sp-regather; tensor_parallel.enter_linears).
+
+    Every part is an ordinary attribute, so a layer can be given another one of
+    the same interface after construction, before init_weights: a block's `mlp`,
+    its attention's `core`, the stage's `rotary` angles of a training sequence."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
                  layers: range | list[int] | None = None, first: bool = True, last: bool = True,
-                 kv_group: Group | None = None, sp_regather: bool = True, ep_group: Group | None = None,
-                 cp: cpl.Context | None = None):
+                 kv_group: Group | None = None, sp_regather: bool = True):
         super().__init__()
         group = group or Group("tp", [0], 0)
         self.cfg, self.group = cfg, group
@@ -190,9 +188,7 @@ class Transformer(nn.Module):
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
-        self.cp = cp
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather, i, ep_group, cp)
-                                     for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
         self.moe_tally = None   # MoE: the step's router figures so far (moe.tally; run/session.py logs them)
         self.chunk_router = None   # MoE: the router losses of the last forward of a chunk before the model's last
         if last:
@@ -218,8 +214,7 @@ class Transformer(nn.Module):
         they add to the last chunk's summed per-token losses; pipeline.py).
 
         positions (B, T): each token's position in its sequence (the rotary
-        angles); when not given (training) 0..T-1 in every row, or with --cp
-        this rank's tokens' places in the whole sequence (zigzag). cache (serving:
+        angles); when not given (training), `rotary`'s: 0..T-1 in every row. cache (serving:
         serving/generate.py:CachePass, with the same positions): where each
         layer's attention keeps the new keys and values and finds the earlier
         ones; `cache.layer(i)` is layer i's part.
@@ -232,10 +227,8 @@ class Transformer(nn.Module):
         embeds = self.first and ids[0] == 0
         ends = self.last and ids[-1] == self.cfg.n_layers - 1
         T = x.shape[1] * (self.group.size if (self.sequence_parallel and not embeds) else 1)
-        if positions is None and self.cp is not None:   # --cp: x holds this rank's zigzag chunks
-            cos, sin = self.cp.rotary(self.cos, self.sin, T)                        # (T, D), each token's own place
-        elif positions is None:
-            cos, sin = self.cos[:T], self.sin[:T]                                   # (T, D)
+        if positions is None:
+            cos, sin = self.rotary(T)                                               # (T, D)
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # (B, 1, T, D)
         if embeds:
@@ -261,6 +254,10 @@ class Transformer(nn.Module):
             return losses
         # each token carries its sequence's router losses: the mean over tokens adds their mean over sequences
         return losses + router.unsqueeze(1)
+
+    def rotary(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary angles of a training sequence's T tokens, positions 0..T-1: (T, D) each."""
+        return self.cos[:T], self.sin[:T]
 
     def _router_losses(self, ids) -> torch.Tensor | None:
         """The router losses (B,) of layers `ids`' mixtures, their figures added to `moe_tally` (a row per sparse

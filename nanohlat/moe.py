@@ -317,6 +317,18 @@ class MoE(nn.Module):
         return y.view(B, T, C)
 
 
+def apply(model, cfg, ep_group=None) -> None:
+    """A mixture of experts in place of the MLP of every sparse layer (cfg.is_moe_layer) of `model`, this
+    rank's stage, before init_weights fills its parameters by name: replicated over tp like the norms (with
+    sequence parallelism each tp rank routes its T/tp tokens: `route`'s seq_group); `ep_group`: the ranks
+    sharing the experts (--ep), E/ep each."""
+    seq_group = model.group if model.sequence_parallel else None
+    for i, block in model.layers.items():
+        if cfg.is_moe_layer(int(i)):
+            block.mlp = MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
+                            cfg.moe_capacity_factor, ep_group, seq_group=seq_group)
+
+
 def router_loss(blocks, aux_coef: float, z_coef: float):
     """The router losses of `blocks`' MoE layers after a forward, per sequence (B,):
     sum over layers of aux_coef * balance + z_coef * z. None if none is sparse."""

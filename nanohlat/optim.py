@@ -5,24 +5,25 @@ One optimizer serves every layout. Each parameter is a view of a flat buffer
 the buffer from the parameters and scatters it back, FlatGroup.load/store),
 one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
 than tp: replicated kv heads; ZeRO-3: per layer too), with fp32 gradients, Adam's
-moments and master weights (all, or this dp rank's 1/dp with --zero 1-3): the parameters
+moments and master weights (all, or this dp rank's 1/dp with --zero 1): the parameters
 themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
 is AdamW per parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
-(data_parallel.accumulate_hook; ZeRO-2's reduce-scatters buckets, zero2.py)
+(data_parallel.accumulate_hook: the DP strategy's `grad_hook`)
 adds each micro-batch's gradient into the flat fp32 buffer as autograd
 produces it, and sets `p.grad` to None. A step is four phases, each a public
 method (train.py calls them by name):
 
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter;
-                          ZeRO-2's and overlapped buckets: only waited for)
+                          buckets overlapped with the backward: only waited for)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
     4. write_back         (ZeRO-1/2 all-gather) -> the model's parameters (ZeRO-3: into its shard)
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
-`data_parallel.ReplicatedDP`, `zero1.ZeroOneDP` (--zero 1), `zero2.ZeroTwoDP`, `zero3.ZeroThreeDP`.
+`data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` (--zero 1); the code that builds the
+optimizer may hand it another strategy with the same methods (run/build.py).
 
 The global grad norm (docs/design.md 5.4) must count every parameter exactly once:
   * tp-sharded weights: each tp rank holds different elements -> sum over tp;
@@ -31,8 +32,9 @@ The global grad norm (docs/design.md 5.4) must count every parameter exactly onc
     likewise kv heads shared by r tp ranks (tp > n_kv_heads): 1/r each;
   * pipeline stages hold disjoint layers -> sum over pp;
   * dp replicas hold the same gradients after the all-reduce -> count once,
-    except under ZeRO-1, 2 and 3, where each dp rank holds a different shard -> sum over dp;
-  * experts (--ep): each ep rank holds other experts -> sum over ep (ZeRO: the sum over dp does it).
+    except under ZeRO, where each dp rank holds a different shard -> sum over dp;
+  * a parameter cut over another group of ranks than tp (p.shard.group), whole on every
+    tp rank: each rank of that group holds other parts -> sum over it (ZeRO: the sum over dp does).
 Get any of these wrong and clipping silently differs between layouts.
 
 Every holder of an element (dp replicas, tp-replicated norms) computes the same
@@ -47,7 +49,7 @@ import math
 
 import torch
 
-from . import comm, data_parallel, zero1, zero2, zero3
+from . import comm, data_parallel, zero1
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
 
@@ -102,7 +104,7 @@ class FlatGroup:
         self.decay, self.tp_replicated = decay, tp_replicated
         # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
         # norms saw only their rank's tokens, the kv heads' copies only their own query heads
-        whole = tp_replicated or params[0].shard.group == "ep"   # (a mixture's experts: whole on every tp rank)
+        whole = tp_replicated or params[0].shard.group != "tp"   # (cut over another group: whole on every tp rank)
         sp = tp > 1 and whole and any(p.shard.sequence_parallel for p in params)
         self.partial = "tp" if sp else "kv" if not whole and tp // params[0].shard.parts > 1 else None
         self.numel = sum(p.numel() for p in params)
@@ -113,10 +115,11 @@ class FlatGroup:
         # XLA keeps no view aliased across graphs (each one a new buffer, every graph new): see load, store
         self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
-        # fp32 gradients (ZeRO-2: this rank's shard), added in by the hooks (dp.grad_hook); later AdamW's scratch
+        # fp32 gradients (dp.grad_length: all of them, or a strategy's shard), added in by the hooks (dp.grad_hook);
+        # later AdamW's scratch
         self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
         self.dp_state = dp.track(self)                   # the DP strategy's own object for this group
-        # this rank's (shard of the) parameters: a view of the flat buffer, or ZeRO-3's own copy (zero3.Shard)
+        # this rank's (shard of the) parameters: a view of the flat buffer, or a copy the strategy keeps
         mine = getattr(self.dp_state, "param_shard", self.flat[self.start:self.stop])
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
         self.master = mine if self.master_is_params else mine.to(mdtype)
@@ -129,10 +132,8 @@ class FlatGroup:
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
-        """The flat parameter buffer: kept (aliased), all-gathered (ZeRO-3) or gathered from the parameters (xla)."""
-        if isinstance(self.dp_state, zero3.Shard):
-            return self.dp_state.unit.gathered(self.dp_state)
-        return self.flat if self.aliased else self.flatten([p.detach() for p in self.params], self.params[0].dtype)
+        """The flat parameter buffer: kept (aliased), gathered from the parameters (xla), or as the DP strategy has it."""
+        return self.dp.gathered(self)
 
     def load(self) -> None:
         """xla, before the update: the flat buffer (and the master, if it is the parameters), in-graph."""
@@ -158,30 +159,32 @@ class FlatGroup:
 class FlatAdamW:
     """AdamW over this rank's flat buffers; `step` = the four phases (module docstring)."""
 
-    def __init__(self, model, mesh, tcfg, device):
+    def __init__(self, model, mesh, tcfg, device, strategy=None):
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
         self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
-        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's, 2's or 3's shards;
-        # overlapped with the backward (not on XLA: one graph, whose collectives the compiler schedules)
-        strategy = (data_parallel.ReplicatedDP, zero1.ZeroOneDP, zero2.ZeroTwoDP, zero3.ZeroThreeDP)[tcfg.zero]
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards (`strategy`: another
+        # class with ReplicatedDP's methods); overlapped with the backward (not on XLA: one graph, whose
+        # collectives the compiler schedules)
+        strategy = strategy or (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)
         overlap = tcfg.overlap_grad_reduce and device.kind != "xla"
-        self.dp = strategy(mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches, overlap)   # dp (x cp)
-        # --ep: experts' gradients are summed (ZeRO: and their state sharded) over the dp/ep ranks holding
-        # the same experts (mesh.py's ep_dp), with the same strategy as the dense parameters over dp
-        self.expert_dp = strategy(mesh.group("ep_dp"), self.dp.bucket_elems, tcfg.microbatches,
-                                  overlap) if mesh.ep > 1 else self.dp
+        self.dp = strategy(mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches, overlap)
+        # a parameter cut over another group of ranks than tp (p.shard.group, carved out of dp) has its gradient
+        # summed over the ranks holding the same part, the mesh's group '<that group>_dp', the same way
+        strategies = {"tp": self.dp}
         by_kind: dict = {}
         for name, p in model.named_parameters():
-            key = (zero3.unit_of(name) if tcfg.zero == 3 else 0,   # (ZeRO-3's unit, decay, tp-replicated, parts)
+            if p.shard.group not in strategies:
+                strategies[p.shard.group] = strategy(mesh.group(p.shard.group + "_dp"), self.dp.bucket_elems,
+                                                     tcfg.microbatches, overlap)
+            key = (self.dp.unit_of(name),   # (the strategy's unit, decay, tp-replicated, parts, group)
                    p.ndim >= 2, p.shard.dim is None, p.shard.parts, p.shard.group)
             by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, self.expert_dp if split == "ep" else self.dp,
+        self.groups = [FlatGroup(names, params, decay, repl, strategies[split],
                                  master_dtype(tcfg.precision), moment_dtype(tcfg.moments), device.torch_device,
                                  mesh.tp_rank, mesh.tp)
                        for (_, decay, repl, _, split), (names, params) in sorted(by_kind.items(), reverse=True)]
-        self.units = zero3.attach(model, self.groups) if tcfg.zero == 3 else []   # (gathered, freed together)
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
 
@@ -221,17 +224,19 @@ class FlatAdamW:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
         mesh, sq = self.mesh, torch.zeros((), dtype=torch.float64 if self.exact else torch.float32,
                                           device=self.device.torch_device)
-        experts = torch.zeros_like(sq)                   # --ep: each rank of an ep group holds other experts
+        spread: dict = {}                                # cut over another group than tp: its squares, by group
         for g, grad in zip(self.groups, grads):
-            s = self._sum_of_squares(grad)
-            if g.params[0].shard.group == "ep":
-                experts = experts + s
+            s, spec = self._sum_of_squares(grad), g.params[0].shard
+            if spec.group != "tp":
+                spread[spec.group] = spread.get(spec.group, torch.zeros_like(sq)) + s
                 continue
-            copies = mesh.tp // g.params[0].shard.parts    # tp ranks holding this group's elements
+            copies = mesh.tp // spec.parts               # tp ranks holding this group's elements
             sq = sq + (s / copies if copies > 1 else s)
-        if not self.zero:   # replicated: the ep ranks' experts add up over ep (4 bytes); ZeRO: by the sum over
-            experts = comm.all_reduce(experts.float(), mesh.group("ep"))   # dp below, ep x ep_dp = dp ranks
-        sq = sq.float() + experts.float() / mesh.tp      # (every tp rank holds the same experts: once over tp)
+        sq = sq.float()
+        for name, s in spread.items():   # each rank of that group holds other parts: add them up over it (ZeRO:
+            if not self.zero:            # the sum over dp below does, its ranks holding every part's shards once)
+                s = comm.all_reduce(s.float(), mesh.group(name))
+            sq = sq + s.float() / mesh.tp                # (whole on every tp rank: counted once over tp)
         sq = comm.all_reduce(sq, mesh.tp_group)
         sq = comm.all_reduce(sq, mesh.pp_group)
         return self.dp.sum_norm_squares(sq).sqrt()
@@ -282,9 +287,9 @@ class FlatAdamW:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        """Phase 4: the new master -> the model's parameters (ZeRO-1, 2: all-gather the shards first; ZeRO-3: none).
+        """Phase 4: the new master -> the model's parameters (ZeRO-1: all-gather the shards first).
         Without ZeRO-1 a master that is the parameter buffer was already written by `update`."""
         for g in self.groups:
             if self.zero or not g.master_is_params:
-                g.dp.write_back(g)                    # (ZeRO-3: only into the kept shard, zero3.py)
+                g.dp.write_back(g)                    # (as the DP strategy does it)
             g.store()                                    # (xla: the flat buffer -> the parameters)

@@ -84,6 +84,14 @@ class ZeroThreeDP(ZeroTwoDP):
             s.unit.gradient_in()
         return then_count
 
+    def unit_of(self, name: str) -> int:
+        """Parameters are grouped per unit (its flat buffers gathered and freed together)."""
+        return unit_of(name)
+
+    def gathered(self, g) -> torch.Tensor:
+        """Group g's whole flat buffer, all-gathered from every rank's shard."""
+        return g.dp_state.unit.gathered(g.dp_state)
+
     def write_back(self, g) -> None:
         """Phase 4: the kept shard is the new weights (bf16-mixed: its fp32 master, rounded). No all-gather."""
         if not g.master_is_params:

@@ -16,6 +16,7 @@ from nanohlat.serving import evaluate
 from nanohlat.config import ModelConfig, UserError
 from nanohlat.run.data import prepare_data
 from nanohlat.model import Transformer, init_weights
+from nanohlat.run.build import decoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -42,7 +43,7 @@ def tiny_model(vocab_size: int, seed: int = 0, max_seq_len: int = 128, experts: 
     """Two layers; `experts` > 0: both are a mixture of that many experts, top-2 (moe.py)."""
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=vocab_size,
                       max_seq_len=max_seq_len, moe_experts=experts)
-    model = Transformer(cfg)
+    model = decoder(cfg)
     init_weights(model, seed)
     return model.eval()
 

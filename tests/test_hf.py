@@ -15,7 +15,8 @@ import torch
 
 from nanohlat.serving import hf
 from nanohlat.config import ModelConfig, UserError
-from nanohlat.model import Transformer, init_weights
+from nanohlat.model import init_weights
+from nanohlat.run.build import decoder
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -29,7 +30,7 @@ CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=80, v
 
 
 def nanohlat_model(cfg=CFG, seed=0):
-    model = Transformer(cfg)
+    model = decoder(cfg)
     init_weights(model, seed)
     with torch.no_grad():   # init leaves norms at 1: perturb them so a swapped norm would show
         for name, p in model.named_parameters():
@@ -84,7 +85,7 @@ def test_import_from_hf_gives_the_same_logits():
     # 300 is not a multiple of 128 (nor 8): the largest power of two dividing it is 4 -> no padding
     assert (cfg.vocab_size, cfg.vocab_multiple, cfg.padded_vocab) == (300, 4, 300)
     assert (cfg.rope_theta, cfg.norm_eps, cfg.n_kv_heads) == (5000.0, 1e-6, 2)
-    ours = Transformer(cfg)
+    ours = decoder(cfg)
     ours.load_state_dict(state, strict=True)
     x = tokens(cfg)
     diff = (ours.eval()(x) - theirs(x).logits).abs().max().item()
@@ -95,7 +96,7 @@ def test_import_with_padding_keeps_logits_and_pads_with_zeros():
     theirs = hf_model(hf.to_hf_config(CFG))
     cfg, state = hf.from_hf_state(theirs.config.to_dict(), theirs.state_dict(), vocab_multiple=128)
     assert cfg.padded_vocab == 384 and state["head.weight"][300:].abs().sum() == 0
-    ours = Transformer(cfg).eval()
+    ours = decoder(cfg).eval()
     ours.load_state_dict(state)
     x = tokens(cfg)
     assert (ours(x)[..., :300] - theirs(x).logits).abs().max().item() < TOL
@@ -124,7 +125,7 @@ def test_files_round_trip_through_from_pretrained(tmp_path):
     saved = tmp_path / "saved"
     theirs.save_pretrained(str(saved))
     cfg, state = hf.from_hf_state(*hf.read_hf_dir(str(saved)))
-    again = Transformer(cfg).eval()
+    again = decoder(cfg).eval()
     again.load_state_dict(state)
     assert (again(x) - theirs(x).logits).abs().max().item() < TOL
 
@@ -203,7 +204,7 @@ def _moe_checkpoints(cache_dir, root):
         ["--preset", "moe", "--steps", "10", "--device", "cpu", "--cache-dir", cache_dir, "--out-dir", trained,
          "--no-progress", "--eval-every", "0", "--threads", "1"])))
     cfg = config.PRESETS["moe"][0]
-    model = Transformer(cfg)
+    model = decoder(cfg)
     init_weights(model, 3)
     with torch.no_grad():
         for p in model.parameters():
@@ -297,7 +298,7 @@ def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(change, tmp_path, 
     from nanohlat import config
     from nanohlat.run import checkpoint
     cfg = dataclasses.replace(config.PRESETS["moe"][0], n_layers=2, **change)
-    model = Transformer(cfg)
+    model = decoder(cfg)
     init_weights(model, 0)
     run = str(tmp_path / "run")
     checkpoint.save_full(run, cfg, model.state_dict(), train_tokenizer(tmp_path), step=0)

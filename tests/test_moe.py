@@ -15,7 +15,8 @@ from conftest import read_metrics
 from dist_utils import run_layouts
 from nanohlat import config, moe
 from nanohlat.config import UserError
-from nanohlat.model import Transformer, full_init, init_weights
+from nanohlat.model import full_init, init_weights
+from nanohlat.run.build import decoder
 
 
 def _routing_case(N=64, C=16, E=4, seed=0, dtype=torch.float64):
@@ -163,7 +164,7 @@ def test_moe_initialisation_is_deterministic_and_layout_independent():
     only; the experts' down matrices get the output projections' smaller std."""
     import dataclasses
     cfg = dataclasses.replace(MOE_CFG, moe_shared_experts=1, moe_every=2)
-    a, b = Transformer(cfg), Transformer(cfg, layers=range(2, 4), first=False)
+    a, b = decoder(cfg), decoder(cfg, layers=range(2, 4), first=False)
     init_weights(a, 7), init_weights(b, 7)
     full = dict(a.named_parameters())
     for n, p in b.named_parameters():
@@ -175,12 +176,12 @@ def test_moe_initialisation_is_deterministic_and_layout_independent():
     assert down.shape == (4, 64, 128) and gate.shape == (4, 128, 64)
     assert down.std() < gate.std() / 2
     assert sum(p.numel() for p in a.parameters()) == cfg.num_params()
-    assert sum(p.numel() for p in Transformer(MOE_CFG).parameters()) == MOE_CFG.num_params()
+    assert sum(p.numel() for p in decoder(MOE_CFG).parameters()) == MOE_CFG.num_params()
 
 
 def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
     torch.manual_seed(0)
-    model = Transformer(MOE_CFG)
+    model = decoder(MOE_CFG)
     init_weights(model, 1)
     tokens = torch.randint(0, MOE_CFG.vocab_size, (2, 16))
     with torch.no_grad():

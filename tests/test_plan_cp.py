@@ -57,8 +57,8 @@ def forward_bytes_cp(mesh, algorithm, mode) -> tuple[int, int]:
     argv = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--cp", str(mesh.cp),
             "--cp-attention", algorithm, "--activation-checkpointing", mode]
     cfg, t = config.parse_args(argv)
-    model = Transformer(cfg, mesh.tp_group, False, list(range(cfg.n_layers)), True, True,
-                        cp=context_parallel.Context(mesh.group("cp"), algorithm))
+    model = Transformer(cfg, mesh.tp_group, False, list(range(cfg.n_layers)), True, True)
+    context_parallel.apply(model, mesh.group("cp"), algorithm)
     init_weights(model, t.seed)
     model.set_activation_checkpointing(mode, get_device("cpu").checkpoint)
     batch = torch.randint(0, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))

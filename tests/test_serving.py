@@ -20,6 +20,7 @@ from nanohlat.serving import generate as gen
 from nanohlat.serving import server as serving
 from nanohlat.config import PRESETS, UserError
 from nanohlat.model import Transformer, init_weights
+from nanohlat.run.build import decoder
 
 CFG = PRESETS["tiny"][0]                                  # 8 heads, 4 kv heads (GQA), vocab 512
 MOE_CFG = PRESETS["moe"][0]                               # tiny's shape, 4 experts top-2 in every layer
@@ -28,7 +29,7 @@ PROMPTS = [[1, 5, 9, 33], [1, 7], [1, 100, 200, 300, 400, 5, 6, 7, 8, 9, 10], [1
 
 def _model(cfg=CFG, seed=0, mesh=None) -> Transformer:
     """A random model whose logits are far apart: matrices x4 (any layout, the same numbers)."""
-    m = Transformer(cfg, mesh.tp_group, kv_group=mesh.group("kv")) if mesh is not None else Transformer(cfg)
+    m = decoder(cfg, mesh.tp_group, kv_group=mesh.group("kv")) if mesh is not None else decoder(cfg)
     init_weights(m, seed)
     with torch.no_grad():
         for p in m.parameters():

@@ -441,13 +441,14 @@ def test_a_bucket_is_named_by_its_place_in_the_buffers_not_by_when_it_goes(zero)
     nothing, is 'bucket ?' (named by where it lies, not by how many came before it); ZeRO's
     all-gathers of a kept shard's columns are 'params k'."""
     import torch
-    from nanohlat import comm, device as devicelib, mesh as meshlib, optim
+    from nanohlat import comm, device as devicelib, mesh as meshlib
     from nanohlat.model import Transformer, init_weights
+    from nanohlat.run import build
     from nanohlat.tools.timeline import CommTrace
     model_cfg, tcfg = config.parse_args(TINY + ["--n-layers", "2", "--zero", str(zero), "--bucket-mb", "0.05"])
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)
-    opt = optim.FlatAdamW(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg, devicelib.get_device("cpu"))
+    opt = build.optimizer(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg, devicelib.get_device("cpu"))
     trace = CommTrace(None, opt)
     want, n = [], 0
     for g in opt.groups:

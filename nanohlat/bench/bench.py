@@ -63,10 +63,10 @@ from nanohlat.system.flags import Parser
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
-from nanohlat.run.build import build
+from nanohlat.run.build import build, decoder
 from nanohlat.config import UserError
 from nanohlat.system import cli
-from nanohlat.model import Transformer, init_weights
+from nanohlat.model import init_weights
 from nanohlat.precision import param_dtype
 
 BENCH_DEFAULTS = {"batch_size": 8, "steps": 10}
@@ -426,7 +426,7 @@ def generate_bench(model_cfg, tcfg, dev) -> int:
     memory-bandwidth bound of decode, and static vs continuous batching on one
     simulated request stream. Random weights: speed does not depend on them."""
     from nanohlat.serving import generate as gen, server as serving
-    model = Transformer(model_cfg)
+    model = decoder(model_cfg)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     model.to(device=dev.torch_device, dtype=dtype).eval()

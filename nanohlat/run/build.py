@@ -6,7 +6,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 
 from __future__ import annotations
 
-from nanohlat import context_parallel, optim, pipeline
+from nanohlat import context_parallel, moe, optim, pipeline, zero2, zero3
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW
@@ -27,10 +27,11 @@ def build(model_cfg, tcfg, mesh, dev):
     """
     # the stage's layers: one contiguous run, or --virtual-stages chunks (pipeline.chunk_layers)
     layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
-    model = Transformer(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers,
-                        first=mesh.is_first_stage, last=mesh.is_last_stage, kv_group=mesh.group("kv"),
-                        sp_regather=tcfg.sp_regather, ep_group=mesh.group("ep"),
-                        cp=context_parallel.Context(mesh.group("cp"), tcfg.cp_attention) if mesh.cp > 1 else None)
+    model = decoder(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers, first=mesh.is_first_stage,
+                    last=mesh.is_last_stage, kv_group=mesh.group("kv"), sp_regather=tcfg.sp_regather,
+                    ep_group=mesh.group("ep"))
+    if mesh.cp > 1:   # context parallelism: attention across the cp ranks, each token rotated at its place
+        context_parallel.apply(model, mesh.group("cp"), tcfg.cp_attention)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)
@@ -42,10 +43,7 @@ def build(model_cfg, tcfg, mesh, dev):
     # --timeline: the runner tells a StepClock the start and end of every forward and backward
     clock = timeline.StepClock(dev, synchronize=True) if tcfg.timeline else None
     runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev, clock)
-    # the same AdamW, its passes cache-blocked on the CPU or compiled (tools/fast_adamw.py)
-    opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev)
-    if tcfg.compile:
-        opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
+    opt = optimizer(model, mesh, tcfg, dev)
     if clock and opt.dp.group.size > 1:
         # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group, dp x cp with --cp) tells a
         # CommTrace when each of its collectives in a step is issued and ends, and what it is
@@ -58,3 +56,27 @@ def build(model_cfg, tcfg, mesh, dev):
     # read them as every later step does (else one more compile)
     dev.sync()
     return model, runner, opt
+
+
+def decoder(model_cfg, group=None, sequence_parallel: bool = False, layers=None, first: bool = True,
+            last: bool = True, kv_group=None, sp_regather: bool = True, ep_group=None) -> Transformer:
+    """The decoder (a pipeline stage of it: model.Transformer's arguments), with a mixture of experts in
+    place of the sparse layers' MLPs when the model has one (moe.apply; `ep_group`: --ep's ranks).
+    Its parameters are not filled yet (init_weights, or a checkpoint's load)."""
+    model = Transformer(model_cfg, group, sequence_parallel, layers, first, last, kv_group, sp_regather)
+    if model_cfg.moe_experts:
+        moe.apply(model, model_cfg, ep_group)
+    return model
+
+
+def optimizer(model, mesh, tcfg, dev):
+    """AdamW over this rank's parameters, with --zero's strategy: 0 and 1 the core's (optim.py), 2 and 3
+    ZeRO-2's and ZeRO-3's (zero2.py, zero3.py: ZeRO-3's units then hooked to the model's layers); its passes
+    cache-blocked on the CPU or compiled with --compile (tools/fast_adamw.py), the same numbers."""
+    strategy = {2: zero2.ZeroTwoDP, 3: zero3.ZeroThreeDP}.get(tcfg.zero)
+    opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev, strategy)
+    if tcfg.zero == 3:
+        opt.units = zero3.attach(model, opt.groups)   # each layer's flat buffers gathered, freed together
+    if tcfg.compile:
+        opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
+    return opt

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat.run import checkpoint, runconfig
+from nanohlat.run.build import decoder
 from nanohlat import comm
 from nanohlat import shard_spec
 from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
@@ -80,7 +81,7 @@ def load_model(path: str, dev, mesh=None, copies: int = 1) -> tuple[Transformer,
     cfg = model_from_dict(manifest["config"]["model"])
     check_tp(cfg, group.size)
     shards = checkpoint.ShardSet(path, mesh, dev, manifest)
-    model = Transformer(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)
+    model = decoder(cfg, group, kv_group=mesh.group("kv") if mesh is not None else None)   # (a mixture's experts too)
     for name, p in model.named_parameters():
         full = shards.tensor(name, p.shard.full_shape)
         if not bool(torch.isfinite(full).all()):   # every rank sees the full tensor: all refuse together

@@ -49,8 +49,8 @@ def fused_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
 class FastFlatAdamW(FlatAdamW):
     """FlatAdamW whose passes run a cache-sized block at a time on the CPU (or compiled)."""
 
-    def __init__(self, model, mesh, tcfg, device):
-        super().__init__(model, mesh, tcfg, device)
+    def __init__(self, model, mesh, tcfg, device, strategy=None):
+        super().__init__(model, mesh, tcfg, device, strategy)
         self.block = block_size(device.kind)
         self.kernel = super()._adamw      # FlatAdamW's AdamW, run on one block at a time
         self.squares = None               # --compile: the compiled fused_sum_of_squares
