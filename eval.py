@@ -25,7 +25,8 @@ from nanohlat.run import checkpoint, data, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
 from nanohlat.system import cli, flags
-from nanohlat.config import DEVICES, UserError, check_seed
+from nanohlat.config import DEVICES, UserError
+from nanohlat.system.recipe import check_seed
 from nanohlat.system.files import atomic_write, json_text
 
 

@@ -1,25 +1,20 @@
-"""Configuration: the model shape, the training recipe, presets and flags.
+"""The recipe: the model's shape, the training run, and the presets.
 
 Every command-line flag of train.py is a field of `TrainConfig` or
 `ModelConfig` (the flag `--seq-len` is the field `seq_len`), and `--preset`
 picks the starting values. There are no hidden switches: what a run did is
-fully described by the config it writes next to its metrics.
+fully described by the config it writes next to its metrics. This file holds
+the dataclasses and the presets, each field's meaning beside it; reading the
+flags, checking them and their combinations happen before any of this code
+runs (system/recipe.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from .context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
-from .precision import PRECISIONS
 
 DEVICES = ("auto", "cpu", "cuda", "xla")   # --device of every command (device.py:get_device)
-SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")   # --schedule (pipeline.py:stage_ops)
-THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
 class UserError(Exception):
@@ -43,17 +38,6 @@ class ModelConfig:
     # config and never by the tensor-parallel degree, so every layout has the
     # same padded vocabulary (docs/design.md 5.3). 128 divides by every tp we allow.
     vocab_multiple: int = 128
-    # Mixture of experts (moe.py). 0 experts: every block's MLP is dense (all the presets but `moe`)
-    moe_experts: int = 0         # E expert MLPs of ffn_dim each in a sparse layer
-    moe_top_k: int = 2           # experts each token uses
-    moe_shared_experts: int = 0  # experts every token uses besides its k
-    moe_every: int = 1           # layer i is sparse when (i + 1) % moe_every == 0 (2: every other layer)
-    moe_aux_coef: float = 0.01   # coefficient of the load-balancing loss
-    moe_z_coef: float = 0.001    # coefficient of the router z-loss
-    moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes ceil(c * tokens * k / E)
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -79,42 +63,7 @@ class ModelConfig:
         """Parameters of the full (unsharded) model, padded vocabulary included:
         embedding and head, per layer its matrices and two RMSNorm gains, the final norm."""
         d, v, L = self.d_model, self.padded_vocab, self.n_layers
-        return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d + self.moe_extra_params()
-
-    def moe_extra_params(self, active: bool = False) -> int:
-        """What the sparse layers hold beyond dense ones: each has E + shared experts (active:
-        the k + shared a token uses) in the place of one MLP, and the router (E x d_model)."""
-        sparse = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        experts = self.moe_top_k if active else self.moe_experts
-        return sparse * ((experts + self.moe_shared_experts - 1) * 3 * self.d_model * self.ffn_dim
-                         + self.moe_experts * self.d_model)
-
-    def validate(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
-                     "vocab_multiple"):   # first: the divisibility checks below divide by some of these
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
-            raise UserError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise UserError(f"--n-heads {self.n_heads} is not a multiple of --n-kv-heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
-        for name in ("rope_theta", "norm_eps"):
-            _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
-        if self.moe_experts:
-            self.validate_moe()
-
-    def validate_moe(self) -> None:
-        if self.moe_experts < 0:
-            raise UserError(f"--moe-experts must be >= 0 (0: a dense model), got {self.moe_experts}")
-        if not 1 <= self.moe_top_k <= self.moe_experts:
-            raise UserError(f"--moe-top-k {self.moe_top_k} must be in [1, --moe-experts {self.moe_experts}]")
-        if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
-            raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
-                            f"got {self.moe_shared_experts} and {self.moe_every}")
-        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor"):
-            _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
+        return 2 * v * d + L * (self.layer_matrix_params() + 2 * d) + d
 
 
 @dataclass
@@ -152,12 +101,8 @@ class TrainConfig:
     dp: int = 0                  # 0 = world / (tp * pp)
     sequence_parallel: bool = False
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
-    schedule: str = "1f1b"       # afab | 1f1b | interleaved | zb-h1
-    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
-    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
-    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py, mesh.py)
-    cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
-    zero: int = 0                # ZeRO stage: 0 none, 1 optimizer state (zero1.py), 2 + gradients (zero2.py), 3 + parameters (zero3.py)
+    schedule: str = "1f1b"       # the pipeline schedule: afab | 1f1b (pipeline.py)
+    zero: int = 0                # ZeRO stage: 0 none, 1 the optimizer state sharded over dp (zero1.py)
     zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True   # start a bucket's dp collective in the backward (cpu, cuda)
@@ -189,92 +134,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.zero1:   # --zero1 is --zero 1 (resolve refuses --zero1 --zero 2), folded in once: a copy
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
-
-    def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep", "cp"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
-                     "max_restarts", "stop_after", "threads"):
-            if getattr(self, name) < 0:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.log_every <= 0:
-            raise UserError(f"--log-every must be positive, got {self.log_every}")
-        choices = {
-            "device": DEVICES,
-            "schedule": SCHEDULES,
-            "precision": PRECISIONS,
-            "moments": ("fp32", "bf16"),
-            "activation_checkpointing": ("none", "selective", "full"),
-            "cp_attention": CP_ATTENTIONS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        # Each number against its meaning: NaN fails every comparison, so each
-        # check is written as "inside the range", never as "not outside it".
-        _finite_in("lr", self.lr, 0, math.inf, "> 0", low_open=True)
-        _finite_in("min_lr", self.min_lr, 0, self.lr, "in [0, --lr]")
-        _finite_in("beta1", self.beta1, 0, 1, "in [0, 1)", high_open=True)
-        _finite_in("beta2", self.beta2, 0, 1, "in [0, 1)", high_open=True)
-        _finite_in("adam_eps", self.adam_eps, 0, math.inf, "> 0", low_open=True)
-        _finite_in("weight_decay", self.weight_decay, 0, math.inf, ">= 0")
-        _finite_in("grad_clip", self.grad_clip, 0, math.inf, ">= 0 (0 = no clipping)")
-        _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
-        _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
-        _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
-        if self.virtual_stages < 1:
-            raise UserError(f"--virtual-stages must be positive, got {self.virtual_stages}")
-        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
-            raise UserError(f"--schedule {self.schedule} with --virtual-stages {self.virtual_stages}: the interleaved "
-                            f"schedule needs --virtual-stages >= 2 (with 1 it is 1f1b), and only it uses them")
-        if self.moments == "bf16" and self.precision != "bf16-sr":
-            raise UserError(f"--moments bf16 rounds Adam's moments stochastically and needs --precision bf16-sr "
-                            f"(got {self.precision}); drop --moments or use --precision bf16-sr")
-        if self.zero not in (0, 1, 2, 3):
-            raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
-                            f"2 (+ gradients) or 3 (+ parameters)")
-        if self.zero == 3 and self.pp > 1:
-            raise UserError(f"--zero 3 with --pp {self.pp} is not supported: a pipeline stage interleaves the "
-                            f"forwards and backwards of different micro-batches, which ZeRO-3's per-layer gathers "
-                            f"do not follow (zero3.py); use --zero 2 (or --zero 1) with pipeline parallelism")
-        if self.zero == 3 and self.compile:
-            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the weights' storage "
-                            "around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
-        if self.zero >= 2 and self.schedule in ("interleaved", "zb-h1"):
-            raise UserError(f"--zero {self.zero} with --schedule {self.schedule} is not supported: ZeRO-{self.zero} "
-                            f"reduce-scatters a bucket as each micro-batch's backward fills it, and {self.schedule} runs "
-                            f"one micro-batch's backward in several ticks between other micro-batches'; use --zero 1")
-        if self.schedule == "zb-h1" and self.compile:
-            raise UserError("--schedule zb-h1 with --compile is not supported: its split backward hands each linear's "
-                            "inputs, in Python, to a later W op, which torch.compile's backward cannot; use 1f1b")
-        if self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if self.eval_every and not self.eval_batches:
-            raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
-                            "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
-        if not self.resume.strip():
-            raise UserError("--resume is empty; give auto (continue out-dir's run), never (start fresh) "
-                            "or a checkpoint path")
-        check_seed(self.seed)
-        if self.threads > THREADS_LIMIT:
-            raise UserError(f"--threads {self.threads} is more than {THREADS_LIMIT}; use at most one per core "
-                            f"(0 = this machine's cores shared among the local workers)")
-
-
-def check_seed(seed: int) -> None:
-    """--seed of every command (train, bench, sample, eval, serving)."""
-    if not 0 <= seed < SEED_LIMIT:
-        raise UserError(f"--seed must be in [0, 2**63), got {seed}")
-
-
-def _finite_in(name: str, value: float, low: float, high: float, meaning: str,
-               low_open: bool = False, high_open: bool = False) -> None:
-    """Refuse a flag value that is not a finite number in [low, high] (open ends as told)."""
-    ok = (math.isfinite(value) and (value > low if low_open else value >= low)
-          and (value < high if high_open else value <= high))
-    if not ok:
-        raise UserError(f"--{name.replace('_', '-')} must be a finite number {meaning}, got {value}")
 
 
 # ---------------------------------------------------------------------------
@@ -312,12 +171,6 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
         dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
     ),
-    # tiny's shape with 4 experts of ffn 128, top-2, in every layer: trains on the CPU (moe.py)
-    "moe": (
-        ModelConfig(n_layers=4, d_model=64, n_heads=8, n_kv_heads=4, ffn_dim=128,
-                    vocab_size=512, max_seq_len=64, moe_experts=4, moe_top_k=2),
-        dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
-    ),
     "hlat-7b": (
         ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008,
                     vocab_size=32000, max_seq_len=4096),
@@ -334,161 +187,5 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
              tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-mixed"),
     ),
-    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: no ZeRO, tp 1)
-    "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
-                             max_seq_len=4096, moe_experts=8, moe_top_k=2),
-                 dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),
 }
 
-
-# ---------------------------------------------------------------------------
-# Flags: one per dataclass field, generated so that the two never drift.
-# ---------------------------------------------------------------------------
-
-HELP = {
-    "preset": "starting values: " + ", ".join(PRESETS),
-    "data": "text file, folder of .txt/.py/.md files, or JSONL with a 'text' field ('' = built-in corpus)",
-    "tokenizer": "existing SentencePiece tokenizer.model ('' = train one on the corpus and cache it)",
-    "batch_size": "global batch in sequences per optimizer step (over all dp ranks)",
-    "microbatches": "micro-batches per dp rank per step (gradient accumulation / pipeline depth)",
-    "dp": "data-parallel degree (0 = world / (tp * pp))",
-    "nproc": "local worker processes train.py starts itself",
-    "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
-    "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
-    "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
-    "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
-              "cuda overlapped gradient reduction; a MoE model's --ep) that fits",
-    "threads": "CPU threads per worker (0 = cores / local workers)",
-    "save_every": "save a checkpoint every N steps (0 = only at the end)",
-    "keep_last": "checkpoints to keep (0 = keep all)",
-    "max_bad_steps": "stop after this many non-finite steps in a row (0 = never stop)",
-    "check_replicas": "every N steps check that all copies of every parameter are bitwise identical, "
-                      "stop with an error if not (0 = never)",
-    "overwrite": "with --resume never: replace an existing run in --out-dir",
-    "allow_tokenizer_change": "resume a checkpoint trained with another tokenizer (its token ids change meaning)",
-    "rendezvous_timeout": "seconds every rank waits for the others to join before giving up with an error",
-    "collective_timeout": "seconds a collective (all-reduce, send, ...) waits for a stuck or stopped rank before "
-                          "the job ends with an error naming it (XLA compiles happen outside collectives)",
-    "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
-    "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
-    "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
-                   "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
-    "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
-            "2 (and the gradients: reduce-scattered in the backward, zero2.py), 3 (and the parameters: "
-            "all-gathered per layer in the forward and backward, zero3.py; cpu, cuda; pp 1)",
-    "zero1": "the older spelling of --zero 1 (kept)",
-    "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
-                           "its last gradient is in, and wait for it before the optimizer (bitwise the same; "
-                           "cpu and cuda, ignored on xla)",
-    "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
-               "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
-    "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
-    "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
-    "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
-    "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/moe.py)",
-    "moe_top_k": "experts each token is sent to, its router weights renormalised over them (Mixtral)",
-    "moe_shared_experts": "experts every token also goes through, besides its top-k (0 = none)",
-    "moe_aux_coef": "coefficient of the load-balancing loss E * sum_e f_e * P_e (Switch), "
-                    "logged (without it) as moe_balance",
-    "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
-                  "logits)^2), logged (without it) as moe_z",
-    "ep": "expert parallelism: ranks of each dp group sharing a mixture's experts, E/ep each (divides dp; moe.py)",
-    "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
-    "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
-                           "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
-    "cp": "context parallelism: split each sequence over N ranks (zigzag: 2N chunks, rank i holds i and 2N-1-i; "
-          "--seq-len a multiple of 2N), attention across them by --cp-attention (nanohlat/context_parallel.py)",
-    "cp_attention": "with --cp: " + ", ".join(CP_ATTENTIONS) + " (all-gather K/V; K/V round a ring with an "
-                    "online-softmax merge; Ulysses' all-to-all to a head split, needing heads and kv heads "
-                    "divisible by --cp)",
-    "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=argparse.ArgumentParser):
-    p = cls(description=description, argument_default=argparse.SUPPRESS)   # cls: system/flags.py's, one-line errors
-    for group, cls in (("training", TrainConfig), ("model", ModelConfig)):
-        g = p.add_argument_group(group)
-        for f in fields(cls):
-            kind = type(f.default)
-            if kind is bool:
-                g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
-            else:
-                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(), help=HELP.get(f.name, f"(default {f.default!r})"))
-    return p
-
-
-def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
-    """Preset values overlaid with the flags the user actually gave."""
-    preset = flags.get("preset", TrainConfig.preset)
-    if preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    base_model, base_train = PRESETS[preset]
-    model_names = {f.name for f in fields(ModelConfig)}
-    if flags.get("zero1") and flags.get("zero", 1) != 1:
-        raise UserError(f"--zero1 is the older spelling of --zero 1 and cannot go with --zero {flags['zero']}; "
-                        f"give only --zero {flags['zero']}")
-    model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
-    tcfg = dataclasses.replace(TrainConfig(), **base_train)
-    tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
-    model_cfg.validate()
-    tcfg.validate()
-    if model_cfg.moe_experts or tcfg.ep > 1:
-        check_moe_layout(model_cfg, tcfg)
-    if tcfg.cp > 1:
-        check_cp_layout(model_cfg, tcfg)
-    if tcfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
-                        f"lower --seq-len or raise --max-seq-len")
-    return model_cfg, tcfg
-
-
-def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """A MoE model trains with every layout but cp (experts replicated over dp and tp, or --ep: moe.py,
-    any ZeRO, pp with any schedule); what its plan counts so far."""
-    refused = [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),
-                               ("--plan with --ep and --zero 2",   # (tools/plan/ walks ZeRO-2's backward without ep)
-                                tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
-                               ("--plan with --tp", tcfg.plan and tcfg.tp > 1),
-                               ("--plan with --pp", tcfg.plan and tcfg.pp > 1)) if on]
-    if tcfg.ep > 1 and not model_cfg.moe_experts:
-        raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
-    if refused:
-        raise UserError(f"a mixture of experts' {', '.join(refused)} is not supported yet (the layout trains; "
-                        f"tools/plan/ does not count it): plan it at --tp 1 --pp 1 with --zero 0-2 (--ep: 0-1)")
-
-
-def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N; what cp trains with so far."""
-    cp = tcfg.cp
-    if tcfg.seq_len % (2 * cp):
-        raise UserError(f"--cp {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (zigzag): "
-                        f"--seq-len {tcfg.seq_len} is not a multiple of {2 * cp}")
-    heads, kv_heads = model_cfg.n_heads // tcfg.tp, model_cfg.kv_heads_per_rank(tcfg.tp)   # on one tp rank
-    if tcfg.cp_attention == "ulysses" and (heads % cp or kv_heads % cp):
-        raise UserError(f"--cp-attention ulysses gives each of the {cp} cp ranks 1/{cp} of a rank's heads: its "
-                        f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
-                        f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
-                        f"use --cp-attention allgather or ring, or another --cp")
-    if model_cfg.moe_experts:
-        raise UserError(f"--cp {cp} with a mixture of experts (--moe-experts) is not supported yet: context parallelism trains "
-                        f"with --tp (and SP), --pp (any schedule), --dp, any --zero, activation checkpointing, "
-                        f"--compile, any --precision and --timeline (the cp collectives and each cp rank's time in "
-                        f"attention), on a dense model (context_parallel.py); --plan and --search plan it")
-
-
-def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:
-    return resolve(vars(build_parser(cls=cls).parse_args(argv)))
-
-
-def to_dict(model_cfg: ModelConfig, tcfg: TrainConfig) -> dict:
-    return {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(tcfg)}
-
-
-def model_from_dict(d: dict) -> ModelConfig:
-    names = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in d.items() if k in names})

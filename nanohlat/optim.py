@@ -2,12 +2,12 @@
 
 One optimizer serves every layout. Each parameter is a view of a flat buffer
 (XLA keeps no view aliased from one graph to the next: there the step gathers
-the buffer from the parameters and scatters it back, FlatGroup.load/store),
-one per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
-than tp: replicated kv heads; ZeRO-3: per layer too), with fp32 gradients, Adam's
-moments and master weights (all, or this dp rank's 1/dp with --zero 1): the parameters
-themselves, unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step`
-is AdamW per parameter, textbook.
+the buffer from the parameters and scatters it back, FlatGroup.load/store), one
+per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
+than tp: replicated kv heads), with fp32 gradients, Adam's moments and master
+weights (all, or this dp rank's 1/dp with --zero 1): the parameters themselves,
+unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step` is AdamW per
+parameter, textbook.
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (data_parallel.accumulate_hook: the DP strategy's `grad_hook`)
@@ -98,8 +98,7 @@ def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> to
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device,
-                 tp_rank=0, tp=1):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device, tp_rank=0, tp=1):
         self.names, self.params, self.dp = names, params, dp    # dp: the strategy reducing these gradients
         self.decay, self.tp_replicated = decay, tp_replicated
         # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
@@ -163,23 +162,20 @@ class FlatAdamW:
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
         self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
-        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards (`strategy`: another
-        # class with ReplicatedDP's methods); overlapped with the backward (not on XLA: one graph, whose
-        # collectives the compiler schedules)
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards (`strategy`: another class
+        # with ReplicatedDP's methods); overlapped with the backward (not on XLA: its compiler schedules collectives)
         strategy = strategy or (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)
         overlap = tcfg.overlap_grad_reduce and device.kind != "xla"
         self.dp = strategy(mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches, overlap)
         # a parameter cut over another group of ranks than tp (p.shard.group, carved out of dp) has its gradient
         # summed over the ranks holding the same part, the mesh's group '<that group>_dp', the same way
-        strategies = {"tp": self.dp}
-        by_kind: dict = {}
+        by_kind, strategies = {}, {"tp": self.dp}
         for name, p in model.named_parameters():
-            if p.shard.group not in strategies:
-                strategies[p.shard.group] = strategy(mesh.group(p.shard.group + "_dp"), self.dp.bucket_elems,
-                                                     tcfg.microbatches, overlap)
-            key = (self.dp.unit_of(name),   # (the strategy's unit, decay, tp-replicated, parts, group)
-                   p.ndim >= 2, p.shard.dim is None, p.shard.parts, p.shard.group)
-            by_kind.setdefault(key, ([], []))[0].append(name)
+            group = p.shard.group
+            if group not in strategies:
+                strategies[group] = strategy(mesh.group(group + "_dp"), self.dp.bucket_elems, tcfg.microbatches, overlap)
+            key = (self.dp.unit_of(name), p.ndim >= 2, p.shard.dim is None, p.shard.parts, group)   # (the unit, decay,
+            by_kind.setdefault(key, ([], []))[0].append(name)                      # tp-replicated, parts, group)
             by_kind[key][1].append(p)
         self.groups = [FlatGroup(names, params, decay, repl, strategies[split],
                                  master_dtype(tcfg.precision), moment_dtype(tcfg.moments), device.torch_device,
@@ -208,9 +204,9 @@ class FlatAdamW:
 
     @torch.no_grad()
     def reduce_gradients(self) -> list[torch.Tensor]:
-        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard),
-        and over tp where its tp ranks hold partial sums (FlatGroup.partial): first, or on the
-        shard once ZeRO-2's backward has summed over dp."""
+        """Phase 1: each group's flat fp32 gradient, summed over dp (all of it, or this rank's shard), and
+        over tp where its tp ranks hold partial sums (FlatGroup.partial): first, or after (on the shard)
+        where the strategy summed over dp in the backward (dp.in_backward)."""
         grads = []
         for g in self.groups:
             def tp_sum(flat):
@@ -226,12 +222,11 @@ class FlatAdamW:
                                           device=self.device.torch_device)
         spread: dict = {}                                # cut over another group than tp: its squares, by group
         for g, grad in zip(self.groups, grads):
-            s, spec = self._sum_of_squares(grad), g.params[0].shard
+            s, spec, copies = self._sum_of_squares(grad), g.params[0].shard, mesh.tp // g.params[0].shard.parts
             if spec.group != "tp":
                 spread[spec.group] = spread.get(spec.group, torch.zeros_like(sq)) + s
-                continue
-            copies = mesh.tp // spec.parts               # tp ranks holding this group's elements
-            sq = sq + (s / copies if copies > 1 else s)
+            else:                                        # (copies: tp ranks holding this group's elements)
+                sq = sq + (s / copies if copies > 1 else s)
         sq = sq.float()
         for name, s in spread.items():   # each rank of that group holds other parts: add them up over it (ZeRO:
             if not self.zero:            # the sum over dp below does, its ranks holding every part's shards once)

@@ -167,7 +167,7 @@ def frozen_report(root: str, precisions) -> str:
     import torch
     sys.path.insert(0, ROOT)
     from nanohlat.run import checkpoint
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.model import full_init
     from nanohlat.precision import param_dtype
     lines = [f"share of weights still exactly at their initial value after the last step ({root}):",
@@ -178,7 +178,7 @@ def frozen_report(root: str, precisions) -> str:
             continue
         shards = checkpoint.ShardSet(path)
         cfg = shards.manifest["config"]
-        model_cfg, seed = config.model_from_dict(cfg["model"]), cfg["train"]["seed"]
+        model_cfg, seed = recipe.model_from_dict(cfg["model"]), cfg["train"]["seed"]
         same = {1: [0, 0], 2: [0, 0]}
         for name in sorted(next(iter(shards.shards.values()))["meta"]):
             w = shards.full(name)

@@ -65,12 +65,12 @@ def spawn_workers(fn, world: int, args: tuple, err_dir: str) -> None:
 
 def _train(rank: int, world: int, runs: list[list[str]], setup=None) -> None:
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     if setup is not None:   # a test's instrumentation, installed in each worker
         setup(rank)
     for argv in runs:
-        model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", str(fixed_threads())])
+        model_cfg, tcfg = recipe.parse_args(argv + ["--no-progress", "--threads", str(fixed_threads())])
         train.train(*preflight.inputs(model_cfg, tcfg, world), rank, world, rank, world)
 
 

@@ -62,9 +62,9 @@ def ckpt(out_dir, step: int) -> str:
 def train_here(argv):
     """One process, in this process (no torch.distributed)."""
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(argv)
+    model_cfg, tcfg = recipe.parse_args(argv)
     return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
@@ -520,11 +520,12 @@ def test_checkpoint_of_another_model_shape_is_refused(one, cache_dir, tmp_path, 
     err = capsys.readouterr().err
     assert "different model shape (d_model 64 vs 32" in err and "manifest.json" in err and err.count("\n") == 1
     # the library call refuses too (train() under a launcher does not go through main's check)
-    from nanohlat import config, device
+    from nanohlat import device
+    from nanohlat.system import recipe
     from nanohlat.model import Transformer
     from nanohlat.mesh import Mesh
     from nanohlat.optim import FlatAdamW
-    model_cfg, tcfg = config.parse_args(flags(cache_dir, run, "--n-layers", 2))
+    model_cfg, tcfg = recipe.parse_args(flags(cache_dir, run, "--n-layers", 2))
     model = Transformer(model_cfg)
     with pytest.raises(UserError, match="different model shape"):
         checkpoint.load(ckpt(run, STEPS), model, FlatAdamW(model, Mesh(1, 1, 1), tcfg, device.get_device("cpu")),

@@ -36,9 +36,9 @@ def _flags(cache_dir, out_dir, extra):
 
 def _train(flags):
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(flags)
+    model_cfg, tcfg = recipe.parse_args(flags)
     return train.train(*preflight.inputs(model_cfg, tcfg))
 
 

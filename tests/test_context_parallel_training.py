@@ -23,7 +23,7 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import assert_same_weights, run_layouts
-from nanohlat import config
+from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.context_parallel import ALGORITHMS
 from nanohlat.mesh import Mesh, layout_table
@@ -61,7 +61,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
 
     class Cpu:
         torch_device = torch.device("cpu")
-    tcfg = config.TrainConfig(batch_size=4, seq_len=8, microbatches=2, cp=2)
+    tcfg = recipe.TrainConfig(batch_size=4, seq_len=8, microbatches=2, cp=2)
     batch = torch.arange(4 * 9).view(4, 9)             # sequence b holds 9b .. 9b + 8
     for rank, places in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5]), (2, [0, 1, 6, 7])):
         mesh = Mesh(1, 1, 2, rank=rank, cp=2)
@@ -79,7 +79,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
     (["--cp-attention", "flash"], "--cp-attention 'flash' is not one of allgather, ring, ulysses")])
 def test_what_cp_does_not_do_yet_is_refused_in_one_line(flags, named):
     with pytest.raises(UserError) as e:
-        config.parse_args(["--preset", "tiny", "--cp", "2"] + flags)
+        recipe.parse_args(["--preset", "tiny", "--cp", "2"] + flags)
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
@@ -93,10 +93,10 @@ def test_train_py_refuses_with_exit_2_and_one_line(flags, named, capsys):
 
 
 def test_a_layout_that_does_not_divide_the_world_names_cp():
-    from nanohlat.mesh import validate_layout
+    from nanohlat.system.recipe import check_layout as validate_layout
     with pytest.raises(UserError, match=r"--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size 3"):
-        validate_layout(*config.parse_args(["--preset", "tiny", "--cp", "2"]), 3)
-    assert validate_layout(*config.parse_args(["--preset", "tiny", "--cp", "2"]), 4) == 2   # dp = 4 / cp
+        validate_layout(*recipe.parse_args(["--preset", "tiny", "--cp", "2"]), 3)
+    assert validate_layout(*recipe.parse_args(["--preset", "tiny", "--cp", "2"]), 4) == 2   # dp = 4 / cp
 
 
 # --------------------------------------------------------------------------- training
@@ -191,7 +191,7 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     # step 6's batch is the loss the uninterrupted one-process run logged at step 6
     from nanohlat.run import preflight
     model, _ = load_model(ckpt("allgather"), devicelib.get_device("cpu"))
-    _, tcfg, ds, _ = preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path / "serve")))
+    _, tcfg, ds, _ = preflight.inputs(*recipe.parse_args(_flags(cache_dir, tmp_path / "serve")))
     batch = ds.batch(5, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
     with torch.no_grad():
         served = float(model(batch[:, :-1], batch[:, 1:]).mean())

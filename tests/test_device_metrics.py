@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from nanohlat.config import PRESETS, ModelConfig, UserError
+from nanohlat.config import UserError
+from nanohlat.system.recipe import PRESETS, ModelConfig
 from dist_utils import free_port
 from nanohlat import xla
 from nanohlat.device import get_device
@@ -269,7 +270,7 @@ def test_a_stale_cpu_peak_is_measured_again_when_beaten_and_unknown_mfu_prints_a
 
 def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1.0)       # a peak every rate beats
@@ -277,7 +278,7 @@ def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, ca
     monkeypatch.setattr(metrics, "_mfu_warned", False)
     argv = ["--preset", "tiny", "--steps", "2", "--eval-every", "0", "--threads", "1", "--cache-dir", cache_dir,
             "--out-dir", str(tmp_path / "run")]
-    train.train(*preflight.inputs(*config.parse_args(argv)))
+    train.train(*preflight.inputs(*recipe.parse_args(argv)))
     err = capsys.readouterr().err
     assert "mfu=?" in err and "mfu=0.0%" not in err, err
     assert err.count("MFU is not reported") == 1
@@ -290,14 +291,14 @@ def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, ca
 
 def test_a_known_mfu_is_recorded_from_the_second_step(monkeypatch, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1e15)      # a peak no rate beats
     monkeypatch.setattr(metrics, "_cpu_peaks", {})
     argv = ["--preset", "tiny", "--steps", "2", "--eval-every", "0", "--threads", "1", "--no-progress",
             "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "run")]
-    train.train(*preflight.inputs(*config.parse_args(argv)))
+    train.train(*preflight.inputs(*recipe.parse_args(argv)))
     first, second = (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert first["tokens_per_s"] is None and first["mfu"] is None, first
     assert second["tokens_per_s"] > 0 and 0 < second["mfu"] < 1, second

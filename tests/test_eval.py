@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nanohlat.serving import evaluate
-from nanohlat.config import ModelConfig, UserError
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig
 from nanohlat.run.data import prepare_data
 from nanohlat.model import Transformer, init_weights
 from nanohlat.run.build import decoder

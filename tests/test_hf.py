@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nanohlat.serving import hf
-from nanohlat.config import ModelConfig, UserError
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig
 from nanohlat.model import init_weights
 from nanohlat.run.build import decoder
 
@@ -197,13 +198,13 @@ def _moe_checkpoints(cache_dir, root):
     matrices are x4, so that its greedy continuation is not one repeated token (the
     trained one's mostly is, at 10 steps) and argmaxes are far from ties."""
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import checkpoint, preflight
     trained = str(root / "trained")
-    train.train(*preflight.inputs(*config.parse_args(
+    train.train(*preflight.inputs(*recipe.parse_args(
         ["--preset", "moe", "--steps", "10", "--device", "cpu", "--cache-dir", cache_dir, "--out-dir", trained,
          "--no-progress", "--eval-every", "0", "--threads", "1"])))
-    cfg = config.PRESETS["moe"][0]
+    cfg = recipe.PRESETS["moe"][0]
     model = decoder(cfg)
     init_weights(model, 3)
     with torch.no_grad():
@@ -295,9 +296,9 @@ def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(change, tmp_path, 
     """Shared experts, dense layers between sparse ones, a capacity (dropped
     tokens): export exits 2 with one line and writes nothing."""
     import dataclasses
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import checkpoint
-    cfg = dataclasses.replace(config.PRESETS["moe"][0], n_layers=2, **change)
+    cfg = dataclasses.replace(recipe.PRESETS["moe"][0], n_layers=2, **change)
     model = decoder(cfg)
     init_weights(model, 0)
     run = str(tmp_path / "run")

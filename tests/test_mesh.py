@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from nanohlat.config import PRESETS, TrainConfig, UserError
+from nanohlat.config import UserError
+from nanohlat.system.recipe import PRESETS, TrainConfig
 from nanohlat.mesh import Mesh, coords, layout_table, rank_of, validate_layout
 
 CFG = PRESETS["tiny"][0]

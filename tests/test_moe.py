@@ -13,7 +13,8 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import run_layouts
-from nanohlat import config, moe
+from nanohlat import moe
+from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.model import full_init, init_weights
 from nanohlat.run.build import decoder
@@ -156,7 +157,7 @@ def test_capacity_mode_with_room_for_every_token_equals_dropless():
     assert torch.allclose(y, moe.dispatch_sorted(x, experts[0], weights[0], *_experts()), rtol=0, atol=1e-13)
 
 
-MOE_CFG = config.PRESETS["moe"][0]
+MOE_CFG = recipe.PRESETS["moe"][0]
 
 
 def test_moe_initialisation_is_deterministic_and_layout_independent():
@@ -202,7 +203,7 @@ def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
 def test_moe_refuses_what_it_does_not_support_in_one_line(flags, named):
     with pytest.raises(UserError) as e:
-        config.parse_args(["--preset", "moe"] + flags)
+        recipe.parse_args(["--preset", "moe"] + flags)
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
@@ -220,7 +221,7 @@ def test_dropless_moe_on_xla_is_refused_in_one_line(capsys):
 def _train_here(argv):
     import train
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(argv)
+    model_cfg, tcfg = recipe.parse_args(argv)
     return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
@@ -417,10 +418,9 @@ def test_expert_parallel_groups_and_refusals():
     assert m._all("ep") == [[0, 1], [2, 3]] and m._all("ep_dp") == [[0, 2], [1, 3]]
     assert Mesh(2, 1, 4, ep=2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
     with pytest.raises(UserError, match="give --moe-experts"):
-        config.parse_args(["--ep", "2"])
-    from nanohlat import mesh as meshlib
+        recipe.parse_args(["--ep", "2"])
     with pytest.raises(UserError, match="must divide dp 3"):
-        meshlib.validate_layout(*config.parse_args(["--preset", "moe", "--ep", "2", "--batch-size", "6"]), 3)
+        recipe.check_layout(*recipe.parse_args(["--preset", "moe", "--ep", "2", "--batch-size", "6"]), 3)
 
 
 # -- composing with the other layouts: the same losses, norms and gradients as one process --

@@ -19,14 +19,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanohlat import comm, config, optim
+from nanohlat import comm, optim
+from nanohlat.system import recipe
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights
 
 
 def test_flat_adamw_matches_the_per_parameter_reference():
-    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", "fp32", "--n-layers", "2",
+    model_cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--precision", "fp32", "--n-layers", "2",
                                          "--lr", "1e-2", "--grad-clip", "0.05", "--weight-decay", "0.1"])
     flat_model, ref_model = Transformer(model_cfg), Transformer(model_cfg)
     init_weights(flat_model, tcfg.seed)

@@ -54,10 +54,11 @@ def _flags(cache_dir, out_dir, extra):
 def reference(cache_dir, tmp_path_factory):
     """One process, no parallelism: the ground truth."""
     import train
-    from nanohlat import config, device
+    from nanohlat import device
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref")
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, ["--no-progress"]))
+    model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, out, ["--no-progress"]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     from nanohlat.serving.generate import load_model   # the loader of every command
     model, _ = load_model(str(out), device.get_device("cpu"))
@@ -137,10 +138,11 @@ def _ckpt(out_dir, step: int) -> str:
 @pytest.fixture(scope="module")
 def reference_kv2(cache_dir, tmp_path_factory):
     import train
-    from nanohlat import config, device
+    from nanohlat import device
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref_kv2")
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
+    model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     from nanohlat.serving.generate import load_model   # the loader of every command
     model, _ = load_model(str(out), device.get_device("cpu"))
@@ -186,12 +188,12 @@ def test_interleaved_with_dp2_zero1_trains_like_one_process_and_its_checkpoints_
     weights; its step-2 checkpoint continues with 1F1B and in one process,
     and one process's continues interleaved: each like one process from step 3."""
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     assert_same_as_reference(reference_kv2, layout_runs["dp2_pp2_interleaved_zero1"])
     ckpt = _ckpt(layout_runs["dp2_pp2_interleaved_zero1"], 2)
     assert json.load(open(f"{ckpt}/manifest.json"))["layout"]["virtual_stages"] == 2
-    train.train(*preflight.inputs(*config.parse_args(_flags(cache_dir, tmp_path, KV2 + ["--no-progress",
+    train.train(*preflight.inputs(*recipe.parse_args(_flags(cache_dir, tmp_path, KV2 + ["--no-progress",
                                                                                          "--resume", ckpt]))))
     for out in (layout_runs["pp2_1f1b_from_interleaved"], tmp_path, layout_runs["dp2_pp2_interleaved_from_tp1"]):
         assert_same_as_reference(reference_kv2, out, first_step=3)
@@ -232,12 +234,12 @@ def test_replicated_kv_heads_train_like_one_process(layout_runs, reference_kv2, 
     weights of one process; the replicas' gradient all-reduce moves the bytes
     the plan predicts; the checkpoint holds each kv head once (ranks 0 and 2)."""
     import torch
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.tools import plan
     from nanohlat.mesh import Mesh
     out = layout_runs["tp4_kv2_sp"]
     assert_same_as_reference(reference_kv2, out)
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, out, KV2 + ["--tp", "4", "--sequence-parallel"]))
+    model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, out, KV2 + ["--tp", "4", "--sequence-parallel"]))
     measured = json.load(open(out / "summary.json"))["comm_bytes"]
     assert measured["kv.all_reduce"] == 4 * 2 * 8 * 64 * 4    # layers x (wk, wv) x head_dim x d_model x fp32
     assert measured == plan.comm_bytes_per_step(model_cfg, tcfg, Mesh(4, 1, 1, 0))
@@ -268,10 +270,10 @@ def test_replicated_kv_checkpoints_continue_in_other_layouts(name, layout_runs, 
     one of tp 4 continues at tp 2 (one kv head per rank) and in one process."""
     if name == "tp1_from_tp4":
         import train
-        from nanohlat import config
+        from nanohlat.system import recipe
         from nanohlat.run import preflight
         argv = _flags(cache_dir, tmp_path, KV2 + ["--no-progress", "--resume", _ckpt(layout_runs["tp4_kv2_sp"], 2)])
-        train.train(*preflight.inputs(*config.parse_args(argv)))
+        train.train(*preflight.inputs(*recipe.parse_args(argv)))
         out = tmp_path
     else:
         out = layout_runs[name]

@@ -39,6 +39,7 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat import config
+from nanohlat.system import recipe
 from nanohlat.run import preflight
 from nanohlat.tools import metrics
 from nanohlat.tools import plan
@@ -65,7 +66,7 @@ def llama_params(L, d, heads, kv_heads, ffn, vocab):
 
 def plan_in_seconds(preset: str, world: int = 2048):
     """(model, train config, the --plan text), asserting the plan took < 5 s."""
-    model, train = config.parse_args(["--preset", preset])
+    model, train = recipe.parse_args(["--preset", preset])
     t0 = time.perf_counter()
     text = plan.report(model, train, world)
     assert time.perf_counter() - t0 < 5
@@ -127,7 +128,7 @@ def test_hlats_layouts_leave_two_gib_of_a_neuroncore(argv, world):
     """HLAT's own layouts (the 7B without ZeRO-1, as HLAT ran it; the one-instance layout of
     docs/trn1.md section 4) peak at most 14 of a NeuronCore's 16 GiB: the runtime and the
     compiler's scratch need the rest."""
-    model, train = config.parse_args(argv)
+    model, train = recipe.parse_args(argv)
     assert train.zero == (1 if argv[1] == "hlat-70b" else 0)
     text = plan.report(model, train, world)
     peak = re.search(r"largest stage \d+: ([\d.]+) GiB of 16.00 GiB on one NeuronCore-v2: fits", text)
@@ -202,7 +203,7 @@ def forward_bytes(argv, group=None, pp=1, stage=0) -> tuple[int, int]:
     from nanohlat.model import Transformer, init_weights
     from nanohlat.pipeline import stage_layers
     from nanohlat.precision import param_dtype
-    cfg, t = config.parse_args(argv)
+    cfg, t = recipe.parse_args(argv)
     tp = group.size if group is not None else 1
     first, last = stage == 0, stage == pp - 1
     model = Transformer(cfg, group, t.sequence_parallel, stage_layers(cfg.n_layers, pp, stage), first, last,
@@ -255,7 +256,7 @@ LAYOUTS4 = {   # 4 ranks; rank 0 is tp 0, dp 0 of stage 0
 def assert_run_matches_plan(out_dir, argv, world):
     with open(os.path.join(out_dir, "summary.json")) as f:
         measured = json.load(f)
-    model, train = config.parse_args(argv)
+    model, train = recipe.parse_args(argv)
     dp = world // (train.tp * train.pp)
     predicted = plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
     # payload, wire, padding and calls of every collective, to the byte
@@ -277,7 +278,7 @@ def _four_rank_worker(rank, world, train_runs, activation_runs, out_dir):
     from nanohlat import comm
     from nanohlat.device import get_device
     for argv in train_runs:
-        train.train(*preflight.inputs(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
+        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
                     rank, world, rank, world)
     mesh = Mesh(2, 2, 1, rank, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     results = [forward_bytes(argv, mesh.tp_group, pp=2, stage=mesh.pp_rank) for argv in activation_runs]
@@ -413,7 +414,7 @@ def test_exchange_padding_is_reported_apart_from_the_payload(two_ranks):
 def test_optimizer_and_in_flight_match_a_one_process_run(cache_dir, tmp_path, extra):
     import train
     argv = BASE + ["--cache-dir", cache_dir, "--out-dir", str(tmp_path), "--no-progress"] + extra
-    train.train(*preflight.inputs(*config.parse_args(argv)))
+    train.train(*preflight.inputs(*recipe.parse_args(argv)))
     assert_run_matches_plan(tmp_path, argv, 1)
 
 
@@ -461,7 +462,7 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_p
     gradient and Adam bytes (experts replicated at ep 1, padded under ZeRO-1; E/ep of them at ep 2)
     and its comm ledger, all-to-alls included, equal the plan to the byte."""
     runs = _moe_runs_match_the_plan(MOE_LAYOUTS2, 2, cache_dir, tmp_path)
-    model, train = config.parse_args(runs["ep2"])
+    model, train = recipe.parse_args(runs["ep2"])
     E, k, N = model.moe_experts, model.moe_top_k, train.batch_size // 2 * train.seq_len
     got = plan.comm_per_step(model, train, Mesh(1, 1, 2, 0))["ep.all_to_all"]
     assert got["calls"] == 5 * model.n_layers and got["payload"] == model.n_layers * (8 * E + 4 * N * k * 64 * 4)
@@ -483,7 +484,7 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_4_and_ep_2_of_dp_4(cache
     experts' over their ep_dp group: unsharded at ep 4, halves at ep 2): rank 0's bytes and its
     whole ledger equal the plan."""
     runs = _moe_runs_match_the_plan(MOE_LAYOUTS4, 4, cache_dir, tmp_path)
-    model, _ = config.parse_args(runs["ep4"])
+    model, _ = recipe.parse_args(runs["ep4"])
     mlp = 3 * model.d_model * model.ffn_dim
     with open(tmp_path / "ep4" / "summary.json") as f:
         ep4 = json.load(f)
@@ -502,7 +503,7 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     import train
     assert train.main(["--plan", "--preset", "moe", "--nproc", "2", "--ep", "2"]) == 0
     out = capsys.readouterr().out
-    model, _ = config.parse_args(["--preset", "moe"])
+    model, _ = recipe.parse_args(["--preset", "moe"])
     active = model.num_params() - model.moe_extra_params() + model.moe_extra_params(active=True)
     from nanohlat.tools.plan.fmt import fmt_count
     assert active < model.num_params()
@@ -513,7 +514,7 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     for flags, named in ((["--zero", "3"], "--plan with --zero 3"), (["--ep", "2", "--zero", "2"],
                                                                       "--plan with --ep and --zero 2")):
         with pytest.raises(config.UserError, match=named):
-            config.parse_args(["--plan", "--preset", "moe"] + flags)
+            recipe.parse_args(["--plan", "--preset", "moe"] + flags)
 
 
 def _search_rows(out: str) -> list[list[str]]:
@@ -539,12 +540,12 @@ def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
     assert header[:8] == ["#", "tp", "pp", "cp", "cp", "attn", "dp", "ep"]
     rows = _search_rows(out)
     assert len(rows) == 10 and {r[6] for r in rows} >= {"1", "4"}
-    model, _ = config.parse_args(argv)
+    model, _ = recipe.parse_args(argv)
     for r in rows:
         assert r[1:6] == ["1", "1", "1", "-", "8"]
         flags = argv + ["--ep", r[6], "--microbatches", r[7], "--zero", "0" if r[8] == "-" else r[8],
                         "--activation-checkpointing", r[10]] + (["--no-overlap-grad-reduce"] if r[24] == "-" else [])
-        _, t = config.parse_args(flags)
+        _, t = recipe.parse_args(flags)
         assert t.overlap_grad_reduce == (r[24] == "on")
         mem = plan.memory_per_rank(model, t, 1, 1, 8, 0, fused=True, eager=True)
         assert " ".join(r[11:13]) == fmt_bytes(mem["peak"]) and " ".join(r[15:17]) == fmt_bytes(mem["activations"])
@@ -552,7 +553,7 @@ def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
         assert " ".join(r[20:22]) == fmt_seconds(est["step"]), r
         comm = plan.comm_per_step(model, t, Mesh(1, 1, 8, 0))
         assert ("ep.all_to_all" in comm) == (t.ep > 1)
-    model, t = config.parse_args(argv)
+    model, t = recipe.parse_args(argv)
     layouts = list(plan.candidate_layouts(model, t, 8))
     assert {(c.ep, c.zero) for c in layouts} == {(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (4, 0), (4, 1)}
     best = {}
@@ -571,7 +572,7 @@ def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
 def test_hlat_moe_plans_at_ep_8_on_2048_ranks_in_seconds():
     """hlat-7b's shape, every MLP 8 experts of its ffn 11008, top-2, fp32, dp 2048 with --ep 8:
     37.0B parameters, 11.1B active; a rank holds 1 of each layer's 8 experts."""
-    model, train = config.parse_args(["--preset", "hlat-moe", "--ep", "8"])
+    model, train = recipe.parse_args(["--preset", "hlat-moe", "--ep", "8"])
     d, f, L = 4096, 11008, 32
     dense = llama_params(L, d, 32, 32, f, 32000)
     assert model.num_params() == dense + L * (7 * 3 * d * f + 8 * d)                 # + 7 more MLPs, the router
@@ -619,7 +620,7 @@ def test_peak_memory_matches_on_cuda(extra):
     from nanohlat.device import get_device
     from nanohlat.model import Transformer, init_weights
     from nanohlat.precision import param_dtype
-    cfg, t = config.parse_args(CUDA_MODEL + extra)
+    cfg, t = recipe.parse_args(CUDA_MODEL + extra)
     dev = get_device("cuda")
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated()
@@ -786,7 +787,7 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
     import train
     from torch.profiler import ProfilerActivity, profile, record_function
     from nanohlat.run import session
-    model_cfg, tcfg = config.parse_args(argv + ["--no-progress", "--threads", "1"])
+    model_cfg, tcfg = recipe.parse_args(argv + ["--no-progress", "--threads", "1"])
     inputs = preflight.inputs(model_cfg, tcfg, world)
     split, end = train.split_batch, session.Session.end_step
 
@@ -925,7 +926,7 @@ def test_step_time_estimate_by_hand():
     'cpu' peaks (95 GFLOP/s, 1 thread) and a made-up network of 2 devices per
     node: tp pairs inside a node, the pipeline pair across."""
     net = plan.Network("test node", 2, inside=1e9, across=1e8, latency_inside=1e-5, latency_across=1e-4, note="")
-    model, train = config.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
+    model, train = recipe.parse_args(TINY + ["--tp", "2", "--pp", "2", "--microbatches", "2", "--device", "cpu"])
     est = plan.estimate_step(model, train, 4, "cpu", utilisation=0.4, network=net)
     assert est["inside"] == {"tp": True, "pp": False, "dp": True, "kv": True}   # kv: one rank per kv head here
 
@@ -975,7 +976,7 @@ def test_dp_ring_is_modelled_hop_by_hop():
     assert ring.off_node_bw == ring.bandwidth == 800e9 / 8 / 8
     assert ring.latency == net.latency_across
 
-    model, train = config.parse_args(["--preset", "hlat-7b"])
+    model, train = recipe.parse_args(["--preset", "hlat-7b"])
     est = plan.estimate_step(model, train, 2048, "NeuronCore-v2")
     wire = plan.comm_per_step(model, train, Mesh(8, 1, 256, 0))["dp.all_reduce"]
     assert est["dp_bytes"] == wire["wire"]
@@ -1014,7 +1015,7 @@ def test_plan_says_where_the_dp_bytes_go():
 
 
 def test_recomputation_costs_a_third_with_full_checkpointing():
-    model, train = config.parse_args(["--preset", "hlat-7b"])
+    model, train = recipe.parse_args(["--preset", "hlat-7b"])
     f = metrics.flops_per_token(model, 4096)
     assert plan.recompute_flops_per_token(model, 4096, "full") == pytest.approx(f / 3)
     assert plan.recompute_flops_per_token(model, 4096, "selective") == 4 * 32 * 4096 * 4096   # QK^T and AV
@@ -1041,7 +1042,7 @@ def test_search_ranks_layouts_that_fit_and_places_hlats_own(capsys):
     assert [int(r[0]) for r in ranked] == list(range(1, len(ranked) + 1))
     assert "HLAT's own layout:" in out and ("ranks" in out)
 
-    model, t = config.parse_args(["--preset", "hlat-7b"])
+    model, t = recipe.parse_args(["--preset", "hlat-7b"])
     rows = plan.search(model, t, 2048, "NeuronCore-v2")
     fits = [r for r in rows if r["fits"]]
     steps = [r["estimate"]["step"] for r in rows]
@@ -1057,7 +1058,7 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
     SP only with tp > 1, ZeRO stages 1 and 2 (and 3 at pp 1, on cpu and cuda) and overlapped
     reduction on or off (cpu, cuda) only with dp > 1; 3 checkpointing modes each. Overlap makes
     each dp > 1 step faster; ZeRO-3's all-gathers make it slower than ZeRO-2's."""
-    model, t = config.parse_args(TINY + ["--device", "cpu"])
+    model, t = recipe.parse_args(TINY + ["--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 4))
     per = {(1, 1, 4): 2 * 1 * 4 * 2, (1, 2, 2): 3 * 1 * 3 * 2, (1, 4, 1): 4, (2, 1, 2): 3 * 2 * 4 * 2,
            (2, 2, 1): 4 * 2, (4, 1, 1): 4 * 2}  # (divisors of batch/dp) x SP choices x ZeRO stages x overlap
@@ -1072,7 +1073,7 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
             assert s < step[name[:-1] + (False,)], name
         if name[3] == 3:                          # the same layout with ZeRO-2: less traffic, faster
             assert s > step[name[:3] + (2,) + name[4:]], name
-    model, t = config.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing, no ZeRO-3
+    model, t = recipe.parse_args(TINY + ["--device", "xla"])      # XLA: nanohlat overlaps nothing, no ZeRO-3
     assert {(c.overlap_grad_reduce, c.zero) for c in plan.candidate_layouts(model, t, 4)} == \
         {(True, z) for z in (0, 1, 2)}
 
@@ -1080,8 +1081,8 @@ def test_search_enumerates_every_valid_layout_of_a_small_case():
 def test_the_older_zero1_spelling_leaves_the_search_and_the_memory_table_whole():
     """--zero1 is --zero 1, folded into the config once: the layouts the search copies from it
     still try every ZeRO stage, and the memory table's replicated column is still replicated."""
-    model, t = config.parse_args(TINY + ["--device", "cpu", "--zero1"])
-    _, t0 = config.parse_args(TINY + ["--device", "cpu"])
+    model, t = recipe.parse_args(TINY + ["--device", "cpu", "--zero1"])
+    _, t0 = recipe.parse_args(TINY + ["--device", "cpu"])
     assert (t.zero, t.zero1) == (1, False)
     assert {c.zero for c in plan.candidate_layouts(model, t, 4)} == {0, 1, 2, 3}
     assert [layout_search._layout_name(c) for c in plan.candidate_layouts(model, t, 4)] == \
@@ -1138,7 +1139,7 @@ def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
     layer each (1F1B's holds 3 micro-batches of two layers); rank 0 exchanges on
     boundary 0|1 (16 tensors each way) and on the wrap (8 each way); the bubble
     estimate is the pipeline's (p-1)/(v*m+p-1)."""
-    model, t = config.parse_args(INTERLEAVED)
+    model, t = recipe.parse_args(INTERLEAVED)
     one_f = dataclasses.replace(t, schedule="1f1b", virtual_stages=1)
     mem, mem_1f1b = plan.memory_per_rank(model, t, 1, 4, 1, 1), plan.memory_per_rank(model, one_f, 1, 4, 1, 1)
     assert mem["in_flight"] == 9 and mem_1f1b["in_flight"] == 3
@@ -1157,7 +1158,7 @@ def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
 def test_search_under_interleaved_keeps_only_layouts_it_allows():
     """Every pp > 1 candidate splits the 8 layers into pp*2 chunks and runs a
     multiple of pp micro-batches; pp 1 falls back to 1F1B."""
-    model, t = config.parse_args(INTERLEAVED)
+    model, t = recipe.parse_args(INTERLEAVED)
     layouts = list(plan.candidate_layouts(model, t, 4))
     assert {c.pp for c in layouts} == {1, 2, 4}
     for c in layouts:
@@ -1176,7 +1177,7 @@ def test_plan_counts_zb_h1_micro_batches_from_forward_to_w_its_exchanges_and_bub
     """pp 4, m 8: every stage holds p = 4 micro-batches (1F1B: 4 3 2 1), whole
     until their B, then only what W needs; 1F1B's tensors cross the boundaries
     (a W sends nothing), in more ticks; the bubble estimate is (p-1)/(3m+p-1)."""
-    model, t = config.parse_args(ZB)
+    model, t = recipe.parse_args(ZB)
     one_f = dataclasses.replace(t, schedule="1f1b")
     for stage in range(4):
         mem = plan.memory_per_rank(model, t, 1, 4, 1, stage)
@@ -1230,7 +1231,7 @@ def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
     and a middle one."""
     from nanohlat import split_backward
     from nanohlat.model import Transformer, init_weights
-    model_cfg, t = config.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
+    model_cfg, t = recipe.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
     mb = plan.micro_batch_size(t, 1)
     for stage, first, last in ((3, False, True), (1, False, False)):
         layers = range(2 * stage, 2 * stage + 2)
@@ -1246,7 +1247,7 @@ def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
 
 
 def test_search_under_zb_h1_keeps_at_least_a_micro_batch_per_stage_and_no_zero2():
-    model, t = config.parse_args(ZB)
+    model, t = recipe.parse_args(ZB)
     layouts = list(plan.candidate_layouts(model, t, 4))
     assert {c.pp for c in layouts} == {1, 2, 4}
     assert all(c.schedule == "zb-h1" and c.microbatches >= c.pp and c.zero != 2 for c in layouts)

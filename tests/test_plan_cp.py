@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from dist_utils import spawn_workers
-from nanohlat import config, context_parallel
+from nanohlat import context_parallel
+from nanohlat.system import recipe
 from nanohlat.mesh import Mesh
 from nanohlat.tools import plan
 from nanohlat.tools.plan import context
@@ -56,7 +57,7 @@ def forward_bytes_cp(mesh, algorithm, mode) -> tuple[int, int]:
     from nanohlat.model import Transformer, init_weights
     argv = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--cp", str(mesh.cp),
             "--cp-attention", algorithm, "--activation-checkpointing", mode]
-    cfg, t = config.parse_args(argv)
+    cfg, t = recipe.parse_args(argv)
     model = Transformer(cfg, mesh.tp_group, False, list(range(cfg.n_layers)), True, True)
     context_parallel.apply(model, mesh.group("cp"), algorithm)
     init_weights(model, t.seed)
@@ -78,7 +79,7 @@ def _train_worker(rank, world, runs, out_dir):
     from nanohlat.device import get_device
     from nanohlat.run import preflight
     for argv in runs:
-        train.train(*preflight.inputs(*config.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
+        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
                     rank, world, rank, world)
     mesh = Mesh(1, 1, 1, rank, cp=world, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
@@ -103,7 +104,7 @@ def ledgers(cache_dir, tmp_path_factory):
 
 
 def predicted_ledger(argv, world) -> dict:
-    model, train = config.parse_args(argv)
+    model, train = recipe.parse_args(argv)
     dp = world // (train.tp * train.pp * train.cp)
     return plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0, cp=train.cp))
 
@@ -175,12 +176,12 @@ def test_zigzag_balances_causal_work_and_the_plan_counts_it(T, cp):
 # ---------------------------------------------------------------------------
 
 def test_search_tries_cp_for_long_sequences_only_and_ranks_it():
-    model, t = config.parse_args(["--preset", "tiny", "--seq-len", "8192", "--max-seq-len", "8192", "--device", "cpu"])
+    model, t = recipe.parse_args(["--preset", "tiny", "--seq-len", "8192", "--max-seq-len", "8192", "--device", "cpu"])
     layouts = list(plan.candidate_layouts(model, t, 8))
     assert {c.cp for c in layouts} == {1, 2, 4, 8}            # 8192 / 8 = 1024 tokens a rank at most cp
     assert {c.cp_attention for c in layouts if c.cp > 1} == set(context.ALGORITHMS)
     assert all(c.cp == 1 or c.cp_attention != "ulysses" or context.ulysses_fits(model, c.tp, c.cp) for c in layouts)
-    short, t_short = config.parse_args(["--preset", "tiny", "--device", "cpu"])
+    short, t_short = recipe.parse_args(["--preset", "tiny", "--device", "cpu"])
     assert {c.cp for c in plan.candidate_layouts(short, t_short, 8)} == {1}   # 32 tokens: no cp
     rows = plan.search(model, t, 8, "cpu")
     one_sequence = lambda cp, alg: [r["activations"] for r in rows if (r["t"].cp, r["t"].tp, r["t"].pp) == (cp, 1, 1)
@@ -208,8 +209,8 @@ def test_preflight_memory_check_uses_the_plan_with_cp(monkeypatch):
     from nanohlat.run import preflight
     argv = ["--preset", "tiny", "--seq-len", "2048", "--max-seq-len", "2048", "--device", "cpu", "--batch-size", "4"]
     # micro-batches of one sequence: over dp 2 each rank holds all its 2048 tokens, over cp 2 (ring) 1024
-    m2, t2 = config.parse_args(argv + ["--cp", "2", "--cp-attention", "ring", "--microbatches", "4"])
-    m1, t1 = config.parse_args(argv + ["--dp", "2", "--microbatches", "2"])
+    m2, t2 = recipe.parse_args(argv + ["--cp", "2", "--cp-attention", "ring", "--microbatches", "4"])
+    m1, t1 = recipe.parse_args(argv + ["--dp", "2", "--microbatches", "2"])
     cp2, dp2 = (plan.peak_memory_per_rank(m, t, 2) for m, t in ((m2, t2), (m1, t1)))
     assert cp2 < dp2 * 0.75
     monkeypatch.setattr(preflight, "memory_of", lambda kind: (2 * (cp2 + dp2) // 2 + 2 * preflight.rotary_bytes(m2),
@@ -220,7 +221,7 @@ def test_preflight_memory_check_uses_the_plan_with_cp(monkeypatch):
 
 
 def test_plan_prints_the_three_algorithms_and_the_balance_side_by_side():
-    model, t = config.parse_args(["--preset", "tiny", "--cp", "4", "--cp-attention", "ring", "--device", "cpu"])
+    model, t = recipe.parse_args(["--preset", "tiny", "--cp", "4", "--cp-attention", "ring", "--device", "cpu"])
     text = plan.report(model, t, 4)
     assert "layout: dp 1 x pp 1 x cp 4 (ring attention) x tp 1" in text and "world 4 = dp 1 x pp 1 x cp 4 x tp 1" in text
     rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1] in (["allgather"], ["ring"], ["ulysses"])}

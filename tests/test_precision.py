@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from nanohlat import comm, config, optim
+from nanohlat.system import recipe
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights
@@ -197,7 +198,7 @@ def test_optimizer_keeps_small_updates_only_with_sr_or_fp32_master(precision):
     about lr per step. At lr 5e-4 that is under half a bf16 spacing (2^-9 below
     1.0, 2^-8 above), so pure bf16 with round-to-nearest never moves them; SR
     moves some each step; bf16-mixed moves its fp32 master every step."""
-    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", precision, "--lr", "5e-4",
+    model_cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--precision", precision, "--lr", "5e-4",
                                          "--n-layers", "2"])
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)
@@ -231,7 +232,7 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32():
     <= 1e-6 relative. Autograd's own accumulation into the bf16 `p.grad`
     (what the optimizer used to read) is off by ~1e-2: each of the 63 additions
     rounds the running sum to bf16's 8 bits."""
-    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", "bf16-mixed", "--n-layers", "1",
+    model_cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--precision", "bf16-mixed", "--n-layers", "1",
                                          "--microbatches", "64"])
     mb, T = 64, 8
     batch = torch.randint(0, model_cfg.vocab_size, (mb, 1, T + 1), generator=torch.Generator().manual_seed(4))
@@ -300,7 +301,7 @@ def test_master_weights_are_the_parameters_unless_bf16_mixed(precision, moments)
     second copy: every parameter is a view of its group's flat buffer, and the master is that
     buffer, so a step writes straight into the weights. bf16-mixed alone keeps fp32 master
     weights beside the bf16 parameters. --moments bf16 stores the moments in 2 bytes."""
-    model_cfg, tcfg = config.parse_args(["--preset", "tiny", "--precision", precision, "--moments", moments,
+    model_cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--precision", precision, "--moments", moments,
                                          "--n-layers", "2"])
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)
@@ -324,8 +325,8 @@ def test_master_weights_are_the_parameters_unless_bf16_mixed(precision, moments)
 
 def test_bf16_moments_need_stochastic_rounding():
     with pytest.raises(config.UserError, match="--moments bf16 .* needs --precision bf16-sr"):
-        config.parse_args(["--preset", "tiny", "--precision", "bf16-mixed", "--moments", "bf16"])
-    assert config.parse_args(["--preset", "hlat-7b"])[1].moments == "bf16"      # HLAT's pure bf16
+        recipe.parse_args(["--preset", "tiny", "--precision", "bf16-mixed", "--moments", "bf16"])
+    assert recipe.parse_args(["--preset", "hlat-7b"])[1].moments == "bf16"      # HLAT's pure bf16
 
 
 def test_bf16_moments_round_alike_in_every_holder_and_stay_unbiased():

@@ -220,9 +220,9 @@ def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
 
 def train_here(argv):
     import train
-    from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
-    model_cfg, tcfg = config.parse_args(argv)
+    model_cfg, tcfg = recipe.parse_args(argv)
     return train.train(*preflight.inputs(model_cfg, tcfg))
 
 
@@ -1003,9 +1003,10 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys, 
 def test_memory_check_counts_every_local_rank(monkeypatch):
     """--nproc N on the CPU: N ranks share the RAM; what fits once may not fit N times."""
     from nanohlat import config
+    from nanohlat.system import recipe
     from nanohlat.run import preflight
     from nanohlat.tools import plan
-    model_cfg, tcfg = config.parse_args([*TINY, "--device", "cpu", "--nproc", "4", "--dp", "4"])
+    model_cfg, tcfg = recipe.parse_args([*TINY, "--device", "cpu", "--nproc", "4", "--dp", "4"])
     per_rank = plan.peak_memory_per_rank(model_cfg, tcfg, 4) + preflight.rotary_bytes(model_cfg)
     monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1}.get(name, 2 * per_rank))
     preflight.check_memory(model_cfg, tcfg, 4, 1, spawns=False)        # one local rank: fits

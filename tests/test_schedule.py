@@ -228,7 +228,7 @@ def test_an_exception_in_a_zb_h1_tick_leaves_the_next_backward_whole(tick):
     import dataclasses
     import torch
     from nanohlat import device, pipeline, tensor_parallel as tpl
-    from nanohlat.config import PRESETS, TrainConfig
+    from nanohlat.system.recipe import PRESETS, TrainConfig
     from nanohlat.mesh import Mesh
     from nanohlat.model import Transformer, init_weights
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)

@@ -78,8 +78,9 @@ def test_collective_timeout_is_recognized_and_said_in_one_line():
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_collective_timeout_out_of_range_is_refused(value):
     from nanohlat import config
+    from nanohlat.system import recipe
     with pytest.raises(config.UserError, match="--collective-timeout must be a finite number > 0"):
-        config.parse_args(["--collective-timeout", value])
+        recipe.parse_args(["--collective-timeout", value])
 
 
 def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_path):
@@ -90,13 +91,13 @@ def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_p
     import subprocess
     import sys
     code = (
-        "from nanohlat import config\n"
+        "from nanohlat.system import recipe\n"
         "from nanohlat.run import preflight, runlock\n"
         "def train(*a):\n"
         "    raise RuntimeError('[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv '\n"
         "                       'operation to complete')\n"
         f"lock = runlock.acquire({str(tmp_path / 'run')!r})\n"
-        "preflight.worker(train, None, config.TrainConfig(collective_timeout=7), None, None)\n"
+        "preflight.worker(train, None, recipe.TrainConfig(collective_timeout=7), None, None)\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=repo)

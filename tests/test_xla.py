@@ -197,7 +197,8 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
     sys.path.insert(0, REPO)
     import train
     from nanohlat.run import checkpoint, preflight
-    from nanohlat import config, optim, xla
+    from nanohlat import optim, xla
+    from nanohlat.system import recipe
     from nanohlat import device as devicelib
 
     def metrics(out_dir) -> dict:
@@ -212,7 +213,7 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
     def run(name, *extra, device="xla"):
         out_dir = os.path.join(out, name)
         argv = BASE + ["--cache-dir", cache_dir, "--out-dir", out_dir, "--device", device] + list(extra)
-        model_cfg, tcfg = config.parse_args(argv)
+        model_cfg, tcfg = recipe.parse_args(argv)
         summary = train.train(*preflight.inputs(model_cfg, tcfg))
         return out_dir, summary
 
@@ -286,10 +287,10 @@ if __name__ == "__main__":
 MICROBATCH_CHILD = """
 import json, sys
 import train
-from nanohlat import config
+from nanohlat.system import recipe
 from nanohlat.run import preflight
 import torch_xla.debug.metrics as met
-train.train(*preflight.inputs(*config.parse_args(sys.argv[1:])))
+train.train(*preflight.inputs(*recipe.parse_args(sys.argv[1:])))
 count, total_ns = met.metric_data("CompileTime")[:2]
 print(json.dumps({"graphs": count, "compile_s": total_ns / 1e9}))
 """

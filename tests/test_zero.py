@@ -8,17 +8,17 @@ import re
 
 import pytest
 
-from nanohlat import config
+from nanohlat.system import recipe
 from nanohlat.config import UserError
 
 TINY = ["--preset", "tiny"]
 
 
 def test_zero1_is_the_older_spelling_of_zero_1():
-    assert config.parse_args(TINY + ["--zero1"])[1].zero == 1
-    assert config.parse_args(TINY + ["--zero", "1"])[1].zero == 1
-    assert config.parse_args(TINY)[1].zero == 0
-    assert config.parse_args(["--preset", "hlat-70b"])[1].zero == 1
+    assert recipe.parse_args(TINY + ["--zero1"])[1].zero == 1
+    assert recipe.parse_args(TINY + ["--zero", "1"])[1].zero == 1
+    assert recipe.parse_args(TINY)[1].zero == 0
+    assert recipe.parse_args(["--preset", "hlat-70b"])[1].zero == 1
 
 
 @pytest.mark.parametrize("argv, words", [(["--zero", "4"], "not a ZeRO stage"),
@@ -34,7 +34,7 @@ def test_zero1_is_the_older_spelling_of_zero_1():
                                           "zb-h1 is not supported: ZeRO-3 reduce-scatters a bucket")])
 def test_bad_zero_flags_are_refused_in_one_line(argv, words):
     with pytest.raises(UserError, match=words) as e:
-        config.parse_args(TINY + argv)
+        recipe.parse_args(TINY + argv)
     assert "\n" not in str(e.value)
 
 
@@ -279,7 +279,7 @@ def test_a_zero2_or_3_checkpoint_continues_in_one_process(stage_runs, cache_dir,
     resume = _ckpt(stage_runs[f"{zero}_overlap"][1], 2)
     layout = json.load(open(f"{resume}/manifest.json"))["layout"]
     assert (layout["zero"], layout["zero1"]) == (int(zero[1]), True)      # the stage it was saved by
-    model_cfg, tcfg = config.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume", resume]))
+    model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, tmp_path / "one", ["--no-progress", "--resume", resume]))
     train.train(*preflight.inputs(model_cfg, tcfg))
     ref = _metrics(stage_runs["z0_no-overlap"][1])[2:]
     for (s, loss, _), (_, ref_loss, _) in zip(_metrics(tmp_path / "one"), ref, strict=True):
@@ -302,7 +302,7 @@ def reference(cache_dir, tmp_path_factory):
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("zero_ref")
     argv = _flags(cache_dir, out, ["--no-progress"])
-    train.train(*preflight.inputs(*config.parse_args(argv)))
+    train.train(*preflight.inputs(*recipe.parse_args(argv)))
     return argv, out
 
 
@@ -445,7 +445,7 @@ def test_a_bucket_is_named_by_its_place_in_the_buffers_not_by_when_it_goes(zero)
     from nanohlat.model import Transformer, init_weights
     from nanohlat.run import build
     from nanohlat.tools.timeline import CommTrace
-    model_cfg, tcfg = config.parse_args(TINY + ["--n-layers", "2", "--zero", str(zero), "--bucket-mb", "0.05"])
+    model_cfg, tcfg = recipe.parse_args(TINY + ["--n-layers", "2", "--zero", str(zero), "--bucket-mb", "0.05"])
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)
     opt = build.optimizer(model, meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger()), tcfg, devicelib.get_device("cpu"))

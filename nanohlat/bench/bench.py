@@ -56,7 +56,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanohlat import comm, config, xla
+from nanohlat import comm, xla
+from nanohlat.system import recipe
 from nanohlat.tools import metrics
 from nanohlat.run import preflight, runconfig
 from nanohlat.system.flags import Parser
@@ -216,7 +217,7 @@ def profile(steps: dict, devs: dict, n: int = 3, rows: int = 25) -> str:
 
 def parse(argv):
     """train.py's flags (model shape, precision, device ...) plus the bench's own."""
-    parser = config.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.",
+    parser = recipe.build_parser("Time nanohlat's training step (and Hugging Face Llama's) on this machine.",
                                  Parser)
     b = parser.add_argument_group("bench")
     b.add_argument("--warmup", type=int, default=2, help="untimed steps per model first (default 2)")
@@ -233,7 +234,7 @@ def parse(argv):
     flags = vars(parser.parse_args(argv))
     own = {k: flags.pop(k) for k in ("warmup", "hf", "profile", "generate", "engines")}
     flags = BENCH_DEFAULTS | flags
-    model_cfg, tcfg = config.resolve(flags)
+    model_cfg, tcfg = recipe.resolve(flags)
     own["engines"] = [e.strip() for e in own["engines"].split(",") if e.strip()]
     unknown = sorted(set(own["engines"]) - set(ENGINES))
     if unknown or not own["engines"]:

@@ -4,7 +4,7 @@
 
   1. parses the flags into (ModelConfig, TrainConfig), once; --plan prints the
      plan and stops here;
-  2. refuses a layout that cannot work (mesh.validate_layout), values that
+  2. refuses a layout that cannot work (recipe.check_layout), values that
      are in range but would break the run later (check_values: buckets too
      small, timeouts the runtime cannot take), a --device this machine lacks,
      and a model or sequence too large for its memory (check_memory), before
@@ -37,9 +37,8 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import config
+from nanohlat.system import recipe
 from nanohlat import device as devicelib
-from nanohlat import mesh as meshlib
 from nanohlat.config import UserError
 from nanohlat.run import checkpoint, data, launch, preempt, runlock
 from nanohlat.system import cli, flags
@@ -52,7 +51,7 @@ def main(train, argv: list[str]) -> int:
     (its errors as one line: system/cli.py:command)."""
     lock = None
     try:
-        model_cfg, tcfg = config.parse_args(argv, flags.Parser)   # (a bad flag: one line, exit 2)
+        model_cfg, tcfg = recipe.parse_args(argv, flags.Parser)   # (a bad flag: one line, exit 2)
         env = launch.torchrun_env()
         world = env[1] if env else tcfg.nproc
         launch.check_nproc(tcfg.nproc, env)
@@ -60,7 +59,7 @@ def main(train, argv: list[str]) -> int:
             from nanohlat.tools import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
-        meshlib.validate_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
+        recipe.check_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         check_values(model_cfg, tcfg)
         if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
@@ -112,7 +111,7 @@ MAX_BUCKETS = 10_000            # gradient buckets per flat buffer (collectives 
 TIMEOUTS_S = (1.0, 7 * 86400.0)  # --collective-timeout / --rendezvous-timeout: one second to a week
 
 
-def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> None:
+def check_values(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig) -> None:
     """Values that config.validate accepts (finite, positive) but that would break
     the run later, refused in one line each:
       * --bucket-mb so small that a step's gradient reduction becomes a flood of
@@ -141,13 +140,13 @@ def check_values(model_cfg: config.ModelConfig, tcfg: config.TrainConfig) -> Non
                             f"longer one overflows the runtime's timers")
 
 
-def rotary_bytes(model_cfg: config.ModelConfig) -> int:
+def rotary_bytes(model_cfg: recipe.ModelConfig) -> int:
     """model.rotary_tables's peak: cos, sin and the angles they come from, (max_seq_len,
     head_dim) fp32 each, about four copies; every rank builds its own."""
     return 4 * 4 * model_cfg.max_seq_len * model_cfg.head_dim
 
 
-def check_memory(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int, local: int,
+def check_memory(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int, local: int,
                  spawns: bool) -> None:
     """Refuse, before anything is allocated, a model or sequence that cannot fit:
     the plan's peak per rank (tools/plan/memory.py: weights, optimizer, gradient buffers,
@@ -197,14 +196,14 @@ def refuse_if_too_big(need: int, memory: tuple[int, str] | None, holds: str, adv
                     f"{have / GiB:,.1f} GiB; {advice}")
 
 
-def vocab_from(ds, model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int) -> config.ModelConfig:
+def vocab_from(ds, model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int) -> recipe.ModelConfig:
     """The model's vocabulary is the tokenizer's (a given --tokenizer may differ from
     --vocab-size); a changed one is checked again, and must split over --tp too."""
     if ds.tokenizer.vocab_size == model_cfg.vocab_size:
         return model_cfg
     model_cfg = dataclasses.replace(model_cfg, vocab_size=ds.tokenizer.vocab_size)
     model_cfg.validate()
-    meshlib.validate_layout(model_cfg, tcfg, world)
+    recipe.check_layout(model_cfg, tcfg, world)
     return model_cfg
 
 
@@ -248,12 +247,12 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     return summary
 
 
-def inputs(model_cfg: config.ModelConfig, tcfg: config.TrainConfig, world: int = 1) -> tuple:
+def inputs(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int = 1) -> tuple:
     """(model_cfg, tcfg, ds, resume_from): train()'s inputs for a caller that has its
     configuration already and calls train() itself (the tests, a notebook), in each
     of its processes: the layout checked, the data opened (silently), what to resume
     from. None of `main`'s other checks, and no run lock."""
-    meshlib.validate_layout(model_cfg, tcfg, world)
+    recipe.check_layout(model_cfg, tcfg, world)
     ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=lambda *a: None)
     restarted = launch.restart_count() > 0
     return model_cfg, tcfg, ds, checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)

@@ -9,7 +9,7 @@ decoding through generate.load_model, eval.py, the lm-evaluation-harness,
 
   * the `train` section, field by field (`train_section`): its type (a whole
     number, a finite number, a flag's word), then the ranges train.py's flags
-    have (config.TrainConfig.validate). eval.py reads its windows' length
+    have (recipe.TrainConfig.validate). eval.py reads its windows' length
     `seq_len` from there: 0 divided by zero, "abc" was a TypeError. (The
     `model` section is checked as the manifest is read: checkpoint.read_manifest.)
   * the size (`check_fits`): a model whose weights, or the rotary tables of
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import os
 
-from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig, TrainConfig, model_from_dict
 from nanohlat.run import preflight
 from nanohlat.run.checkpoint.manifest import FieldError, damaged, typed_fields
 

@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from nanohlat import comm, config, moe
+from nanohlat import comm, moe
+from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
@@ -65,7 +66,7 @@ class Session:
             dev.sync()   # XLA: the queued step closures (log, non-finite stop) run before anything is written
             try:
                 saved = checkpoint.save(tcfg.out_dir, step, self.tokens_seen, self.model, self.opt, mesh, dev,
-                                        config.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
+                                        recipe.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
                                         bad_steps=self.log.bad_steps(), data_fingerprint=self.ds.fingerprint)
             except UserError as e:
                 if self.log.write_failed is None:

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from nanohlat import config, xla
+from nanohlat import xla
+from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.mesh import layout_table
 from nanohlat.run.checkpoint.history import set_aside_newer
@@ -125,7 +126,7 @@ class TrainLog:
             self.print(f"resumed from {resumed_from} at step {start_step}")
         if self.main:
             os.makedirs(tcfg.out_dir, exist_ok=True)
-            run_cfg = config.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
+            run_cfg = recipe.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
                                                           "tokenizer_path": tokenizer_path}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)

@@ -47,15 +47,16 @@ from nanohlat.run import checkpoint, runconfig
 from nanohlat.run.build import decoder
 from nanohlat import comm
 from nanohlat import shard_spec
-from nanohlat.config import ModelConfig, TrainConfig, UserError, model_from_dict
-from nanohlat.mesh import Group, validate_layout
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout, model_from_dict
+from nanohlat.mesh import Group
 from nanohlat.model import Transformer
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse a tensor-parallel degree the model cannot be split by (UserError),
     with the same rules and messages as training."""
-    validate_layout(cfg, TrainConfig(tp=tp, batch_size=1), tp)
+    check_layout(cfg, TrainConfig(tp=tp, batch_size=1), tp)
 
 
 @torch.no_grad()

@@ -63,7 +63,8 @@ import sys
 
 import torch
 
-from nanohlat.config import ModelConfig, UserError
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig
 from nanohlat.system import cli, files, flags
 
 # nanohlat name suffix <-> Hugging Face name suffix, inside layer i.

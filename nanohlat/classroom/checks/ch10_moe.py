@@ -247,7 +247,7 @@ def _ep_run(rank, world, ep, zero) -> str | None:
     import dataclasses
     import torch.distributed as dist
     from nanohlat import comm
-    from nanohlat.config import TrainConfig
+    from nanohlat.system.recipe import TrainConfig
     from nanohlat.device import get_device
     from nanohlat.mesh import Mesh
     from nanohlat.moe import MoE

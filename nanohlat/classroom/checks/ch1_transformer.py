@@ -94,7 +94,7 @@ def check_rotary() -> str | None:
 
 
 def check_kv_cache() -> str | None:
-    from nanohlat.config import ModelConfig
+    from nanohlat.system.recipe import ModelConfig
     from nanohlat.model import Transformer, init_weights
     from nanohlat.serving import generate as gen
     for n_kv in (4, 2):   # multi-head, then grouped-query attention

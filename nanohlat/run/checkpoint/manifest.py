@@ -21,7 +21,8 @@ import math
 import os
 import sys
 
-from nanohlat.config import ModelConfig, UserError, model_from_dict
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig, model_from_dict
 from nanohlat.system.files import sha256_file
 
 # how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
@@ -104,7 +105,7 @@ def _check_fields(mpath: str, m: dict) -> None:
     cfg = m["config"]
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise bad("config is not {'model': {...}, 'train': {...}}")
-    try:   # each field of its type, then the model's ranges (config.ModelConfig.validate)
+    try:   # each field of its type, then the model's ranges (recipe.ModelConfig.validate)
         model_from_dict(typed_fields(cfg["model"], ModelConfig, "config.model")).validate()
     except FieldError as e:
         raise bad(str(e)) from None
@@ -145,7 +146,7 @@ class FieldError(ValueError):
 
 
 def typed_fields(record: dict, cls, where: str) -> dict:
-    """The fields of dataclass `cls` (config.ModelConfig, config.TrainConfig) in `record`,
+    """The fields of dataclass `cls` (recipe.ModelConfig, recipe.TrainConfig) in `record`,
     each checked to be of its default's kind: an int a whole number, a float a finite
     number (no strings, no bools, no NaN), a bool a bool, a str a str. A name `cls` does
     not have (another nanohlat version's) is left out. Their ranges are cls.validate's.

@@ -8,7 +8,7 @@ import functools
 from types import SimpleNamespace
 
 from nanohlat import comm, moe
-from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas
 from nanohlat.pipeline import PipelineRunner, timetable
 from nanohlat.tools.plan.context import attention_collectives, local_tokens

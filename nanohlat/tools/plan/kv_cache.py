@@ -3,7 +3,7 @@ whole and per tp rank, and the section of the plan that prints them."""
 
 from __future__ import annotations
 
-from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.tools.plan.fmt import fmt_bytes, table
 from nanohlat.tools.plan.params import dtype_bytes, stage_param_counts
 

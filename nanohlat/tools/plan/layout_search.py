@@ -7,7 +7,8 @@ import dataclasses
 import math
 import textwrap
 
-from nanohlat.config import ModelConfig, TrainConfig, UserError, check_moe_layout
+from nanohlat.config import UserError
+from nanohlat.system.recipe import ModelConfig, TrainConfig, check_moe_layout
 from nanohlat.mesh import divisors
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
@@ -47,7 +48,7 @@ def ep_choices(cfg: ModelConfig, dp: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     """Every valid (tp, pp, cp and its attention, dp, micro-batches, ZeRO stage, sequence parallel,
     checkpointing, and on cpu and cuda overlapped gradient reduction or not; for a mixture of experts
-    ep too, and only what config.check_moe_layout lets its plan count)
+    ep too, and only what recipe.check_moe_layout lets its plan count)
     for this model, batch and world size, as TrainConfigs."""
     for tp in divisors(world):
         for pp in divisors(world // tp):

@@ -95,7 +95,7 @@ checkpointing that is more than the block input the forward kept).
 
 from __future__ import annotations
 
-from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.pipeline import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
@@ -181,7 +181,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
                                                               tcfg.cp, tcfg.cp_attention)
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
-    if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: config.check_moe_layout)
+    if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: recipe.check_moe_layout)
         total += sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * moe_activation_extra(cfg, mb * T, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding

@@ -5,7 +5,7 @@ and with --ep its E/ep experts apart), which ZeRO pads to a multiple of dp."""
 
 from __future__ import annotations
 
-from nanohlat.config import ModelConfig
+from nanohlat.system.recipe import ModelConfig
 from nanohlat.precision import param_dtype
 from nanohlat.zero1 import padded_size
 
@@ -15,7 +15,7 @@ def dtype_bytes(precision: str) -> int:
 
 
 def moe_counts(cfg: ModelConfig, ep: int = 1) -> dict:
-    """A mixture of experts (tp 1, pp 1: config.check_moe_layout) on one rank, by flat buffer (moe.py's
+    """A mixture of experts (tp 1, pp 1: recipe.check_moe_layout) on one rank, by flat buffer (moe.py's
     Weight): "moe", replicated on every rank: each sparse layer's router (E x d_model) and shared
     experts, and at ep 1 its E experts too; "experts", with --ep N: the rank's E/N experts of each
     sparse layer (gate, up, down: 3 x d_model x ffn_dim each), summed over the dp/N ranks holding

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from nanohlat import comm, moe
-from nanohlat.config import ModelConfig, TrainConfig
-from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text, validate_layout
+from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout
+from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
@@ -34,8 +34,8 @@ def schedule_text(tcfg: TrainConfig) -> str:
 
 
 def validate_plan_layout(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> tuple[int, list[str]]:
-    """mesh.validate_layout, and what to note about the layout. Returns dp and notes to print."""
-    dp = validate_layout(cfg, tcfg, world)
+    """recipe.check_layout, and what to note about the layout. Returns dp and notes to print."""
+    dp = check_layout(cfg, tcfg, world)
     if tcfg.tp <= cfg.n_kv_heads:
         return dp, []
     return dp, [f"note: tp {tcfg.tp} > {cfg.n_kv_heads} kv heads, so each tp rank holds a replica of one kv head, the one "

@@ -4,7 +4,7 @@ device and its network (hardware.py), at a stated share of the device's peak."""
 from __future__ import annotations
 
 from nanohlat import comm
-from nanohlat.config import ModelConfig, TrainConfig
+from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.mesh import Mesh, kv_replicas, rank_of
 from nanohlat.tools.metrics import flops_per_token, peak_flops
 from nanohlat.tools.plan.communication import comm_per_step
