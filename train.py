@@ -27,12 +27,11 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat import comm, optim
+from nanohlat import optim
 from nanohlat import device as devicelib
-from nanohlat import mesh as meshlib
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import launch, preflight, runlock
-from nanohlat.run.build import build
+from nanohlat.run.build import build, mesh as build_mesh
 from nanohlat.run.session import Session
 
 
@@ -48,9 +47,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
     if world > 1 and not torch.distributed.is_initialized():
         with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
             dev.init_process_group(rank, world, tcfg.collective_timeout)
-    mesh = meshlib.Mesh(tcfg.tp, tcfg.pp, world // (tcfg.tp * tcfg.pp * tcfg.cp), rank, ledger=comm.CommLedger(),
-                        kv_replicas=meshlib.kv_replicas(model_cfg, tcfg.tp), virtual_stages=tcfg.virtual_stages,
-                        ep=tcfg.ep, cp=tcfg.cp)
+    mesh = build_mesh(model_cfg, tcfg, world, rank)   # rank <-> (dp, pp, tp): mesh.py (run/build.py:mesh)
     mesh.build_groups(dev if world > 1 else None)
 
     # -- model (this rank's stage and tensor slice), schedule, optimizer -----

@@ -27,11 +27,14 @@ holds the same table, so no rank needs to ask another where its tokens are.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import comm
+from .config import UserError
+from .mesh import Mesh, choices, coords, divisors, rank_of
 
 ALGORITHMS = ("allgather", "ring", "ulysses")
 
@@ -145,6 +148,81 @@ def _dense(q, k, v, mask):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# The mesh with a cp dimension. The cp ranks of one sequence talk in every layer's
+# attention, so they sit next to the tp ranks: (cp, tp) together form the inner
+# coordinate,
+#
+#     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+#
+# and every other kind of group is the cp = 1 mesh's, once for each cp rank
+# (`lift`). Example dp 2, cp 2: cp groups [0 1] [2 3], dp groups [0 2] [1 3],
+# dp_cp [0 1 2 3] (all four hold the same weights: gradients summed over them).
+# ---------------------------------------------------------------------------
+
+def lift(base_rank: int, cp_rank: int, tp: int, cp: int) -> int:
+    """A rank of the cp = 1 mesh (same tp, pp, dp) -> that place at cp rank `cp_rank`."""
+    outer, t = divmod(base_rank, tp)
+    return (outer * cp + cp_rank) * tp + t
+
+
+@dataclass
+class ContextMesh(Mesh):
+    """mesh.Mesh with a cp dimension between tp and dp: the groups 'cp' (the ranks sharing each
+    sequence) and 'dp_cp' (those holding the same weights: the gradients' group), every other kind
+    lifted to each cp rank, and each rank's zigzag part of its sequences."""
+
+    cp: int = 1
+
+    def __post_init__(self):
+        self.dp_rank, self.pp_rank, inner = coords(self.rank, self.tp * self.cp, self.pp, self.dp)
+        self.cp_rank, self.tp_rank = divmod(inner, self.tp)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    def kinds(self) -> tuple:
+        return super().kinds() + ("cp", "dp_cp")
+
+    def _all(self, kind: str) -> list[list[int]]:
+        """Every group of one kind (each list in increasing order, as torch numbers a group)."""
+        tp, pp, dp, cp = self.tp, self.pp, self.dp, self.cp
+        if kind == "cp":
+            return [[lift(b, c, tp, cp) for c in range(cp)] for b in range(tp * pp * dp)]
+        if kind == "dp_cp":
+            return [[lift(rank_of(d, p, t, tp, dp), c, tp, cp) for d in range(dp) for c in range(cp)]
+                    for p in range(pp) for t in range(tp)]
+        base = Mesh(tp, pp, dp, kv_replicas=self.kv_replicas, extra=self.extra)
+        return [[lift(b, c, tp, cp) for b in ranks] for c in range(cp) for ranks in base._all(kind)]
+
+    @property
+    def grad_group(self):
+        """dp x cp: each cp rank saw other tokens of the same sequences, with the same weights."""
+        return self.group("dp_cp")
+
+    def stage_of(self, rank: int) -> int:
+        return coords(rank, self.tp * self.cp, self.pp, self.dp)[1]
+
+    def sequence_part(self, inputs, targets) -> tuple:
+        """This cp rank's zigzag chunks of each sequence, (mb, T/cp) each; the shift into (input, target)
+        came first, on the whole sequence (split_sequence)."""
+        mine = zigzag_positions(inputs.shape[1], self.cp)[self.cp_rank]
+        return inputs[:, mine], targets[:, mine]
+
+
+def check_world(tcfg, world: int) -> None:
+    """--cp N: the world splits into tp x pp x cp x dp (before mesh.validate_layout, on world / cp)."""
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    if world % (tp * pp * cp):
+        raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide the world size {world}; "
+                        f"choose tp*pp*cp among {choices(divisors(world))}")
+    dp = tcfg.dp or world // (tp * pp * cp)
+    if tp * pp * cp * dp != world:
+        raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} x --dp {dp} = {tp * pp * cp * dp} but the world has "
+                        f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
 
 
 # ---------------------------------------------------------------------------

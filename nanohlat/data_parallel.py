@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import comm, context_parallel
+from . import comm
 
 
 def bucket_ranges(n: int, bucket_elems: int):
@@ -193,15 +193,12 @@ def split_batch(batch: torch.Tensor, mesh, tcfg, dev) -> tuple[list, list]:
     """Global batch (B, T+1), on the host -> this dp rank's M micro-batches:
     lists of M token and M target tensors (mb, T), each sent to the device on
     its own (on XLA a micro-batch is then a graph input, not a slice of one).
-    With --cp each sequence is shifted into (input, target) first, then cut:
-    this cp rank keeps its zigzag chunks, (mb, T/cp) (context_parallel.split_sequence)."""
+    Each sequence is shifted into (input, target) first, then the mesh keeps
+    the part of it this rank trains on (Mesh.sequence_part: all of it)."""
     per_rank = tcfg.batch_size // mesh.dp
     mine = batch[mesh.dp_rank * per_rank:(mesh.dp_rank + 1) * per_rank]
     mine = mine.view(tcfg.microbatches, per_rank // tcfg.microbatches, tcfg.seq_len + 1)
-    if mesh.cp > 1:
-        pairs = [context_parallel.split_sequence(mb, mesh.cp, mesh.cp_rank)[:2] for mb in mine]
-    else:
-        pairs = [(mb[:, :-1], mb[:, 1:]) for mb in mine]
+    pairs = [mesh.sequence_part(mb[:, :-1], mb[:, 1:]) for mb in mine]
     tokens = [x.contiguous().to(dev.torch_device) for x, _ in pairs]
     targets = [y.contiguous().to(dev.torch_device) for _, y in pairs]
     return tokens, targets
@@ -212,8 +209,8 @@ def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
 
     `x` is already divided by the global token count, and only the last pipeline stage
     holds a loss (the others 0, or a MoE model's router losses of their layers), so summing over the
-    pipeline group and then over the data-parallel group (with --cp, dp x cp:
-    each cp rank holds other tokens' losses) gives the global mean.
+    pipeline group and then over the ranks holding the same weights and other tokens
+    (mesh.grad_group: the data-parallel group) gives the global mean.
     The tensor-parallel ranks of a stage already agree on it (vocab-parallel
     cross-entropy), so no sum over tp."""
     return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss")

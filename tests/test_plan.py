@@ -44,6 +44,7 @@ from nanohlat.run import preflight
 from nanohlat.tools import metrics
 from nanohlat.tools import plan
 from nanohlat.tools.plan import layout_search
+from nanohlat.context_parallel import ContextMesh
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -201,7 +202,7 @@ def forward_bytes(argv, group=None, pp=1, stage=0) -> tuple[int, int]:
     input and requires its grad; a non-last stage's output is kept for backward."""
     from nanohlat.device import get_device
     from nanohlat.model import Transformer, init_weights
-    from nanohlat.pipeline import stage_layers
+    from nanohlat.schedules import stage_layers
     from nanohlat.precision import param_dtype
     cfg, t = recipe.parse_args(argv)
     tp = group.size if group is not None else 1
@@ -827,7 +828,7 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
         elif mark == "STEP_END":
             peak, step = max(peak, step), None
     dp = world // (tcfg.tp * tcfg.pp * tcfg.cp)
-    stage = Mesh(tcfg.tp, tcfg.pp, dp, rank, cp=tcfg.cp).pp_rank
+    stage = ContextMesh(tcfg.tp, tcfg.pp, dp, rank, cp=tcfg.cp).pp_rank
     return stage, peak, plan.memory_per_rank(model_cfg, tcfg, tcfg.tp, tcfg.pp, dp, stage, fused=True, eager=True)["peak"]
 
 
@@ -1095,7 +1096,7 @@ def test_the_older_zero1_spelling_leaves_the_search_and_the_memory_table_whole()
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
     """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
     schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""
-    from nanohlat import pipeline
+    from nanohlat import schedules
     from nanohlat.tools import timeline
     for schedule in ("afab", "1f1b"):
         for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
@@ -1105,8 +1106,8 @@ def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
             assert timeline.ideal_bubble(schedule, pp, m) == pytest.approx(timeline.formula_bubble(pp, m))
     # pp 4, m 8: AFAB's ticks are all-F then all-B, 11 + 11 x 2 = 33 units; 1F1B's 22 ticks
     # hold a B in 16 of them: 6 x 1 + 16 x 2 = 40 units for the same 24 units of work per stage
-    assert timeline.lockstep_bubble(pipeline.timetable("afab", 4, 8), 8) == pytest.approx(1 - 24 / 33)
-    assert timeline.lockstep_bubble(pipeline.timetable("1f1b", 4, 8), 8) == pytest.approx(1 - 24 / 40)
+    assert timeline.lockstep_bubble(schedules.timetable("afab", 4, 8), 8) == pytest.approx(1 - 24 / 33)
+    assert timeline.lockstep_bubble(schedules.timetable("1f1b", 4, 8), 8) == pytest.approx(1 - 24 / 40)
 
 
 def test_step_clock_records_ops_and_says_when_ranks_outnumber_cores(monkeypatch):
@@ -1146,7 +1147,7 @@ def test_plan_counts_interleaved_chunk_activations_exchanges_and_bubble():
     assert mem["activations"] == 9 * plan.activation_bytes(model, t, 1, 4, 1, 1)
     assert mem_1f1b["activations"] == 3 * plan.activation_bytes(model, one_f, 1, 4, 1, 1)
     x = 1 * 32 * 64 * 4                                         # one (mb, T, C) fp32 tensor
-    comm = plan.comm_per_step(model, t, Mesh(1, 4, 1, 0, virtual_stages=2))["pp.exchange"]
+    comm = plan.comm_per_step(model, t, Mesh(1, 4, 1, 0))["pp.exchange"]
     assert comm["payload"] == (2 * 16 + 2 * 8) * x and comm["wire"] == (16 + 8) * x
     est = plan.estimate_step(model, t, 4, "cpu")
     assert est["bubble"] / est["pipeline"] == pytest.approx(3 / (2 * 8 + 3))
@@ -1203,7 +1204,7 @@ def test_exchanges_per_boundary_count_every_tick_that_moves_a_tensor():
     one a backward (its gradient crosses); interleaved adds the wrap boundary, where the last
     stage's forward of a chunk c < v-1 or the first stage's backward of a chunk c > 0 crosses:
     read here from the timetable op by op, beside the runner's rule that the plan calls."""
-    from nanohlat.pipeline import timetable
+    from nanohlat.schedules import timetable
 
     def ran(op, kind, chunk=lambda c: True) -> bool:
         return op is not None and op[0] == kind and chunk(op[2])
@@ -1236,6 +1237,7 @@ def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
     for stage, first, last in ((3, False, True), (1, False, False)):
         layers = range(2 * stage, 2 * stage + 2)
         model = Transformer(model_cfg, layers=layers, first=first, last=last)
+        split_backward.apply(model)
         init_weights(model, 0)
         x = torch.randn(mb, t.seq_len, model_cfg.d_model, requires_grad=True)
         with split_backward.SplitBackward(model) as deferring:

@@ -23,7 +23,7 @@ import torch
 from dist_utils import spawn_workers
 from nanohlat import context_parallel
 from nanohlat.system import recipe
-from nanohlat.mesh import Mesh
+from nanohlat.context_parallel import ContextMesh
 from nanohlat.tools import plan
 from nanohlat.tools.plan import context
 
@@ -81,7 +81,7 @@ def _train_worker(rank, world, runs, out_dir):
     for argv in runs:
         train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
                     rank, world, rank, world)
-    mesh = Mesh(1, 1, 1, rank, cp=world, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
+    mesh = ContextMesh(1, 1, 1, rank, cp=world, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
         json.dump([forward_bytes_cp(mesh, a, m) for a, m in MODES], f)
 
@@ -106,7 +106,7 @@ def ledgers(cache_dir, tmp_path_factory):
 def predicted_ledger(argv, world) -> dict:
     model, train = recipe.parse_args(argv)
     dp = world // (train.tp * train.pp * train.cp)
-    return plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0, cp=train.cp))
+    return plan.comm_per_step(model, train, ContextMesh(train.tp, train.pp, dp, 0, cp=train.cp))
 
 
 @pytest.mark.slow

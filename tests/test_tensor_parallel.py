@@ -322,6 +322,8 @@ def _check_split_backward(rank, tp):
                 results = []
                 for split in (False, True):
                     model = Transformer(cfg, group, sequence_parallel=sp, sp_regather=regather)
+                    if split:
+                        split_backward.apply(model)       # (as run/build.py does for zb-h1)
                     init_weights(model, 0)
                     model.to(dtype).set_activation_checkpointing(mode, ckpt)
                     fired = []

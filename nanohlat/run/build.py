@@ -1,17 +1,37 @@
-"""Build what a training step runs on this rank: the model, its pipeline runner, its optimizer.
+"""Build what a training step runs on this rank: its mesh, the model, its pipeline runner, its optimizer.
 
 train.py and bench.py both call `build`, so the benchmark times exactly the
 step that training runs (same placement, dtype, checkpointing and schedule).
+This is also the one place where the layouts beyond HLAT's recipe are switched
+on, each by one call, in the order a rank is put together: the mesh's extra
+dimensions (`mesh`), then the model's parts (`build`: experts, attention across
+the cp ranks, split linears), then the schedule's runner and the optimizer's
+strategy. The core (train.py, nanohlat/*.py) does not know them.
 """
 
 from __future__ import annotations
 
-from nanohlat import context_parallel, moe, optim, pipeline, zero2, zero3
+from nanohlat import comm, context_parallel, mesh as meshlib, moe, optim, schedules, split_backward
+from nanohlat import zero2, zero3
 from nanohlat.tools import timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW
 from nanohlat.model import Transformer, init_weights
 from nanohlat.precision import param_dtype
+
+
+def mesh(model_cfg, tcfg, world: int, rank: int) -> meshlib.Mesh:
+    """This rank's mesh (groups not built yet): world = dp x pp x tp (mesh.py); with --cp a cp dimension
+    between tp and dp (context_parallel.ContextMesh); with --ep the expert groups carved out of dp (moe.py);
+    with the interleaved schedule the last stage <-> first stage pairs an odd pp lacks (schedules.py)."""
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    args = (tp, pp, world // (tp * pp * cp), rank, comm.CommLedger(), {}, meshlib.kv_replicas(model_cfg, tp))
+    m = context_parallel.ContextMesh(*args, cp=cp) if cp > 1 else meshlib.Mesh(*args)
+    if tcfg.ep > 1:
+        moe.add_groups(m, tcfg.ep)
+    if tcfg.schedule == "interleaved":
+        m.extra["pair_wrap"] = schedules.wrap_groups
+    return m
 
 
 def build(model_cfg, tcfg, mesh, dev):
@@ -25,13 +45,15 @@ def build(model_cfg, tcfg, mesh, dev):
     opt:    AdamW over this rank's parameters (ZeRO-1, 2, 3 with --zero; its
             passes cache-blocked on the CPU, compiled with --compile).
     """
-    # the stage's layers: one contiguous run, or --virtual-stages chunks (pipeline.chunk_layers)
-    layers = pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
+    # the stage's layers: one contiguous run, or --virtual-stages chunks (schedules.chunk_layers)
+    layers = schedules.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = decoder(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers, first=mesh.is_first_stage,
                     last=mesh.is_last_stage, kv_group=mesh.group("kv"), sp_regather=tcfg.sp_regather,
                     ep_group=mesh.group("ep"))
-    if mesh.cp > 1:   # context parallelism: attention across the cp ranks, each token rotated at its place
+    if tcfg.cp > 1:   # context parallelism: attention across the cp ranks, each token rotated at its place
         context_parallel.apply(model, mesh.group("cp"), tcfg.cp_attention)
+    if tcfg.schedule == "zb-h1":   # ZB-H1: linears whose weight gradients can wait for the W ops
+        split_backward.apply(model)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)
@@ -39,17 +61,18 @@ def build(model_cfg, tcfg, mesh, dev):
     if tcfg.compile:
         compile_stage(model, dev.kind)   # --compile: torch.compile the stage in place (compile.py)
     mb = tcfg.batch_size // (mesh.dp * tcfg.microbatches)   # sequences per micro-batch
-    seq_local = tcfg.seq_len // mesh.cp // (mesh.tp if model.sequence_parallel else 1)   # (--cp: T/cp tokens)
+    seq_local = tcfg.seq_len // tcfg.cp // (mesh.tp if model.sequence_parallel else 1)   # (--cp: T/cp tokens)
     # --timeline: the runner tells a StepClock the start and end of every forward and backward
     clock = timeline.StepClock(dev, synchronize=True) if tcfg.timeline else None
-    runner = pipeline.PipelineRunner(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev, clock)
+    runner = schedules.runner(tcfg.schedule)(model, mesh, tcfg, (mb, seq_local, model_cfg.d_model), dtype, dev,
+                                             clock)   # (pipeline.PipelineRunner, or the schedule's own)
     opt = optimizer(model, mesh, tcfg, dev)
     if clock and opt.dp.group.size > 1:
         # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group, dp x cp with --cp) tells a
         # CommTrace when each of its collectives in a step is issued and ends, and what it is
         clock.trace = timeline.CommTrace(clock, opt)
         opt.dp.group.trace = clock.trace
-    if clock and mesh.cp > 1:
+    if clock and tcfg.cp > 1:
         # --timeline --cp: the cp group's collectives, and the attention they serve, timed the same way
         clock.cp_trace = mesh.group("cp").trace = timeline.CommTrace(clock)
     # xla: make the optimizer's new buffers device data now, so that the first step's graphs
@@ -64,7 +87,7 @@ def decoder(model_cfg, group=None, sequence_parallel: bool = False, layers=None,
     place of the sparse layers' MLPs when the model has one (moe.apply; `ep_group`: --ep's ranks).
     Its parameters are not filled yet (init_weights, or a checkpoint's load)."""
     model = Transformer(model_cfg, group, sequence_parallel, layers, first, last, kv_group, sp_regather)
-    if model_cfg.moe_experts:
+    if getattr(model_cfg, "moe_experts", 0):
         moe.apply(model, model_cfg, ep_group)
     return model
 

@@ -18,7 +18,7 @@ import torch
 from nanohlat import xla
 from nanohlat.system import recipe
 from nanohlat.config import UserError
-from nanohlat.mesh import layout_table
+from nanohlat.tools.plan.sheets import layout_table
 from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat.system import files
 from nanohlat.tools.metrics import (Throughput, active_params, describe_peak, device_peak, flops_per_token, mfu,
@@ -130,7 +130,7 @@ class TrainLog:
                                                           "tokenizer_path": tokenizer_path}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)
-            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16, cp=mesh.cp,
+            self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16, cp=tcfg.cp,
                                     v=tcfg.virtual_stages))
             active = active_params(model_cfg)
             sparse = (f" ({active / 1e6:.2f}M active per token: the top-{model_cfg.moe_top_k} of "

@@ -17,13 +17,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from nanohlat import config, mesh as meshlib
+from nanohlat import config, context_parallel, mesh as meshlib, moe, schedules
 from nanohlat.config import DEVICES, UserError
 from nanohlat.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
 from nanohlat.precision import PRECISIONS
+from nanohlat.schedules import SCHEDULES   # --schedule
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")   # --schedule (pipeline.py:stage_ops)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
@@ -88,7 +88,7 @@ class TrainConfig(config.TrainConfig):
     """config.TrainConfig, the run, and the layouts beyond the core's: the interleaved schedule's chunks,
     expert parallelism, context parallelism (their modules in nanohlat/beyond/)."""
 
-    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (pipeline.py:chunk_layers)
+    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
     ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
     cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py, mesh.py)
     cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
@@ -200,8 +200,15 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
 
 
 def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
-    """Refuse a layout that cannot work, before any worker starts (mesh.validate_layout). Returns dp."""
-    return meshlib.validate_layout(model, tcfg, world)
+    """Refuse a layout that cannot work, before any worker starts: the world split into tp x pp (x cp)
+    x dp, mesh.validate_layout's rules, then each extension's. Returns dp."""
+    if tcfg.cp > 1:
+        context_parallel.check_world(tcfg, world)
+    dp = meshlib.validate_layout(model, tcfg, world // tcfg.cp)
+    schedules.check_layout(model, tcfg)
+    if tcfg.ep > 1:
+        moe.check_ep(tcfg, dp, model.moe_experts)
+    return dp
 
 
 # ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 pipeline.py decides *what* each stage runs in each tick; this file times it
 and says how much of the step was idle, the **bubble**:
 
-1. ideal: the stage orders of pipeline.stage_ops with a forward of a whole
+1. ideal: the stage orders of schedules.stage_ops with a forward of a whole
    stage taking 1 unit and a backward 2 (it computes two gradients, for the
    input and for the weights; zb-h1 splits it into B and W, 1 unit each), no
    communication, each op starting as soon as its input exists; an
@@ -62,7 +62,7 @@ import time
 
 import torch
 
-from nanohlat import comm, pipeline
+from nanohlat import comm, schedules
 from nanohlat.system import files
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
@@ -479,8 +479,8 @@ def op_units(kind: str, v: int = 1, f: float = F_UNITS, b: float = B_UNITS, spli
 def ideal_timeline(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS):
     """Each stage's ops as (kind, micro-batch, start, end, chunk) when a forward
     takes f/v and a backward b/v, with no communication: an op starts when the
-    stage is free and its input exists (pipeline.depends_on). Returns (rows, makespan)."""
-    orders = [pipeline.stage_ops(schedule, pp, m, s, v) for s in range(pp)]
+    stage is free and its input exists (schedules.depends_on). Returns (rows, makespan)."""
+    orders = [schedules.stage_ops(schedule, pp, m, s, v) for s in range(pp)]
     rows: list[list[tuple[str, int, float, float, int]]] = [[] for _ in range(pp)]
     done: dict = {}                          # (kind, stage, mb, chunk) -> end time
     while any(len(rows[s]) < len(orders[s]) for s in range(pp)):
@@ -488,7 +488,7 @@ def ideal_timeline(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNIT
             if len(rows[s]) == len(orders[s]):
                 continue
             kind, i, c = op = orders[s][len(rows[s])]
-            dep = pipeline.depends_on(op, s, pp, v)
+            dep = schedules.depends_on(op, s, pp, v)
             if dep is not None and dep not in done:
                 continue                     # its input is not computed yet: try the next stage
             free = rows[s][-1][3] if rows[s] else 0.0
@@ -591,7 +591,7 @@ def oversubscription(device) -> str:
 def gather_records(runner, mesh) -> tuple[list, list[float], list[float], list[int]]:
     """Every stage's op records, step time, busy fraction and peak activations
     in flight (collective over the pp group)."""
-    n_ops = (3 if runner.split else 2) * runner.m * runner.v       # F and B (zb-h1: and W) of each micro-batch, chunk
+    n_ops = sum(row[runner.stage] is not None for row in runner.ticks)   # F, B (zb-h1: W) of each micro-batch, chunk
     clock = runner.clock
     rec = torch.zeros(n_ops, 5, dtype=torch.float64)
     for j, (kind, i, b, e, c) in enumerate(clock.records):
@@ -612,7 +612,7 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     group (every stage calls it); the text is for rank 0, which also draws
     `png_path` when matplotlib is installed."""
     rows, spans, busy, held = gather_records(runner, mesh)
-    pp, m, v, schedule = mesh.pp, runner.m, runner.v, tcfg.schedule
+    pp, m, v, schedule = mesh.pp, runner.m, len(runner.chunks), tcfg.schedule
     ideal, ideal_span = ideal_timeline(schedule, pp, m, v)
     ideal_b = ideal_bubble(schedule, pp, m, v)
     total = max(spans)
@@ -635,7 +635,7 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
               + ("; f, b on odd chunks" if v > 1 else "") + "):"]
     lines += _draw(rows, total)
     want = [in_flight_formula(schedule, pp, m, s, v)[0] for s in range(pp)]
-    ideal_held = [in_flight(pipeline.stage_ops(schedule, pp, m, s, v)) for s in range(pp)]
+    ideal_held = [in_flight(schedules.stage_ops(schedule, pp, m, s, v)) for s in range(pp)]
     what = "chunk activations" if v > 1 else "micro-batches"
     lines += [f"bubble: ideal {ideal_b:.2f} "
               f"= formula {FORMULAS[schedule]} = {formula_bubble(pp, m, schedule, v):.2f}; "
@@ -652,7 +652,7 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
     if runner.clock.trace is not None and mesh.rank == 0:
         lines += reduction_report(runner.clock.trace, runner.clock.records, mesh.rank,
                                   others=[k for k, n in (("tp", mesh.tp), ("pp", pp)) if n > 1],
-                                  group="dp" if mesh.cp == 1 else "dp x cp")
+                                  group="dp" if tcfg.cp == 1 else "dp x cp")
     if runner.clock.cp_trace is not None:   # every rank: a gather over its cp group
         cp_lines = cp_report(runner.clock.cp_trace, runner.clock.records, mesh, runner.device.torch_device)
         lines += cp_lines if mesh.rank == 0 else []

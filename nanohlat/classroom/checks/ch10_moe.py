@@ -250,10 +250,10 @@ def _ep_run(rank, world, ep, zero) -> str | None:
     from nanohlat.system.recipe import TrainConfig
     from nanohlat.device import get_device
     from nanohlat.mesh import Mesh
-    from nanohlat.moe import MoE
+    from nanohlat.moe import MoE, add_groups
     from nanohlat.optim import FlatAdamW
     name = case(f"dp {world}, ep {ep}" + (", ZeRO-1" if zero else "") + f": rank {rank}")
-    mesh = Mesh(1, 1, world, rank, ledger=comm.CommLedger(), ep=ep).build_groups(get_device("cpu"))
+    mesh = add_groups(Mesh(1, 1, world, rank, ledger=comm.CommLedger()), ep).build_groups(get_device("cpu"))
     ep_group = mesh.group("ep")
     g = torch.Generator().manual_seed(30)                      # the same tensors on every rank
     x = torch.randn(world, T_SEQ, D, generator=g)
@@ -317,7 +317,7 @@ def check_ep_groups() -> str | None:
     v = spawn(_ep_runs, 4)
     if v:
         return v
-    from nanohlat.mesh import ep_groups
+    from nanohlat.moe import ep_groups
     for (tp, pp, dp, ep), (want_ep, want_ep_dp) in EP_TABLES.items():
         for kind, want in (("ep", want_ep), ("ep_dp", want_ep_dp)):
             name = case(f"tp={tp}, pp={pp}, dp={dp}, ep={ep}, the {kind} groups")

@@ -154,7 +154,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
     # follows from the seed, the optimizer step and the element, in any layout.)
     layout = shards.manifest["layout"]
     zero = layout["zero"] if "zero" in layout else int(layout["zero1"])   # (before ZeRO-2: only zero1)
-    if (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1), zero) == (mesh.tp, mesh.pp, mesh.dp, mesh.cp,
+    if (layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1), zero) == (mesh.tp, mesh.pp, mesh.dp, opt.tcfg.cp,
                                                                                  opt.tcfg.zero):
         rng = (shards.shard_of_rank(mesh.rank) or {}).get("rng") or {}
         if rng.get("torch_cpu") is not None:

@@ -57,16 +57,17 @@ def _meta(p) -> dict:
 
 def _first_copy(p, mesh) -> bool:
     """Whether this tp rank is the first of those holding p's part (they save it)."""
-    if p.shard.group == "ep":   # experts: cut over the ep ranks, replicated over tp
+    if p.shard.group != "tp":   # cut over another group (the experts over ep): whole on every tp rank
         return mesh.tp_rank == 0
     copies = mesh.tp // p.shard.parts
     return mesh.tp_rank == p.shard.part * copies
 
 
 def _first_replica(p, mesh) -> bool:
-    """Whether this dp rank is the first holding p (dp rank 0; experts under --ep: the first ep group's;
-    with --cp, of cp rank 0: the cp ranks hold the same weights)."""
-    return mesh.cp_rank == 0 and (mesh.dp_rank < mesh.ep if p.shard.group == "ep" else mesh.dp_rank == 0)
+    """Whether this rank is the first of those holding the same part of p: rank 0 of the group its gradient
+    is summed over (mesh.grad_group: dp, with --cp dp x cp; cut over another group, as the experts over ep:
+    the ranks holding the same part, '<group>_dp', optim.FlatAdamW)."""
+    return (mesh.grad_group if p.shard.group == "tp" else mesh.group(p.shard.group + "_dp")).rank == 0
 
 
 def _begin(out_dir: str, step: int) -> str:
@@ -173,10 +174,10 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                                            "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
             _publish(out_dir, tmp, {
                 "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": mesh.cp,   # world = tp*pp*dp*cp
+                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": opt.tcfg.cp,   # world = tp*pp*dp*cp
                            "zero": opt.tcfg.zero,                             # the ZeRO stage, 0-3
                            "zero1": bool(opt.zero), "world": mesh.world,      # (zero1: any stage >= 1; older readers)
-                           "virtual_stages": mesh.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
+                           "virtual_stages": opt.tcfg.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
                 # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
                 "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
                 # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`

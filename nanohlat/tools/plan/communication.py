@@ -9,8 +9,10 @@ from types import SimpleNamespace
 
 from nanohlat import comm, moe
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.mesh import Mesh, kv_replicas
-from nanohlat.pipeline import PipelineRunner, timetable
+from nanohlat.context_parallel import ContextMesh
+from nanohlat.mesh import kv_replicas
+from nanohlat.pipeline import PipelineRunner
+from nanohlat.schedules import InterleavedRunner, timetable
 from nanohlat.tools.plan.context import attention_collectives, local_tokens
 from nanohlat.tools.plan.params import dtype_bytes, group_kinds
 from nanohlat.zero1 import padded_size
@@ -39,7 +41,7 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[
     """Ticks in which something crosses boundary b|b+1, by the pipeline runner's
     own rule (PipelineRunner._exchange_plan: b ran a forward or b+1 a backward);
     interleaved (v > 1) adds the wrap boundary, last | first stage, last in the
-    tuple (PipelineRunner._wrap_plan: the last stage ran a forward of a chunk
+    tuple (schedules.InterleavedRunner._wrap_plan: the last stage ran a forward of a chunk
     c < v-1, or the first a backward of a chunk c > 0)."""
     # the two rules read only the runner's timetable and v: a stand-in holding those is enough
     runner = SimpleNamespace(ticks=timetable(schedule, pp, m, v), v=v)
@@ -47,7 +49,7 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[
     moves = lambda pair: pair != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
     out = [sum(moves(PipelineRunner._exchange_plan(runner, t, b)) for t in ticks) for b in range(pp - 1)]
     if v > 1:
-        out.append(sum(moves(PipelineRunner._wrap_plan(runner, t)) for t in ticks))
+        out.append(sum(moves(InterleavedRunner._wrap_plan(runner, t)) for t in ticks))
     return tuple(out)
 
 
@@ -62,7 +64,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if whole_block_replay is None:
         whole_block_replay = tcfg.device == "xla"
     tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, tcfg.cp
-    stage = Mesh(tp, pp, dp, mesh.rank, cp=cp).pp_rank
+    stage = ContextMesh(tp, pp, dp, mesh.rank, cp=cp).pp_rank   # (cp 1: mesh.Mesh's coordinates)
     itemsize = dtype_bytes(tcfg.precision)
     m = tcfg.microbatches
     mb = tcfg.batch_size // (dp * m)

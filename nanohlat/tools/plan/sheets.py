@@ -8,7 +8,8 @@ import dataclasses
 
 from nanohlat import comm, moe
 from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout
-from nanohlat.mesh import Mesh, kv_replicas, layout_table, lift, rank_of, stage_layer_text
+from nanohlat.context_parallel import ContextMesh, lift
+from nanohlat.mesh import coords, kv_replicas, rank_of
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step
 from nanohlat.tools.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
@@ -21,6 +22,33 @@ from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per
                                         weight_grad_bytes)
 from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
 from nanohlat.tools.timeline import FORMULAS
+
+
+def stage_layer_text(n_layers: int, pp: int, stage: int, v: int = 1) -> str:
+    """A stage's layers as text: '2-3', or with v chunks each chunk's run, '2-3,10-11'."""
+    per = n_layers // (pp * v)
+    return ",".join(f"{k * per}-{(k + 1) * per - 1}" for k in range(stage, pp * v, pp))
+
+
+def layout_table(tp: int, pp: int, dp: int, n_layers: int | None = None, max_rows: int = 64, v: int = 1,
+                 cp: int = 1) -> str:
+    """The printable rank -> (dp, pp, tp) table (`--plan` and the run's log);
+    v: model chunks per stage (interleaved schedule); cp > 1: a cp column too."""
+    world = tp * pp * dp * cp
+    per = bool(n_layers)
+    lines = [f"world {world} = dp {dp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "") + f" x tp {tp}",
+             "rank  dp  pp" + ("  cp" if cp > 1 else "") + "  tp" + ("  layers" if per else "")]
+    shown = list(range(world)) if world <= max_rows else list(range(max_rows // 2)) + list(range(world - max_rows // 2, world))
+    for i, r in enumerate(shown):
+        if i and shown[i - 1] != r - 1:
+            lines.append(f"  ... {r - shown[i - 1] - 1} more ranks ...")
+        d, p, inner = coords(r, tp * cp, pp, dp)   # (cp, tp) as one inner coordinate: context_parallel.ContextMesh
+        c, t = divmod(inner, tp)
+        row = f"{r:4d} {d:3d} {p:3d}" + (f" {c:3d}" if cp > 1 else "") + f" {t:3d}"
+        if per:
+            row += f"  {stage_layer_text(n_layers, pp, p, v)}" + ("  +embedding" if p == 0 else "") + ("  +norm,head,loss" if p == pp - 1 else "")
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def shown_stages(pp: int) -> list[int]:
@@ -256,7 +284,7 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     cp = tcfg.cp
     lines = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
     first = {s: lift(rank_of(0, s, 0, tp, dp), 0, tp, cp) for s in range(pp)}   # (cp rank 0 of the stage)
-    by_stage = {s: comm_per_step(cfg, tcfg, Mesh(tp, pp, dp, first[s], cp=cp)) for s in range(pp)}
+    by_stage = {s: comm_per_step(cfg, tcfg, ContextMesh(tp, pp, dp, first[s], cp=cp)) for s in range(pp)}
     if not by_stage[0]:
         return lines + ["  none: one process"]
     for s in sorted({0, pp - 1}):
