@@ -208,7 +208,7 @@ def global_mean(x: torch.Tensor, mesh) -> torch.Tensor:
     """This rank's share of a mean -> the mean over the whole global batch, on every rank.
 
     `x` is already divided by the global token count, and only the last pipeline stage
-    holds a loss (the others 0, or a MoE model's router losses of their layers), so summing over the
+    holds a loss (the others 0), so summing over the
     pipeline group and then over the ranks holding the same weights and other tokens
     (mesh.grad_group: the data-parallel group) gives the global mean.
     The tensor-parallel ranks of a stage already agree on it (vocab-parallel

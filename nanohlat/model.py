@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import moe, shard_spec, tensor_parallel as tpl
+from . import shard_spec, tensor_parallel as tpl
 from .comm import Group
 from .config import ModelConfig
 
@@ -189,8 +189,6 @@ class Transformer(nn.Module):
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
         self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
-        self.moe_tally = None   # MoE: the step's router figures so far (moe.tally; run/session.py logs them)
-        self.chunk_router = None   # MoE: the router losses of the last forward of a chunk before the model's last
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -209,9 +207,7 @@ class Transformer(nn.Module):
         """x: tokens (B, T) on the first stage, else the residual stream from the
         previous stage. Returns, on the last stage, per-token losses (B, T) when
         targets are given, else this rank's logits (B, T, V/tp); on other stages
-        the residual stream (B, T or T/tp, C) for the next stage, a MoE chunk's
-        router losses in `chunk_router` (their sum over sequences times T: what
-        they add to the last chunk's summed per-token losses; pipeline.py).
+        the residual stream (B, T or T/tp, C) for the next stage.
 
         positions (B, T): each token's position in its sequence (the rotary
         angles); when not given (training), `rotary`'s: 0..T-1 in every row. cache (serving:
@@ -241,38 +237,17 @@ class Transformer(nn.Module):
                 x = self.block_checkpoint(block, x, cos, sin)
             else:
                 x = block(x, cos, sin)
-        router = self._router_losses(ids) if targets is not None or not ends else None   # (B,) or None
-        if not ends:   # a chunk before the last (pipeline.py): its router losses as the last one's count them
-            self.chunk_router = None if router is None else router.sum() * T
-            return x
+        if not ends:
+            return x                                           # to the next stage
         logits, = tpl.enter_linears(self.norm(x), self.group, self.sequence_parallel, (self.head,),
                                     self.sp_regather)                    # (B, T, V/tp)
         if targets is None:
             return logits
-        losses = tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)   # (B, T)
-        if router is None:
-            return losses
-        # each token carries its sequence's router losses: the mean over tokens adds their mean over sequences
-        return losses + router.unsqueeze(1)
+        return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)   # (B, T)
 
     def rotary(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary angles of a training sequence's T tokens, positions 0..T-1: (T, D) each."""
         return self.cos[:T], self.sin[:T]
-
-    def _router_losses(self, ids) -> torch.Tensor | None:
-        """The router losses (B,) of layers `ids`' mixtures, their figures added to `moe_tally` (a row per sparse
-        layer of the model); None if dense or without gradients (held-out losses are the language model's)."""
-        mlps = [self.layers[str(i)].mlp for i in ids]
-        router = moe.router_loss(mlps, self.cfg.moe_aux_coef, self.cfg.moe_z_coef)
-        if router is None or not torch.is_grad_enabled():
-            return None
-        sparse = [i for i in range(self.cfg.n_layers) if self.cfg.is_moe_layer(i)]
-        tally = moe.tally(mlps)
-        if tally.shape[0] < len(sparse):   # a chunk of the model (pp): its rows in place, zeros for the others'
-            where = torch.tensor([sparse.index(i) for i in ids if i in sparse], device=tally.device)
-            tally = tally.new_zeros(len(sparse), tally.shape[1]).index_copy(0, where, tally)
-        self.moe_tally = tally if self.moe_tally is None else self.moe_tally + tally
-        return router
 
 
 # ---------------------------------------------------------------------------

@@ -31,7 +31,10 @@ DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
 A sequence's loss depends on that sequence alone, not on which sequences share
 its dp rank or micro-batch, which is what keeps every data-parallel layout
 training exactly like one process (docs/design.md 5). `route` returns them per
-sequence; model.py adds them to the training loss.
+sequence; each MoE layer puts them into the backward where it makes them, with
+their weight in the training objective (`RouterLoss`), so they need no path of
+their own to the loss; the run logs the language model's loss as `loss` and the
+router losses beside it (`moe_router_loss`, from the step's `Figures`).
 
 Dispatch, two ways (`MoE.capacity_factor`):
 
@@ -74,12 +77,13 @@ the router's sums. Its price: every tp rank holds all E experts, and under SP
 all-reduces their gradients over tp each step (without SP it computes them
 on every token, as each of its tp peers does).
 With pipeline parallelism the router losses of a chunk before the last enter
-its backward as at pp 1 (pipeline.py). Mixtral's shape exports (serving/hf.py).
+its backward as at pp 1, by the same RouterLoss. Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -311,14 +315,34 @@ def dispatch_capacity(x, experts, weights, gate, up, down, factor: float, group=
     return y, 1.0 - keep.float().mean()
 
 
+class RouterLoss(torch.autograd.Function):
+    """The router losses into the backward from where they are made (Megatron's MoEAuxLossAutoScaler):
+    forward y unchanged; backward y's gradient, and for the router losses (B,), one per sequence, their
+    weight in the training objective, `scale`. So they train the router through any pipeline stage or
+    schedule without being added to the language model's loss (which is what the run logs as `loss`)."""
+
+    @staticmethod
+    def forward(ctx, y, losses, scale: float):
+        ctx.shape, ctx.dtype, ctx.scale = losses.shape, losses.dtype, scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.shape, ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
 class MoE(nn.Module):
     """The sparse feed-forward block (a drop-in for model.MLP, replicated over tp). After each
-    forward, `self.losses` holds this forward's per-sequence (balance, z) and
-    `self.load` its tokens per expert and dropped fraction, for model.py's loss and log."""
+    forward, `self.losses` holds this forward's per-sequence (balance, z) and `self.load` its
+    tokens per expert and dropped fraction, for the log (`Figures`). In training (loss_scale > 0)
+    its router losses, aux_coef x balance + z_coef x z per sequence, join the backward with weight
+    loss_scale each (`RouterLoss`): 1 / the global batch's sequences, as the mean over sequences."""
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
-                 capacity_factor: float = 0.0, ep_group=None, seq_group=None):
+                 capacity_factor: float = 0.0, ep_group=None, seq_group=None, aux_coef: float = 0.0,
+                 z_coef: float = 0.0, loss_scale: float = 0.0):
         super().__init__()
+        self.aux_coef, self.z_coef, self.loss_scale = aux_coef, z_coef, loss_scale
         self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
         self.seq_group = seq_group                                 # --tp with SP: x holds T/tp tokens (route)
         W = functools.partial(Weight, sequence_parallel=seq_group is not None)
@@ -351,31 +375,61 @@ class MoE(nn.Module):
         self.losses = (balance, z)
         self.load = (torch.bincount(experts.reshape(-1), minlength=self.n_experts).float(),
                      dropped.detach().float())
+        if self.loss_scale and torch.is_grad_enabled():   # training: the router losses join the backward here
+            y = RouterLoss.apply(y, self.aux_coef * balance + self.z_coef * z, self.loss_scale)
         return y.view(B, T, C)
 
 
-def apply(model, cfg, ep_group=None) -> None:
+def apply(model, cfg, ep_group=None, loss_scale: float = 0.0) -> Figures:
     """A mixture of experts in place of the MLP of every sparse layer (cfg.is_moe_layer) of `model`, this
     rank's stage, before init_weights fills its parameters by name: replicated over tp like the norms (with
     sequence parallelism each tp rank routes its T/tp tokens: `route`'s seq_group); `ep_group`: the ranks
-    sharing the experts (--ep), E/ep each."""
+    sharing the experts (--ep), E/ep each; `loss_scale`: each sequence's router losses' weight in the
+    objective (training: 1 / the global batch's sequences; 0: not trained). Returns the step's Figures,
+    which each forward of the stage in training adds to."""
     seq_group = model.group if model.sequence_parallel else None
     for i, block in model.layers.items():
         if cfg.is_moe_layer(int(i)):
             block.mlp = MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
-                            cfg.moe_capacity_factor, ep_group, seq_group=seq_group)
+                            cfg.moe_capacity_factor, ep_group, seq_group, cfg.moe_aux_coef, cfg.moe_z_coef,
+                            loss_scale)
+    figures = Figures(cfg)
+    model.register_forward_hook(figures.after_forward, with_kwargs=True)
+    return figures
 
 
-def router_loss(blocks, aux_coef: float, z_coef: float):
-    """The router losses of `blocks`' MoE layers after a forward, per sequence (B,):
-    sum over layers of aux_coef * balance + z_coef * z. None if none is sparse."""
-    total = None
-    for mlp in blocks:
-        if isinstance(mlp, MoE):
-            balance, z = mlp.losses
-            term = aux_coef * balance + z_coef * z
-            total = term if total is None else total + term
-    return total
+class Figures:
+    """A MoE model's router figures in one step, a row per sparse layer of the model: each training forward
+    of the stage (a micro-batch, or an interleaved chunk of it) adds its layers' `tally`; `step` sums them
+    over micro-batches, tp ranks (with SP each routed its share of the tokens; without, the same ones: the
+    figures are ratios), the ranks of the gradient group and the pipeline stages, and says what to log."""
+
+    def __init__(self, cfg):
+        self.cfg, self.total = cfg, None
+        self.sparse = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]   # the model's sparse layers
+
+    def after_forward(self, model, args, kwargs, out) -> None:
+        """The stage's forward hook: its layers' figures, in their rows, added to the step's (not in
+        evaluation or serving, which run without gradients)."""
+        if not torch.is_grad_enabled():
+            return
+        ids = model.layer_ids if kwargs.get("layers") is None else list(kwargs["layers"])
+        t = tally([model.layers[str(i)].mlp for i in ids])
+        if t is None:
+            return
+        if t.shape[0] < len(self.sparse):   # a chunk of the model (pp): its rows in place, zeros for the others'
+            where = torch.tensor([self.sparse.index(i) for i in ids if i in self.sparse], device=t.device)
+            t = t.new_zeros(len(self.sparse), t.shape[1]).index_copy(0, where, t)
+        self.total = t if self.total is None else self.total + t
+
+    def step(self, mesh, device) -> dict:
+        """The step's figures (step_metrics), summed over every rank; every rank takes part."""
+        total, self.total = self.total, None
+        if total is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
+            total = torch.zeros(len(self.sparse), self.cfg.moe_experts + 4, device=device)
+        for group in (mesh.tp_group, mesh.grad_group, mesh.pp_group):   # (no ledger: not the step's traffic)
+            total = comm.all_reduce(total, dataclasses.replace(group, ledger=None))
+        return step_metrics(total.cpu(), self.cfg.moe_aux_coef, self.cfg.moe_z_coef)
 
 
 def tally(blocks) -> torch.Tensor | None:
@@ -393,12 +447,14 @@ def tally(blocks) -> torch.Tensor | None:
     return torch.stack(rows) if rows else None
 
 
-def step_metrics(total: torch.Tensor) -> dict:
+def step_metrics(total: torch.Tensor, aux_coef: float, z_coef: float) -> dict:
     """The summed tally of a step (layers x (E + 4)) -> the logged figures:
-    moe_balance, moe_z (mean per sequence and layer, without coefficients),
-    moe_load_max (max over layers of the busiest expert's tokens / the mean
-    expert's) and moe_dropped (the share of choices dropped, mean over layers)."""
+    moe_router_loss (what the router losses add to the objective: per sequence, summed over layers,
+    with their coefficients), moe_balance, moe_z (mean per sequence and layer, without coefficients),
+    moe_load_max (max over layers of the busiest expert's tokens / the mean expert's) and moe_dropped
+    (the share of choices dropped, mean over layers)."""
     load, balance, z, seqs, dropped = total[:, :-4], total[:, -4], total[:, -3], total[:, -2], total[:, -1]
-    return {"moe_balance": float((balance / seqs).mean()), "moe_z": float((z / seqs).mean()),
+    return {"moe_router_loss": float(((aux_coef * balance + z_coef * z) / seqs).sum()),
+            "moe_balance": float((balance / seqs).mean()), "moe_z": float((z / seqs).mean()),
             "moe_load_max": float((load.max(dim=1).values / load.mean(dim=1)).max()),
             "moe_dropped": float((dropped / seqs).mean())}

@@ -158,8 +158,7 @@ class PipelineRunner:
         """tokens/targets: this dp rank's m micro-batches, one (mb, T) device
         tensor each (used on the first / last stage). The gradients go into
         FlatAdamW's flat fp32 buffers (its hooks, optim.py); returns the sum of
-        this stage's scaled micro-batch losses (off the last stage zero, or a
-        MoE model's router losses of this stage's layers: model.chunk_router).
+        this stage's scaled micro-batch losses (off the last stage zero).
 
         Each tick: this stage's op of the timetable (`_op`: `_forward` or
         `_backward`), then the tick's exchanges (`_exchange`), then, on XLA, a
@@ -170,7 +169,7 @@ class PipelineRunner:
         size with m: a tick's graph is set by its op's kind and by what crosses
         (tests/test_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
-        self.in_flight = {}                   # (mb, chunk) -> (input, output, MoE router losses or None), for B
+        self.in_flight = {}                   # (mb, chunk) -> (input, output), for its B
         self.peak_in_flight = 0
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         # before micro-batch 0: what the step queued before (zero_grad's reset) is a graph of its own,
@@ -214,19 +213,15 @@ class PipelineRunner:
         """F of micro-batch i through chunk c: its input is its tokens (first
         chunk of the model) or the activation received for it. Returns the
         activation for the next chunk; the model's last chunk adds its scaled
-        loss to loss_sum instead (a MoE chunk before it, its router losses)."""
+        loss to loss_sum instead."""
         layers = self.chunks[c]
         x = tokens[i] if self._first(c) else self.inputs.pop((i, c)).clone().requires_grad_()
-        router = None
         if self._last(c):
             out = self.model(x, targets[i], layers=layers).sum() * loss_scale
             self.loss_sum = self.loss_sum + out.detach()
         else:
             out = self.model(x, layers=layers)
-            if self.model.chunk_router is not None:   # MoE: this chunk's router losses, weighted as at pp 1
-                router = self.model.chunk_router * loss_scale
-                self.loss_sum = self.loss_sum + router.detach()
-        self.in_flight[(i, c)] = (x, out, router)
+        self.in_flight[(i, c)] = (x, out)
         self.peak_in_flight = max(self.peak_in_flight, self._held())
         return None if self._last(c) else out.detach()
 
@@ -234,13 +229,8 @@ class PipelineRunner:
         """B of micro-batch i through chunk c, from the gradient received for
         its output (the model's last chunk starts from its loss). Returns the
         gradient of its input for the previous chunk (None for the first)."""
-        x, out, router = self.in_flight.pop((i, c))   # freed after this backward
-        if self._last(c):
-            out.backward()
-        elif router is None:
-            out.backward(self.grads_in.pop((i, c)))
-        else:   # MoE: the router losses' gradient joins the received one
-            torch.autograd.backward([out, router], [self.grads_in.pop((i, c)), None])
+        x, out = self.in_flight.pop((i, c))   # freed after this backward
+        out.backward() if self._last(c) else out.backward(self.grads_in.pop((i, c)))
         return None if self._first(c) else x.grad
 
     def _exchange(self, t: int, act: torch.Tensor | None, grad: torch.Tensor | None) -> None:

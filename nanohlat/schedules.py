@@ -188,7 +188,7 @@ class ZeroBubbleRunner(PipelineRunner):
         return None, None
 
     def _backward(self, i: int, c: int):
-        grad = super()._backward(i, c)     # (a MoE chunk's router losses: in B's dx and W's dW alike)
+        grad = super()._backward(i, c)
         self.deferred[(i, c)], self.split.stash = self.split.stash, []
         return grad
 

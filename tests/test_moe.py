@@ -180,20 +180,41 @@ def test_moe_initialisation_is_deterministic_and_layout_independent():
     assert sum(p.numel() for p in decoder(MOE_CFG).parameters()) == MOE_CFG.num_params()
 
 
-def test_the_training_loss_adds_the_router_losses_and_held_out_loss_does_not():
+def test_the_router_losses_join_the_backward_where_they_are_made_and_not_the_loss():
+    """moe.RouterLoss: a training forward returns the language model's loss alone, the held-out
+    forward's bit for bit; its backward adds each sequence's router losses (summed over the sparse
+    layers, with their coefficients) at the weight given (`router_scale`): every parameter's gradient
+    is that of lm.sum() + scale * router.sum() written out by hand, on a model that attaches none.
+    The step's figures count every routing choice, and their moe_router_loss is the router losses'
+    mean over sequences."""
+    from nanohlat.mesh import Mesh
     torch.manual_seed(0)
-    model = decoder(MOE_CFG)
+    scale, tokens = 0.25, torch.randint(0, MOE_CFG.vocab_size, (2, 16))
+    model, ref = decoder(MOE_CFG, router_scale=scale), decoder(MOE_CFG)
     init_weights(model, 1)
-    tokens = torch.randint(0, MOE_CFG.vocab_size, (2, 16))
+    init_weights(ref, 1)
+
+    def router(m):   # (B,): each sequence's router losses, summed over the layers
+        return sum(MOE_CFG.moe_aux_coef * b.mlp.losses[0] + MOE_CFG.moe_z_coef * b.mlp.losses[1]
+                   for b in m.layers.values())
     with torch.no_grad():
         held_out = model(tokens, tokens)
-    assert model.moe_tally is None
+    figures = model.step_figures.__self__
+    assert figures.total is None                                          # no gradients: nothing counted
     trained = model(tokens, tokens)
-    router = sum(MOE_CFG.moe_aux_coef * m.losses[0] + MOE_CFG.moe_z_coef * m.losses[1]
-                 for m in (model.layers[str(i)].mlp for i in range(4)))
-    assert torch.allclose(trained, held_out + router.unsqueeze(1), rtol=0, atol=1e-6)
-    assert model.moe_tally.shape == (4, MOE_CFG.moe_experts + 4)
-    assert model.moe_tally[:, :4].sum(1).tolist() == [2 * 16 * 2] * 4   # every token's 2 choices counted
+    assert torch.equal(trained, held_out)                                 # the loss is the language model's
+    assert figures.total[:, :4].sum(1).tolist() == [2 * 16 * 2] * 4     # every token's 2 choices counted
+    trained.sum().backward()
+    lm = ref(tokens, tokens)
+    (lm.sum() + scale * router(ref).sum()).backward()
+    wanted = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, wanted[n].grad, rtol=1e-5, atol=1e-8), n
+    assert not torch.allclose(wanted["layers.0.mlp.router.weight"].grad,
+                              torch.autograd.grad(ref(tokens, tokens).sum(), wanted["layers.0.mlp.router.weight"])[0],
+                              rtol=1e-3, atol=0)                          # (the router losses do move the router)
+    logged = model.step_figures(Mesh(1, 1, 1).build_groups(None), "cpu")
+    assert logged["moe_router_loss"] == pytest.approx(float(router(model).mean().detach()), rel=1e-6)
 
 
 @pytest.mark.parametrize("flags, named", [(["--plan", "--tp", "2"], "--plan with --tp"),
@@ -577,22 +598,18 @@ def test_expert_parallel_with_zero_trains_like_one_process(cache_dir, tmp_path, 
 
 def _plant_dropped_router_losses(rank: int) -> None:
     """Worker setup: `_gradient_recorder`, and in a run whose --out-dir ends in "planted" the
-    router losses of the chunks before the model's last are dropped (model.chunk_router None:
-    neither their gradient nor their value, as before the pipeline counted them)."""
+    router losses of the first stage's layers never reach the backward (their MoE layers'
+    loss_scale 0: as if only the last stage, which holds the loss, counted router losses)."""
     from nanohlat import pipeline
     _gradient_recorder(rank)
     real_init = pipeline.PipelineRunner.__init__
 
     def init(self, model, mesh, tcfg, *args, **kwargs):
         real_init(self, model, mesh, tcfg, *args, **kwargs)
-        if tcfg.out_dir.endswith("planted"):
-            real_forward = model.forward
-
-            def forward(*a, **k):
-                out = real_forward(*a, **k)
-                model.chunk_router = None
-                return out
-            model.forward = forward
+        if tcfg.out_dir.endswith("planted") and mesh.is_first_stage:
+            for m in model.modules():
+                if isinstance(m, moe.MoE):
+                    m.loss_scale = 0.0
     pipeline.PipelineRunner.__init__ = init
 
 
@@ -606,13 +623,13 @@ PP2 = {"pp2_1f1b": ["--schedule", "1f1b", "--save-every", "5"], "pp2_afab": ["--
 def test_pipeline_parallel_trains_like_one_process(cache_dir, tmp_path, one_process_moe):
     """--pp 2 (2 micro-batches) with 1F1B, AFAB, interleaved (2 chunks of one layer per stage) and
     ZB-H1, and dp 2 x ep 2 x pp 2 (1F1B, 4 ranks): the router losses of stage 0's layers enter the
-    backward and the logged loss as at pp 1 (pipeline.py, model.chunk_router), the router figures
-    cover every stage's layers (session.moe_figures). Losses <= 1e-5 relative over 10 steps, grad
+    backward as at pp 1 (where they are made: moe.RouterLoss), the router figures cover every
+    stage's layers (moe.Figures, summed over pp). Losses <= 1e-5 relative over 10 steps, grad
     norms as the other layouts', step 1's gradient of every parameter to fp32 round-off, the logged
     balance, z and load as one process's; the 1F1B run's step-5 checkpoint continues in one process
     as the uninterrupted run; and interleaved with every other layer sparse (--moe-every 2: a chunk
     with no sparse layer) as one process at --moe-every 2. The negative control: stage 0's router
-    losses dropped (gradient and value) is caught, by the losses and by the gradients."""
+    losses kept out of the backward is caught, by the losses and by the gradients."""
     run_layouts(2, [_flags(cache_dir, tmp_path / n, "--pp", 2, "--microbatches", 2, *extra) for n, extra in PP2.items()],
                 str(tmp_path / "err"), setup=_plant_dropped_router_losses)
     run_layouts(4, [_flags(cache_dir, tmp_path / "dp2_ep2_pp2", "--pp", 2, "--dp", 2, "--ep", 2, "--microbatches", 2)],
@@ -711,7 +728,8 @@ def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_pr
     ZeRO-1, its step-5 checkpoint resumed in one process; and tp 2 with SP x pp 2 (1F1B). Losses <= 1e-5 relative to one
     process over 10 steps, grad norms as the dense layouts', step 1's gradients of every
     parameter to fp32 round-off, the router figures (summed over tp) as one process's. The negative control: SP's router losses over each rank's
-    tokens alone (`_route_per_rank`) trains differently from step 1."""
+    tokens alone (`_route_per_rank`) trains differently from step 1: other router losses (their logged
+    value, and their gradient in the grad norm), the language model's loss the same until the update."""
     layouts = {"tp2": ["--tp", 2], "tp2_sp": ["--tp", 2, "--sequence-parallel", "--check-replicas", 1]}
     run_layouts(2, [_flags(cache_dir, tmp_path / n, *extra) for n, extra in layouts.items()],
                 str(tmp_path / "err"), setup=_gradient_recorder)
@@ -732,7 +750,8 @@ def test_tensor_parallel_moe_trains_like_one_process(cache_dir, tmp_path, one_pr
     run_layouts(2, [_flags(cache_dir, tmp_path / "planted", "--tp", 2, "--sequence-parallel")],
                 str(tmp_path / "err_planted"), setup=_route_per_rank)
     planted, first = read_metrics(str(tmp_path / "planted"))[0], read_metrics(str(one_process_moe))[0]
-    assert abs(planted["loss"] - first["loss"]) > 1e-5 * first["loss"], (planted, first)
+    assert abs(planted["moe_router_loss"] - first["moe_router_loss"]) > 1e-5 * first["moe_router_loss"], (planted, first)
+    assert abs(planted["grad_norm"] - first["grad_norm"]) > 1e-5 * first["grad_norm"], (planted, first)
 
 
 def test_capacity_mode_trains_alike_with_its_experts_spread_or_replicated(cache_dir, tmp_path):

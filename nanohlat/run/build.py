@@ -49,7 +49,7 @@ def build(model_cfg, tcfg, mesh, dev):
     layers = schedules.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = decoder(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers, first=mesh.is_first_stage,
                     last=mesh.is_last_stage, kv_group=mesh.group("kv"), sp_regather=tcfg.sp_regather,
-                    ep_group=mesh.group("ep"))
+                    ep_group=mesh.group("ep"), router_scale=1.0 / tcfg.batch_size)
     if tcfg.cp > 1:   # context parallelism: attention across the cp ranks, each token rotated at its place
         context_parallel.apply(model, mesh.group("cp"), tcfg.cp_attention)
     if tcfg.schedule == "zb-h1":   # ZB-H1: linears whose weight gradients can wait for the W ops
@@ -82,13 +82,16 @@ def build(model_cfg, tcfg, mesh, dev):
 
 
 def decoder(model_cfg, group=None, sequence_parallel: bool = False, layers=None, first: bool = True,
-            last: bool = True, kv_group=None, sp_regather: bool = True, ep_group=None) -> Transformer:
+            last: bool = True, kv_group=None, sp_regather: bool = True, ep_group=None,
+            router_scale: float = 0.0) -> Transformer:
     """The decoder (a pipeline stage of it: model.Transformer's arguments), with a mixture of experts in
-    place of the sparse layers' MLPs when the model has one (moe.apply; `ep_group`: --ep's ranks).
-    Its parameters are not filled yet (init_weights, or a checkpoint's load)."""
+    place of the sparse layers' MLPs when the model has one (moe.apply; `ep_group`: --ep's ranks;
+    `router_scale`: each sequence's router losses' weight in the objective, 1 / the global batch's
+    sequences in training, 0 elsewhere), whose figures of a step the run logs (`model.step_figures`,
+    run/session.py). Its parameters are not filled yet (init_weights, or a checkpoint's load)."""
     model = Transformer(model_cfg, group, sequence_parallel, layers, first, last, kv_group, sp_regather)
     if getattr(model_cfg, "moe_experts", 0):
-        moe.apply(model, model_cfg, ep_group)
+        model.step_figures = moe.apply(model, model_cfg, ep_group, router_scale).step
     return model
 
 

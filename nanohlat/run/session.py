@@ -14,12 +14,10 @@ happens here, in this order:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
-from nanohlat import comm, moe
 from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
@@ -57,8 +55,8 @@ class Session:
             self.log.comm(mesh.ledger.summary(), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
         last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
-        moe_figures = self.moe_figures()   # a MoE model's router losses and expert load in the step (moe.py)
-        self.log.step(step, loss, norm, lr, self.tokens_seen, last, moe_figures)   # the host reads them in a closure
+        figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
+        self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
             dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
@@ -78,20 +76,12 @@ class Session:
                                 f"trained in {saved}: free some space, then --resume auto continues from it")
         return last
 
-    def moe_figures(self) -> dict:
-        """A MoE model's figures of the step (moe.step_metrics), summed over micro-batches,
-        tp ranks (with SP each routed its share of the tokens; without, the same ones: the
-        figures are ratios), dp ranks and pipeline stages (each stage fills its own layers'
-        rows: model.py); {} for a dense model. Every rank takes part."""
-        tally, self.model.moe_tally = self.model.moe_tally, None
-        if not self.model_cfg.moe_experts:
-            return {}
-        if tally is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
-            sparse = sum(self.model_cfg.is_moe_layer(i) for i in range(self.model_cfg.n_layers))
-            tally = torch.zeros(sparse, self.model_cfg.moe_experts + 4, device=self.dev.torch_device)
-        for group in (self.mesh.tp_group, self.mesh.dp_group, self.mesh.pp_group):   # (no ledger: not traffic)
-            tally = comm.all_reduce(tally, dataclasses.replace(group, ledger=None))
-        return moe.step_metrics(tally.cpu())
+    def step_figures(self) -> dict:
+        """Figures of the step that the model's parts keep besides the loss, to log beside it: the
+        model's `step_figures` (run/build.py:decoder gives a mixture of experts one), {} if none.
+        Every rank takes part (they add up over the ranks)."""
+        step_figures = getattr(self.model, "step_figures", None)
+        return step_figures(self.mesh, self.dev.torch_device) if step_figures else {}
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
@@ -112,17 +102,8 @@ class Session:
         return global_mean(total, mesh) / tcfg.eval_batches
 
     def comm_report(self) -> str:
-        """The comm ledger of the first step on this rank, beside the model-shape formula."""
-        measured = self.mesh.ledger.snapshot()
-        if not measured:
-            return "communication: none (one process)"
-        if self.model_cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
-            lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger (a mixture's; --plan, at tp 1 "
-                     f"and pp 1, predicts it, with --ep its all-to-alls for balanced routing)"]
-            return "\n".join(lines + plan.comm_table(measured))
-        predicted = plan.comm_per_step(self.model_cfg, self.tcfg, self.mesh)
-        lines = [f"communication per step on rank {self.mesh.rank}: the comm ledger, and the plan's prediction"]
-        return "\n".join(lines + plan.comm_table(measured, predicted) + [plan.COMM_LEGEND_SHORT])
+        """The comm ledger of the first step on this rank, beside the plan's (tools/plan/sheets.py:comm_report)."""
+        return plan.comm_report(self.model_cfg, self.tcfg, self.mesh, self.mesh.ledger.snapshot())
 
     def write_timeline(self) -> None:
         out_dir = self.tcfg.out_dir

@@ -120,7 +120,7 @@ class TrainLog:
         self.main = mesh.rank == 0
         self.print = print if self.main else (lambda *a, **k: None)
         self.path = os.path.join(tcfg.out_dir, "metrics.jsonl")
-        self.summary = {"losses": [], "val_losses": []}
+        self.summary, self.router_loss = {"losses": [], "val_losses": []}, None
         self.last_step = start_step
         if resumed_from:
             self.print(f"resumed from {resumed_from} at step {start_step}")
@@ -205,10 +205,11 @@ class TrainLog:
         tps = self.meter.update(self.tokens_per_step)   # None: not timed yet (the first step: Throughput)
         mfu_ = self._mfu(tps) if self.main and tps is not None else None
         self.summary["losses"].append(loss)
+        self.router_loss = extra.get("moe_router_loss")   # a mixture's router losses, logged beside the loss
         # unknown is null in the record and "?" on the bar, never 0: no rate yet, or no peak to
         # divide by (the reason is printed once: describe_peak, or mfu's warning)
         self._write({"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": tokens,
-                     "tokens_per_s": tps, "mfu": mfu_, **extra})   # extra: a MoE model's figures (moe.py)
+                     "tokens_per_s": tps, "mfu": mfu_, **extra})   # extra: the model's own figures (a MoE's)
         if self.bar:
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s="?" if tps is None else f"{tps:,.0f}",
                                  mfu="?" if mfu_ is None else f"{mfu_ * 100:.1f}%")
@@ -275,6 +276,7 @@ class TrainLog:
                 self.print(f"done: nothing to train, the run in {self.tcfg.out_dir} is already at step "
                            f"{self.last_step} of --steps {self.tcfg.steps} (raise --steps to go on)")
             else:
-                self.print(f"done: {self.last_step} steps, final loss {losses[-1]:.4f}"
+                router = "" if self.router_loss is None else f" (router losses {self.router_loss:.4f} beside it)"
+                self.print(f"done: {self.last_step} steps, final loss {losses[-1]:.4f}{router}"
                            + (f", val loss {vals[-1]:.4f}" if vals else "") + f"; metrics in {self.path}")
         return self.summary

@@ -279,6 +279,19 @@ def comm_table(entries: dict, predicted: dict | None = None) -> list[str]:
     return table(header, rows)
 
 
+def comm_report(cfg: ModelConfig, tcfg: TrainConfig, mesh, measured: dict) -> str:
+    """A run's comm ledger of its first step on this rank (`measured`), beside the plan's formula."""
+    if not measured:
+        return "communication: none (one process)"
+    if cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
+        lines = [f"communication per step on rank {mesh.rank}: the comm ledger (a mixture's; --plan, at tp 1 "
+                 f"and pp 1, predicts it, with --ep its all-to-alls for balanced routing)"]
+        return "\n".join(lines + comm_table(measured))
+    predicted = comm_per_step(cfg, tcfg, mesh)
+    lines = [f"communication per step on rank {mesh.rank}: the comm ledger, and the plan's prediction"]
+    return "\n".join(lines + comm_table(measured, predicted) + [COMM_LEGEND_SHORT])
+
+
 def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     tp, pp = tcfg.tp, tcfg.pp
     cp = tcfg.cp
