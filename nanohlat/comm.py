@@ -16,7 +16,7 @@ Expert and context parallelism add three, on gloo and nccl:
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
-`trace` (--timeline: tools/timeline.py:CommTrace) is told when these two, all_reduce,
+`trace` (--timeline: tools/comm_trace.py:CommTrace) is told when these two, all_reduce,
 reduce_scatter, all_gather, all_to_all and start_ring_shift are issued and end, with the caller's `what` (what the
 collective is: 'loss', 'grad norm', (flat gradient buffer, k), its bucket k, or a cp step such as 'bwd dK/dV 2/2'):
 it names and times them and changes nothing.

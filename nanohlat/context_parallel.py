@@ -94,7 +94,7 @@ class Context:
         return cos[mine], sin[mine]
 
     def attention(self, q, k, v):
-        """`attention` below with this rank's group, table and algorithm (--timeline: timed, tools/timeline.py)."""
+        """`attention` below with this rank's group, table and algorithm (--timeline: timed, tools/comm_trace.py)."""
         args = (q, k, v, self.group, self.positions(q.shape[2]), self.algorithm)
         return self.group.trace.timed(attention, *args) if self.group.trace else attention(*args)
 

@@ -5,6 +5,7 @@ subpackages (system/, tools/, run/, serving/, classroom/, ...) and hooks into th
 core from outside. docs/design.md 1 states the rules; these tests keep them:
 
 - the top level holds at most MAX_CORE_MODULES modules and MAX_CORE_LINES lines;
+- no module under nanohlat/, at any depth, is longer than MAX_MODULE_LINES lines;
 - no top-level module imports from a subpackage, not even inside a function;
 - the subpackages stand in one strict order of floors (FLOORS, drawn in the same
   order in docs/design.md 1), and no module imports from a floor above its own;
@@ -77,6 +78,8 @@ MAX_CORE_LINES = 4561      # those modules together (3000 until ZeRO-2 and overl
 # experts and their term in the grad norm (6), + the experts under ZeRO (their own sharded strategy, the norm) (3),
 # + MoE with --tp: the experts are whole on every tp rank, partial under SP (1)
 MAX_LINES = {"train.py": 130, "nanohlat/optim.py": 290}
+MAX_MODULE_LINES = 600     # any module under nanohlat/, at any depth: one idea a file; a longer one is split
+                           # along its seam (tools/timeline.py, 701 lines, became timeline.py and comm_trace.py)
 
 # The floors, lowest first: (name, the folders of nanohlat/ on it). A module imports only from
 # its own floor or one below it. The core is nanohlat/*.py; the commands are the top floor:
@@ -287,6 +290,15 @@ def test_entry_and_optimizer_files_stay_short():
                 for name, limit in MAX_LINES.items()
                 if count_lines(os.path.join(ROOT, name)) > limit]
     assert not too_long, "; ".join(too_long)
+
+
+def test_no_module_is_longer_than_max_module_lines():
+    """Every .py file under nanohlat/ (any depth) holds at most MAX_MODULE_LINES lines (`wc -l`)."""
+    too_long = sorted((count_lines(path), relpath(path)) for path in all_modules().values()
+                      if count_lines(path) > MAX_MODULE_LINES)
+    assert not too_long, (f"{len(too_long)} module(s) under nanohlat/ longer than {MAX_MODULE_LINES} lines (split "
+                          f"each along its seam, one idea a file): "
+                          + ", ".join(f"{name} {n} lines" for n, name in reversed(too_long)))
 
 
 def test_the_model_does_not_generate():

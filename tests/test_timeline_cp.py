@@ -1,5 +1,5 @@
 """--timeline with --cp (issue 37): the cp group's collectives of the step, on each cp rank, and each
-cp rank's time in attention (tools/timeline.py:cp_report, fed by comm.py's `what=` names and
+cp rank's time in attention (tools/comm_trace.py:cp_report, fed by comm.py's `what=` names and
 CommTrace.timed). At --cp 2 with each --cp-attention, in 2 gloo workers: every cp rank's rows are the
 comm ledger's cp calls and bytes key by key, in the order each algorithm issues them (the ring: per
 micro-batch one forward K/V shift per layer, then per layer, last first, a backward K/V shift and two

@@ -444,7 +444,7 @@ def test_a_bucket_is_named_by_its_place_in_the_buffers_not_by_when_it_goes(zero)
     from nanohlat import comm, device as devicelib, mesh as meshlib
     from nanohlat.model import Transformer, init_weights
     from nanohlat.run import build
-    from nanohlat.tools.timeline import CommTrace
+    from nanohlat.tools.comm_trace import CommTrace
     model_cfg, tcfg = recipe.parse_args(TINY + ["--n-layers", "2", "--zero", str(zero), "--bucket-mb", "0.05"])
     model = Transformer(model_cfg)
     init_weights(model, tcfg.seed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from nanohlat import comm, context_parallel, mesh as meshlib, moe, optim, schedules, split_backward
 from nanohlat import zero2, zero3
-from nanohlat.tools import timeline
+from nanohlat.tools import comm_trace, timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW
 from nanohlat.model import Transformer, init_weights
@@ -70,11 +70,11 @@ def build(model_cfg, tcfg, mesh, dev):
     if clock and opt.dp.group.size > 1:
         # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group, dp x cp with --cp) tells a
         # CommTrace when each of its collectives in a step is issued and ends, and what it is
-        clock.trace = timeline.CommTrace(clock, opt)
+        clock.trace = comm_trace.CommTrace(clock, opt)
         opt.dp.group.trace = clock.trace
     if clock and tcfg.cp > 1:
         # --timeline --cp: the cp group's collectives, and the attention they serve, timed the same way
-        clock.cp_trace = mesh.group("cp").trace = timeline.CommTrace(clock)
+        clock.cp_trace = mesh.group("cp").trace = comm_trace.CommTrace(clock)
     # xla: make the optimizer's new buffers device data now, so that the first step's graphs
     # read them as every later step does (else one more compile)
     dev.sync()

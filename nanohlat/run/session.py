@@ -23,7 +23,7 @@ from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
 from nanohlat.system import files
-from nanohlat.tools import metrics, plan, timeline
+from nanohlat.tools import comm_trace, metrics, plan, timeline
 
 
 class Session:
@@ -107,7 +107,9 @@ class Session:
 
     def write_timeline(self) -> None:
         out_dir = self.tcfg.out_dir
+        # the pipeline's timeline (a gather over pp), then the step's collectives seen by the traces (over cp)
         text = timeline.timeline_report(self.runner, self.mesh, self.tcfg, os.path.join(out_dir, "timeline.png"))
+        text = "\n".join([text] + comm_trace.trace_report(self.runner.clock, self.mesh, self.runner.device))
         if self.mesh.rank == 0 and text:
             files.write_text(os.path.join(out_dir, "timeline.txt"), text + "\n")
             print(text)

@@ -3,12 +3,14 @@ what measures and predicts a step.
 
 Inside the step, when asked for: torch.compile of the stage (compile.py,
 `--compile`), the optimizer's faster passes (fast_adamw.py: cache-blocked on
-the CPU, compiled with --compile), the step clock and the comm trace that time
-every forward, backward and gradient bucket's reduction (timeline.py,
-`--timeline`). Beside it: the timeline's report and its bubble (timeline.py),
-what a step is measured in (metrics.py: FLOPs per token, peaks, MFU, tokens/s,
-bytes), the memory/communication/time plan behind `train.py --plan`
-(plan/), and tutorial chapter 2's graph-compiler lessons (compile_lessons.py).
+the CPU, compiled with --compile), the step clock that times every forward
+and backward (timeline.py, `--timeline`) and the comm trace that times and
+names every collective of the step (comm_trace.py). Beside it: the
+timeline's report and its bubble (timeline.py), the collectives' report
+(comm_trace.py), what a step is measured in (metrics.py: FLOPs per token,
+peaks, MFU, tokens/s, bytes), the memory/communication/time plan behind
+`train.py --plan` (plan/), and tutorial chapter 2's graph-compiler lessons
+(compile_lessons.py).
 
 run/ builds its step with these and consults the plan; nothing here starts,
 resumes or saves a run, so nothing here imports run/ or any floor above it
