@@ -67,11 +67,11 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (+ all-reduces over pp, dp)
         # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
         # buffers: its hooks moved each p.grad there as autograd made it (data_parallel.py:accumulate_hook)
-        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (ZeRO-2, overlap: waits)
+        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (overlapped: waits)
         norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
-        opt.write_back()                                # ZeRO-1, 2: all-gather into the parameters (ZeRO-3: its shard)
+        opt.write_back()                                # ZeRO-1: all-gather the shards into the parameters
         del grads                                       # (ZeRO-1's reduced shard: not kept through the next step)
         # the end of the step, and what a run does between steps (run/session.py:Session.end_step)
         if session.end_step(step + 1, loss, norm, finite, lr):

@@ -8,17 +8,17 @@ on gloo (CPU), nccl (CUDA) and xla (Trainium) (docs/design.md section 3):
     reduce_scatter  x_i -> (sum_i x_i)[my chunk]           (sequence parallel, ZeRO-1 grads)
     exchange        2 ranks swap one tensor each           (pipeline send/recv)
 
-Expert and context parallelism add three, on gloo and nccl:
+Two more, on gloo and nccl, for layouts that send each rank its own rows or pass
+blocks round a ring (nothing in the core calls them):
 
-    all_to_all        rows of x_i -> rank j, in counts both sides know  (moe.py's dispatch)
-    all_to_all_pieces piece j of x_i -> rank j                 (Ulysses: sequence <-> heads)
-    start_ring_shift  send x to the next rank, receive from the previous (ring attention)
+    all_to_all        rows of x_i -> rank j, in counts both sides know
+    start_ring_shift  send x to the next rank, receive from the previous
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
 `trace` (--timeline: tools/comm_trace.py:CommTrace) is told when these two, all_reduce,
-reduce_scatter, all_gather, all_to_all and start_ring_shift are issued and end, with the caller's `what` (what the
-collective is: 'loss', 'grad norm', (flat gradient buffer, k), its bucket k, or a cp step such as 'bwd dK/dV 2/2'):
+reduce_scatter, all_gather, all_to_all and start_ring_shift are issued and end, with the caller's
+`what` (what the collective is: 'loss', 'grad norm', (flat gradient buffer, k), its bucket k):
 it names and times them and changes nothing.
 
 `exchange` is a 2-rank all-gather: point-to-point send/recv is missing or slow
@@ -236,8 +236,8 @@ def exchange(x: torch.Tensor, pair, sends: bool = True, receives: bool = True) -
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, what=None) -> torch.Tensor:
     """Rows of x to every rank: the first send[0] rows to rank 0 of the group, the next
     send[1] to rank 1, ...; returns the rows received, recv[r] from rank r, in rank order
-    (expert parallelism, moe.py: both sides learn the counts first). The ledger's payload
-    is what this rank sends, its wire what goes to other ranks (its own rows stay)."""
+    (both sides know the counts first). The ledger's payload is what this rank sends,
+    its wire what goes to other ranks (its own rows stay)."""
     if group.size == 1:
         return x
     _check_device(x, group)
@@ -253,23 +253,11 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, what=No
     return out
 
 
-def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int, what=None) -> torch.Tensor:
-    """Cut x into group.size equal pieces along `split_dim`, send piece j to rank j, and
-    concatenate the pieces received, in rank order, along `cat_dim`: all_to_all with one
-    row a rank. Its own inverse with the two dims swapped (Ulysses attention goes
-    sequence -> heads and back with it, context_parallel.py)."""
-    if group.size == 1:
-        return x
-    pieces = torch.stack(x.chunk(group.size, dim=split_dim))   # (n, ...): piece j for rank j
-    out = all_to_all(pieces, [1] * group.size, [1] * group.size, group, what)
-    return torch.cat(out.unbind(0), dim=cat_dim)
-
-
 def start_ring_shift(x: torch.Tensor, group, step: int = 1, what=None):
     """Send x to the rank `step` places on in the group (wrapping round) and receive the tensor
     of the rank `step` places back, started, not finished: returns (the tensor that will hold
     what arrives, the handles to `.wait()` on before reading it or writing x). Every rank of the
-    group calls it together with the same shape and step (ring attention, context_parallel.py)."""
+    group calls it together with the same shape and step."""
     _check_device(x, group)
     x = x.contiguous()
     out = torch.empty_like(x)

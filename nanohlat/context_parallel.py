@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .config import UserError
-from .mesh import Mesh, choices, coords, divisors, rank_of
+from .mesh import Mesh, coords, rank_of
 
 ALGORITHMS = ("allgather", "ring", "ulysses")
 
@@ -213,18 +212,6 @@ class ContextMesh(Mesh):
         return inputs[:, mine], targets[:, mine]
 
 
-def check_world(tcfg, world: int) -> None:
-    """--cp N: the world splits into tp x pp x cp x dp (before mesh.validate_layout, on world / cp)."""
-    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
-    if world % (tp * pp * cp):
-        raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide the world size {world}; "
-                        f"choose tp*pp*cp among {choices(divisors(world))}")
-    dp = tcfg.dp or world // (tp * pp * cp)
-    if tp * pp * cp * dp != world:
-        raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} x --dp {dp} = {tp * pp * cp * dp} but the world has "
-                        f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
-
-
 # ---------------------------------------------------------------------------
 # allgather: everyone gets all of K and V
 # ---------------------------------------------------------------------------
@@ -255,17 +242,29 @@ def allgather_attention(q, k, v, group, positions):
 # ulysses: trade the sequence split for a head split, and back
 # ---------------------------------------------------------------------------
 
+def all_to_all_pieces(x: torch.Tensor, group, split_dim: int, cat_dim: int, what=None) -> torch.Tensor:
+    """Cut x into group.size equal pieces along `split_dim`, send piece j to rank j, and
+    concatenate the pieces received, in rank order, along `cat_dim`: comm.all_to_all with one
+    row a rank. Its own inverse with the two dims swapped (Ulysses goes sequence -> heads and
+    back with it)."""
+    if group.size == 1:
+        return x
+    pieces = torch.stack(x.chunk(group.size, dim=split_dim))   # (n, ...): piece j for rank j
+    out = comm.all_to_all(pieces, [1] * group.size, [1] * group.size, group, what)
+    return torch.cat(out.unbind(0), dim=cat_dim)
+
+
 class _AllToAll(torch.autograd.Function):
     """Forward all-to-all (split one dim, gather another); backward the inverse: the same with them swapped."""
 
     @staticmethod
     def forward(ctx, x, group, split_dim, cat_dim, what):
         ctx.args = (group, cat_dim, split_dim, what[1])         # (what: its names in --timeline, forward and back)
-        return comm.all_to_all_pieces(x, group, split_dim, cat_dim, what[0])
+        return all_to_all_pieces(x, group, split_dim, cat_dim, what[0])
 
     @staticmethod
     def backward(ctx, g):
-        return comm.all_to_all_pieces(g, *ctx.args), None, None, None, None
+        return all_to_all_pieces(g, *ctx.args), None, None, None, None
 
 
 def ulysses_attention(q, k, v, group, positions):

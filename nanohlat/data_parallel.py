@@ -19,8 +19,8 @@ is added over tp first, so its buckets wait for phase 1 as without overlap.)
 
 Bytes per step: one all-reduce of 4 * (parameters on this rank) bytes.
 
-`ReplicatedDP` (--zero 1, 2, 3: its subclasses in zero1.py, zero2.py, zero3.py) is the DP
-strategy FlatAdamW (optim.py) calls, its state for each flat group an object of its own (`Reduction`).
+`ReplicatedDP` (--zero 1: its subclass in zero1.py) is the DP strategy FlatAdamW
+(optim.py) calls, its state for each flat group an object of its own (`Reduction`).
 train.py's loop calls the other two: `split_batch` (this rank's micro-batches
 of the global batch) and `global_mean` (the loss of the whole global batch).
 """
@@ -64,10 +64,10 @@ def all_reduce_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torch.Te
 class BucketWatch:
     """Which buckets of a flat gradient buffer each parameter's gradient fills. A bucket
     is a list of flat [lo, hi) ranges (ZeRO: one per dp row); it is full once its real
-    elements (not the padding) got `every` gradients each: every micro-batch (ZeRO-2), or
-    only the last one's completes it (an overlapped all-reduce or ZeRO-1 reduce-scatter).
-    It counts elements: right while each parameter gets one gradient per micro-batch and (ZeRO-2)
-    one micro-batch's backward ends before the next starts (not so interleaved: config.py)."""
+    elements (not the padding) got `every` gradients each: the last micro-batch's completes it
+    (an overlapped all-reduce or ZeRO-1 reduce-scatter; `every` 1: each micro-batch's). It counts
+    elements: right while each parameter gets one gradient per micro-batch (and, with `every` 1,
+    one micro-batch's backward ends before the next starts)."""
 
     def __init__(self, buckets: list, numel: int, every: int):
         self.buckets = buckets
@@ -118,7 +118,7 @@ def wait_all(r: Reduction) -> None:
 class ReplicatedDP:
     """Plain data parallelism: every dp rank keeps all of every flat buffer."""
 
-    in_backward = False        # summed over dp in phase 1 (ZeRO-2: in the backward)
+    in_backward = False        # summed over dp in phase 1 (True: in the backward, by the hooks)
 
     def __init__(self, group, bucket_elems: int, microbatches: int = 1, overlap: bool = False):
         self.group, self.bucket_elems, self.every = group, bucket_elems, microbatches

@@ -31,51 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .comm import Group
-from .config import ModelConfig, TrainConfig, UserError
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def choices(xs) -> str:
-    xs = list(xs)
-    return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
-
-
-def validate_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
-    """Refuse a layout that cannot work, before any worker starts. Returns dp."""
-    tp, pp = tcfg.tp, tcfg.pp
-    if world % (tp * pp):
-        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the world size {world}; "
-                        f"choose tp*pp among {choices(divisors(world))}")
-    dp = tcfg.dp or world // (tp * pp)
-    if tp * pp * dp != world:
-        raise UserError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} but the world has "
-                        f"{world} processes; use --dp {world // (tp * pp)} or leave --dp unset")
-    # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
-    # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
-    kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0
-    common = [d for d in divisors(model.n_heads) if kv_fits(d) and model.ffn_dim % d == 0
-              and model.padded_vocab % d == 0]
-    for what, n in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
-        if n % tp:
-            hint = (f", or a --vocab-multiple that --tp {tp} divides (the vocabulary is padded up to a "
-                    f"multiple of it, now {model.vocab_multiple})") if what == "padded vocabulary" else ""
-            raise UserError(f"--tp {tp} does not divide {what} {n}; choose {choices(common)}{hint}")
-    if not kv_fits(tp):
-        raise UserError(f"--tp {tp} and n_kv_heads {model.n_kv_heads}: one must divide the other (a tp rank holds "
-                        f"whole kv heads, or several ranks share one); choose {choices(common)}")
-    if pp > model.n_layers or model.n_layers % pp:
-        raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
-                        f"choose {choices(divisors(model.n_layers))}")
-    per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
-    if not per_rank or per_rank % tcfg.microbatches:
-        raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "
-                        f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
-    if tcfg.sequence_parallel and tcfg.seq_len % tp:
-        raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
-    return dp
+from .config import ModelConfig
 
 
 def coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:

@@ -215,8 +215,8 @@ class Transformer(nn.Module):
         layer's attention keeps the new keys and values and finds the earlier
         ones; `cache.layer(i)` is layer i's part.
 
-        layers: run only these of this stage's layers (a chunk of an
-        interleaved pipeline stage: schedules.py:chunk_layers); the embedding
+        layers: run only these of this stage's layers (a chunk of a pipeline
+        stage that holds several); the embedding
         runs only before layer 0 and the head only after the last layer.
         None: all of them, embedding and head included where held."""
         ids = self.layer_ids if layers is None else list(layers)

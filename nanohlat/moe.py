@@ -93,8 +93,7 @@ import torch.nn.functional as F
 
 from . import comm, shard_spec
 from . import tensor_parallel as tpl
-from .config import UserError
-from .mesh import choices, divisors, rank_of
+from .mesh import rank_of
 
 
 class Weight(nn.Module):
@@ -248,13 +247,6 @@ def ep_groups(kind: str, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
         return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]
     return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]
     # exercise 10c: end
-
-
-def check_ep(tcfg, dp: int, n_experts: int) -> None:
-    """--ep N: N divides dp and the experts."""
-    if dp % tcfg.ep or n_experts % tcfg.ep:
-        raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {n_experts} (each of the ep ranks "
-                        f"holds experts / ep of them); choose among {choices(divisors(math.gcd(dp, n_experts)))}")
 
 
 def add_groups(mesh, ep: int):

@@ -6,8 +6,8 @@ the buffer from the parameters and scatters it back, FlatGroup.load/store), one
 per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
 than tp: replicated kv heads), with fp32 gradients, Adam's moments and master
 weights (all, or this dp rank's 1/dp with --zero 1): the parameters themselves,
-unless bf16-mixed's fp32 copy (precision.py). `reference_adamw_step` is AdamW per
-parameter, textbook.
+unless bf16-mixed's fp32 copy (precision.py). tests/test_optim.py holds AdamW per
+parameter, textbook, and checks this one against it.
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (data_parallel.accumulate_hook: the DP strategy's `grad_hook`)
@@ -19,7 +19,7 @@ method (train.py calls them by name):
                           buckets overlapped with the backward: only waited for)
     2. global_grad_norm   one number over all ranks, each parameter counted once
     3. update             clip, then plain AdamW on the (shard of the) master
-    4. write_back         (ZeRO-1/2 all-gather) -> the model's parameters (ZeRO-3: into its shard)
+    4. write_back         (ZeRO-1 all-gather) -> the model's parameters
 
 Data parallelism enters (phases 1, 2, 4) through one object, `opt.dp`:
 `data_parallel.ReplicatedDP`, or `zero1.ZeroOneDP` (--zero 1); the code that builds the
@@ -59,27 +59,6 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
-    """AdamW per parameter in textbook ops, one process: what FlatAdamW computes (tests/test_optim.py).
-    Matrices are weight-decayed, vectors (norm gains) not. `state` starts as {}. Returns the norm."""
-    b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
-    norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm
-    clip = min(1.0, tcfg.grad_clip / (norm.item() + 1e-6)) if tcfg.grad_clip > 0 else 1.0
-    if not state:
-        state.update(step=0, m=[torch.zeros_like(p) for p in params], v=[torch.zeros_like(p) for p in params])
-    state["step"] += 1
-    bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]      # bias corrections
-    for p, g, m, v in zip(params, grads, state["m"], state["v"]):
-        g = clip * g                                                  # clip by the global norm
-        m.copy_(b1 * m + (1 - b1) * g)                                # first moment
-        v.copy_(b2 * v + (1 - b2) * g * g)                            # second moment
-        if p.ndim >= 2:
-            p.copy_(p * (1 - lr * wd))                                # decoupled weight decay
-        p.copy_(p - lr * (m / bc1) / (torch.sqrt(v / bc2) + eps))     # the Adam step
-    return norm
 
 
 def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> torch.Tensor:

@@ -194,7 +194,7 @@ def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp
         if lo >= hi:
             continue
         chunks = 1 if p.shard.dim is None else p.shard.parts   # (shard_spec.ShardSpec)
-        chunk = p.shard.part if p.shard.group == "ep" else tp_rank * chunks // tp   # (experts: the ep rank's)
+        chunk = p.shard.part if p.shard.group != "tp" else tp_rank * chunks // tp   # (cut over another group: its part)
         pieces.append(Piece(name, name_key(name), lo - start, hi - start, lo - off, hi - off, tuple(p.shape),
                             p.shard.dim, chunk, chunks))   # tp ranks sharing a chunk hold copies
     return pieces

@@ -27,7 +27,6 @@ Each is a PipelineRunner (pipeline.py) with its own timetable: `runner` picks th
 from __future__ import annotations
 
 from . import comm, pipeline, split_backward
-from .config import UserError
 from .mesh import rank_of
 from .pipeline import PipelineRunner, stage_order
 
@@ -202,16 +201,3 @@ def wrap_groups(mesh) -> list[list[int]]:
     tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
     return [[rank_of(d, 0, t, tp, dp), rank_of(d, pp - 1, t, tp, dp)] for d in range(dp) for t in range(tp)
             ] if pp > 2 and pp % 2 else []
-
-
-def check_layout(model, tcfg) -> None:
-    """What the interleaved and zb-h1 schedules need of the layout, one refusal each."""
-    pp, v = tcfg.pp, tcfg.virtual_stages   # v > 1: interleaved (the recipe checked that the schedule is)
-    needs = {f"--pp >= 2 (got {pp})": pp >= 2,
-             f"--pp x --virtual-stages = {pp * v} chunks of equal size (--n-layers {model.n_layers})": model.n_layers % (pp * v) == 0,
-             f"--microbatches {tcfg.microbatches} a multiple of --pp (micro-batches go through the chunks in groups of pp)": tcfg.microbatches % pp == 0}
-    if v > 1 and not all(needs.values()):
-        raise UserError("--schedule interleaved needs " + "; ".join(need for need, met in needs.items() if not met))
-    if tcfg.schedule == "zb-h1" and tcfg.microbatches < pp:
-        raise UserError(f"--schedule zb-h1 needs --microbatches >= --pp (got {tcfg.microbatches} < {pp}): W fills "
-                        f"the bubble, (p-1)/(3m+p-1), once the pipeline holds a micro-batch per stage")

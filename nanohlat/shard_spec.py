@@ -24,9 +24,10 @@ class ShardSpec:
         sequence_parallel  a replicated weight used inside a sequence-parallel region
                            (the norms' gains): each rank sees only its T/tp tokens, so
                            its gradient is a partial sum to be all-reduced over tp
-        group              "tp"; or "ep": a mixture of experts' stacked experts, cut
-                           along dim 0 over the expert-parallel ranks instead (moe.py;
-                           part = the ep rank), replicated over tp
+        group              "tp"; or the name of another group of the mesh over which
+                           the parameter is cut instead (part = the rank in it),
+                           replicated over tp: its gradient is summed over the
+                           ranks holding the same part, '<group>_dp' (optim.py)
 
     Usually parts = tp and part = the tp rank. The one exception is kv-head replication
     (only when tp > n_kv_heads; the last section of tensor_parallel.py): wk and wv are cut

@@ -330,7 +330,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 # parts < tp). Each replica's gradient covers only its own query heads; the kv head's
 # gradient is their sum, which no code in this file adds: each replica accumulates its
 # micro-batches in its own fp32 flat buffer (wk and wv of every layer: one flat group),
-# and once per step, before the dp reduction (ZeRO-2: after it, on the shard),
+# and once per step, before the dp reduction (or after it, on the shard, where dp was summed in the backward),
 # optim.py:FlatAdamW.reduce_gradients all-reduces it over the kv group, as the
 # sequence-parallel norm gains' over tp. The replicas then take the same step and stay
 # bitwise equal. Cost per step: one all-reduce of 2 x layers x (head_dim, d_model) fp32

@@ -1213,7 +1213,7 @@ def test_exchanges_per_boundary_count_every_tick_that_moves_a_tensor():
         for pp, m in itertools.product(range(2, 7), range(1, 13)):
             for v in ((2, 3) if schedule == "interleaved" else (1,)):
                 if schedule == "interleaved" and m % pp or schedule == "zb-h1" and m < pp:
-                    continue                      # (layouts mesh.validate_layout refuses)
+                    continue                      # (layouts recipe.check_layout refuses)
                 ticks = timetable(schedule, pp, m, v)
                 want = [sum(ran(row[b], "F") or ran(row[b + 1], "B") for row in ticks) for b in range(pp - 1)]
                 if v > 1:

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from nanohlat import config, context_parallel, mesh as meshlib, moe, schedules
+from nanohlat import config
 from nanohlat.config import DEVICES, UserError
 from nanohlat.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
 from nanohlat.precision import PRECISIONS
@@ -199,15 +199,63 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
 }
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choices(xs) -> str:
+    xs = list(xs)
+    return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
+
+
 def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
-    """Refuse a layout that cannot work, before any worker starts: the world split into tp x pp (x cp)
-    x dp, mesh.validate_layout's rules, then each extension's. Returns dp."""
-    if tcfg.cp > 1:
-        context_parallel.check_world(tcfg, world)
-    dp = meshlib.validate_layout(model, tcfg, world // tcfg.cp)
-    schedules.check_layout(model, tcfg)
-    if tcfg.ep > 1:
-        moe.check_ep(tcfg, dp, model.moe_experts)
+    """Refuse a layout that cannot work, before any worker starts: the world split into tp x pp (x cp) x dp,
+    the model over tp and pp, the batch over dp and the micro-batches; then what the extensions need of
+    it. One line each, naming what failed and what to choose. Returns dp."""
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if world % (tp * pp * cp):
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} = {tp * pp * cp} does not divide the world size {world}; "
+                        f"choose tp*pp{'*cp' if cp > 1 else ''} among {choices(divisors(world))}")
+    dp = tcfg.dp or world // (tp * pp * cp)
+    if tp * pp * cp * dp != world:
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} x --dp {dp} = {tp * pp * cp * dp} but the world has "
+                        f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
+    # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
+    # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
+    kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0   # noqa: E731
+    common = [d for d in divisors(model.n_heads) if kv_fits(d) and model.ffn_dim % d == 0
+              and model.padded_vocab % d == 0]
+    for what, n in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
+        if n % tp:
+            hint = (f", or a --vocab-multiple that --tp {tp} divides (the vocabulary is padded up to a "
+                    f"multiple of it, now {model.vocab_multiple})") if what == "padded vocabulary" else ""
+            raise UserError(f"--tp {tp} does not divide {what} {n}; choose {choices(common)}{hint}")
+    if not kv_fits(tp):
+        raise UserError(f"--tp {tp} and n_kv_heads {model.n_kv_heads}: one must divide the other (a tp rank holds "
+                        f"whole kv heads, or several ranks share one); choose {choices(common)}")
+    if pp > model.n_layers or model.n_layers % pp:
+        raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
+                        f"choose {choices(divisors(model.n_layers))}")
+    v = tcfg.virtual_stages   # > 1: interleaved (validate checked that the schedule is); the refusal names what failed
+    needs = {f"--pp >= 2 (got {pp})": pp >= 2,
+             f"--pp x --virtual-stages = {pp * v} chunks of equal size (--n-layers {model.n_layers})": model.n_layers % (pp * v) == 0,
+             f"--microbatches {tcfg.microbatches} a multiple of --pp (micro-batches go through the chunks in groups of pp)": tcfg.microbatches % pp == 0}
+    if v > 1 and not all(needs.values()):
+        raise UserError("--schedule interleaved needs " + "; ".join(need for need, met in needs.items() if not met))
+    if tcfg.schedule == "zb-h1" and tcfg.microbatches < pp:
+        raise UserError(f"--schedule zb-h1 needs --microbatches >= --pp (got {tcfg.microbatches} < {pp}): W fills "
+                        f"the bubble, (p-1)/(3m+p-1), once the pipeline holds a micro-batch per stage")
+    per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
+    if not per_rank or per_rank % tcfg.microbatches:
+        raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "
+                        f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
+    if tcfg.sequence_parallel and tcfg.seq_len % tp:
+        raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
+    if tcfg.ep > 1 and (dp % tcfg.ep or model.moe_experts % tcfg.ep):   # (each of the ep ranks holds E / ep experts)
+        raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {model.moe_experts} (each of the ep "
+                        f"ranks holds experts / ep of them); choose among "
+                        f"{choices(divisors(math.gcd(dp, model.moe_experts)))}")
     return dp
 
 

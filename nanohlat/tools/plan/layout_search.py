@@ -8,8 +8,7 @@ import math
 import textwrap
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig, TrainConfig, check_moe_layout
-from nanohlat.mesh import divisors
+from nanohlat.system.recipe import ModelConfig, TrainConfig, check_moe_layout, divisors
 from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
 from nanohlat.tools.plan.context import ALGORITHMS, ulysses_fits
