@@ -46,8 +46,8 @@ WRONG = {
     "7a": ("nanohlat/precision.py", "rounded = (bits + noise) & -65536", "rounded = bits & -65536"),
     "8a": ("nanohlat/run/checkpoint/reshard.py", "out.narrow(tp_dim, part * size, size), covered.narrow(tp_dim, part * size, size)",
             "out.narrow(tp_dim, part, size), covered.narrow(tp_dim, part, size)"),
-    "10a": ("nanohlat/moe.py", "balance = E * (f * P).sum(dim=-1)", "balance = (f * P).sum(dim=-1)"),
-    "11a": ("nanohlat/context_parallel.py", "w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)",
+    "10a": ("nanohlat/beyond/moe.py", "balance = E * (f * P).sum(dim=-1)", "balance = (f * P).sum(dim=-1)"),
+    "11a": ("nanohlat/beyond/context_parallel.py", "w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)",
             "w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)"),
 }
 

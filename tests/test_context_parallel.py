@@ -1,4 +1,4 @@
-"""Context-parallel attention (nanohlat/context_parallel.py) equals full causal attention.
+"""Context-parallel attention (nanohlat/beyond/context_parallel.py) equals full causal attention.
 
 Each gloo worker holds the same full q, k, v (before rotary) and a random upstream
 gradient; the reference is one process's causal attention over the whole sequence,
@@ -38,7 +38,8 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from nanohlat import comm, context_parallel as cpl
+    from nanohlat import comm
+    from nanohlat.beyond import context_parallel as cpl
     from nanohlat.comm import Group
     from nanohlat.model import apply_rotary, rotary_tables
 
@@ -145,7 +146,7 @@ def test_cp4_every_algorithm_equals_full_attention_and_bf16_does_not_grow(tmp_pa
 def test_zigzag_split_shifts_first_and_keeps_positions():
     import torch
 
-    from nanohlat import context_parallel as cpl
+    from nanohlat.beyond import context_parallel as cpl
     assert cpl.zigzag_positions(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
     tokens = torch.arange(9).view(1, 9) * 10          # token value = 10 x position
     for rank in range(2):
@@ -163,7 +164,7 @@ def test_zigzag_split_shifts_first_and_keeps_positions():
 def test_ulysses_refuses_heads_not_divisible_by_cp():
     import torch
 
-    from nanohlat import context_parallel as cpl
+    from nanohlat.beyond import context_parallel as cpl
     from nanohlat.comm import Group
     group = Group("cp", [0, 1, 2], 0)
     q, k = torch.zeros(1, 6, 4, 8), torch.zeros(1, 2, 4, 8)

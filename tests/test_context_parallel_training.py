@@ -25,8 +25,8 @@ from conftest import read_metrics
 from dist_utils import assert_same_weights, run_layouts
 from nanohlat.system import recipe
 from nanohlat.config import UserError
-from nanohlat.context_parallel import ALGORITHMS
-from nanohlat.context_parallel import ContextMesh
+from nanohlat.beyond.context_parallel import ALGORITHMS
+from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import Mesh
 from nanohlat.tools.plan.sheets import layout_table
 
@@ -110,13 +110,13 @@ def _flags(cache_dir, out, *extra):
 
 def _local_rotary(rank: int) -> None:
     """The negative control: every cp rank rotates its tokens as if they were 0 .. T/cp - 1."""
-    from nanohlat import context_parallel
+    from nanohlat.beyond import context_parallel
     context_parallel.Context.rotary = lambda self, cos, sin, t: (cos[:t], sin[:t])
 
 
 def _local_attention(rank: int) -> None:
     """The second negative control: each cp rank attends over its own tokens only (no exchange)."""
-    from nanohlat import context_parallel
+    from nanohlat.beyond import context_parallel
     def attention(self, q, k, v):
         mine = self.positions(q.shape[2])[self.group.rank]
         return context_parallel._dense(q, k, v, context_parallel._causal_mask(mine, mine, q.device))

@@ -87,6 +87,7 @@ MAX_MODULE_LINES = 600     # any module under nanohlat/, at any depth: one idea 
 # __main__.py. docs/design.md 1 says what lives on each floor, in this order.
 FLOORS = (
     ("core", ()),
+    ("beyond", ("beyond",)),
     ("system", ("system",)),
     ("tools", ("tools",)),
     ("run", ("run",)),

@@ -1,4 +1,4 @@
-"""Mixture of experts (nanohlat/moe.py): the router's losses against independent
+"""Mixture of experts (nanohlat/beyond/moe.py): the router's losses against independent
 formulas, its gradient, dropless dispatch against the plain per-expert loop,
 capacity mode's drop rule, the `moe` preset's training, resume and init, and
 data, expert and pipeline parallelism equal to one process."""
@@ -13,7 +13,7 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import run_layouts
-from nanohlat import moe
+from nanohlat.beyond import moe
 from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.model import full_init, init_weights

@@ -44,7 +44,7 @@ from nanohlat.run import preflight
 from nanohlat.tools import metrics
 from nanohlat.tools import plan
 from nanohlat.tools.plan import layout_search
-from nanohlat.context_parallel import ContextMesh
+from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import Mesh
 
 TOL = 0.10
@@ -202,7 +202,7 @@ def forward_bytes(argv, group=None, pp=1, stage=0) -> tuple[int, int]:
     input and requires its grad; a non-last stage's output is kept for backward."""
     from nanohlat.device import get_device
     from nanohlat.model import Transformer, init_weights
-    from nanohlat.schedules import stage_layers
+    from nanohlat.beyond.schedules import stage_layers
     from nanohlat.precision import param_dtype
     cfg, t = recipe.parse_args(argv)
     tp = group.size if group is not None else 1
@@ -433,7 +433,7 @@ def _balanced_routing(rank):
     """Token j of a micro-batch (flattened) picks experts j, j+1, ... (mod E): every expert, so every
     ep rank, gets N*k/E choices from each rank, the balanced routing the plan predicts the
     all-to-alls for. Patched into each worker before it trains (run_layouts' setup)."""
-    from nanohlat import moe
+    from nanohlat.beyond import moe
     route = moe.route
 
     def balanced(x, w_router, k, seq_group=None):
@@ -1096,7 +1096,7 @@ def test_the_older_zero1_spelling_leaves_the_search_and_the_memory_table_whole()
 def test_bubble_ideal_equals_the_formula_and_lockstep_ticks_cost_1f1b_more():
     """F = 1 and B = 2 units: a stage works 3m units of a 3(m + p - 1) step in both
     schedules; the runner's lock-step ticks pair 1F1B's forwards with backwards."""
-    from nanohlat import schedules
+    from nanohlat.beyond import schedules
     from nanohlat.tools import timeline
     for schedule in ("afab", "1f1b"):
         for pp, m in ((2, 4), (4, 8), (4, 16), (3, 5)):
@@ -1204,7 +1204,7 @@ def test_exchanges_per_boundary_count_every_tick_that_moves_a_tensor():
     one a backward (its gradient crosses); interleaved adds the wrap boundary, where the last
     stage's forward of a chunk c < v-1 or the first stage's backward of a chunk c > 0 crosses:
     read here from the timetable op by op, beside the runner's rule that the plan calls."""
-    from nanohlat.schedules import timetable
+    from nanohlat.beyond.schedules import timetable
 
     def ran(op, kind, chunk=lambda c: True) -> bool:
         return op is not None and op[0] == kind and chunk(op[2])
@@ -1230,7 +1230,7 @@ def test_weight_grad_bytes_are_what_the_split_backward_stashes(sp, regather):
     process; with sequence parallel at tp 1 nothing is gathered): every distinct
     tensor in a split_backward.SplitBackward's stash, on the last stage (head too)
     and a middle one."""
-    from nanohlat import split_backward
+    from nanohlat.beyond import split_backward
     from nanohlat.model import Transformer, init_weights
     model_cfg, t = recipe.parse_args(ZB + (["--sequence-parallel"] if sp else []) + ([] if regather else ["--no-sp-regather"]))
     mb = plan.micro_batch_size(t, 1)

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from dist_utils import spawn_workers
-from nanohlat import context_parallel
+from nanohlat.beyond import context_parallel
 from nanohlat.system import recipe
-from nanohlat.context_parallel import ContextMesh
+from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.tools import plan
 from nanohlat.tools.plan import context
 

@@ -86,7 +86,7 @@ def chunk_ops(text: str) -> list[tuple[str, int, int]]:
 
 
 def test_interleaved_order_for_pp4_m8_v2_stage0_is_the_hand_written_row():
-    from nanohlat.schedules import stage_ops
+    from nanohlat.beyond.schedules import stage_ops
     warmup, steady, cooldown = (chunk_ops(p) for p in INTERLEAVED_PP4_M8_V2_STAGE0.split("|"))
     assert stage_ops("interleaved", 4, 8, 0, 2) == warmup + steady + cooldown
     assert len(warmup) == 2 * (4 - 1) + (2 - 1) * 4
@@ -94,7 +94,7 @@ def test_interleaved_order_for_pp4_m8_v2_stage0_is_the_hand_written_row():
 
 @pytest.mark.parametrize("pp, m, v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 2), (4, 8, 4), (2, 6, 3)])
 def test_interleaved_visits_every_chunk_once_per_micro_batch_and_never_deadlocks(pp, m, v):
-    from nanohlat.schedules import stage_ops, timetable
+    from nanohlat.beyond.schedules import stage_ops, timetable
     for stage in range(pp):
         order = stage_ops("interleaved", pp, m, stage, v)
         assert sorted(order) == sorted((k, i, c) for k in "FB" for i in range(m) for c in range(v))
@@ -108,7 +108,7 @@ def test_interleaved_visits_every_chunk_once_per_micro_batch_and_never_deadlocks
 def test_interleaved_ideal_bubble_is_its_formula_and_in_flight_its_warm_up_plus_one(pp, m, v):
     """F = 1, B = 2 units per stage, 1/v per chunk: the ideal timeline idles
     (p-1)/(v*m+p-1) of the step; stage s holds 2(p-1-s) + (v-1)p + 1 chunk activations."""
-    from nanohlat.schedules import stage_ops
+    from nanohlat.beyond.schedules import stage_ops
     from nanohlat.tools import timeline
     rows, span = timeline.ideal_timeline("interleaved", pp, m, v)
     assert span == pytest.approx(3 * m + 3 * (pp - 1) / v)
@@ -128,7 +128,7 @@ def test_interleaved_pp4_m8_v2_bubble_is_016_against_1f1b_027():
 
 def test_chunks_of_an_interleaved_stage():
     """8 layers, pp 4, v 2: chunk k = c*pp + s holds layer k; stage 1 holds layers 1 and 5."""
-    from nanohlat.schedules import chunk_layers, stage_layers
+    from nanohlat.beyond.schedules import chunk_layers, stage_layers
     assert [list(chunk_layers(8, 4, 1, c, 2)) for c in range(2)] == [[1], [5]]
     assert stage_layers(8, 4, 1, 2) == [1, 5] and stage_layers(8, 2, 0, 2) == [0, 1, 4, 5]
     assert stage_layers(8, 4, 1) == [2, 3]
@@ -140,7 +140,7 @@ def tick_kinds(schedule: str, pp: int, m: int, v: int, stage: int) -> set:
     embedding or the loss), and on each boundary it uses whether an
     activation and a gradient cross. The micro-batch index is not in it: each
     micro-batch is its own device tensor (PipelineRunner.run's docstring)."""
-    from nanohlat.schedules import timetable
+    from nanohlat.beyond.schedules import timetable
     kinds = set()
     for row in timetable(schedule, pp, m, v):
         op = row[stage]
@@ -176,7 +176,7 @@ ZB_H1_PP4_M8 = [   # 1F1B's F and B; stage s runs W(j) after B(j+s)
 
 
 def test_zb_h1_order_for_pp4_m8_is_the_hand_written_table():
-    from nanohlat.schedules import stage_ops
+    from nanohlat.beyond.schedules import stage_ops
     for stage, row in enumerate(ZB_H1_PP4_M8):
         assert stage_ops("zb-h1", PP, M, stage) == chunk_ops(row)
         # without the W's it is 1F1B's order
@@ -190,7 +190,7 @@ def test_zb_h1_ideal_bubble_is_its_formula_and_every_stage_holds_p(pp, m):
     1 unit) idles (p-1)/(3m+p-1); 1F1B with F = 1, B = 2 idles (p-1)/(m+p-1).
     Every stage holds p micro-batches from its F to its W; W(i) needs only its
     own stage's B(i), so no stage ever waits on a W."""
-    from nanohlat.schedules import depends_on, stage_ops, timetable
+    from nanohlat.beyond.schedules import depends_on, stage_ops, timetable
     from nanohlat.tools import timeline
     ticks = timetable("zb-h1", pp, m)
     assert len(ticks) == 3 * m + pp - 1
@@ -227,7 +227,8 @@ def test_an_exception_in_a_zb_h1_tick_leaves_the_next_backward_whole(tick):
     is bitwise a 1F1B step of a fresh model (nothing the failed B stashed is used)."""
     import dataclasses
     import torch
-    from nanohlat import device, schedules, split_backward, tensor_parallel as tpl
+    from nanohlat import device, tensor_parallel as tpl
+    from nanohlat.beyond import schedules, split_backward
     from nanohlat.system.recipe import PRESETS, TrainConfig
     from nanohlat.mesh import Mesh
     from nanohlat.model import Transformer, init_weights

@@ -304,7 +304,7 @@ def _check_split_backward(rank, tp):
     import dataclasses
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
-    from nanohlat import split_backward
+    from nanohlat.beyond import split_backward
     from nanohlat.system.recipe import PRESETS
     from nanohlat.mesh import Group
     from nanohlat.system.recipe import TrainConfig

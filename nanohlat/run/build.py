@@ -11,8 +11,9 @@ strategy. The core (train.py, nanohlat/*.py) does not know them.
 
 from __future__ import annotations
 
-from nanohlat import comm, context_parallel, mesh as meshlib, moe, optim, schedules, split_backward
-from nanohlat import zero2, zero3
+from nanohlat import comm, mesh as meshlib, optim
+from nanohlat.beyond import context_parallel, moe, schedules, split_backward
+from nanohlat.beyond import zero2, zero3
 from nanohlat.tools import comm_trace, timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW

@@ -33,7 +33,8 @@ import dataclasses
 
 import torch
 
-from nanohlat import comm, zero3
+from nanohlat import comm
+from nanohlat.beyond import zero3
 from nanohlat.config import UserError
 
 _INT = {4: torch.int32, 2: torch.int16}

@@ -21,7 +21,7 @@ q/k row permutation that converting Meta's original checkpoints needs:
     norm.weight                      model.norm.weight
     head.weight                      lm_head.weight
 
-A mixture of experts (nanohlat/moe.py) exports as MixtralForCausalLM, and a
+A mixture of experts (nanohlat/beyond/moe.py) exports as MixtralForCausalLM, and a
 Mixtral folder imports as one. Mixtral's sparse block is nanohlat's MoE:
 its router is one linear layer without bias, a softmax over the E experts in
 fp32, the top k, their probabilities renormalised over the k (moe.route; the

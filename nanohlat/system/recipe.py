@@ -19,9 +19,9 @@ from dataclasses import dataclass, fields
 
 from nanohlat import config
 from nanohlat.config import DEVICES, UserError
-from nanohlat.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
+from nanohlat.beyond.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
 from nanohlat.precision import PRECISIONS
-from nanohlat.schedules import SCHEDULES   # --schedule
+from nanohlat.beyond.schedules import SCHEDULES   # --schedule
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
@@ -303,7 +303,7 @@ HELP = {
     "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
     "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
     "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
-    "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/moe.py)",
+    "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/beyond/moe.py)",
     "moe_top_k": "experts each token is sent to, its router weights renormalised over them (Mixtral)",
     "moe_shared_experts": "experts every token also goes through, besides its top-k (0 = none)",
     "moe_aux_coef": "coefficient of the load-balancing loss E * sum_e f_e * P_e (Switch), "
@@ -315,7 +315,7 @@ HELP = {
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
                            "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
     "cp": "context parallelism: split each sequence over N ranks (zigzag: 2N chunks, rank i holds i and 2N-1-i; "
-          "--seq-len a multiple of 2N), attention across them by --cp-attention (nanohlat/context_parallel.py)",
+          "--seq-len a multiple of 2N), attention across them by --cp-attention (nanohlat/beyond/context_parallel.py)",
     "cp_attention": "with --cp: " + ", ".join(CP_ATTENTIONS) + " (all-gather K/V; K/V round a ring with an "
                     "online-softmax merge; Ulysses' all-to-all to a head split, needing heads and kv heads "
                     "divisible by --cp)",

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat import comm, context_parallel, moe
+from nanohlat import comm
+from nanohlat.beyond import context_parallel, moe
 from nanohlat.config import UserError
 
 

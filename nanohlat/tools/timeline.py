@@ -39,7 +39,8 @@ import time
 
 import torch
 
-from nanohlat import comm, schedules
+from nanohlat import comm
+from nanohlat.beyond import schedules
 from nanohlat.system import files
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward

@@ -95,7 +95,7 @@ def _grads(what, got, want, names, rank=None, **tol) -> str | None:
 def _route_case(name, x, w, k, seq_group=None, part=None, rank=None, **tol) -> str | None:
     """route on x (or on `part`, this rank's slice of the tokens, under SP) against the oracle
     on the whole x: each output, then the gradients of x and w_router through each output."""
-    from nanohlat.moe import route
+    from nanohlat.beyond.moe import route
     B, T, C = x.shape
     ref_x, ref_w = _leaves(x, w)
     want = _route(ref_x, ref_w, k)
@@ -174,7 +174,7 @@ def check_route() -> str | None:
     v = _route_case(name, x, w, 2, rtol=1e-2, atol=1e-2)
     if v:
         return v
-    from nanohlat.moe import route
+    from nanohlat.beyond.moe import route
     _, _, balance, z = route(x, w, 2)
     if balance.dtype != torch.float32 or z.dtype != torch.float32:
         return f"{name}: balance and z are {balance.dtype} and {z.dtype}; compute the router in fp32 at least"
@@ -186,7 +186,7 @@ def check_route() -> str | None:
 # ---------------------------------------------------------------------------
 
 def check_dispatch() -> str | None:
-    from nanohlat.moe import dispatch_sorted
+    from nanohlat.beyond.moe import dispatch_sorted
     g = torch.Generator().manual_seed(20)
     C, F = 6, 5
     cases = []   # (name, E, experts as a list of rows)
@@ -250,7 +250,7 @@ def _ep_run(rank, world, ep, zero) -> str | None:
     from nanohlat.system.recipe import TrainConfig
     from nanohlat.device import get_device
     from nanohlat.mesh import Mesh
-    from nanohlat.moe import MoE, add_groups
+    from nanohlat.beyond.moe import MoE, add_groups
     from nanohlat.optim import FlatAdamW
     name = case(f"dp {world}, ep {ep}" + (", ZeRO-1" if zero else "") + f": rank {rank}")
     mesh = add_groups(Mesh(1, 1, world, rank, ledger=comm.CommLedger()), ep).build_groups(get_device("cpu"))
@@ -317,7 +317,7 @@ def check_ep_groups() -> str | None:
     v = spawn(_ep_runs, 4)
     if v:
         return v
-    from nanohlat.moe import ep_groups
+    from nanohlat.beyond.moe import ep_groups
     for (tp, pp, dp, ep), (want_ep, want_ep_dp) in EP_TABLES.items():
         for kind, want in (("ep", want_ep), ("ep_dp", want_ep_dp)):
             name = case(f"tp={tp}, pp={pp}, dp={dp}, ep={ep}, the {kind} groups")

@@ -60,7 +60,7 @@ def _compare_lse(what, got, want) -> str | None:
 
 
 def check_merge() -> str | None:
-    from nanohlat.context_parallel import merge
+    from nanohlat.beyond.context_parallel import merge
     g = torch.Generator().manual_seed(111)
     B, H, tq, D = 2, 3, 5, 8
     everyone = torch.ones(B, H, tq, 1, dtype=torch.bool)
@@ -102,7 +102,7 @@ def check_merge() -> str | None:
 # ---------------------------------------------------------------------------
 
 def check_zigzag() -> str | None:
-    from nanohlat.context_parallel import split_sequence, zigzag_positions
+    from nanohlat.beyond.context_parallel import split_sequence, zigzag_positions
     for (T, cp), table in ZIGZAG.items():
         name = case(f"zigzag_positions(T={T}, cp={cp})")
         got = zigzag_positions(T, cp)
@@ -199,7 +199,7 @@ def _ring_verdict(name, group, calls, rank, kv_bytes, dkv_bytes) -> str | None:
 
 
 def _ring(rank, world):
-    from nanohlat.context_parallel import RingAttention
+    from nanohlat.beyond.context_parallel import RingAttention
     groups = [make_group(rank, world, "cp"), make_group(rank, world, "cp", [0, 1, 2])]
     cases = [("cp 4, fp32", groups[0], torch.float32), ("cp 3 (ranks 0-2 of 4), fp32", groups[1], torch.float32),
              ("cp 4, bf16 inputs (within 1.5 bf16 steps of the exact gradients)", groups[0], torch.bfloat16)]

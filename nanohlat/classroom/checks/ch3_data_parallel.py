@@ -115,7 +115,7 @@ def _zero2_buckets(rank, world):
     two micro-batches, the buckets filled last first as a backward fills them, overlap on and off;
     how each bucket's collective ran: started in flight (overlap) or done (no overlap)."""
     from types import SimpleNamespace
-    from nanohlat.zero2 import ZeroTwoDP
+    from nanohlat.beyond.zero2 import ZeroTwoDP
     groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
     for group in groups:
         if rank not in group.ranks:
@@ -177,7 +177,7 @@ def _zero3_gather_free(rank, world):
     """ZeRO-3's Unit.gather and Unit.free on dp = world and dp = 2: an fp32 and a bf16 flat buffer,
     each with a parameter that is a view of it."""
     from types import SimpleNamespace
-    from nanohlat.zero3 import Shard, Unit
+    from nanohlat.beyond.zero3 import Shard, Unit
     groups = [make_group(rank, world, "dp"), make_group(rank, world, "dp", [0, 1])]
     others = [make_group(rank, world, "dp (a checkpoint's)", g.ranks) for g in groups]   # same ranks, other groups
     g0 = torch.Generator().manual_seed(61)

@@ -39,7 +39,7 @@ def check_1f1b() -> str | None:
 def check_exchange_plan() -> str | None:
     from types import SimpleNamespace
     from nanohlat.pipeline import PipelineRunner
-    from nanohlat.schedules import timetable
+    from nanohlat.beyond.schedules import timetable
     for schedule in ("afab", "1f1b"):
         for pp, m in ((2, 3), (4, 4), (4, 6)):
             case(f"{schedule}, pp {pp}, m {m}")
@@ -76,7 +76,7 @@ def oracle_interleaved(pp: int, m: int, v: int, stage: int) -> list[tuple[str, i
 
 def check_interleaved() -> str | None:
     from fractions import Fraction as Frac
-    from nanohlat.schedules import interleaved_order, timetable
+    from nanohlat.beyond.schedules import interleaved_order, timetable
     fmt = lambda ops: " ".join(f"{k}{i}.{c}" for k, i, c in ops)
     for pp, m, v in ((2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (2, 6, 3)):
         for stage in range(pp):

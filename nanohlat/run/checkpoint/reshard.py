@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from nanohlat import comm, zero3
+from nanohlat import comm
+from nanohlat.beyond import zero3
 from nanohlat.config import UserError
 from nanohlat.run.checkpoint.manifest import check_files, check_model, corrupt_error, corrupt_files, read_manifest
 from nanohlat.run.checkpoint.optimizer_state import import_state

@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from nanohlat import comm, moe
+from nanohlat import comm
+from nanohlat.beyond import moe
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.context_parallel import ContextMesh
+from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas
 from nanohlat.pipeline import PipelineRunner
-from nanohlat.schedules import InterleavedRunner, timetable
+from nanohlat.beyond.schedules import InterleavedRunner, timetable
 from nanohlat.tools.plan.context import attention_collectives, local_tokens
 from nanohlat.tools.plan.params import dtype_bytes, group_kinds
 from nanohlat.zero1 import padded_size

@@ -96,7 +96,7 @@ checkpointing that is more than the block input the forward kept).
 from __future__ import annotations
 
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.schedules import stage_ops
+from nanohlat.beyond.schedules import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
 from nanohlat.tools.plan import context

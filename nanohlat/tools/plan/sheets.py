@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanohlat import comm, moe
+from nanohlat import comm
+from nanohlat.beyond import moe
 from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout
-from nanohlat.context_parallel import ContextMesh, lift
+from nanohlat.beyond.context_parallel import ContextMesh, lift
 from nanohlat.mesh import coords, kv_replicas, rank_of
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.tools.plan.communication import comm_per_step

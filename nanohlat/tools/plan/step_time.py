@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nanohlat import comm
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.context_parallel import ContextMesh
+from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas, rank_of
 from nanohlat.tools.metrics import flops_per_token, peak_flops
 from nanohlat.tools.plan.communication import comm_per_step

@@ -52,8 +52,8 @@ import dataclasses
 
 import torch
 
-from .zero1 import all_gather_buckets
-from .zero2 import Staging, ZeroTwoDP
+from nanohlat.zero1 import all_gather_buckets
+from nanohlat.beyond.zero2 import Staging, ZeroTwoDP
 
 
 class Shard(Staging):

@@ -91,9 +91,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm, shard_spec
-from . import tensor_parallel as tpl
-from .mesh import rank_of
+from nanohlat import comm, shard_spec
+from nanohlat import tensor_parallel as tpl
+from nanohlat.mesh import rank_of
 
 
 class Weight(nn.Module):

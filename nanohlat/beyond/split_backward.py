@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import tensor_parallel as tpl
+from nanohlat import tensor_parallel as tpl
 
 
 class SplitBackward:

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import comm
-from .mesh import Mesh, coords, rank_of
+from nanohlat import comm
+from nanohlat.mesh import Mesh, coords, rank_of
 
 ALGORITHMS = ("allgather", "ring", "ulysses")
 

@@ -26,9 +26,10 @@ Each is a PipelineRunner (pipeline.py) with its own timetable: `runner` picks th
 
 from __future__ import annotations
 
-from . import comm, pipeline, split_backward
-from .mesh import rank_of
-from .pipeline import PipelineRunner, stage_order
+from nanohlat import comm, pipeline
+from nanohlat.beyond import split_backward
+from nanohlat.mesh import rank_of
+from nanohlat.pipeline import PipelineRunner, stage_order
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")   # --schedule
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from . import comm
-from .data_parallel import BucketWatch, Reduction
-from .zero1 import ZeroOneDP
+from nanohlat import comm
+from nanohlat.data_parallel import BucketWatch, Reduction
+from nanohlat.zero1 import ZeroOneDP
 
 
 class Staging(Reduction):
