@@ -278,6 +278,20 @@ def test_the_core_is_commented_as_a_lesson():
         f"carry a comment, at least {MIN_CORE_COMMENTS:.0%} wanted: explain the code you added")
 
 
+def test_readme_says_how_long_the_core_is():
+    """README's reading order states the core's length and comment share: within 2% and 1 point of the truth."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        m = re.search(r"It is ([\d,]+) lines, (\d+)% of\s+them docstrings or comments", f.read())
+    assert m, "README.md's reading order no longer says 'It is N lines, P% of them docstrings or comments'"
+    total = commented = 0
+    for path in core_sources():
+        with open(path, encoding="utf-8") as f:
+            total, commented = total + count_lines(path), commented + comment_lines(f.read())
+    said, share = int(m.group(1).replace(",", "")), int(m.group(2))
+    assert abs(said - total) <= 0.02 * total and abs(share - 100 * commented / total) <= 1, (
+        f"README says the core is {said} lines, {share}% comments; it is {total}, {100 * commented / total:.0f}%")
+
+
 def test_the_comment_count_sees_docstrings_and_comments():
     source = 'x = 1  # one\n"""not a docstring: an expression after code"""\ndef f():\n    """a\n    b"""\n    return 2\n'
     assert comment_lines(source) == 3   # the inline comment, the function's docstring over two lines
