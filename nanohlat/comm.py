@@ -121,13 +121,6 @@ class CommLedger:
             return {k: dict(v) for k, v in sorted(self.entries.items())}
         return {k: v[figure] for k, v in sorted(self.entries.items())}
 
-    def summary(self) -> dict:
-        """The four figures as summary.json holds them: comm_bytes (the payload),
-        comm_wire_bytes, comm_padding_bytes, comm_calls; each {key: bytes or calls}."""
-        names = {"payload": "comm_bytes", "wire": "comm_wire_bytes", "padding": "comm_padding_bytes",
-                 "calls": "comm_calls"}
-        return {names[f]: self.snapshot(f) for f in FIGURES}
-
 
 def _record(group, op: str, payload: int) -> None:
     if group.ledger is not None:

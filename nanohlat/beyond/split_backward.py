@@ -72,8 +72,8 @@ class SplitColumnParallelLinear(tpl.ColumnParallelLinear):
 
     split = None
 
-    def forward(self, x):
-        return linear(x, self.weight, self.split)
+    def linear(self, x, w):
+        return linear(x, w, self.split)
 
     def weight_grads(self, weights, x, gather, grads) -> list:
         """Sequence parallel, gathered again: in a zb-h1 step the gather and each dW wait for W."""
@@ -88,8 +88,8 @@ class SplitRowParallelLinear(tpl.RowParallelLinear):
 
     split = None
 
-    def forward(self, x):
-        return tpl.leave(linear(x, self.weight, self.split), self.group, self.sequence_parallel)
+    def linear(self, x, w):
+        return linear(x, w, self.split)
 
 
 SPLIT = (SplitColumnParallelLinear, SplitRowParallelLinear)

@@ -52,7 +52,7 @@ class Session:
         dev.sync()          # the step ends: on XLA its graph compiles (once) and runs
         self.tokens_seen += self.tokens_per_step
         if step == self.start_step + 1:   # what each collective moved, beside the plan's formula
-            self.log.comm(mesh.ledger.summary(), self.comm_report() if self.log.main else "")
+            self.log.comm(trainlog.comm_summary(mesh.ledger), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
         last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
         figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)

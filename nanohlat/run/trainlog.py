@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nanohlat import xla
+from nanohlat import comm, xla
 from nanohlat.system import recipe
 from nanohlat.config import UserError
 from nanohlat.tools.plan.sheets import layout_table
@@ -99,6 +99,14 @@ def truncate_metrics(path: str, step: int) -> None:
     files.atomic_write(path, lambda f: f.write("".join(keep).encode()))
 
 
+
+def comm_summary(ledger) -> dict:
+    """The comm ledger's four figures as summary.json holds them: comm_bytes (the payload),
+    comm_wire_bytes, comm_padding_bytes, comm_calls; each {key: bytes or calls}."""
+    names = {"payload": "comm_bytes", "wire": "comm_wire_bytes", "padding": "comm_padding_bytes",
+             "calls": "comm_calls"}
+    return {names[f]: ledger.snapshot(f) for f in comm.FIGURES}
+
 class TrainLog:
     """What a training run reports, kept beside train()'s loop instead of inside it.
 
@@ -177,7 +185,7 @@ class TrainLog:
         return int(self.bad_streak)
 
     def comm(self, measured: dict, report: str) -> None:
-        """The first step's communication (CommLedger.summary: payload, wire and
+        """The first step's communication (comm_summary: payload, wire and
         padding bytes and calls per collective, for summary.json) and its report (printed)."""
         self.summary.update(measured)
         self.print(report)
