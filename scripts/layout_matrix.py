@@ -30,14 +30,26 @@ numerically keeps it. The numbers also depend on torch's version and the CPU
 (its kernels choose the summation order): compare digests made on one machine
 (the JSON says which: `machine`). --compare names the rows that moved.
 
-The tolerance (TOLERANCE, for every row, the sample's exit code and the full
-matrix's `!` marks) is the tests' own: fp32 1e-5 relative per step, as
-tests/test_context_parallel_training.py (LOSS_REL) and tests/test_moe.py
-check their layouts (tests/test_parallel.py and test_zero.py allow 2e-5
-absolute on losses near 6, ~3e-6 relative; all of them measured < 1e-6);
-bf16 in any form 1e-3 relative, as test_moe.py's and
-test_context_parallel_training.py's bf16 layouts (bf16 rounds sums of another
-order: the layouts really differ, ~1e-4). The sample (SAMPLE) is fp32 only.
+Measured on c4e75e5 (torch 2.13 CPU, an Intel Xeon, 2 cores shared with two
+other test suites, load 7-10): the full matrix (61 runs) three times, digest
+377f17ac9cc5f638f3e418e52e9bfd52bf3b47cebe52f47c137a0cf824059f0c each time;
+22-27 min of wall time for 12-13 min of CPU. Most of that is fixed cost per
+process: importing torch (~3.5 s) and measuring the CPU's matmul peak for the
+MFU (~1.7 s), against ~0.4 s for 5 steps of tiny; so about 8 min on a quiet
+2-core machine (estimated from the CPU time, not measured). --sample: 2.5 min
+(70 s of CPU). Every fp32 layout within 2 fp32 ulps of one process's loss (at
+most 1.5e-7 relative; the tp rows equal; grad norms within 1e-6), bf16 within
+6.8e-5. A planted bug in ring attention's backward (dK without its 1/sqrt(d))
+moved cp2_ring's loss by 7.2e-5: beyond the tolerance below, and a new digest.
+
+The tolerance (TOLERANCE: a row's `!` mark, and exit code 1, whether the
+sample or the full matrix) is the tests' own: fp32 1e-5 relative per step, as
+tests/test_context_parallel_training.py (LOSS_REL) and tests/test_moe.py check
+their layouts (tests/test_parallel.py and test_zero.py allow 2e-5 absolute on
+losses near 6, ~3e-6 relative; all of them measured < 1e-6); bf16 in any form
+1e-3 relative, as test_moe.py's and test_context_parallel_training.py's bf16
+layouts (bf16 rounds sums of another order: the layouts really differ, here by
+up to 6.8e-5). The sample (SAMPLE) is fp32 only.
 """
 
 from __future__ import annotations
