@@ -634,8 +634,8 @@ PLANTS = [
               out = out[order.argsort()].view(N, k, -1)            # choice j back at row j
               return (out * weights.unsqueeze(-1)).sum(dim=1)""")),
     right("10b", "experts with no token skipped (the stacked weights' gradient is still whole: zeros there)",
-          sub("outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]",
-              "outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts)) if len(chunk)]")),
+          sub("outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts))]",
+              "outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts)) if len(chunk)]")),
     # ---- 10c the expert-parallel groups --------------------------------------------------------------
     wrong("10c", "ep_dp the ep groups themselves (the gradients summed over ranks holding other experts)",
           "dp 4, ep 2: rank", body(0, """

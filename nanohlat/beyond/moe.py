@@ -147,14 +147,21 @@ def route(x, w_router, k: int, seq_group=None):
     # exercise 10a: end
 
 
+# The experts' weights are stacked, (E, F, C). Each dispatch takes every expert's own as a view,
+# with unbind, whose backward stacks the E experts' gradients into one (E, F, C) tensor: O(E F C)
+# work. Indexing the stack instead (gate[e]) gives each expert's backward a zero gradient the size
+# of the whole stack with its slice filled, E of them added up: O(E^2 F C), what dominates the
+# backward once E is in the tens.
+
 def dispatch_loop(x, experts, weights, gate, up, down):
     """The plain reference: for each expert, find its tokens, compute them, add them back.
     x (N, C); experts, weights (N, k); gate, up (E, F, C); down (E, C, F) -> y (N, C)."""
     y = torch.zeros_like(x)
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)   # each expert's weights, views (above)
     for e in range(gate.shape[0]):
         token, slot = (experts == e).nonzero(as_tuple=True)        # which tokens chose e, as which choice
         if token.numel():
-            out = swiglu(x[token], gate[e], up[e], down[e])
+            out = swiglu(x[token], gates[e], ups[e], downs[e])
             y = y.index_add(0, token, out * weights[token, slot].unsqueeze(-1))
     return y
 
@@ -170,9 +177,10 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     token = order // k
     xs = x[token]                                                  # (N*k, C): the permuted tokens
     counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()   # tokens per expert (the host needs them)
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)   # each expert's weights, views (above)
     # every expert runs, on no tokens too: its gradient is then zeros, not missing (the overlapped
     # gradient reduction waits for every parameter's, data_parallel.py)
-    outs = [swiglu(chunk, gate[e], up[e], down[e]) for e, chunk in enumerate(xs.split(counts))]
+    outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts))]
     out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
     # exercise 10b: end
@@ -222,7 +230,8 @@ def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
     by_expert = expert_of.argsort(stable=True)                     # 4. group by local expert
     sizes = torch.bincount(expert_of, minlength=local).tolist()
     chunks = received[by_expert].split(sizes)
-    outs = [swiglu(c, gate[e], up[e], down[e]) for e, c in enumerate(chunks)]   # (no tokens too: dispatch_sorted)
+    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)   # (views, as above)
+    outs = [swiglu(c, gates[e], ups[e], downs[e]) for e, c in enumerate(chunks)]   # (no tokens too: dispatch_sorted)
     out = torch.cat(outs)[by_expert.argsort()]                     # back in received order
     back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
     return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))
