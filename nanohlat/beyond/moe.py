@@ -58,7 +58,7 @@ Dispatch, two ways (`MoE.capacity_factor`):
 
 Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
-expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
+expert parallelism (--ep N, carved out of dp: `add_groups` below), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`; in
 capacity mode each rank's fixed queues do, `capacity_expert_parallel`); an

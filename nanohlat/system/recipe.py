@@ -89,8 +89,8 @@ class TrainConfig(config.TrainConfig):
     expert parallelism, context parallelism (their modules in nanohlat/beyond/)."""
 
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
-    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
-    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py, mesh.py)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
+    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
     cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
 
     def validate(self) -> None:

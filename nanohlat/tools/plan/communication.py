@@ -147,7 +147,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         _add(out, f"{g}.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
-            if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
+            if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (moe.add_groups' ep_dp)
                 e = dp // ep        # (ZeRO-1: reduce-scattered over them, the new weights all-gathered)
                 if e > 1 and tcfg.zero:
                     cols = padded_size(n, e) // e

@@ -71,7 +71,7 @@ def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0,
 def zero_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int, ep: int, ranks: int) -> list[tuple[int, int]]:
     """(elements, ranks its ZeRO shards go over) of each flat buffer (group_kinds), for `ranks` = dp (x cp)
     under ZeRO, 1 without: all of them over those ranks but --ep's experts, sharded over the ranks holding
-    the same experts (ranks / ep: optim.FlatAdamW's expert_dp over mesh.py's ep_dp)."""
+    the same experts (ranks / ep: optim.FlatAdamW's strategy over the mesh's ep_dp, moe.add_groups)."""
     return [(n, ranks // ep if kind == "experts" and ranks > 1 else ranks)
             for kind, n in group_kinds(cfg, tp, pp, stage, zero, ep)]
 
