@@ -289,7 +289,11 @@ def missing_first(ex: str, verdict: str) -> str:
 
 def cmd_new(args) -> int:
     dest = os.path.abspath(args.dir)
-    if os.path.exists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)):
+    if os.path.lexists(dest) and not os.path.isdir(dest):   # a file, a FIFO, a device: never written over
+        what = files.not_a_file(os.path.realpath(dest)) or ("a link" if os.path.islink(dest) else "a file")
+        print(f"error: {args.dir} is {what}, not a folder; choose a new folder", file=sys.stderr)
+        return 2
+    if os.path.exists(dest) and os.listdir(dest):
         print(f"error: {args.dir} exists and is not empty; choose a new folder", file=sys.stderr)
         return 2
     if os.path.isdir(dest):

@@ -75,6 +75,7 @@ def main(train, argv: list[str]) -> int:
                             f"tested on cpu and cuda only); train with --cp 1 there")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
+        runlock.check_out_dir(tcfg.out_dir)   # a FIFO or a device where a run writes: refused before any work
         # tokenizer and token shards are built once, here, before any worker starts
         ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
         model_cfg = vocab_from(ds, model_cfg, tcfg, world)

@@ -396,10 +396,13 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _refuse_non_empty(path: str, what: str) -> None:
+def _refuse_non_empty(path: str, what: str, overwrite: bool = False) -> None:
+    """A target folder: refused if it is no folder (a file, a FIFO, a device: even with --overwrite,
+    which replaces files inside a folder), or holds something unless --overwrite."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"{what} {path!r} is a file, not a folder; choose a new folder")
-    if os.path.exists(path) and os.listdir(path):
+        raise UserError(f"{what} {path!r} is {files.not_a_file(os.path.realpath(path)) or 'a file'}, not a folder; "
+                        f"choose a new folder{' (--overwrite replaces the files inside one)' if overwrite else ''}")
+    if not overwrite and os.path.exists(path) and os.listdir(path):
         raise UserError(f"{what} {path!r} is not empty; choose a new folder, or pass --overwrite to replace "
                         f"what it holds")
 
@@ -411,6 +414,9 @@ def _partial_dir(hf_dir: str) -> str:
     """`HF_DIR.partial`, the export's temporary folder, made anew. One left by a killed
     export (nothing but export files in it) is removed; anything else there is refused."""
     tmp = os.path.normpath(os.path.abspath(hf_dir)) + ".partial"
+    if files.not_a_file(tmp) not in (None, "a folder"):
+        raise UserError(f"{tmp!r} is {files.not_a_file(tmp)}, where export writes first; move it away or choose "
+                        f"another HF_DIR")
     if os.path.islink(tmp) or os.path.isfile(tmp):
         os.unlink(tmp)                 # (nanohlat makes no link or file there)
     elif os.path.isdir(tmp):
@@ -439,8 +445,9 @@ def _move_into(tmp: str, hf_dir: str) -> None:
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     from nanohlat.device import get_device
     from nanohlat.serving.generate import load_model
-    if not overwrite:
-        _refuse_non_empty(hf_dir, "HF_DIR")
+    _refuse_non_empty(hf_dir, "HF_DIR", overwrite)
+    for name in EXPORT_FILES:   # (--overwrite: a FIFO or a device there would be replaced by the file)
+        files.refuse_unless_file(os.path.join(hf_dir, name), "another HF_DIR")
     # its config and finite weights checked, and that three copies of the weights fit
     # (the model, its state cut for HF, the file's bytes)
     model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
@@ -466,12 +473,12 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
 def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,
             overwrite: bool = False) -> str:
     from nanohlat.run.checkpoint import clear_run, save_full
-    from nanohlat.run.runlock import acquire
+    from nanohlat.run.runlock import acquire, check_out_dir
     if not os.path.isdir(hf_dir):
         raise UserError(f"{hf_dir!r} {'is not a folder' if os.path.exists(hf_dir) else 'does not exist'}; give "
                         f"the folder of a Hugging Face LLaMA checkpoint (config.json, *.safetensors, tokenizer.model)")
-    if not overwrite:
-        _refuse_non_empty(out_dir, "OUT_DIR")
+    _refuse_non_empty(out_dir, "OUT_DIR", overwrite)
+    check_out_dir(out_dir)   # (a FIFO or a device at one of a run's files: before any work)
     tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer):
         raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
