@@ -1377,3 +1377,60 @@ def test_a_signal_under_sample_nproc_does_not_suggest_resume(tmp_path, capsys):
     assert err.strip() == "stopped by a signal", err
     launch._report_failures(failures, str(tmp_path))
     assert "--resume auto" in capsys.readouterr().err     # train.py's workers saved a checkpoint
+
+
+# ---------------------------------------------------------------------------
+# Every size answered at once: arithmetic, never counting (issue 50)
+# ---------------------------------------------------------------------------
+
+BIG = "9" * 21   # 999999999999999999999 ranks: divisors() counted up to it
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--plan", "--preset", "hlat-7b", "--nproc", BIG],
+     f"--nproc {BIG} is more than 2^53 = 9,007,199,254,740,992, the largest count nanohlat records exactly"),
+    (["--preset", "tiny", "--nproc", BIG], f"--nproc {BIG} is more than 2^53"),
+    (["--preset", "tiny", "--cp", "2", "--nproc", "1000000000001"],
+     "--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size 1000000000001; choose tp*pp*cp among 1, 73, 137, "
+     "10001, 99990001, 7299270073, 13698630137 or 1000000000001"),
+    (["--preset", "tiny", "--tp", "2", "--nproc", "1000000000001"],
+     "--tp 2 x --pp 1 = 2 does not divide the world size 1000000000001"),
+    (["--preset", "tiny", "--steps", BIG], f"--steps {BIG} is more than 2^53"),
+    (["--preset", "moe", "--n-layers", "1000000000000"], "this model does not fit"),   # (its sparse layers: counted)
+])
+def test_every_size_is_answered_at_once(args, message, tmp_path, capsys):
+    """A --nproc of 21 digits (and training at --cp 2 or --tp 2 with 10^12 + 1 ranks, a MoE of
+    10^12 layers) never answered: divisors and the sparse layers were counted one by one."""
+    import time
+    start = time.perf_counter()
+    code, err = main_in_process(args + ["--out-dir", str(tmp_path / "run")], capsys)
+    assert time.perf_counter() - start < 5
+    assert code == 2
+    one_line_error(err, message)
+
+
+def test_a_launchers_world_of_21_digits_and_a_search_over_10_12_ranks_answer_at_once(tmp_path, capsys, monkeypatch):
+    import time
+    start = time.perf_counter()
+    code, _ = main_in_process(["--plan", "--search", "--preset", "tiny", "--nproc", "1000000000000"], capsys)
+    assert code == 0 and time.perf_counter() - start < 5
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", BIG)
+    start = time.perf_counter()
+    code, err = main_in_process(["--preset", "tiny", "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and time.perf_counter() - start < 5
+    one_line_error(err, f"a world of {BIG} ranks is more than 2^53")
+
+
+def test_divisors_come_from_the_factors():
+    import random
+    from nanohlat.system.recipe import choices, divisors
+    rng = random.Random(0)
+    for n in list(range(1, 500)) + [rng.randrange(1, 10**6) for _ in range(50)]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    # large primes, their products and squares, the largest count allowed: all at once
+    for n in (2**53, 2**53 - 111, (2**31 - 1) * (2**31 - 19), 4294967291**2, 999999999999999999999, 10**21):
+        d = divisors(n)
+        assert d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d) and d == sorted(set(d))
+    assert len(divisors(8086598962041600)) == 41472
+    assert choices(divisors(8086598962041600)) == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... or 8086598962041600 (41,472 in all)"

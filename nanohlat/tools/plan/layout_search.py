@@ -32,7 +32,7 @@ def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list
     out = [(1, tcfg.cp_attention)]
     if tcfg.seq_len < CP_SEARCH_FROM and tcfg.cp == 1 or cfg.moe_experts:
         return out
-    for cp in divisors(ranks)[1:]:
+    for cp in divisors(math.gcd(ranks, tcfg.seq_len // 2))[1:]:   # (2 x cp chunks split --seq-len)
         if tcfg.seq_len % (2 * cp) == 0 and tcfg.seq_len // cp >= min(CP_MIN_TOKENS, tcfg.seq_len // tcfg.cp):
             out += [(cp, a) for a in ALGORITHMS if a != "ulysses" or ulysses_fits(cfg, tp, cp)]
     return out
@@ -49,8 +49,8 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     checkpointing, and on cpu and cuda overlapped gradient reduction or not; for a mixture of experts
     ep too, and only what recipe.check_moe_layout lets its plan count)
     for this model, batch and world size, as TrainConfigs."""
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
+    for tp in divisors(math.gcd(world, cfg.n_heads)):               # (tp divides the heads, pp the layers:
+        for pp in divisors(math.gcd(world // tp, cfg.n_layers)):    # the search is the model's, not the world's)
             for cp, attention in cp_choices(cfg, tcfg, tp, world // (tp * pp)):
                 # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
                 sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"

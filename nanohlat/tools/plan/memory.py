@@ -182,7 +182,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
     if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: recipe.check_moe_layout)
-        total += sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * moe_activation_extra(cfg, mb * T, itemsize)
+        total += cfg.sparse_layers() * moe_activation_extra(cfg, mb * T, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + itemsize * mb * T
