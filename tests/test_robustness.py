@@ -1434,3 +1434,51 @@ def test_divisors_come_from_the_factors():
         assert d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d) and d == sorted(set(d))
     assert len(divisors(8086598962041600)) == 41472
     assert choices(divisors(8086598962041600)) == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... or 8086598962041600 (41,472 in all)"
+
+
+# ---------------------------------------------------------------------------
+# A mixture's capacity factor: bounded, and its buffer counted (issue 50)
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A 1-step run of the moe preset (dropless), for sample.py and eval.py to read."""
+    out = tmp_path_factory.mktemp("moe") / "run"
+    cache = tmp_path_factory.mktemp("moe_cache")
+    assert train_here(["--preset", "moe", "--steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1",
+                       "--batch-size", "4", "--cache-dir", str(cache), "--out-dir", str(out)]) is not None
+    return out
+
+
+@pytest.mark.parametrize("factor", ["1e30", "1e6"])
+def test_a_capacity_factor_beyond_every_token_is_refused_in_every_command(factor, moe_run, tmp_path, capsys):
+    """--moe-capacity-factor 1e30 was an OverflowError, 1e6 a 131 GB buffer the memory pre-flight did not
+    count: above --moe-experts / --moe-top-k (2 here) each expert already takes every token, so the
+    factor is refused there, by train.py and (through a checkpoint's manifest) sample.py and eval.py."""
+    import shutil
+    import eval as evalpy
+    import sample
+    want = f"--moe-capacity-factor {float(factor):g} is above --moe-experts / --moe-top-k = 2: at 2 each expert"
+    code, err = main_in_process(["--preset", "moe", "--moe-capacity-factor", factor, "--out-dir", str(tmp_path / "x")],
+                                capsys)
+    assert code == 2
+    one_line_error(err, want, "give at most 2, or 0 (dropless)")
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    mpath = _edit_manifest(copy, 1, lambda m: m["config"]["model"].update(moe_capacity_factor=float(factor)))
+    for main in (lambda: sample.main(["--out-dir", str(copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, f"checkpoint manifest {mpath} is damaged", want)
+
+
+def test_the_memory_preflight_counts_the_capacity_buffer():
+    import dataclasses
+    from nanohlat.system import recipe
+    from nanohlat.tools.plan.memory import moe_activation_extra
+    model, _ = recipe.parse_args(["--preset", "moe", "--moe-experts", "64", "--moe-top-k", "1"])
+    N, d = 4096, model.d_model
+    dropless = moe_activation_extra(model, N, 4)
+    at_most = moe_activation_extra(dataclasses.replace(model, moe_capacity_factor=64.0), N, 4)
+    # 64 queues of every token: 64 x the experts' rows, and the dispatch buffer and its output
+    assert at_most - dropless == 4 * (4 * model.ffn_dim * 63 * N + 2 * 63 * N * d + 2 * (64 * N + 1) * d)

@@ -89,6 +89,12 @@ class ModelConfig(config.ModelConfig):
                             f"got {self.moe_shared_experts} and {self.moe_every}")
         for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor"):
             _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
+        most = self.moe_experts / self.moe_top_k   # C = ceil(factor * N * k / E) reaches N there (moe.capacity)
+        if self.moe_capacity_factor > most:
+            raise UserError(f"--moe-capacity-factor {self.moe_capacity_factor:g} is above --moe-experts / --moe-top-k "
+                            f"= {most:g}: at {most:g} each expert already takes every token (capacity C = the "
+                            f"tokens, none dropped) and a larger factor only grows its buffer (E x C rows a sparse "
+                            f"layer); give at most {most:g}, or 0 (dropless)")
 
 
 @dataclass
