@@ -1444,7 +1444,7 @@ def test_divisors_come_from_the_factors():
 def moe_run(tmp_path_factory):
     """A 1-step run of the moe preset (dropless), for sample.py and eval.py to read."""
     out = tmp_path_factory.mktemp("moe") / "run"
-    cache = tmp_path_factory.mktemp("moe_cache")
+    cache = out.parent / "cache"     # (its tokenizer: a resume needs the same)
     assert train_here(["--preset", "moe", "--steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1",
                        "--batch-size", "4", "--cache-dir", str(cache), "--out-dir", str(out)]) is not None
     return out
@@ -1482,3 +1482,133 @@ def test_the_memory_preflight_counts_the_capacity_buffer():
     at_most = moe_activation_extra(dataclasses.replace(model, moe_capacity_factor=64.0), N, 4)
     # 64 queues of every token: 64 x the experts' rows, and the dispatch buffer and its output
     assert at_most - dropless == 4 * (4 * model.ffn_dim * 63 * N + 2 * 63 * N * d + 2 * (64 * N + 1) * d)
+
+
+# ---------------------------------------------------------------------------
+# The launcher's lines: the cause first, below the progress bar (issue 50)
+# ---------------------------------------------------------------------------
+
+def test_a_rank_killed_without_a_word_is_named_before_the_peers_it_cut_off(tmp_path, capsys):
+    """After kill -9 of one cp worker the first line blamed rank 0's gloo connection, the true
+    cause second: a rank that died without a word (a signal first) now comes first."""
+    import signal
+    from nanohlat.run import launch
+
+    class Failure:
+        def __init__(self, code):
+            self.exitcode = code
+
+        def signal_name(self):
+            return signal.Signals(-self.exitcode).name
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    (errors / "rank0.txt").write_text("RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert launch._report_failures({0: Failure(1), 1: Failure(-9)}, str(errors)) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 1 failed with exit code -9 (signal SIGKILL)",
+        "error: rank 0: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"]
+
+
+def _killed_worker(*args, **kwargs):
+    """preflight.worker whose rank 1 kills itself (SIGKILL) at the optimizer step of step 3."""
+    import signal
+    from nanohlat import optim
+    from nanohlat.run import preflight
+    if os.environ["RANK"] == "1":
+        real, calls = optim.FlatAdamW.reduce_gradients, []
+
+        def reduce_gradients(self):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self)
+        optim.FlatAdamW.reduce_gradients = reduce_gradients
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_cp_worker_is_named_first_on_a_line_of_its_own(tmp_path, cache_dir, capfd, monkeypatch):
+    """--nproc 2 --cp 2, rank 1 killed mid-run: the launcher's first line names it."""
+    import train
+    from nanohlat.run import preflight
+    monkeypatch.setattr(preflight, "worker", _killed_worker)
+    code = train.main(["--preset", "tiny", "--steps", "6", "--eval-every", "0", "--threads", "1", "--nproc", "2",
+                       "--cp", "2", "--collective-timeout", "60", "--cache-dir", cache_dir,
+                       "--out-dir", str(tmp_path / "run")])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.replace("\r", "\n").splitlines() if "error:" in line]
+    assert errors and all(line.startswith("error: ") for line in errors), err[-3000:]
+    assert errors[0] == "error: rank 1 failed with exit code -9 (signal SIGKILL)", err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stopped_workers_line_is_not_printed_onto_the_progress_bar(tmp_path, cache_dir, capfd, monkeypatch):
+    """Rank 1 stopped (SIGSTOP) at step 3 with rank 0's progress bar drawn: the bar's line is left
+    unfinished (rank 0 is ended from outside), and the launcher's line was printed onto it."""
+    import time
+    import train
+    from nanohlat.run import preflight
+    from test_watchdog import _stopping_worker
+    monkeypatch.setenv("TEST_WATCHDOG_STOP", json.dumps({"rank": 1, "step": 3, "note": str(tmp_path / "note")}))
+    monkeypatch.setattr(preflight, "worker", _stopping_worker)
+    code = train.main(["--preset", "tiny", "--steps", "8", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
+                       "--threads", "1", "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "run"), "--nproc", "2",
+                       "--tp", "2", "--collective-timeout", "8"])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "train:" in err, err[-3000:]     # (the bar was drawn)
+    stopped = [line for line in err.replace("\r", "\n").splitlines() if "stopped (SIGSTOP" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("error: rank 1 (pid "), err[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# Messages that point the right way (issue 50, item 8)
+# ---------------------------------------------------------------------------
+
+def test_a_cp_layout_is_refused_for_its_world_before_its_sequence(tmp_path, capsys):
+    """--cp 3 --nproc 2 was refused for --seq-len (not a multiple of 6) before the world size."""
+    code, err = main_in_process(["--preset", "tiny", "--cp", "3", "--nproc", "2", "--out-dir", str(tmp_path)], capsys)
+    assert code == 2
+    one_line_error(err, "--tp 1 x --pp 1 x --cp 3 = 3 does not divide the world size 2; choose tp*pp*cp among 1 or 2")
+
+
+def test_a_search_says_why_the_presets_own_layout_is_not_valid(capsys):
+    """--plan --search --preset moe --nproc 6 said "not valid for 6 ranks" and nothing more."""
+    import train
+    assert train.main(["--plan", "--search", "--preset", "moe", "--nproc", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("the preset's own layout is not valid for 6 ranks: --batch-size 8 must split into "
+                                 "dp 6 x microbatches 1 equal micro-batches; use a multiple of 6"), out[-2000:]
+    assert "(no layout the search tries splits this model and batch over 6 ranks)" in out
+
+
+def test_a_damaged_moe_experts_in_a_manifest_is_named_as_damage(moe_run, tmp_path, capsys):
+    """The manifest's config.model says 8 experts, its shards hold 4: reported as a shape mismatch
+    ("the model being loaded has ..."), as if another model were being loaded; it is the manifest."""
+    import shutil
+    import eval as evalpy
+    import sample
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    mpath = _edit_manifest(copy, 1, lambda m: m["config"]["model"].update(moe_experts=8))
+    for main in (lambda: sample.main(["--out-dir", str(copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, f"checkpoint manifest {mpath} is damaged (its config.model makes "
+                       f"'layers.0.mlp.router.weight' [8, 64], its shards hold [4, 64])")
+
+
+def test_a_resume_that_changes_the_routing_says_so(moe_run, tmp_path, capsys):
+    """Changing --moe-top-k, --moe-capacity-factor or --moe-aux-coef on resume was accepted silently:
+    allowed (the weights fit: no shape changes), and announced in one note."""
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    code, err = main_in_process(["--preset", "moe", "--steps", "2", "--eval-every", "0", "--no-progress", "--threads",
+                                 "1", "--batch-size", "4", "--cache-dir", str(moe_run.parent / "cache"), "--out-dir",
+                                 str(copy), "--moe-top-k", "1", "--moe-capacity-factor", "1.5"], capsys)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: resuming")]
+    assert notes == [f"note: resuming {ckpt(copy, 1)} with --moe-top-k 1 (it trained with 2), --moe-capacity-factor "
+                     f"1.5 (it trained with 0.0): the same weights, another model from here on"], err

@@ -87,8 +87,10 @@ def main(train, argv: list[str]) -> int:
         checkpoint.warn_incomplete(tcfg.out_dir)
         if resume_from:
             # manifest, files, model shape; before local workers start, the checksums too
-            checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
+            manifest = checkpoint.check(resume_from, model_cfg,
+                                        checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
             checkpoint.check_identity(resume_from, ds.tokenizer.path, ds.fingerprint, tcfg.allow_tokenizer_change)
+            checkpoint.note_model_changes(resume_from, manifest, model_cfg)   # (--moe-top-k, ...: a note)
         elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
             checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         args = (train, model_cfg, tcfg, ds, resume_from)
@@ -102,7 +104,8 @@ def main(train, argv: list[str]) -> int:
             with preempt.catch_signals() as signals:
                 train(model_cfg, tcfg, ds, resume_from)
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
-        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout)
+        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout,
+                            progress=tcfg.progress)
     finally:
         if lock:
             lock.release()

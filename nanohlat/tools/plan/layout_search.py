@@ -158,8 +158,15 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
     lines += table(header, [_search_row(i + 1, r, world, moe) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
-    if mine is None:
-        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
+    if mine is None:   # why: recipe.check_layout's refusal, or what the search does not try
+        try:
+            validate_plan_layout(cfg, tcfg, world)
+            why = "it passes the layout checks, but is not one the search tries (train.py --help, --search)"
+        except UserError as e:
+            why = str(e)
+        if not rows:
+            lines.append(f"  (no layout the search tries splits this model and batch over {world} ranks)")
+        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks: {why}"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
     lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world, moe)])
     lines += textwrap.wrap(_why(mine, fits, cap, who, moe).strip(), 100, initial_indent="  ", subsequent_indent="  ")
