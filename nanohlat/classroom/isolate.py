@@ -153,7 +153,11 @@ class Child:
                 return f"the process running the checks did not start within {limit:.0f} s; it was stopped"
             return (f"{name} did not finish within {limit:.0f} s: the code never returned (a loop that does not "
                     f"end?) and was stopped")
-        code = self.proc.wait()
+        try:
+            code = self.proc.wait(timeout=10)   # (the pipe closed: the child is ending)
+        except subprocess.TimeoutExpired:       # (it closed the pipe, and goes on)
+            self.close(kill=True)
+            return f"the check ended without a verdict: its process closed the verdict pipe during {name}; stopped"
         self.close()
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if name == "starting":
