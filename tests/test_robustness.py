@@ -785,7 +785,9 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
     """The issue's case: `kill -9` of the --nproc 2 launcher as the step-4 save starts.
     Its workers die with it (within 5 s: at once on Linux) and publish nothing; a run
     started right away into the same out-dir is its only writer: it trains steps 1-8
-    itself and nothing of the dead run is moved to abandoned_*."""
+    itself and nothing of the dead run is moved to abandoned_*. (It starts over with
+    --resume never --overwrite: the dead run saved no checkpoint, and --resume auto
+    refuses to start from scratch over its metrics.jsonl records.)"""
     import signal
     import time
     from nanohlat.run import checkpoint, runlock
@@ -810,8 +812,8 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
         first.send_signal(signal.SIGKILL)           # the launcher, mid-save
         first.wait()
         killed = time.time()
-        second = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen([sys.executable, "train.py", *argv, "--resume", "never", "--overwrite"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while any(runlock._alive(pid) for pid in workers) and time.time() < killed + 5:
             time.sleep(0.05)
         alive = [pid for pid in workers if runlock._alive(pid)]

@@ -20,6 +20,7 @@ checkpoint it saved, whatever --resume said.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -130,11 +131,20 @@ def find_resume(out_dir: str, resume: str, overwrite: bool = False, restarted: b
 
 
 def logged_rows(metrics: str) -> int:
-    """The non-blank lines of a run's metrics.jsonl (0 when it has none, or there is none)."""
+    """The records of a run's metrics.jsonl: its lines that are JSON objects with a whole-number step
+    (what a resume keeps, trainlog.truncate_metrics: a damaged line, dropped by any resume, is none)."""
     if not os.path.isfile(metrics):
         return 0
-    with open(metrics, "rb") as f:   # (bytes: a damaged, non-UTF-8 line is a record too)
-        return sum(1 for line in f if line.strip())
+    rows = 0
+    with open(metrics, "rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw.decode())
+            except ValueError:      # (not UTF-8, not JSON)
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            rows += isinstance(step, int) and not isinstance(step, bool)
+    return rows
 
 
 def clear_run(out_dir: str) -> None:
