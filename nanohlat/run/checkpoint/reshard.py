@@ -19,7 +19,8 @@ import torch
 from nanohlat import comm
 from nanohlat.beyond import zero3
 from nanohlat.config import UserError
-from nanohlat.run.checkpoint.manifest import check_files, check_model, corrupt_error, corrupt_files, read_manifest
+from nanohlat.run.checkpoint.manifest import (check_files, check_model, corrupt_error, corrupt_files, damaged,
+                                             read_manifest)
 from nanohlat.run.checkpoint.optimizer_state import import_state
 from nanohlat.shard_spec import local_part
 
@@ -122,9 +123,9 @@ class ShardSet:
         if t is None:
             raise UserError(f"checkpoint {self.path} has no {section} tensor {name!r}: a shard is missing "
                             f"or the model differs")
-        if list(t.shape) != list(full_shape):
-            raise UserError(f"checkpoint {self.path}: {name!r} has shape {list(t.shape)}, the model being "
-                            f"loaded has {list(full_shape)}")
+        if list(t.shape) != list(full_shape):   # (the model's shape fields are the manifest's: check_model)
+            raise damaged(os.path.join(self.path, "manifest.json"), f"its config.model makes {name!r} "
+                          f"{list(full_shape)}, its shards hold {list(t.shape)}")
         return t
 
 

@@ -181,7 +181,7 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     Full checkpointing replays the forward ones. Then, once per step
     without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
     sum over dp adds every expert's shard once)."""
-    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    sparse = cfg.sparse_layers()
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
     N, E, k = mb * tcfg.seq_len, cfg.moe_experts, cfg.moe_top_k

@@ -22,7 +22,7 @@ def moe_counts(cfg: ModelConfig, ep: int = 1) -> dict:
     the same ones; "dense_mlp": the dense MLPs the sparse layers do not have."""
     if not cfg.moe_experts:
         return {"moe": 0, "experts": 0, "dense_mlp": 0}
-    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    sparse = cfg.sparse_layers()
     mlp, E = 3 * cfg.d_model * cfg.ffn_dim, cfg.moe_experts
     experts = sparse * E // ep * mlp
     moe = sparse * (E * cfg.d_model + cfg.moe_shared_experts * mlp) + (experts if ep == 1 else 0)
