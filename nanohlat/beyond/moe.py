@@ -26,7 +26,18 @@ language-model loss:
     the router's logits small (large ones make its softmax, and bf16, brittle).
     Coefficient --moe-z-coef.
 
-Both are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
+Or balance without a loss (DeepSeek-V3, --moe-bias-rate r): each sparse layer
+keeps a bias per expert, b (E,), state and not a parameter. The router chooses
+each token's k experts by p + b and weighs them by p alone, as without it; after
+every optimizer step b_e moves by r towards balance (+r if e got fewer than its
+share of the global batch's routing choices, -r if more: `update_bias`). The
+language model's gradient never sees it, so balance costs it nothing but the
+routing; the loads are summed over every rank that saw other tokens (tp with SP,
+dp x cp, pp's stages; `Figures.step`), so every layout moves b alike, bit for
+bit. It is saved in checkpoints with the weights (run/checkpoint) and Mixtral,
+whose router has none, refuses it on export (serving/hf.py).
+
+Both losses are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
 DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
 A sequence's loss depends on that sequence alone, not on which sequences share
 its dp rank or micro-batch, which is what keeps every data-parallel layout
