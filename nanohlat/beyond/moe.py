@@ -148,9 +148,10 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
     # exercise 10a: begin
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
     probs = logits.softmax(dim=-1)                                 # (B, T, E)
-    scores = probs if bias is None else probs + bias               # what chooses (DeepSeek-V3's bias)
-    experts = scores.topk(k, dim=-1).indices                       # (B, T, k), highest score first
-    top_p = probs.gather(-1, experts)                              # what weighs: the router's own p
+    top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
+    if bias is not None:   # (DeepSeek-V3) p + bias chooses the k, highest first; p alone weighs them
+        experts = (probs + bias).topk(k, dim=-1).indices
+        top_p = probs.gather(-1, experts)
     weights = top_p / top_p.sum(dim=-1, keepdim=True)              # renormalised over the chosen k
     # f_e: share of the sequence's T*k choices that picked e (counts: no gradient)
     chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)            # (B, T, E): 1 where e is among t's k
