@@ -30,7 +30,10 @@ in the model's dtype, the same for an fp32 model); each expert is the same
 SwiGLU, and the output is the weighted sum. Mixtral has no shared experts, no
 dense layers between sparse ones and never drops a token, so export refuses
 --moe-shared-experts, --moe-every > 1 and --moe-capacity-factor > 0 (the
-weights would compute otherwise there). The attention, norms, embedding and
+weights would compute otherwise there). Nor has Mixtral's router a bias: a
+model trained with --moe-bias-rate chose its experts by p + its biases
+(moe.route), so export refuses it once a bias is not zero (Mixtral would route
+its tokens to other experts), and leaves the all-zero biases out. The attention, norms, embedding and
 head map as for Llama; in layer i, nanohlat's experts are stacked (E, ...)
 tensors and Mixtral's are one tensor per expert j:
 
@@ -464,6 +467,14 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
     check_mixtral(model.cfg)    # before anything is written
     state = model.state_dict()
+    biases = [n for n in state if n.endswith(".expert_bias")]   # --moe-bias-rate's (module docstring)
+    moved = [n for n in biases if bool(state[n].any())]
+    if moved:
+        raise UserError(f"{run_or_ckpt} trained with --moe-bias-rate and its expert biases are not zero ({moved[0]} "
+                        f"and {len(moved) - 1} more): Mixtral's router has no bias, so the exported model would "
+                        f"send tokens to other experts than this one does; nothing was written (export a model "
+                        f"balanced by --moe-aux-coef instead)")
+    state = {n: t for n, t in state.items() if n not in biases}
     # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
     # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
     tmp = _partial_dir(hf_dir)

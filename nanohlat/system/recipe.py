@@ -40,6 +40,7 @@ class ModelConfig(config.ModelConfig):
     moe_every: int = 1           # layer i is sparse when (i + 1) % moe_every == 0 (2: every other layer)
     moe_aux_coef: float = 0.01   # coefficient of the load-balancing loss
     moe_z_coef: float = 0.001    # coefficient of the router z-loss
+    moe_bias_rate: float = 0.0   # balancing without a loss (DeepSeek-V3): each step's move of an expert's bias
     moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes ceil(c * tokens * k / E)
 
     def is_moe_layer(self, i: int) -> bool:
@@ -87,7 +88,7 @@ class ModelConfig(config.ModelConfig):
         if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
             raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
                             f"got {self.moe_shared_experts} and {self.moe_every}")
-        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor"):
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor", "moe_bias_rate"):
             _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
         most = self.moe_experts / self.moe_top_k   # C = ceil(factor * N * k / E) reaches N there (moe.capacity)
         if self.moe_capacity_factor > most:
@@ -419,6 +420,10 @@ HELP = {
                     "logged (without it) as moe_balance",
     "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
                   "logits)^2), logged (without it) as moe_z",
+    "moe_bias_rate": "balancing without a loss (DeepSeek-V3): a bias per expert, added to the router's "
+                     "probabilities to choose the top-k (never to weigh them), moved by this much after each "
+                     "step towards the experts the global batch gave less than their share (0 = off; "
+                     "DeepSeek-V3: 1e-3; with --moe-aux-coef 0 the only balancing)",
     "ep": "expert parallelism: ranks of each dp group sharing a mixture's experts, E/ep each (divides dp; moe.py)",
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
