@@ -53,8 +53,8 @@ Dispatch, two ways (`MoE.capacity_factor`):
     whose other choices and residual stream still do; the weights are not
     renormalised again). `dispatch_capacity` returns the dropped fraction,
     which is logged. N is what one rank routes in one micro-batch (with SP its
-    T/tp share of each sequence): unlike dropless, what is dropped depends on
-    the layout (at dp 2 each half of the batch fills its own queues).
+    T/tp share of each sequence, with --cp its T/cp): unlike dropless, what is
+    dropped depends on the layout (at dp 2 each half of the batch fills its own queues).
 
 Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
@@ -76,6 +76,13 @@ expert tensor parallelism); replication keeps tp out of this block but for
 the router's sums. Its price: every tp rank holds all E experts, and under SP
 all-reduces their gradients over tp each step (without SP it computes them
 on every token, as each of its tp peers does).
+With context parallelism (--cp) each cp rank routes its zigzag T/cp tokens of
+every sequence, and the router's sums over a sequence add up over the cp
+ranks as over tp under SP (`route`'s seq_group: the cp group, and the tp group
+too under SP); the gradients, partial, are summed over dp x cp with every
+other weight's. Expert parallelism then carves its groups out of dp x cp, the
+ranks holding the same weights (`add_groups`): at --cp 2 --ep 2 the two cp
+ranks of a sequence share the experts.
 With pipeline parallelism the router losses of a chunk before the last enter
 its backward as at pp 1, by the same RouterLoss. Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
