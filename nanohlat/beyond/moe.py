@@ -123,6 +123,19 @@ def swiglu(x, gate, up, down):
     return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
+class _SumOver(torch.autograd.Function):
+    """The router's sums over a sequence whose tokens several ranks share: forward all-reduce, backward
+    identity (tensor_parallel.reduce_sum's), named "router sums" for --timeline's cp rows."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        return comm.all_reduce(t, group, what="router sums")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def route(x, w_router, k: int, seq_group=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
@@ -143,7 +156,7 @@ def route(x, w_router, k: int, seq_group=None):
     def over_sequence(t):   # (B, T or a share of it, ...) -> (B, ...): the sum over the sequence's tokens
         t = t.sum(dim=1)
         for g in groups:
-            t = tpl.reduce_sum(t, g)
+            t = _SumOver.apply(t, g) if g.size > 1 else t
         return t
     # exercise 10a: begin
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
