@@ -99,7 +99,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanohlat import comm, shard_spec
-from nanohlat import tensor_parallel as tpl
 from nanohlat.mesh import rank_of
 
 
