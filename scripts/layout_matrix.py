@@ -32,7 +32,8 @@ numerically keeps it. The numbers also depend on torch's version and the CPU
 
 Measured on c4e75e5 (torch 2.13 CPU, an Intel Xeon, 2 cores shared with two
 other test suites, load 7-10): the full matrix (61 runs) three times, digest
-377f17ac9cc5f638f3e418e52e9bfd52bf3b47cebe52f47c137a0cf824059f0c each time;
+377f17ac9cc5f638f3e418e52e9bfd52bf3b47cebe52f47c137a0cf824059f0c each time (before the 4
+moe_cp2 rows were added, which the full matrix now runs too);
 22-27 min of wall time for 12-13 min of CPU. Most of that is fixed cost per
 process: importing torch (~3.5 s) and measuring the CPU's matmul peak for the
 MFU (~1.7 s), against ~0.4 s for 5 steps of tiny; so about 8 min on a quiet
@@ -141,6 +142,11 @@ LAYOUTS = [
     ("moe_ep2_bf16sr", 2, "--preset moe --ep 2 --precision bf16-sr --moments bf16 --check-replicas 1"),
     ("moe_cap_dp2", 2, "--preset moe --dp 2 --moe-capacity-factor 1.25"),
     ("moe_cap_ep2", 2, "--preset moe --ep 2 --moe-capacity-factor 1.25 --check-replicas 1"),
+    # -- mixture of experts with context parallelism (test_moe.py): --ep from dp x cp
+    ("moe_cp2_ring", 2, "--preset moe --cp 2 --cp-attention ring"),
+    ("moe_cp2_ep2", 2, "--preset moe --cp 2 --ep 2 --check-replicas 1"),
+    ("moe_cp2_tp2_sp", 4, "--preset moe --cp 2 --tp 2 --sequence-parallel"),
+    ("moe_cp2_pp2_1f1b_m2", 4, "--preset moe --cp 2 --pp 2 --schedule 1f1b --microbatches 2"),
 ]
 # capacity mode's losses depend on the layout: its ep rows are compared with dp 2, and dp 2's
 # difference from one process is printed but not checked (UNCHECKED)

@@ -436,8 +436,8 @@ def _balanced_routing(rank):
     from nanohlat.beyond import moe
     route = moe.route
 
-    def balanced(x, w_router, k, seq_group=None):
-        experts, weights, balance, z = route(x, w_router, k, seq_group)
+    def balanced(x, w_router, k, seq_group=None, bias=None):
+        experts, weights, balance, z = route(x, w_router, k, seq_group, bias)
         B, T, E = x.shape[0], x.shape[1], w_router.shape[0]
         j = torch.arange(B * T, device=x.device).view(B, T, 1) + torch.arange(k, device=x.device)
         return j % E, weights, balance, z

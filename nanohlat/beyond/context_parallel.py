@@ -171,7 +171,8 @@ def lift(base_rank: int, cp_rank: int, tp: int, cp: int) -> int:
 class ContextMesh(Mesh):
     """mesh.Mesh with a cp dimension between tp and dp: the groups 'cp' (the ranks sharing each
     sequence) and 'dp_cp' (those holding the same weights: the gradients' group), every other kind
-    lifted to each cp rank, and each rank's zigzag part of its sequences."""
+    lifted to each cp rank (but --ep's, carved out of dp x cp: moe.add_groups), and each rank's zigzag
+    part of its sequences."""
 
     cp: int = 1
 
@@ -194,6 +195,8 @@ class ContextMesh(Mesh):
         if kind == "dp_cp":
             return [[lift(rank_of(d, p, t, tp, dp), c, tp, cp) for d in range(dp) for c in range(cp)]
                     for p in range(pp) for t in range(tp)]
+        if getattr(self.extra.get(kind), "whole_mesh", False):   # a kind drawn from dp x cp (moe.add_groups)
+            return self.extra[kind](self)
         base = Mesh(tp, pp, dp, kv_replicas=self.kv_replicas, extra=self.extra)
         return [[lift(b, c, tp, cp) for b in ranks] for c in range(cp) for ranks in base._all(kind)]
 

@@ -64,8 +64,8 @@ Dispatch, two ways (`MoE.capacity_factor`):
     whose other choices and residual stream still do; the weights are not
     renormalised again). `dispatch_capacity` returns the dropped fraction,
     which is logged. N is what one rank routes in one micro-batch (with SP its
-    T/tp share of each sequence): unlike dropless, what is dropped depends on
-    the layout (at dp 2 each half of the batch fills its own queues).
+    T/tp share of each sequence, with --cp its T/cp): unlike dropless, what is
+    dropped depends on the layout (at dp 2 each half of the batch fills its own queues).
 
 Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
@@ -87,6 +87,13 @@ expert tensor parallelism); replication keeps tp out of this block but for
 the router's sums. Its price: every tp rank holds all E experts, and under SP
 all-reduces their gradients over tp each step (without SP it computes them
 on every token, as each of its tp peers does).
+With context parallelism (--cp) each cp rank routes its zigzag T/cp tokens of
+every sequence, and the router's sums over a sequence add up over the cp
+ranks as over tp under SP (`route`'s seq_group: the cp group, and the tp group
+too under SP); the gradients, partial, are summed over dp x cp with every
+other weight's. Expert parallelism then carves its groups out of dp x cp, the
+ranks holding the same weights (`add_groups`): at --cp 2 --ep 2 the two cp
+ranks of a sequence share the experts.
 With pipeline parallelism the router losses of a chunk before the last enter
 its backward as at pp 1, by the same RouterLoss. Mixtral's shape exports (serving/hf.py).
 Shapes: N tokens, C d_model, E experts, k chosen per token, F ffn_dim of one expert.
@@ -103,7 +110,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanohlat import comm, shard_spec
-from nanohlat import tensor_parallel as tpl
 from nanohlat.mesh import rank_of
 
 
@@ -127,6 +133,19 @@ def swiglu(x, gate, up, down):
     return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
+class _SumOver(torch.autograd.Function):
+    """The router's sums over a sequence whose tokens several ranks share: forward all-reduce, backward
+    identity (tensor_parallel.reduce_sum's), named "router sums" for --timeline's cp rows."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        return comm.all_reduce(t, group, what="router sums")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def route(x, w_router, k: int, seq_group=None, bias=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
@@ -137,14 +156,20 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
 
     In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often).
     seq_group: with sequence parallelism x holds T/tp of each sequence's tokens, and the
-    sums over a sequence add up over this tp group (forward all-reduce, backward identity).
+    sums over a sequence add up over this tp group (forward all-reduce, backward identity);
+    a tuple of groups, each holding a share of the tokens (--cp: the cp group, and with SP the
+    tp group too: T/(cp tp) tokens here), adds them up over each in turn.
     bias (E,): balancing without a loss (--moe-bias-rate, `update_bias`): added to p for choosing
     the k only, so it moves tokens between experts without entering the weights or the gradient."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
-    T = x.shape[1] * (seq_group.size if seq_group is not None else 1)   # the whole sequence's tokens
+    groups = seq_group if isinstance(seq_group, tuple) else (() if seq_group is None else (seq_group,))
+    T = x.shape[1] * math.prod(g.size for g in groups)             # the whole sequence's tokens
 
-    def over_sequence(t):   # (B, T or T/tp, ...) -> (B, ...): the sum over the sequence's tokens
-        return t.sum(dim=1) if seq_group is None else tpl.reduce_sum(t.sum(dim=1), seq_group)
+    def over_sequence(t):   # (B, T or a share of it, ...) -> (B, ...): the sum over the sequence's tokens
+        t = t.sum(dim=1)
+        for g in groups:
+            t = _SumOver.apply(t, g) if g.size > 1 else t
+        return t
     # exercise 10a: begin
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
     probs = logits.softmax(dim=-1)                                 # (B, T, E)
@@ -274,10 +299,28 @@ def ep_groups(kind: str, tp: int, pp: int, dp: int, ep: int) -> list[list[int]]:
     # exercise 10c: end
 
 
+def carve(kind: str, grad_groups: list[list[int]], ep: int) -> list[list[int]]:
+    """The 'ep' or 'ep_dp' groups out of any partition into groups of ranks holding the same weights:
+    runs of ep neighbours in each (ep), and the ranks at the same place of every run (ep_dp). Over the
+    dp groups it gives ep_groups' groups; with --cp it is given the dp x cp groups (`add_groups`)."""
+    if kind == "ep":
+        return [g[i:i + ep] for g in grad_groups for i in range(0, len(g), ep)]
+    return [g[j::ep] for g in grad_groups for j in range(ep)]
+
+
 def add_groups(mesh, ep: int):
-    """Give `mesh` the kinds 'ep' and 'ep_dp' (before its groups are built). Returns it."""
+    """Give `mesh` the kinds 'ep' and 'ep_dp' (before its groups are built). Returns it.
+    With --cp (context_parallel.ContextMesh) expert parallelism draws its ranks from dp x cp, the ranks
+    that hold the same weights and other tokens (as Megatron and torchtitan do): the ep groups are runs
+    of the mesh's 'dp_cp' groups (cp neighbours first), so --ep may be up to dp x cp. A kind marked
+    `whole_mesh` is drawn from the ContextMesh itself, not lifted from the cp = 1 mesh's."""
     for kind in ("ep", "ep_dp"):
-        mesh.extra[kind] = lambda m, kind=kind: ep_groups(kind, m.tp, m.pp, m.dp, ep)
+        def groups(m, kind=kind):
+            if getattr(m, "cp", 1) > 1:
+                return carve(kind, m._all("dp_cp"), ep)
+            return ep_groups(kind, m.tp, m.pp, m.dp, ep)
+        groups.whole_mesh = True
+        mesh.extra[kind] = groups
     return mesh
 
 
@@ -357,12 +400,15 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
                  capacity_factor: float = 0.0, ep_group=None, seq_group=None, aux_coef: float = 0.0,
-                 z_coef: float = 0.0, loss_scale: float = 0.0, bias_rate: float = 0.0):
+                 z_coef: float = 0.0, loss_scale: float = 0.0, bias_rate: float = 0.0, cp_group=None):
         super().__init__()
         self.aux_coef, self.z_coef, self.loss_scale = aux_coef, z_coef, loss_scale
         self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
-        self.seq_group = seq_group                                 # --tp with SP: x holds T/tp tokens (route)
-        W = functools.partial(Weight, sequence_parallel=seq_group is not None)
+        # the groups over which a sequence's tokens are shared (route): --tp with SP (x holds T/tp tokens),
+        # --cp (T/cp tokens: this rank's zigzag chunks; with SP T/(cp tp))
+        shares = tuple(g for g in (cp_group, seq_group) if g is not None and g.size > 1)
+        self.seq_group = shares if len(shares) > 1 else (shares[0] if shares else None)
+        W = functools.partial(Weight, sequence_parallel=seq_group is not None)   # (tp's SP; cp's sum: the grad group)
         ep, ep_rank = (ep_group.size, ep_group.rank) if ep_group is not None else (1, 0)
         self.router = W(n_experts, d_model)                        # one linear, no bias: logits = x W_r^T
         self.gate = W(n_experts, ffn_dim, d_model, ep=ep, ep_rank=ep_rank)   # (E/ep of them with --ep)
@@ -409,19 +455,20 @@ class MoE(nn.Module):
         return y.view(B, T, C)
 
 
-def apply(model, cfg, ep_group=None, loss_scale: float = 0.0) -> Figures:
+def apply(model, cfg, ep_group=None, loss_scale: float = 0.0, cp_group=None) -> Figures:
     """A mixture of experts in place of the MLP of every sparse layer (cfg.is_moe_layer) of `model`, this
     rank's stage, before init_weights fills its parameters by name: replicated over tp like the norms (with
     sequence parallelism each tp rank routes its T/tp tokens: `route`'s seq_group); `ep_group`: the ranks
     sharing the experts (--ep), E/ep each; `loss_scale`: each sequence's router losses' weight in the
-    objective (training: 1 / the global batch's sequences; 0: not trained). Returns the step's Figures,
-    which each forward of the stage in training adds to."""
+    objective (training: 1 / the global batch's sequences; 0: not trained); `cp_group`: --cp's ranks, each
+    routing its zigzag T/cp tokens of every sequence, the router's sums added up over them as over tp under
+    SP. Returns the step's Figures, which each forward of the stage in training adds to."""
     seq_group = model.group if model.sequence_parallel else None
     for i, block in model.layers.items():
         if cfg.is_moe_layer(int(i)):
             block.mlp = MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
                             cfg.moe_capacity_factor, ep_group, seq_group, cfg.moe_aux_coef, cfg.moe_z_coef,
-                            loss_scale, cfg.moe_bias_rate)
+                            loss_scale, cfg.moe_bias_rate, cp_group)
     figures = Figures(cfg, model)
     model.register_forward_hook(figures.after_forward, with_kwargs=True)
     return figures

@@ -23,7 +23,8 @@ from nanohlat.precision import param_dtype
 
 def mesh(model_cfg, tcfg, world: int, rank: int) -> meshlib.Mesh:
     """This rank's mesh (groups not built yet): world = dp x pp x tp (mesh.py); with --cp a cp dimension
-    between tp and dp (context_parallel.ContextMesh); with --ep the expert groups carved out of dp (moe.py);
+    between tp and dp (context_parallel.ContextMesh); with --ep the expert groups carved out of dp (with
+    --cp out of dp x cp: moe.add_groups);
     with the interleaved schedule the last stage <-> first stage pairs an odd pp lacks (schedules.py)."""
     tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
     args = (tp, pp, world // (tp * pp * cp), rank, comm.CommLedger(), {}, meshlib.kv_replicas(model_cfg, tp))
@@ -50,7 +51,8 @@ def build(model_cfg, tcfg, mesh, dev):
     layers = schedules.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank, tcfg.virtual_stages)
     model = decoder(model_cfg, mesh.tp_group, tcfg.sequence_parallel, layers, first=mesh.is_first_stage,
                     last=mesh.is_last_stage, kv_group=mesh.group("kv"), sp_regather=tcfg.sp_regather,
-                    ep_group=mesh.group("ep"), router_scale=1.0 / tcfg.batch_size)
+                    ep_group=mesh.group("ep"), router_scale=1.0 / tcfg.batch_size,
+                    cp_group=mesh.group("cp") if tcfg.cp > 1 else None)
     if tcfg.cp > 1:   # context parallelism: attention across the cp ranks, each token rotated at its place
         context_parallel.apply(model, mesh.group("cp"), tcfg.cp_attention)
     if tcfg.schedule == "zb-h1":   # ZB-H1: linears whose weight gradients can wait for the W ops
@@ -84,15 +86,16 @@ def build(model_cfg, tcfg, mesh, dev):
 
 def decoder(model_cfg, group=None, sequence_parallel: bool = False, layers=None, first: bool = True,
             last: bool = True, kv_group=None, sp_regather: bool = True, ep_group=None,
-            router_scale: float = 0.0) -> Transformer:
+            router_scale: float = 0.0, cp_group=None) -> Transformer:
     """The decoder (a pipeline stage of it: model.Transformer's arguments), with a mixture of experts in
     place of the sparse layers' MLPs when the model has one (moe.apply; `ep_group`: --ep's ranks;
     `router_scale`: each sequence's router losses' weight in the objective, 1 / the global batch's
-    sequences in training, 0 elsewhere), whose figures of a step the run logs (`model.step_figures`,
+    sequences in training, 0 elsewhere; `cp_group`: --cp's ranks, over which the router's sums over a
+    sequence add up), whose figures of a step the run logs (`model.step_figures`,
     run/session.py). Its parameters are not filled yet (init_weights, or a checkpoint's load)."""
     model = Transformer(model_cfg, group, sequence_parallel, layers, first, last, kv_group, sp_regather)
     if getattr(model_cfg, "moe_experts", 0):
-        model.step_figures = moe.apply(model, model_cfg, ep_group, router_scale).step
+        model.step_figures = moe.apply(model, model_cfg, ep_group, router_scale, cp_group).step
     return model
 
 

@@ -362,10 +362,11 @@ def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
                         f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
     if tcfg.sequence_parallel and tcfg.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
-    if tcfg.ep > 1 and (dp % tcfg.ep or model.moe_experts % tcfg.ep):   # (each of the ep ranks holds E / ep experts)
-        raise UserError(f"--ep {tcfg.ep} must divide dp {dp} and --moe-experts {model.moe_experts} (each of the ep "
+    if tcfg.ep > 1 and ((dp * cp) % tcfg.ep or model.moe_experts % tcfg.ep):   # (each ep rank holds E / ep experts)
+        where = f"dp x cp {dp * cp}" if cp > 1 else f"dp {dp}"   # (--cp: ep's ranks come out of dp x cp, moe.py)
+        raise UserError(f"--ep {tcfg.ep} must divide {where} and --moe-experts {model.moe_experts} (each of the ep "
                         f"ranks holds experts / ep of them); choose among "
-                        f"{choices(divisors(math.gcd(dp, model.moe_experts)))}")
+                        f"{choices(divisors(math.gcd(dp * cp, model.moe_experts)))}")
     return dp
 
 
@@ -424,7 +425,8 @@ HELP = {
                      "probabilities to choose the top-k (never to weigh them), moved by this much after each "
                      "step towards the experts the global batch gave less than their share (0 = off; "
                      "DeepSeek-V3: 1e-3; with --moe-aux-coef 0 the only balancing)",
-    "ep": "expert parallelism: ranks of each dp group sharing a mixture's experts, E/ep each (divides dp; moe.py)",
+    "ep": "expert parallelism: ranks of each dp group (with --cp: dp x cp) sharing a mixture's experts, E/ep each "
+          "(divides dp, or dp x cp; moe.py)",
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
                            "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
@@ -480,9 +482,10 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 
 
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """A MoE model trains with every layout but cp (experts replicated over dp and tp, or --ep: moe.py,
+    """A MoE model trains with every layout (experts replicated over dp, cp and tp, or --ep: moe.py,
     any ZeRO, pp with any schedule); what its plan counts so far."""
     refused = [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),
+                               ("--plan with --cp", tcfg.plan and tcfg.cp > 1),
                                ("--plan with --ep and --zero 2",   # (tools/plan/ walks ZeRO-2's backward without ep)
                                 tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
                                ("--plan with --tp", tcfg.plan and tcfg.tp > 1),
@@ -491,11 +494,11 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
         raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
     if refused:
         raise UserError(f"a mixture of experts' {', '.join(refused)} is not supported yet (the layout trains; "
-                        f"tools/plan/ does not count it): plan it at --tp 1 --pp 1 with --zero 0-2 (--ep: 0-1)")
+                        f"tools/plan/ does not count it): plan it at --tp 1 --pp 1 --cp 1 with --zero 0-2 (--ep: 0-1)")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N; what cp trains with so far.
+    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N.
     When --nproc is not a multiple of tp x pp x cp this waits for check_layout, which says that first."""
     cp = tcfg.cp
     if tcfg.nproc > 1 and tcfg.nproc % (tcfg.tp * tcfg.pp * cp):
@@ -509,9 +512,6 @@ def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
                         f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
                         f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
                         f"use --cp-attention allgather or ring, or another --cp")
-    if model_cfg.moe_experts:
-        raise UserError(f"--cp {cp} with a mixture of experts (--moe-experts) is not supported yet; train the "
-                        f"mixture with --cp 1, or a dense model with --cp {cp}")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

@@ -327,11 +327,12 @@ def cp_rows(trace, ops, cp_rank: int, rank: int) -> list[str]:
         blocked = ", ".join(f"{b * 1e3:.1f}-{e * 1e3:.1f}" for b, e in ev.blocked) or "-"
         lines.append(f"  {ev.label:15s}  {ev.op:16s} {ev.nbytes:>9,}  {ev.issued * 1e3:7.1f}  "
                      f"{where(ev.issued, ops):20s}  {done}  {blocked}")
-        t = totals.setdefault(ev.op, [0, 0, 0, 0])
+        t = totals.setdefault(ev.op, [0, 0, 0, 0, 0])
         t[0], t[1] = t[0] + 1, t[1] + ev.nbytes
-        t[2 if ev.label.startswith("fwd") else 3] += 1
-    lines += [f"cp rank {cp_rank}: {op} {c} calls, {b:,} bytes ({f} in attention forwards, {k} in its backwards)"
-              for op, (c, b, f, k) in totals.items()]
+        t[2 if ev.label.startswith("fwd") else 3 if ev.label.startswith("bwd") else 4] += 1
+    # (outside attention: a mixture of experts' "router sums" over the cp ranks, moe.route)
+    lines += [f"cp rank {cp_rank}: {op} {c} calls, {b:,} bytes ({f} in attention forwards, {k} in its backwards"
+              f"{f', {o} outside attention' if o else ''})" for op, (c, b, f, k, o) in totals.items()]
     return lines
 
 
