@@ -72,7 +72,7 @@ _CASE = {"name": None}   # the case a check is running, named in an error raised
 
 def case(name: str) -> str:
     """Mark the start of a named case: an exception raised from here on names it."""
-    _CASE["name"] = name
+    _CASE["name"] = Wire.case = name
     return name
 
 

@@ -112,6 +112,7 @@ class Wire:
     _clock = [0]
     board = None     # (a shared array of bytes: what this rank waits in now, for its parent: harness.spawn)
     progress = None  # (a shared counter, bumped whenever a call starts or returns)
+    case = None      # (the case running, harness.case: named on the board)
 
     @classmethod
     def waiting(cls, what: str | None, at: str = "") -> None:
@@ -119,8 +120,7 @@ class Wire:
         if cls.progress is not None:
             cls.progress.value += 1
         if cls.board is not None:
-            from nanohlat.classroom.checks.harness import _CASE     # (the case running: named with it)
-            text = b"" if what is None else f"{_CASE['name']}\x1f{what} (waited at {at})".encode()[:len(cls.board) - 1]
+            text = b"" if what is None else f"{cls.case}\x1f{what} (waited at {at})".encode()[:len(cls.board) - 1]
             cls.board.value = text
 
     @classmethod
