@@ -27,10 +27,9 @@ language-model loss:
     Coefficient --moe-z-coef.
 
 Both are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
-DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
-A sequence's loss depends on that sequence alone, not on which sequences share
-its dp rank or micro-batch, which is what keeps every data-parallel layout
-training exactly like one process (docs/design.md 5). `route` returns them per
+DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences
+(why not over a micro-batch's tokens is tutorial question 10.3: its answer is
+in the tutorial's Solutions and docs/design.md 5). `route` returns them per
 sequence; each MoE layer puts them into the backward where it makes them, with
 their weight in the training objective (`RouterLoss`), so they need no path of
 their own to the loss; the run logs the language model's loss as `loss` and the
@@ -119,12 +118,14 @@ def swiglu(x, gate, up, down):
 def route(x, w_router, k: int, seq_group=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
-    experts (B, T, k)  each token's k chosen experts, likeliest first
-    weights (B, T, k)  their softmax probabilities renormalised over the k (Mixtral)
-    balance (B,)       each sequence's load-balancing loss E * sum_e f_e P_e
-    z       (B,)       each sequence's router z-loss, mean over its tokens of logsumexp^2
+    experts (B, T, k)  int64: each token's k chosen experts, likeliest first
+    weights (B, T, k)  x's dtype (bf16 under --precision bf16): their softmax probabilities
+                       renormalised over the k (Mixtral), computed in fp32 and cast once at the end
+    balance (B,)       fp32 at least: each sequence's load-balancing loss E * sum_e f_e P_e
+    z       (B,)       fp32 at least: each sequence's router z-loss, mean over its tokens of logsumexp^2
 
-    In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often).
+    Everything from the logits on (the matmul included) in fp32 at least, whatever the model's
+    precision: a softmax over bf16 logits ties too often, and bf16 logits move the losses.
     seq_group: with sequence parallelism x holds T/tp of each sequence's tokens, and the
     sums over a sequence add up over this tp group (forward all-reduce, backward identity)."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
