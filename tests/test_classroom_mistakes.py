@@ -788,9 +788,6 @@ PLANTS = [
               "for h in dkv_handles + (handles if s < n - 1 else []):",
               "for h in dkv_handles + dkv_handles + (handles if s < n - 1 else []):")],
           catches="a deadlock: for", extra={"within_s": 30}),
-    Plant("11c", "the dK/dV shift never waited, the K/V shift's wait kept (a deadlock)", [sub(
-              "for h in dkv_handles + (handles if s < n - 1 else []):",
-              "for h in (handles if s < n - 1 else []):")], catches="a deadlock: for", extra={"within_s": 30}),
     right("11c", "the ring turning the forward's way (+1) in both passes, the blocks' indices to match",
           sub('comm.start_ring_shift(kv, group, -1, f"bwd K/V', 'comm.start_ring_shift(kv, group, +1, f"bwd K/V'),
           sub("positions[(me + s) % n]", "positions[(me - s) % n]"),
