@@ -136,7 +136,12 @@ def check_zigzag() -> str | None:
         for rank in range(cp):
             name = case(f"split_sequence of {T + 1} tokens over cp={cp}, rank {rank}")
             mine = torch.tensor(ZIGZAG[(T, cp)][rank])
-            got = split_sequence(tokens.clone(), cp, rank)
+            given = Kept(tokens.clone())
+            got = split_sequence(given.t, cp, rank)
+            v = untouched(f"{name}: split_sequence", "tokens", given, "the caller's batch must come back as it "
+                          "was (every exercise's rule: read the inputs, return new tensors or views)")
+            if v:
+                return v
             if not isinstance(got, tuple) or len(got) != 3:
                 return f"{name}: expected (inputs, targets, positions), got {type(got).__name__}"
             inputs, targets, positions = got
