@@ -272,6 +272,40 @@ def test_moe_export_loads_in_mixtral_with_the_same_logits_and_greedy_tokens(moe_
         assert len(set(out)) > 3, out      # a continuation, not one token repeated
 
 
+def test_mixtral_aux_loss_on_one_sequence_is_nanohlats_balance_term(cache_dir, tmp_path, capsys):
+    """A trained MoE run with one (sparse) layer, exported: on one sequence transformers'
+    router_aux_loss_coef x aux_loss equals nanohlat's --moe-aux-coef x balance on it to 1e-5
+    relative (export writes the coefficient x L / k, hf.py's docstring), and export says so."""
+    import json
+    import train
+    from nanohlat.system import recipe
+    from nanohlat.run import preflight
+    run, hf_dir = str(tmp_path / "run"), str(tmp_path / "hf")
+    train.train(*preflight.inputs(*recipe.parse_args(
+        ["--preset", "moe", "--n-layers", "1", "--moe-aux-coef", "0.03", "--steps", "3", "--device", "cpu",
+         "--cache-dir", cache_dir, "--out-dir", run, "--no-progress", "--eval-every", "0", "--threads", "1"])))
+    capsys.readouterr()
+    assert hf.main(["export", run, hf_dir]) == 0
+    said = capsys.readouterr().out
+    assert "router_aux_loss_coef 0.015 = --moe-aux-coef 0.03 x 1 layers / top-2" in said, said
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = transformers.MixtralConfig(**json.load(f))
+    theirs = transformers.MixtralForCausalLM.from_pretrained(hf_dir, config=config, attn_implementation="eager")
+    theirs = theirs.float().eval()
+    ours, _ = _load(run)
+    x = torch.randint(0, ours.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours(x)
+        aux = theirs(x, output_router_logits=True).aux_loss
+    (balance, _), = [block.mlp.losses for block in ours.layers.values()]
+    mine, hf_term = ours.cfg.moe_aux_coef * balance.double().sum(), config.router_aux_loss_coef * aux.double()
+    assert balance.shape == (1,) and float(balance) > 1.0        # a router that is not perfectly balanced
+    assert abs(float(hf_term) - float(mine)) <= 1e-5 * abs(float(mine)), (float(hf_term), float(mine))
+    # and back: import gives nanohlat's coefficient again
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        assert hf.from_hf_config(json.load(f)).moe_aux_coef == pytest.approx(0.03, rel=1e-12)
+
+
 def test_moe_import_round_trips_bit_for_bit(moe_runs, tmp_path):
     """export -> import gives back every tensor bit for bit, and so does a pass
     through transformers (from_pretrained, save_pretrained: the per-expert layout

@@ -16,7 +16,8 @@ compute exact causal attention across the pieces:
                holds more than two blocks of K/V (a custom backward).
     ulysses    all-to-all from "my tokens, all heads" to "all tokens, my
                heads", ordinary attention on heads/cp heads, all-to-all back.
-               Needs the heads and the kv heads divisible by cp.
+               (What that asks of the model: tutorial question 11.3;
+               ulysses_attention refuses a layout it cannot split.)
 
 Shapes: B batch, H query heads, K kv heads, D head dim, T the whole sequence,
 t = T/cp the tokens on one rank, n = cp. `positions` is the (n, t) table of every

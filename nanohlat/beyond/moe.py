@@ -38,10 +38,9 @@ bit. It is saved in checkpoints with the weights (run/checkpoint) and Mixtral,
 whose router has none, refuses it on export (serving/hf.py).
 
 Both losses are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
-DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
-A sequence's loss depends on that sequence alone, not on which sequences share
-its dp rank or micro-batch, which is what keeps every data-parallel layout
-training exactly like one process (docs/design.md 5). `route` returns them per
+DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences
+(why not over a micro-batch's tokens is tutorial question 10.3: its answer is
+in the tutorial's Solutions and docs/design.md 5). `route` returns them per
 sequence; each MoE layer puts them into the backward where it makes them, with
 their weight in the training objective (`RouterLoss`), so they need no path of
 their own to the loss; the run logs the language model's loss as `loss` and the
@@ -149,12 +148,14 @@ class _SumOver(torch.autograd.Function):
 def route(x, w_router, k: int, seq_group=None, bias=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
-    experts (B, T, k)  each token's k chosen experts, likeliest first (bias: highest p + bias first)
-    weights (B, T, k)  their softmax probabilities renormalised over the k (Mixtral), never the bias
-    balance (B,)       each sequence's load-balancing loss E * sum_e f_e P_e
-    z       (B,)       each sequence's router z-loss, mean over its tokens of logsumexp^2
+    experts (B, T, k)  int64: each token's k chosen experts, likeliest first (bias: highest p + bias first)
+    weights (B, T, k)  x's dtype (bf16 under --precision bf16): their softmax probabilities
+                       renormalised over the k (Mixtral), never the bias, computed in fp32 and cast once at the end
+    balance (B,)       fp32 at least: each sequence's load-balancing loss E * sum_e f_e P_e
+    z       (B,)       fp32 at least: each sequence's router z-loss, mean over its tokens of logsumexp^2
 
-    In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often).
+    Everything from the logits on (the matmul included) in fp32 at least, whatever the model's
+    precision: a softmax over bf16 logits ties too often, and bf16 logits move the losses.
     seq_group: with sequence parallelism x holds T/tp of each sequence's tokens, and the
     sums over a sequence add up over this tp group (forward all-reduce, backward identity);
     a tuple of groups, each holding a share of the tokens (--cp: the cp group, and with SP the

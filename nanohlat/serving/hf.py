@@ -43,8 +43,14 @@ tensors and Mixtral's are one tensor per expert j:
     layers.{i}.mlp.down.weight[j]    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight
 
 (the layout of Mistral's released checkpoints, which transformers 5 fuses into
-its own on loading). --moe-aux-coef travels as router_aux_loss_coef; the
-z-loss coefficient has no Mixtral field and imports as nanohlat's default.
+its own on loading). The z-loss coefficient has no Mixtral field and imports
+as nanohlat's default. The balance loss differs on each side (`mixtral_aux_coef`):
+nanohlat's is coef x the sum over sparse layers of the mean over sequences of
+E sum_e f_e P_e (f_e: the share of a sequence's T*k choices); transformers' is
+router_aux_loss_coef x E sum_e F_e P_e over one pool of all layers' and sequences'
+tokens, F_e = tokens choosing e / tokens (summing to k). Export writes coef x L / k
+(L layers, all sparse), import divides back: equal on one sequence of a one-layer
+model (tests/test_hf.py), else alike in magnitude only, as export says.
 
 For both, one difference is the vocabulary padding (docs/design.md 5.3): nanohlat's embed
 and head have cfg.padded_vocab rows, Hugging Face's have exactly vocab_size.
@@ -160,10 +166,15 @@ def to_hf_config(cfg: ModelConfig, bos_id: int = 1, eos_id: int = 2, dtype: str 
     if cfg.moe_experts:   # Mixtral: (intermediate_size is one expert's), full attention, no router noise
         return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                 "num_local_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
-                "router_aux_loss_coef": cfg.moe_aux_coef, "output_router_logits": False,
+                "router_aux_loss_coef": mixtral_aux_coef(cfg), "output_router_logits": False,
                 "router_jitter_noise": 0.0, "sliding_window": None}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
             "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+
+
+def mixtral_aux_coef(cfg: ModelConfig) -> float:
+    """transformers' router_aux_loss_coef for --moe-aux-coef: L / k times it (module docstring)."""
+    return cfg.moe_aux_coef * cfg.n_layers / cfg.moe_top_k
 
 
 def to_hf_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -267,7 +278,7 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
     return cfg
 
 
-def _mixtral_fields(hf_config: dict, bad, whole) -> dict:
+def _mixtral_fields(hf_config: dict, bad, whole) -> dict:   # (the coefficient: mixtral_aux_coef, inverted)
     """The ModelConfig fields of a Mixtral config.json's mixture of experts (every layer
     sparse, no shared experts, dropless). Its attention must be full (no sliding window)
     and its router without noise, as nanohlat's."""
@@ -281,8 +292,10 @@ def _mixtral_fields(hf_config: dict, bad, whole) -> dict:
     aux = hf_config.get("router_aux_loss_coef")
     if aux is not None and not (isinstance(aux, (int, float)) and not isinstance(aux, bool) and math.isfinite(aux)):
         raise bad("router_aux_loss_coef", "a finite number")
-    return {"moe_experts": hf_config["num_local_experts"], "moe_top_k": hf_config["num_experts_per_tok"],
-            "moe_aux_coef": float(_or(aux, 0.001))}      # (transformers' default)
+    k, layers = hf_config["num_experts_per_tok"], hf_config.get("num_hidden_layers")
+    layers = layers if whole(layers) else 1   # (a bad num_hidden_layers is refused with the other fields)
+    return {"moe_experts": hf_config["num_local_experts"], "moe_top_k": k,
+            "moe_aux_coef": float(_or(aux, 0.001)) * k / layers}   # (0.001: transformers' default)
 
 
 def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor], vocab_multiple: int | None = None,
@@ -490,6 +503,11 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     print(f"exported step {manifest.get('step')} of {run_or_ckpt} -> {hf_dir} "
           f"({'MixtralForCausalLM' if model.cfg.moe_experts else 'LlamaForCausalLM'}, vocab {model.cfg.vocab_size}, "
           f"{sum(v.numel() for v in state.values()):,} params)")
+    if (cfg := model.cfg).moe_experts:
+        print(f"router_aux_loss_coef {mixtral_aux_coef(cfg):g} = --moe-aux-coef {cfg.moe_aux_coef:g} x {cfg.n_layers} "
+              f"layers / top-{cfg.moe_top_k}: transformers pools every layer's and sequence's tokens into one balance "
+              f"loss where nanohlat sums a per-sequence one per layer, so they match in magnitude, exactly on one "
+              f"sequence of a one-layer model (nanohlat/serving/hf.py)")
 
 
 def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,

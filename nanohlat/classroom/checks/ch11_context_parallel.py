@@ -3,8 +3,8 @@
 11a (the merge of two partial attention results) against one softmax over the
 union of the key blocks, computed here in fp64: blocks of unequal sizes, logits
 so large that exp() overflows fp32 without the running max, a block wholly
-masked (lse -inf), a query row with no key in either block, three blocks merged
-in turn. 11b (the zigzag split) against tables derived by hand for small T and
+masked (lse -inf), three blocks merged in turn, its inputs left as they were
+(no row with lse -inf in both inputs: the ring never merges one). 11b (the zigzag split) against tables derived by hand for small T and
 cp: every position exactly once, every rank the same causal work, then the
 exact table; and the shift into (input, target) made before the split, each
 token's target the next token of the whole sequence. 11c (the ring's backward)
@@ -12,7 +12,13 @@ on 4 gloo ranks (cp 4, and cp 3 on a group of 3 of them) against autograd
 through dense causal attention over the whole sequence in fp64, fp32 and bf16
 inputs; once the gradients are right, what the backward moved: every message on
 the cp group, no more bytes sent than the ring sends, and no message larger than
-one block of K/V and its fp32 dK/dV (the ring's point: no rank holds all of K/V).
+one block of K/V and its fp32 dK/dV (the ring's point: no rank holds all of K/V);
+q, k, v and the incoming gradient left as they were; then how each shift ran
+(Wire's clock against each _block_grads call, as 3d sees ZeRO-2's overlap):
+every message waited, the next K/V block in flight during a step's arithmetic
+(n - 1 of them) and waited before the next step's. A deadlock (a handle waited
+twice, a shift never waited) ends after harness.STALL_S s of no rank moving,
+naming what each rank was blocked in.
 The positions tables here are written out by hand, not taken from 11b's code.
 """
 
@@ -22,8 +28,8 @@ import math
 
 import torch
 
-from nanohlat.classroom.checks.harness import TOL, case, compare, make_group, spawn
-from nanohlat.classroom.checks.wire import Wire
+from nanohlat.classroom.checks.harness import TOL, Kept, case, compare, make_group, spawn, untouched
+from nanohlat.classroom.checks.wire import Wire, _name
 
 # rank i holds chunks i and 2n-1-i of 2n chunks (c tokens each): written out, not computed
 ZIGZAG = {
@@ -70,8 +76,8 @@ def check_merge() -> str | None:
     cases.append(("large logits (scores of several hundred: exp() overflows fp32 without the running max)",
                   100.0, [4, 7], None))
     cases.append(("a block wholly masked (every row's lse -inf, its o zeros)", 1.0, [5, 3], "second"))
-    cases.append(("a query row with no key in either of the first two blocks (lse -inf in both), "
-                  "then a third block that has its keys", 1.0, [3, 4, 5], "row"))
+    # (no row with lse -inf in both inputs: the ring merges a query chunk's own diagonal block first, where
+    # every query has its own key, so no merge it makes has such a row; a merge may give it anything)
     cases.append(("three blocks merged in turn (the merged lse is merged again)", 3.0, [2, 5, 3], None))
     for name, scale, sizes, masking in cases:
         name = case(name)
@@ -81,12 +87,17 @@ def check_merge() -> str | None:
         masks = [everyone.expand(B, H, tq, n).clone() for n in sizes]
         if masking == "second":
             masks[1][:] = False
-        elif masking == "row":
-            masks[0][:, :, 2], masks[1][:, :, 2] = False, False
         parts = [_softmax_attention(q, k, v, m) for k, v, m in zip(ks, vs, masks)]
         o, lse = parts[0][0].float(), parts[0][1].float()      # the ring's partial results are fp32
         for o_b, lse_b in parts[1:]:
-            o, lse = merge(o, lse, o_b.float(), lse_b.float())
+            given = [Kept(t) for t in (o, lse, o_b.float(), lse_b.float())]
+            o, lse = merge(*(g.t for g in given))
+            for which, kept in zip(("o_a", "lse_a", "o_b", "lse_b"), given):
+                v = untouched(f"{name}: merge", which, kept, "merge returns the merged result as new tensors; a "
+                              "caller still holding a partial result (to merge it in another order, or to log "
+                              "it) would read a changed one: leave the inputs as they were, as every exercise does")
+                if v:
+                    return v
         want_o, want_lse = _softmax_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), torch.cat(masks, -1))
         v = (compare(f"{name}: the merged o", o, want_o)
              or _compare_lse(f"{name}: the merged lse", lse, want_lse))
@@ -125,7 +136,12 @@ def check_zigzag() -> str | None:
         for rank in range(cp):
             name = case(f"split_sequence of {T + 1} tokens over cp={cp}, rank {rank}")
             mine = torch.tensor(ZIGZAG[(T, cp)][rank])
-            got = split_sequence(tokens.clone(), cp, rank)
+            given = Kept(tokens.clone())
+            got = split_sequence(given.t, cp, rank)
+            v = untouched(f"{name}: split_sequence", "tokens", given, "the caller's batch must come back as it "
+                          "was (every exercise's rule: read the inputs, return new tensors or views)")
+            if v:
+                return v
             if not isinstance(got, tuple) or len(got) != 3:
                 return f"{name}: expected (inputs, targets, positions), got {type(got).__name__}"
             inputs, targets, positions = got
@@ -198,8 +214,54 @@ def _ring_verdict(name, group, calls, rank, kv_bytes, dkv_bytes) -> str | None:
     return None
 
 
+def _shifts_verdict(name, rank, calls, stamps, n) -> str | None:
+    """How each shift ran, against the arithmetic (`stamps`: when each _block_grads call began, on
+    Wire's clock): every started message waited; the K/V block of the next step in flight while
+    this step's blocks are computed (n - 1 of them: the overlap the ring exists for); and each
+    message that was in flight during a step's arithmetic waited before the next step's begins
+    (the block it brings is what that step reads). Steps: runs of _block_grads calls with no
+    collective started or waited in between."""
+    never = sorted((c for c in calls if c.waited is None), key=lambda c: c.kind != "recv")   # (a recv first)
+    if never:
+        return (f"{name} backward on rank {rank}: right values, but {_name(never[0])} was never waited "
+                f"({len(never)} message(s) never waited): reading a received block before its wait() returns "
+                f"reads whatever has arrived so far; gloo happened to deliver it in time here, a GPU's "
+                f"communication stream does not. Wait on every handle comm.start_ring_shift returns")
+    if not stamps:
+        return (f"{name} backward on rank {rank}: the backward never called _block_grads; compute each (query "
+                f"chunk, key chunk) pair's gradients with it (the check sees each step's arithmetic through it)")
+    events = sorted({c.started for c in calls} | {c.waited for c in calls})
+    runs = []
+    for t in sorted(stamps):
+        if runs and not any(runs[-1][-1] < e < t for e in events):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    recvs = [c for c in calls if c.kind == "recv"]
+    over = [c for c in recvs if any(c.started < t < c.waited for t in stamps)]
+    if len(over) < n - 1:
+        return (f"{name} backward on rank {rank}: right values, but no block travelled while a block was computed "
+                f"({len(over)} of its {len(recvs)} receives were in flight during any _block_grads; {n - 1} "
+                f"needed, one for each K/V block that arrives): the ring exists to hide the shifts behind the "
+                f"arithmetic. Start the next K/V block's shift before this step's pairs, wait after them")
+    for j, run in enumerate(runs[:-1]):
+        for c in recvs:
+            if c.started < run[-1] and c.waited > run[-1] and c.waited > runs[j + 1][0]:
+                return (f"{name} backward on rank {rank}: right values, but {_name(c)}, in flight during one "
+                        f"step's arithmetic, was waited only after the next step's began: that step computes "
+                        f"on the block it brings, so wait on it before reading it")
+    return None
+
+
 def _ring(rank, world):
+    from nanohlat.beyond import context_parallel
     from nanohlat.beyond.context_parallel import RingAttention
+    stamps, block_grads = [], context_parallel._block_grads
+
+    def stamped(*args, **kwargs):   # (each pair's arithmetic, on Wire's clock)
+        stamps.append(Wire.now())
+        return block_grads(*args, **kwargs)
+    context_parallel._block_grads = stamped
     groups = [make_group(rank, world, "cp"), make_group(rank, world, "cp", [0, 1, 2])]
     cases = [("cp 4, fp32", groups[0], torch.float32), ("cp 3 (ranks 0-2 of 4), fp32", groups[1], torch.float32),
              ("cp 4, bf16 inputs (within 1.5 bf16 steps of the exact gradients)", groups[0], torch.bfloat16)]
@@ -218,8 +280,16 @@ def _ring(rank, world):
         q, k, v = (x[:, :, mine].clone().requires_grad_() for x in full)
         out = RingAttention.apply(q, k, v, group, table)
         Wire.reset()
-        out.backward(upstream[:, :, mine].clone())
+        stamps.clear()
+        given = [Kept(t) for t in (q, k, v, upstream[:, :, mine].clone())]
+        out.backward(given[3].t)
         calls = list(Wire.calls)
+        for which, kept in zip(("q", "k", "v", "the gradient of the output"), given):
+            verdict = untouched(f"{name}: the backward", which, kept, "autograd hands the backward the saved "
+                                "inputs and the incoming gradient to read; the layers before attention and the "
+                                "optimizer read them after it", rank)
+            if verdict:
+                return verdict
         got = [("the forward's output (through 11a's merge)", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)]
         for (what, value), exact in zip(got, want):
             exact = exact[:, :, mine]
@@ -236,7 +306,8 @@ def _ring(rank, world):
             if verdict:
                 return verdict
         kv_bytes = 2 * k.numel() * k.element_size()
-        v = _ring_verdict(name, group, calls, rank, kv_bytes, 2 * k.numel() * 4)
+        v = _ring_verdict(name, group, calls, rank, kv_bytes, 2 * k.numel() * 4) or \
+            _shifts_verdict(name, rank, calls, stamps, n)
         if v:
             return v
     return None

@@ -72,7 +72,7 @@ _CASE = {"name": None}   # the case a check is running, named in an error raised
 
 def case(name: str) -> str:
     """Mark the start of a named case: an exception raised from here on names it."""
-    _CASE["name"] = name
+    _CASE["name"] = Wire.case = name
     return name
 
 
@@ -98,11 +98,16 @@ def explain(e: BaseException, exercise: str | None = None) -> str:
 # gloo workers
 # ---------------------------------------------------------------------------
 
-def _worker(rank, world, port, fn, args, queue):
+STALL_S = 10.0   # seconds every unfinished rank may sit blocked in a collective, none moving, before
+                 # spawn calls it a deadlock (gloo moves a check's few bytes in microseconds)
+
+
+def _worker(rank, world, port, fn, args, queue, board, progress):
     import datetime
     import torch.distributed as dist
     torch.set_num_threads(1)
     told = False
+    Wire.board, Wire.progress = board, progress
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIME_LIMIT))
@@ -130,19 +135,30 @@ def spawn(fn, world: int, *args) -> str | None:
     ctx = mp.get_context(start_method())
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q), daemon=True) for r in range(world)]
+    boards = [ctx.Array("c", 400, lock=False) for _ in range(world)]   # what each rank is blocked in (Wire)
+    progress = [ctx.Value("q", 0, lock=False) for _ in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, boards[r], progress[r]), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     verdicts = {}
     import time
     deadline = time.monotonic() + TIME_LIMIT
     gone = {}   # rank -> exit code of a rank that ended without a verdict (os._exit, a crash)
+    stalled = None   # [(rank, what it is blocked in)] once every unfinished rank sat blocked STALL_S
+    moved, still_since = None, time.monotonic()
     try:
-        while len(verdicts) < world and time.monotonic() < deadline and not gone:
+        while len(verdicts) < world and time.monotonic() < deadline and not gone and not stalled:
             try:
                 rank, v = q.get(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
                 verdicts[rank] = v
             except queue_mod.Empty:
+                left = [r for r in range(world) if r not in verdicts]
+                now = [(progress[r].value, boards[r].value) for r in left]
+                if now != moved or not all(b for _, b in now):
+                    moved, still_since = now, time.monotonic()
+                elif time.monotonic() - still_since > STALL_S:
+                    stalled = [(r, *b.decode(errors="replace").partition("\x1f")[::2]) for r, (_, b) in zip(left, now)]
                 gone = {r: p.exitcode for r, p in enumerate(procs) if r not in verdicts and p.exitcode is not None}
                 while gone:   # (a verdict put just before its rank exited is still in the queue)
                     try:
@@ -159,6 +175,13 @@ def spawn(fn, world: int, *args) -> str | None:
     if gone:
         return (f"rank(s) {sorted(gone)} ended without a verdict (exit code {', '.join(map(str, gone.values()))}): "
                 f"the code called os._exit or crashed, and an exit ends no check with a pass")
+    if stalled:
+        done = [r for r in range(world) if r in verdicts]
+        return (f"{stalled[0][1]}: a deadlock: for {STALL_S:.0f} s no rank moved; "
+                + "; ".join(f"rank {r} blocked in {what}" for r, _, what in stalled)
+                + (f" (rank(s) {done} had finished)" if done else "")
+                + ": each waits for a message or a collective that its peers never start (or that has "
+                  "already been waited)")
     if len(verdicts) < world:
         stuck = [r for r in range(world) if r not in verdicts]
         return (f"rank(s) {stuck} did not finish within {TIME_LIMIT:.0f} s: usually a collective that only "

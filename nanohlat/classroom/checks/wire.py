@@ -47,11 +47,34 @@ class Call:
     started one (async_op=True, isend, irecv) when its work handle's `wait()`
     returns; `waited` is None while it is still in flight."""
 
-    __slots__ = ("kind", "pg", "payload", "wire", "async_op", "started", "waited")
+    __slots__ = ("kind", "pg", "payload", "wire", "async_op", "started", "waited", "peer", "at")
 
-    def __init__(self, kind, pg, payload, wire, async_op, started):
+    def __init__(self, kind, pg, payload, wire, async_op, started, peer=None, at=""):
         self.kind, self.pg, self.payload, self.wire = kind, pg, payload, wire
         self.async_op, self.started, self.waited = async_op, started, None
+        self.peer, self.at = peer, at      # (a send's or recv's other rank; where the code called it)
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch, this file and nanohlat/comm.py: the code
+    that called the collective (or waited on it)."""
+    import os
+    import sys
+    f = sys._getframe(1)
+    skip = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "comm.py"))
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if name not in skip and f"{os.sep}torch{os.sep}" not in name:
+            return f"{os.path.relpath(name)}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def _name(call) -> str:
+    """'the recv from rank 2 started at nanohlat/beyond/context_parallel.py:412'."""
+    peer = "" if call.peer is None else (f" to rank {call.peer}" if call.kind == "send" else f" from rank {call.peer}")
+    return f"the {call.kind}{peer} started at {call.at}"
 
 
 class _Waited:
@@ -62,7 +85,9 @@ class _Waited:
         self._handle, self._call = handle, call
 
     def wait(self, *args, **kwargs):
+        Wire.waiting(f"the wait() of {_name(self._call)}", _caller())
         out = self._handle.wait(*args, **kwargs)
+        Wire.waiting(None)
         if self._call.waited is None:
             self._call.waited = Wire.now()
         return out
@@ -85,6 +110,18 @@ class Wire:
     calls: list = []
     _depth = [0]
     _clock = [0]
+    board = None     # (a shared array of bytes: what this rank waits in now, for its parent: harness.spawn)
+    progress = None  # (a shared counter, bumped whenever a call starts or returns)
+    case = None      # (the case running, harness.case: named on the board)
+
+    @classmethod
+    def waiting(cls, what: str | None, at: str = "") -> None:
+        """Note on the board what this rank is blocked in (None: nothing), and that it moved."""
+        if cls.progress is not None:
+            cls.progress.value += 1
+        if cls.board is not None:
+            text = b"" if what is None else f"{cls.case}\x1f{what} (waited at {at})".encode()[:len(cls.board) - 1]
+            cls.board.value = text
 
     @classmethod
     def reset(cls) -> None:
@@ -130,11 +167,18 @@ class Wire:
                 pg = bound.get("group") or dist.group.WORLD
                 n = dist.get_world_size(pg)
                 payload = _nbytes(bound.get(arg))
+                peer = next((bound[a] for a in ("dst", "src") if bound.get(a) is not None), None)
+                for a in ("group_dst", "group_src"):   # (batch_isend_irecv names the peer by its rank in the group)
+                    if peer is None and bound.get(a) is not None:
+                        peer = dist.get_global_rank(pg, bound[a])
                 call = Call(kind, pg, payload, _wire(kind, n, payload),
-                            always_async or bool(bound.get("async_op", False)), cls.now())
+                            always_async or bool(bound.get("async_op", False)), cls.now(), peer, _caller())
                 cls.calls.append(call)
+                if not call.async_op:
+                    cls.waiting(f"a blocking {_name(call)}", call.at)
                 out = orig(*args, **kwargs)
                 if not call.async_op:
+                    cls.waiting(None)
                     call.waited = cls.now()           # it returned done
                     return out
                 return _Waited(out, call) if out is not None else out
