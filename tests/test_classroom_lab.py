@@ -31,9 +31,9 @@ REVEALS = {
     3: r"step 1 grad_norm",                                     # the grad norm of step 1
     4: r"--check-replicas: after step 1, parameter \S+norm\S* differs between its tp replicas",
     5: r"step 2 loss",                                          # right until the first update
-    6: r"step 1 loss",
-    7: r"step 2 loss",
-    8: r"exact resume: stopped after step 2 and resumed, step 3 loss",
+    6: r"step 1 (loss|grad_norm)",
+    7: r"--check-replicas: after step 1, parameter \S+ differs between its ep_dp replicas",
+    8: r"exact resume: stopped after step 2 and resumed, step 4 loss",
     9: r"rounding: .* \(ratio 0\.00",
     10: r"a collective waited \d+ s for its peer at nanohlat/\S+:\d+",
 }
@@ -102,3 +102,14 @@ def test_the_instrument_reveals_the_bug_the_reference_fix_passes_and_a_non_fix_f
     assert nonfix is not None, f"bug {n}'s non-fix ({lab.BY_N[n].nonfix_what}) passed"
     if n == HANG:
         assert graded["hang took"] < 30
+
+
+def test_chapter_12_lists_every_bug_in_rising_difficulty_with_its_symptom_and_ends_with_its_solution():
+    with open(os.path.join(ROOT, "tutorial.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    chapter = text[text.index("## 12. "):text.index("## Solutions")]
+    order = [chapter.index(f"**bug {b.n}** ({b.area}, level {b.level}): {b.symptom}") for b in lab.BUGS]
+    levels = [b.level for _, b in sorted(zip(order, lab.BUGS))]
+    assert levels == sorted(levels)
+    solutions = text[text.index("<summary>12, the lab's bugs</summary>"):]
+    assert all(f"bug {b.n} ({b.name}): {b.solution}" in solutions for b in lab.BUGS)

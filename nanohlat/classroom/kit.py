@@ -382,7 +382,7 @@ def cmd_check(args) -> int:
                 verdict = lab.check(i, ROOT)
                 bug = lab.BY_NAME[i]
                 print(f"{i:>13}  {'pass' if verdict is None else 'FAIL'}  ({time.perf_counter() - start:.1f} s)  "
-                      f"{bug.area}: trains like one process on {'; '.join(' '.join(l) for l in bug.layouts)}",
+                      f"{bug.area}: trains like one process on {'; '.join(' '.join(l) for l in bug.layouts) or 'one process'}",
                       flush=True)
                 if verdict is not None:
                     failed.append(i)
