@@ -268,7 +268,7 @@ def select(args) -> list[str]:
     from nanohlat.classroom import lab
     unknown = [i for i in ids if i not in BY_ID and i not in lab.BY_NAME]
     if unknown:
-        usage_error(f"unknown exercise or bug {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all")
+        usage_error(f"unknown exercise {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all (and the lab's bugs, bugN)")
     return ids
 
 
@@ -337,7 +337,8 @@ def cmd_bug(args) -> int:
         usage_error(f"{args.dir} exists and is not an empty folder; choose a new folder")
     if os.path.isdir(dest):
         os.rmdir(dest)
-    lab.make_bug_copy(args.n, dest)
+    make_copy(dest, [])   # the whole repository, no exercise stubbed; then the bug's patch
+    lab.plant(args.n, dest)
     print(f"wrote a copy with bug {args.n} planted to {args.dir}; what you see: {args.dir}/LAB.md")
     print(f"then: cd {args.dir} && python -m nanohlat.classroom check bug{args.n}")
     return 0
