@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 REL_TOL = 1e-5          # per-step loss and grad norm against one process (fp32 round-off is ~1e-7)
 COLLECTIVE_S = 6.0      # a collective waits this long for its peer, then the run ends naming where
-STEPS = 3
+STEPS = 2
 BASE = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "0", "--no-progress", "--threads", "1",
         "--check-replicas", "1", "--warmup-steps", "1"]
 MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
@@ -411,8 +411,9 @@ def jobs_for(bug: Bug, texts: dict, tag: str = "") -> list:
                          argvs=[lay + ["--stop-after", "2"], lay + ["--resume", "auto"]]))
     if bug.targeted == "rounding":
         small = ["--lr", "1e-5", "--min-lr", "1e-5", "--steps", "2", "--warmup-steps", "0"]
+        still = ["--lr", "1e-30", "--min-lr", "1e-30"]   # (far under any gap: the weights as initialised)
         for name, prec in (("fp32", ["--precision", "fp32"]), ("sr", ["--precision", "bf16-sr"]),
-                           ("zero", ["--precision", "bf16-sr", "--lr", "0", "--min-lr", "0"])):
+                           ("fp32-0", ["--precision", "fp32"] + still), ("sr-0", ["--precision", "bf16-sr"] + still)):
             jobs.append(dict(key=f"{tag}{bug.n}:{name}", world=1, weights=True, texts=texts,
                              argvs=[BASE + small + prec]))
     return jobs
@@ -446,12 +447,12 @@ def verdict(bug: Bug, got: dict, tag: str = "") -> str | None:
             return (f"exact resume: stopped after step 2 and resumed, step {a['step']} loss {a['loss']:.6f}; "
                     f"never stopped {b['loss']:.6f}")
     if bug.targeted == "rounding":
-        w = {k: got[f"{tag}{bug.n}:{k}"] for k in ("fp32", "sr", "zero")}
+        w = {k: got[f"{tag}{bug.n}:{k}"] for k in ("fp32", "sr", "fp32-0", "sr-0")}
         for k, r in w.items():
             if "error" in r or r.get("weights") is None:
                 return f"rounding ({k}): {r.get('error', 'no checkpoint written')}"
-        moved_sr = (w["sr"]["weights"] - w["zero"]["weights"]).abs().mean().item()
-        moved_fp = (w["fp32"]["weights"] - w["zero"]["weights"]).abs().mean().item()
+        moved_sr = (w["sr"]["weights"] - w["sr-0"]["weights"]).abs().mean().item()
+        moved_fp = (w["fp32"]["weights"] - w["fp32-0"]["weights"]).abs().mean().item()
         if not 0.8 < moved_sr / moved_fp < 1.25:
             return (f"rounding: 2 steps at lr 1e-5 moved the bf16-sr weights by {moved_sr:.3g} on average, the fp32 "
                     f"ones by {moved_fp:.3g} (ratio {moved_sr / moved_fp:.2f}; unbiased rounding gives ~1)")
