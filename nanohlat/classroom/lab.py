@@ -37,13 +37,12 @@ import datetime
 import io
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 REL_TOL = 1e-5          # per-step loss and grad norm against one process (fp32 round-off is ~1e-7)
 COLLECTIVE_S = 6.0      # a collective waits this long for its peer, then the run ends naming where
@@ -79,7 +78,8 @@ BUGS = [
         "At dp 2 the printed loss is about twice one process's, from step 1, and so is the gradient norm "
         "(metrics.jsonl). Compare the first step's loss and grad norm with one process's.",
         "train.py scaled each rank's loss by 1 / its own tokens (tokens_per_step // dp), then global_mean and the "
-        "gradient all-reduce summed over dp: dp times the mean. Scale by 1 / the global batch's tokens.",
+        "gradient all-reduce summed over dp: dp times the mean. Scale by 1 / the global batch's tokens. (A kindred "
+        "public report: verl-project/verl issue 5625, a loss divided by the local token count.)",
         nonfix=("nanohlat/data_parallel.py", 'return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss")',
                 'return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss") / mesh.dp'),
         nonfix_what="divide the printed loss by dp (the gradients stay dp times too large)"),
@@ -110,7 +110,9 @@ BUGS = [
         "tp 2 trains like one process; tp 2 with --sequence-parallel stops after step 1: --check-replicas says a "
         "parameter differs between its tp replicas. Compare the two layouts, then the replica check's verdict.",
         "The RMSNorm gain was not marked sequence-parallel, so its gradient (each tp rank saw only its own tokens) "
-        "was never summed over tp: every rank stepped its own partial gradient. Mark it (shard_spec).",
+        "was never summed over tp: every rank stepped its own partial gradient. Mark it (shard_spec). (The same "
+        "defect, reported: NVIDIA/Megatron-LM issue 1446, final_layernorm's gradient differing over tp ranks with "
+        "sequence parallelism.)",
         nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
         nonfix_what="turn the replica check off"),
     Bug(5, "zero-gather", "DP/ZeRO", 2, "nanohlat/zero1.py",
@@ -478,7 +480,7 @@ def compare(a: str, b: str) -> int:
         with open(path, encoding="utf-8") as f:
             rows.append({r["step"]: r for r in map(json.loads, f) if "loss" in r})
     print(f"A: {a}, B: {b}")
-    print(f"step      loss A      loss B   grad norm A   grad norm B")
+    print("step      loss A      loss B   grad norm A   grad norm B")
     first = None
     for step in sorted(set(rows[0]) & set(rows[1])):
         x, y = rows[0][step], rows[1][step]
