@@ -34,7 +34,7 @@ REVEALS = {
     6: r"step 1 (loss|grad_norm)",
     7: r"--check-replicas: after step 1, parameter \S+ differs between its ep_dp replicas",
     8: r"exact resume: stopped after step 2 and resumed, step 4 loss",
-    9: r"rounding: .* \(ratio 0\.00",
+    9: r"rounding: .* \(ratio 0\.[0-5]\d;",                   # (weights near 0 still move: ~0.3)
     10: r"a collective waited \d+ s for its peer at nanohlat/\S+:\d+",
 }
 HANG = 10

@@ -165,7 +165,7 @@ BUGS = [
         "master[p.start:p.stop].copy_(w[p.start:p.stop].to(master.dtype))",
         (),
         "--precision bf16-sr trains and its replicas agree; but at a small learning rate the loss does not move. "
-        "Measure how far the stored weights move in a step against how far fp32's move.",
+        "Measure how far the stored weights move in two steps against how far fp32's move: about a quarter as far.",
         "bf16-sr's update was stored with round-to-nearest: an update under half a bf16 gap rounds back to the "
         "old weight, so small updates vanish (HLAT's lesson). Round stochastically: E[round(x)] = x.",
         targeted="rounding",
