@@ -10,7 +10,8 @@ off, the layout refused, the printed loss rescaled) still fails.
 
 The training is the expensive part: all of it runs in two groups of gloo
 workers (lab.evaluate, which runs a job that appears twice once), the
-reference's, the bugs' and the non-fixes' runs in one, the hang in its own.
+reference's, the bugs' and the non-fixes' runs in one, the hang in its own
+(its start-up, one process and the 6 s the stuck collective waits: under 30 s).
 """
 
 from __future__ import annotations
@@ -73,22 +74,19 @@ def test_bug_writes_a_copy_with_that_bug_and_only_its_symptoms(tmp_path, capsys)
 @pytest.fixture(scope="module")
 def graded():
     """{(variant, bug): verdict} for the reference, every bug and every non-fix, all in one worker group."""
-    jobs, start = [], time.perf_counter()
+    jobs = []
     variants = {"ref": lambda b: {}, "bug": lambda b: lab.apply(ROOT, lab.patches_of(b)),
                 "nonfix": lambda b: lab.apply(ROOT, lab.patches_of(b, nonfix=True))}
     for tag, texts in variants.items():
         for b in lab.BUGS:
-            if b.n != HANG:
+            if (tag, b.n) != ("bug", HANG):
                 jobs += lab.jobs_for(b, texts(b), tag=tag)
     got = lab.evaluate(ROOT, jobs, limit_s=600)
     hang = lab.BY_N[HANG]
-    for tag, texts in variants.items():   # a hang leaves its group out of step: its own group
-        t0 = time.perf_counter()
-        got.update(lab.evaluate(ROOT, lab.jobs_for(hang, texts(hang), tag=tag), limit_s=60))
-        got[f"{tag}took"] = time.perf_counter() - t0
+    t0 = time.perf_counter()   # a hang leaves its group out of step: a group of its own
+    got.update(lab.evaluate(ROOT, lab.jobs_for(hang, variants["bug"](hang), tag="bug"), limit_s=60))
     out = {(tag, b.n): lab.verdict(b, got, tag=tag) for tag in variants for b in lab.BUGS}
-    out["took"] = time.perf_counter() - start
-    out["hang took"] = got["bugtook"]
+    out["hang took"] = time.perf_counter() - t0
     return out
 
 
