@@ -380,8 +380,8 @@ def evaluate(root: str, jobs: list, world: int = 2, limit_s: float = 120.0) -> d
             n += 1
             if rank == 0 or "error" in res:
                 cur = got.setdefault(key, {})
-                if "error" in res and "error" not in cur:
-                    cur["error"] = f"rank {rank}: {res['error']}"
+                if "error" in res:   # every rank's, on one line (a hang: where each one waited)
+                    cur["error"] = "; ".join(filter(None, [cur.get("error"), f"rank {rank}: {res['error']}"]))
                 cur.update({k: v for k, v in res.items() if k != "error"})
     finally:
         for p in procs:
