@@ -332,15 +332,19 @@ def _worker(rank, world, port, root, jobs, q, scratch):
     # the groups each run makes (mesh.py, through new_group) wait COLLECTIVE_S in a collective
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
+    ones = 0
     for job in jobs:
-        if job["world"] == 1 and rank:
-            continue
-        if job["world"] > 1:
+        if job["world"] == 1:   # one process: the workers take turns (two run at once)
+            ones += 1
+            if (ones - 1) % world != rank:
+                continue
+        else:
             dist.barrier()   # (the default group's: both ranks start the run's groups together)
         _load(root, job["texts"])
         out = os.path.join(scratch, job["key"].replace(":", "-"))   # (shared by the job's ranks)
-        res = _run(job, rank, world, out)
-        q.put((rank, job["key"], res))
+        mine = rank if job["world"] > 1 else 0                      # this worker's rank in the run
+        res = _run(job, mine, world, out)
+        q.put((mine, job["key"], res))
         if res.get("error", "").startswith("a collective waited") and job["world"] > 1:
             break    # (a rank stuck in a collective: the group is out of step now, the rest is not run)
     dist.destroy_process_group()
@@ -356,7 +360,8 @@ def evaluate(root: str, jobs: list, world: int = 2, limit_s: float = 120.0) -> d
                                                 bool(j.get("weights"))]).encode()).hexdigest()
     first: dict = {}   # a job's signature -> the key of the first job that runs the same code the same way
     same = {j["key"]: first.setdefault(sign(j), j["key"]) for j in jobs}   # (each is run once)
-    every, jobs = jobs, [j for j in jobs if same[j["key"]] == j["key"]]
+    every = jobs   # (one-process runs first: two at a time, one on each worker)
+    jobs = sorted([j for j in jobs if same[j["key"]] == j["key"]], key=lambda j: j["world"])
     sys.path.insert(0, root)
     from nanohlat.run.launch import free_port, start_method
     ctx = mp.get_context(start_method())
