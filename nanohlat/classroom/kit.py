@@ -4,6 +4,9 @@
     python -m nanohlat.classroom new DIR [--chapter N | --exercise ID ...]
     python -m nanohlat.classroom check ID [ID ...] | --chapter N | --all
     python -m nanohlat.classroom needs --update              # re-trace what needs what (needs.py)
+    python -m nanohlat.classroom bug N DIR                   # the debugging lab: a copy with bug N (lab.py)
+    python -m nanohlat.classroom check bugN                  # (in that copy) does it train like one process?
+    python -m nanohlat.classroom compare RUN RUN             # two runs' losses and grad norms, step by step
 
 How it works. The reference code carries *exercise regions*, comment-marked:
 
@@ -262,9 +265,10 @@ def select(args) -> list[str]:
                         f"{', '.join(sorted({str(e.chapter) for e in EXERCISES}, key=int))}")
         return ids
     ids = args.ids or []
-    unknown = [i for i in ids if i not in BY_ID]
+    from nanohlat.classroom import lab
+    unknown = [i for i in ids if i not in BY_ID and i not in lab.BY_NAME]
     if unknown:
-        usage_error(f"unknown exercise {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all")
+        usage_error(f"unknown exercise {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all (and the lab's bugs, bugN)")
     return ids
 
 
@@ -283,6 +287,8 @@ def cmd_list() -> int:
     print("\nWhat runs through which exercise (a command stops at the first stub it reaches; traced on the "
           "reference code, nanohlat/classroom/needs.py):")
     print("\n".join(needs.summary(needs.load())))
+    from nanohlat.classroom import lab
+    print("\n".join(lab.list_lines()))
     return 0
 
 
@@ -321,6 +327,23 @@ def cmd_new(args) -> int:
     return 0
 
 
+def cmd_bug(args) -> int:
+    from nanohlat.classroom import lab
+    if args.n not in lab.BY_N:
+        usage_error(f"no bug {args.n}; the lab's bugs are {', '.join(str(b.n) for b in lab.BUGS)} "
+                    f"(`python -m nanohlat.classroom list`)")
+    dest = os.path.abspath(args.dir)
+    if os.path.lexists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)):
+        usage_error(f"{args.dir} exists and is not an empty folder; choose a new folder")
+    if os.path.isdir(dest):
+        os.rmdir(dest)
+    make_copy(dest, [])   # the whole repository, no exercise stubbed; then the bug's patch
+    lab.plant(args.n, dest)
+    print(f"wrote a copy with bug {args.n} planted to {args.dir}; what you see: {args.dir}/LAB.md")
+    print(f"then: cd {args.dir} && python -m nanohlat.classroom check bug{args.n}")
+    return 0
+
+
 def check_here() -> None:
     """`check` grades the copy it is run in: this folder must be one (or the repository), and the
     nanohlat running it that copy's (usage_error otherwise). Outside a copy it graded whatever
@@ -350,11 +373,22 @@ def cmd_check(args) -> int:
         print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
     check_here()
-    from nanohlat.classroom import isolate, needs
+    from nanohlat.classroom import isolate, lab, needs
     failed = []
     child = isolate.Child(ROOT)   # the student's code runs there: its exit or endless loop is a FAIL
     try:
         for i in ids:
+            if i in lab.BY_NAME:   # the debugging lab: its own gloo workers run the copy's training
+                start = time.perf_counter()
+                verdict = lab.check(i, ROOT)
+                bug = lab.BY_NAME[i]
+                print(f"{i:>13}  {'pass' if verdict is None else 'FAIL'}  ({time.perf_counter() - start:.1f} s)  "
+                      f"{bug.area}: trains like one process on {'; '.join(' '.join(l) for l in bug.layouts) or 'one process'}",
+                      flush=True)
+                if verdict is not None:
+                    failed.append(i)
+                    print(f"              {verdict}", flush=True)
+                continue
             ex = BY_ID[i]
             start = time.perf_counter()
             needs.set_label(f"check {i}")      # (only while needs.py traces the checks)
@@ -387,6 +421,11 @@ def main(argv=None) -> int:
     c.add_argument("ids", nargs="*")
     c.add_argument("--chapter", type=int, default=None)
     c.add_argument("--all", action="store_true")
+    b = sub.add_parser("bug", help="the debugging lab: write a copy of the repository with bug N planted")
+    b.add_argument("n", type=int)
+    b.add_argument("dir")
+    cmp_ = sub.add_parser("compare", help="two runs' per-step losses and grad norms, and where they first differ")
+    cmp_.add_argument("runs", nargs=2)
     u = sub.add_parser("needs", help="re-trace which exercises each tutorial command and check needs (minutes)")
     u.add_argument("--update", action="store_true", required=True, help="rewrite nanohlat/classroom/needs.json")
     args = p.parse_args(argv)
@@ -397,6 +436,11 @@ def main(argv=None) -> int:
         return needs.update([e.id for e in EXERCISES])
     if args.cmd == "new":
         return cmd_new(args)
+    if args.cmd == "bug":
+        return cmd_bug(args)
+    if args.cmd == "compare":
+        from nanohlat.classroom import lab
+        return lab.compare(*args.runs)
     return cmd_check(args)
 
 
