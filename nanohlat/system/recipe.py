@@ -475,18 +475,10 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 
 
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """A MoE model trains with every layout but cp (experts replicated over dp and tp, or --ep: moe.py,
-    any ZeRO, pp with any schedule); what its plan counts so far."""
-    refused = [f for f, on in (("--plan with --zero 3", tcfg.plan and tcfg.zero == 3),
-                               ("--plan with --ep and --zero 2",   # (tools/plan/ walks ZeRO-2's backward without ep)
-                                tcfg.plan and tcfg.ep > 1 and tcfg.zero == 2),
-                               ("--plan with --tp", tcfg.plan and tcfg.tp > 1),
-                               ("--plan with --pp", tcfg.plan and tcfg.pp > 1)) if on]
+    """A MoE model trains, and its plan counts, every layout but cp (experts replicated over dp and tp,
+    or --ep: moe.py; any ZeRO; pp with any schedule): check_cp_layout refuses that one."""
     if tcfg.ep > 1 and not model_cfg.moe_experts:
         raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
-    if refused:
-        raise UserError(f"a mixture of experts' {', '.join(refused)} is not supported yet (the layout trains; "
-                        f"tools/plan/ does not count it): plan it at --tp 1 --pp 1 with --zero 0-2 (--ep: 0-1)")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
