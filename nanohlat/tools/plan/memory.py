@@ -422,7 +422,7 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     zero = tcfg.zero if zero is None else zero
     shards = dp * tcfg.cp if zero else 1
     return sum(padded_size(n, s) // s
-               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards)) * state_bytes_per_param(tcfg)
+               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards, tcfg.virtual_stages)) * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -441,7 +441,7 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
     ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp * tcfg.cp if tcfg.zero else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, s) // (s if tcfg.zero == 3 else 1)
-                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards))
+                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -471,7 +471,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
     shards = dp * tcfg.cp if tcfg.zero else 1
-    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards)   # (--ep: the experts' over dp/ep)
+    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages)   # (--ep: the experts' over dp/ep)
     buffers = 4 * sum(padded_size(n, s) // (s if tcfg.zero >= 2 else 1) for n, s in groups)
     largest_shard = max(padded_size(n, s) // s for n, s in groups)
     during = 0
@@ -489,7 +489,7 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                     fused: bool = True, eager: bool = False) -> dict:
     """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
-    params = stage_param_counts(cfg, tp, pp, stage, tcfg.ep)["total"]
+    params = stage_param_counts(cfg, tp, pp, stage, tcfg.ep, tcfg.virtual_stages)["total"]
     itemsize = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
