@@ -218,7 +218,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
                     vocab_size=512, max_seq_len=64, moe_experts=4, moe_top_k=2),
         dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
     ),
-    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (--ep N: no ZeRO, tp 1)
+    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (HLAT trained no mixture)
     "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
                              max_seq_len=4096, moe_experts=8, moe_top_k=2),
                  dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),

@@ -12,7 +12,9 @@ sequences of T tokens per micro-batch; V the padded vocabulary):
 The peak is an upper bound of the allocator's peak on a rank, at most PEAK_MARGIN
 (10%) above it: tests/test_plan.py measures it on the CPU with the allocator's own
 reports (one process, tp 2 with SP, ZeRO-1/2/3 at dp 2, cp 2 with each attention,
-pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098). There a block
+pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098; the moe preset, routing
+forced balanced, tests/test_plan_moe.py: tp 2 with SP, pp 2 under 1F1B and ZB-H1, ZeRO-3,
+--ep 2 with ZeRO-2). There a block
 gloo's thread frees (a collective's copy of its input, or a tensor the program let go
 of while gloo still held it) counts as freed when the program's wait for its
 collective returns: the profiler does not see frees made on gloo's threads, and
@@ -79,12 +81,12 @@ at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
 v chunks of n_layers/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
-A mixture of experts (tp 1, pp 1) holds its routers and experts in flat
-buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
-rank at --ep N, their weights, fp32 gradients and Adam state alike (ZeRO-1: the
-experts' state sharded over the dp/N ranks holding the same ones); its
-sparse layers' activations beyond a dense MLP are an estimate
-(moe_activation_extra), not yet measured as the dense ones are.
+A mixture of experts holds its routers and experts in flat buffers of their
+own (params.moe_counts), replicated over tp like the norms: replicated at ep 1,
+E/ep experts a rank at --ep N, their weights, fp32 gradients and Adam state
+alike (ZeRO: the experts' sharded over the dp/N ranks holding the same ones);
+what its sparse blocks keep for backward instead of a dense MLP's is counted
+tensor by tensor (moe_layer_bytes, moe_activation_extra).
 With --cp every rank holds T/cp tokens of each sequence: all of the above at
 T/cp, the attention core each algorithm's (context.py), ZeRO sharded over dp x cp.
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
@@ -94,6 +96,8 @@ checkpointing that is more than the block input the forward kept).
 """
 
 from __future__ import annotations
+
+import functools
 
 from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.moe import capacity
@@ -110,7 +114,8 @@ from nanohlat.zero1 import padded_size
 
 # The peak is an upper bound of the allocator's peak on a rank, no more than this fraction
 # above it: tests/test_plan.py measures it on the CPU (gloo) for one process, tp 2 with SP,
-# ZeRO-1/2/3 at dp 2, cp 2 with each attention, pp 2 and 4 under every schedule.
+# ZeRO-1/2/3 at dp 2, cp 2 with each attention, pp 2 and 4 under every schedule (and
+# tests/test_plan_moe.py for a mixture of experts).
 PEAK_MARGIN = 0.10
 
 
@@ -311,7 +316,8 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     return peak
 
 
-def _staged_at_moments(segments: list[tuple[int, int]], dp: int, bucket_elems: int, overlap: bool,
+@functools.lru_cache(maxsize=4096)   # (a search asks for the same group's under every checkpointing mode)
+def _staged_at_moments(segments: tuple[tuple[int, int], ...], dp: int, bucket_elems: int, overlap: bool,
                        moments: int) -> list[int]:
     """ZeRO-2/3: the fp32 staging one flat group holds at each moment of a backward, at most
     (zero2.ZeroTwoDP.grad_hook). `segments`: (moment its gradients are made at, elements), in the
@@ -375,7 +381,7 @@ def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int
     staged = [0] * moments
     gathered = [0] * moments
     def add(segments, kind="sharded"):
-        for m, b in enumerate(_staged_at_moments(segments, ranks.get(kind, zdp), bucket, overlap, moments)):
+        for m, b in enumerate(_staged_at_moments(tuple(segments), ranks.get(kind, zdp), bucket, overlap, moments)):
             staged[m] += b
     if tcfg.zero == 2:
         for kind, _ in kinds:

@@ -285,8 +285,8 @@ def comm_report(cfg: ModelConfig, tcfg: TrainConfig, mesh, measured: dict) -> st
     if not measured:
         return "communication: none (one process)"
     if cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
-        lines = [f"communication per step on rank {mesh.rank}: the comm ledger (a mixture's; --plan, at tp 1 "
-                 f"and pp 1, predicts it, with --ep its all-to-alls for balanced routing)"]
+        lines = [f"communication per step on rank {mesh.rank}: the comm ledger (a mixture's; --plan predicts it, "
+                 f"with --ep its all-to-alls for balanced routing)"]
         return "\n".join(lines + comm_table(measured))
     predicted = comm_per_step(cfg, tcfg, mesh)
     lines = [f"communication per step on rank {mesh.rank}: the comm ledger, and the plan's prediction"]
