@@ -84,6 +84,7 @@ def test_moe_plan_equals_the_ledger_and_bounds_the_allocator_peak(moe_runs, name
             (name, rank, stage, measured, planned, round(planned / measured, 4))
 
 
+@pytest.mark.slow
 def test_hlat_moe_search_prints_its_table_and_names_its_layout(capsys):
     """hlat-moe on 2048 NeuronCores: every layout that trains is searched (tp, pp, ZeRO 0-3, ep), some fit
     16 GiB, and the preset's own layout is called that (HLAT trained no mixture of experts)."""

@@ -99,6 +99,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.moe import capacity
 from nanohlat.beyond.schedules import chunk_layers, stage_ops
@@ -336,18 +338,16 @@ def _staged_at_moments(segments: tuple[tuple[int, int], ...], dp: int, bucket_el
                 break
             x -= n
         return x
-    def touched(a, b, x):   # any of the bucket's real elements at or after x
-        top = min(dp - 1, max(0, numel - 1 - a) // cols)   # the last row holding real elements here
-        return min(top * cols + b, numel) > x
+    a, b = np.array(buckets, dtype=np.int64).reshape(-1, 2).T
+    top = np.minimum(dp - 1, np.maximum(0, numel - 1 - a) // cols)   # the last row holding real elements here
+    reach = np.minimum(top * cols + b, numel)   # a bucket holds real elements at or after x if reach > x
     out = []
     for m in range(moments):
         before, after = suffix(m - 1), suffix(m)
-        done_before = all(a >= before for a, _ in buckets)
-        held = 0
-        for a, b in buckets:
-            if touched(a, b, after) and (overlap and not done_before or a < before):
-                held += 4 * dp * (b - a) + (4 * (b - a) if overlap and a >= after else 0)
-        out.append(held)
+        done_before = not len(a) or a.min() >= before
+        staged = (reach > after) & ((overlap and not done_before) | (a < before))
+        result = staged & (a >= after) if overlap else staged & False   # (overlap: its 1/dp result too)
+        out.append(int(4 * dp * (b - a)[staged].sum() + 4 * (b - a)[result].sum()))
     return out
 
 
