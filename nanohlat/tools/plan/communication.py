@@ -183,7 +183,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
 def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int) -> None:
     """--ep N (moe.dispatch_expert_parallel): per sparse layer and micro-batch, over the ep group,
     5 all-to-alls: the counts (E/N int64 to each rank), the dispatch (this rank's N*k rows of
-    d_model, N = mb x seq_len tokens), the return trip (the rows this rank RECEIVED), and in
+    d_model, N = mb x seq_len tokens, with sequence parallelism the tp rank's 1/tp of them), the return trip (the rows this rank RECEIVED), and in
     backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
     What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
     rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact

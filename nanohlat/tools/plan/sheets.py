@@ -306,8 +306,10 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines += comm_table(by_stage[s])
     everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
     lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    # the tokens a rank routes per micro-batch: with sequence parallelism its T/tp share (moe.py)
+    N = micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if tcfg.sequence_parallel and tp > 1 else 1)
     if tcfg.ep > 1 and cfg.moe_capacity_factor:
-        N, E = micro_batch_size(tcfg, dp) * tcfg.seq_len, cfg.moe_experts
+        E = cfg.moe_experts
         C = moe.capacity(N, cfg.moe_top_k, E, cfg.moe_capacity_factor)
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 4 calls, each {E} experts' queues of "
                      f"capacity {C} (ceil({cfg.moe_capacity_factor} x {N} tokens x top-{cfg.moe_top_k} / {E})) = "
@@ -316,7 +318,6 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      + ("; full checkpointing replays the 2 forward ones" if tcfg.activation_checkpointing == "full"
                         else ""))
     elif tcfg.ep > 1:
-        N = micro_batch_size(tcfg, dp) * tcfg.seq_len
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
                      f"int64 to each of the {tcfg.ep} ranks), the dispatch ({N} tokens x top-{cfg.moe_top_k} = "
                      f"{N * cfg.moe_top_k} rows of d_model {cfg.d_model}) and the return trip's gradient (as many "
