@@ -281,12 +281,15 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     flowing = 2 * mb * (T // tp if sp else T) * C + 2 * mb * T * cfg.ffn_dim // tp
     vocab = cfg.padded_vocab * C // tp if stage in (0, pp - 1) else 0
     one = max(vocab, C * cfg.ffn_dim // tp, C * C // tp)
+    # full checkpointing: a sparse block recomputed in its backward holds what it keeps (moe_layer_bytes) meanwhile
+    recompute = moe_layer_bytes(cfg, mb * T // (tp if sp else 1), mb, itemsize, tcfg.ep) \
+        if tcfg.activation_checkpointing == "full" and stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages) else 0
     if tcfg.schedule != "zb-h1":
-        return itemsize * (one + flowing), 0
+        return itemsize * (one + flowing) + recompute, 0
     deferred = cfg.n_layers // pp * cfg.layer_matrix_params(tp) + (cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
     # W: AccumulateGrad copies each dW it cannot take over (the list still holds it), one at a time
     largest_linear = max(C * cfg.ffn_dim // tp, C * C // tp, cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
-    return itemsize * ((cfg.padded_vocab * C // tp if stage == 0 else C) + flowing), \
+    return itemsize * ((cfg.padded_vocab * C // tp if stage == 0 else C) + flowing) + recompute, \
         itemsize * (deferred + largest_linear)   # B: the embedding's or a norm's gradient
 
 
