@@ -473,13 +473,16 @@ def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_1_and_2(cache_dir, tmp_p
 
 
 MOE_LAYOUTS4 = {"ep4": ["--ep", "4"], "ep2_of_dp4": ["--ep", "2"],     # dp 4: ep_dp groups of 1 and of 2
-                "ep4_zero1": ["--ep", "4", "--zero", "1"], "ep2_of_dp4_zero1": ["--ep", "2", "--zero", "1"]}
+                "ep4_zero1": ["--ep", "4", "--zero", "1"], "ep2_of_dp4_zero1": ["--ep", "2", "--zero", "1"],
+                # each stage's all-to-alls for its own sparse layers (1 of its 2)
+                "pp2_ep2_zbh1_every2": ["--pp", "2", "--ep", "2", "--microbatches", "2", "--schedule", "zb-h1",
+                                        "--moe-every", "2"]}
 
 
 @pytest.mark.slow
 def test_moe_plan_equals_what_ranks_hold_and_send_at_ep_4_and_ep_2_of_dp_4(cache_dir, tmp_path):
-    """The same at dp 4 (4 gloo ranks, one group of workers, 1 step each, routing forced balanced):
-    --ep 4 (each rank 1 of the 4 experts, no other rank holding it: no ep_dp sum) and --ep 2 (2
+    """The same at dp 4 (4 gloo ranks, one group of workers, 1 step each, routing forced balanced),
+    and at pp 2 x dp 2 with --ep 2 under ZB-H1, every other layer sparse: --ep 4 (each rank 1 of the 4 experts, no other rank holding it: no ep_dp sum) and --ep 2 (2
     experts a rank, their gradients summed over the ep_dp group of the 2 ranks holding the same
     ones, [0 2] and [1 3]), each without and with ZeRO-1 (the dense state sharded over dp 4, the
     experts' over their ep_dp group: unsharded at ep 4, halves at ep 2): rank 0's bytes and its
@@ -549,7 +552,8 @@ def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
         assert r[3:5] == ["1", "-"] and tp * pp * dp == 8
         flags = argv + ["--tp", r[1], "--pp", r[2], "--ep", r[6], "--microbatches", r[7],
                         "--zero", "0" if r[8] == "-" else r[8], "--activation-checkpointing", r[10]] \
-            + (["--sequence-parallel"] if r[9] == "yes" else []) + (["--no-overlap-grad-reduce"] if r[-1] == "-" else [])
+            + (["--sequence-parallel"] if r[9] == "yes" else []) \
+            + (["--no-overlap-grad-reduce"] if r[-1] == "-" else [])
         _, t = recipe.parse_args(flags)
         assert t.overlap_grad_reduce == (r[-1] == "on")
         peak = max(plan.memory_per_rank(model, t, tp, pp, dp, s, fused=True, eager=True)["peak"] for s in {0, pp - 1})

@@ -137,7 +137,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             _add(out, f"cp.{op}", payload, calls * m * layers, cp)
     ep = tcfg.ep
     if ep > 1:
-        _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize)
+        _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize, stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages))
     groups = group_kinds(cfg, tp, pp, stage, tcfg.zero, ep, tcfg.virtual_stages)
     # the gradients (and ZeRO's shards, the loss) go over the ranks holding the same weights:
     # dp, with --cp dp x cp (mesh.grad_group, the ledger's 'dp_cp')
@@ -180,11 +180,14 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     return dict(sorted(out.items()))
 
 
-def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int) -> None:
-    """--ep N (moe.dispatch_expert_parallel): per sparse layer and micro-batch, over the ep group,
+def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int,
+                         sparse: int) -> None:
+    """--ep N (moe.dispatch_expert_parallel): per sparse layer of the stage (`sparse` of them) and
+    micro-batch, over the ep group,
     5 all-to-alls: the counts (E/N int64 to each rank), the dispatch (this rank's N*k rows of
-    d_model, N = mb x seq_len tokens, with sequence parallelism the tp rank's 1/tp of them), the return trip (the rows this rank RECEIVED), and in
-    backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
+    d_model, N = mb x seq_len tokens, with sequence parallelism the tp rank's 1/tp of them), the
+    return trip (the rows this rank RECEIVED), and in backward the return trip's gradient (N*k rows
+    again) and the dispatch's (the rows received).
     What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
     rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact
     whatever the routing. Capacity mode (moe.capacity_expert_parallel) sends no counts, and its
@@ -192,7 +195,6 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     Full checkpointing replays the forward ones. Then, once per step
     without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
     sum over dp adds every expert's shard once)."""
-    sparse = cfg.sparse_layers()
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
     sp = tcfg.sequence_parallel and tcfg.tp > 1   # (each tp rank routes its T/tp tokens)

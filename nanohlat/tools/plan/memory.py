@@ -460,7 +460,8 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     zero = tcfg.zero if zero is None else zero
     shards = dp * tcfg.cp if zero else 1
     return sum(padded_size(n, s) // s
-               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards, tcfg.virtual_stages)) * state_bytes_per_param(tcfg)
+               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards, tcfg.virtual_stages)) \
+        * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -479,7 +480,8 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
     ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp * tcfg.cp if tcfg.zero else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, s) // (s if tcfg.zero == 3 else 1)
-                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages))
+                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards,
+                                                                     tcfg.virtual_stages))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -512,7 +514,8 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
     shards = dp * tcfg.cp if tcfg.zero else 1
-    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages)   # (--ep: the experts' over dp/ep)
+    # (--ep: the experts' over dp/ep)
+    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages)
     buffers = 4 * sum(padded_size(n, s) // (s if tcfg.zero >= 2 else 1) for n, s in groups)
     largest_shard = max(padded_size(n, s) // s for n, s in groups)
     during = 0
@@ -551,7 +554,8 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
            "grad_staging": (4 * sum(padded_size(n, r) for n, r in zero_groups(cfg, tp, pp, stage, 2, tcfg.ep, zdp, v))
-                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, zdp, tcfg.ep)) if tcfg.zero >= 2 and zdp > 1 else 0,
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, zdp, tcfg.ep))
+                           if tcfg.zero >= 2 and zdp > 1 else 0,
            # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
            "gathered": itemsize * (zero3_gathered(cfg, tp, zdp, tcfg.ep)
                             + max(padded_size(n, r) for n, r in zero_groups(cfg, tp, pp, 0, 3, tcfg.ep, zdp)))
