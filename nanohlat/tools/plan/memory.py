@@ -108,8 +108,8 @@ from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
 from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
-from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, stage_param_counts, stage_sparse_layers,
-                                        zero3_gathered, zero_groups)
+from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
+                                        stage_sparse_layers, zero3_gathered, zero_groups)
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -213,7 +213,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
                                                               tcfg.cp, tcfg.cp_attention)
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
-    sparse = sum(map(cfg.is_moe_layer, chunk_layers(cfg.n_layers, pp, stage, chunk, v)))   # (this chunk's)
+    sparse = sparse_in(cfg, chunk_layers(cfg.n_layers, pp, stage, chunk, v))   # (this chunk's)
     if sparse and mode != "full":
         total += sparse * moe_activation_extra(cfg, tcfg, mb, T, tp, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nanohlat.system.recipe import ModelConfig
 from nanohlat.precision import param_dtype
-from nanohlat.beyond.schedules import stage_layers
+from nanohlat.beyond.schedules import chunk_layers
 from nanohlat.zero1 import padded_size
 
 
@@ -15,11 +15,15 @@ def dtype_bytes(precision: str) -> int:
     return param_dtype(precision).itemsize
 
 
+def sparse_in(cfg: ModelConfig, layers: range) -> int:
+    """How many of a contiguous run of layers are sparse (cfg.is_moe_layer), by arithmetic, not counting."""
+    every = cfg.moe_every
+    return (layers.stop // every - layers.start // every) if cfg.moe_experts and len(layers) else 0
+
+
 def stage_sparse_layers(cfg: ModelConfig, pp: int, stage: int, v: int = 1) -> int:
-    """How many of the layers stage `stage` holds (its v chunks: schedules.stage_layers) are sparse."""
-    if not cfg.moe_experts:
-        return 0
-    return sum(cfg.is_moe_layer(i) for i in stage_layers(cfg.n_layers, pp, stage, v))
+    """How many of the layers stage `stage` holds (its v chunks: schedules.chunk_layers) are sparse."""
+    return sum(sparse_in(cfg, chunk_layers(cfg.n_layers, pp, stage, c, v)) for c in range(v))
 
 
 def moe_counts(cfg: ModelConfig, ep: int = 1, tp: int = 1, sparse: int | None = None) -> dict:
@@ -102,5 +106,6 @@ def zero3_gathered(cfg: ModelConfig, tp: int, dp: int, ep: int = 1) -> int:
     (whole through a micro-batch's forward and backward) and the largest layer's (zero3.py; a
     mixture's sparse layers are larger than its dense ones)."""
     rest = padded_size(2 * cfg.padded_vocab * cfg.d_model // tp, dp) + padded_size(cfg.d_model, dp)
+    kinds = {cfg.is_moe_layer(i): i for i in (0, cfg.moe_every - 1)}   # a dense layer and a sparse one, if any
     return rest + max(sum(padded_size(n, dp // ep if kind == "experts" else dp)
-                          for kind, n in layer_kinds(cfg, tp, i, ep) if n) for i in range(cfg.n_layers))
+                          for kind, n in layer_kinds(cfg, tp, i, ep) if n) for i in kinds.values())

@@ -114,8 +114,8 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
             f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
             f"(its {k} experts{shared}, the router, the dense rest); {where}",
-            "    (activations: the sparse layers' extra bytes are an estimate, memory.moe_activation_extra, not "
-            "checked against autograd as the dense ones are)"]
+            "    (activations: what each sparse block keeps, memory.moe_layer_bytes, is counted for balanced routing; "
+            "dropless, a router favouring some experts moves more rows to their ranks at --ep)"]
 
 
 def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
