@@ -218,10 +218,8 @@ def test_the_router_losses_join_the_backward_where_they_are_made_and_not_the_los
     assert logged["moe_router_loss"] == pytest.approx(float(router(model).mean().detach()), rel=1e-6)
 
 
-@pytest.mark.parametrize("flags, named", [(["--plan", "--tp", "2"], "--plan with --tp"),
-                                          (["--plan", "--pp", "2"], "--plan with --pp"),
-                                          (["--plan", "--zero", "3"], "--plan with --zero 3"),
-                                          (["--plan", "--ep", "2", "--zero", "2"], "--plan with --ep and --zero 2"),
+@pytest.mark.parametrize("flags, named", [(["--cp", "2"], "--cp 2 with a mixture of experts"),
+                                          (["--plan", "--cp", "2"], "--cp 2 with a mixture of experts"),
                                           (["--moe-top-k", "5"], "--moe-top-k 5")])
 def test_moe_refuses_what_it_does_not_support_in_one_line(flags, named):
     with pytest.raises(UserError) as e:

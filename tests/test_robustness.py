@@ -1477,13 +1477,13 @@ def test_a_capacity_factor_beyond_every_token_is_refused_in_every_command(factor
 def test_the_memory_preflight_counts_the_capacity_buffer():
     import dataclasses
     from nanohlat.system import recipe
-    from nanohlat.tools.plan.memory import moe_activation_extra
+    from nanohlat.tools.plan.memory import moe_layer_bytes
     model, _ = recipe.parse_args(["--preset", "moe", "--moe-experts", "64", "--moe-top-k", "1"])
     N, d = 4096, model.d_model
-    dropless = moe_activation_extra(model, N, 4)
-    at_most = moe_activation_extra(dataclasses.replace(model, moe_capacity_factor=64.0), N, 4)
-    # 64 queues of every token: 64 x the experts' rows, and the dispatch buffer and its output
-    assert at_most - dropless == 4 * (4 * model.ffn_dim * 63 * N + 2 * 63 * N * d + 2 * (64 * N + 1) * d)
+    dropless = moe_layer_bytes(model, N, 1, 4)
+    at_most = moe_layer_bytes(dataclasses.replace(model, moe_capacity_factor=64.0), N, 1, 4)
+    # 64 queues of every token: 64 x the experts' rows, the dispatch buffer (64 N + 1 rows), the keep mask
+    assert at_most - dropless == 4 * (4 * model.ffn_dim * 63 * N + (64 * N + 1) * d) + N
 
 
 # ---------------------------------------------------------------------------

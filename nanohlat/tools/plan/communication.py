@@ -15,7 +15,7 @@ from nanohlat.mesh import kv_replicas
 from nanohlat.pipeline import PipelineRunner
 from nanohlat.beyond.schedules import InterleavedRunner, timetable
 from nanohlat.tools.plan.context import attention_collectives, local_tokens
-from nanohlat.tools.plan.params import dtype_bytes, group_kinds
+from nanohlat.tools.plan.params import dtype_bytes, group_kinds, stage_sparse_layers
 from nanohlat.zero1 import padded_size
 
 
@@ -88,11 +88,19 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         regathers = 2 if tcfg.sp_regather else 0
         leaves_fwd = 2 + full + (full and whole_block_replay)
         per_layer = m * layers                 # calls per collective per block
+        # a mixture's sparse layer (moe.py, replicated over tp) has no MLP to enter or leave: one enter
+        # (its replay under full checkpointing, its regather) and one leave (its whole-block replay) less
+        sparse = m * stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages)
+        mlp_enter, mlp_leave = 1 + full + (regathers > 0), 1 + (full and whole_block_replay)
         if sp:
-            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2 + regathers), tp)   # + leaves' backward
-            _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2), tp)  # + the enters' backward
+            _add(out, "tp.all_gather", act, per_layer * (enters_fwd + 2 + regathers) - sparse * (mlp_enter + 1), tp)
+            _add(out, "tp.reduce_scatter", act, per_layer * (leaves_fwd + 2) - sparse * (mlp_leave + 1), tp)
+            # and its router's per-sequence sums f_e, P_e (mb x E each) and z (mb), fp32, add up over the
+            # tp ranks' T/tp tokens (moe.route's seq_group: all-reduced in the forward and its replay)
+            for n in (mb * cfg.moe_experts, mb * cfg.moe_experts, mb):
+                _add(out, "tp.all_reduce", 4 * n, sparse * (1 + full), tp)
         else:
-            _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2), tp)
+            _add(out, "tp.all_reduce", act, per_layer * (leaves_fwd + 2) - sparse * (mlp_leave + 1), tp)
         if stage == 0:   # embedding leaves the tp region: fwd reduce, (sp: bwd all-gather)
             _add(out, "tp.reduce_scatter" if sp else "tp.all_reduce", act, m, tp)
             _add(out, "tp.all_gather", act, m if sp else 0, tp)
@@ -129,16 +137,17 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
             _add(out, f"cp.{op}", payload, calls * m * layers, cp)
     ep = tcfg.ep
     if ep > 1:
-        _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize)
-    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero, ep)
+        _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize, stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages))
+    groups = group_kinds(cfg, tp, pp, stage, tcfg.zero, ep, tcfg.virtual_stages)
     # the gradients (and ZeRO's shards, the loss) go over the ranks holding the same weights:
     # dp, with --cp dp x cp (mesh.grad_group, the ledger's 'dp_cp')
     g, dp = ("dp_cp", dp * cp) if cp > 1 else ("dp", dp)
     shards = dp if tcfg.zero else 1
     kept = shards if tcfg.zero >= 2 else 1     # ZeRO-2, 3 sum over tp on their shard (optim.py)
     for kind, n in groups:
-        if sp and kind == "replicated":        # norm grads (ZeRO-3: one group per unit)
-            _add(out, "tp.all_reduce", padded_size(n, shards) // kept * 4, 1, tp)
+        if sp and kind in ("replicated", "moe", "experts"):   # norm (and a mixture's) grads (ZeRO-3: per unit)
+            s = shards // ep if kind == "experts" and shards > 1 else shards   # (--ep's over dp/ep: zero_groups)
+            _add(out, "tp.all_reduce", padded_size(n, s) // (s if tcfg.zero >= 2 else 1) * 4, 1, tp)
         if kind == "kv":   # kv heads held by tp/n_kv ranks: their fp32 flat buffer of wk, wv grads summed
             _add(out, "kv.all_reduce", padded_size(n, shards) // kept * 4, 1, kv_replicas(cfg, tp))
     if tp > 1:
@@ -149,10 +158,12 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
             if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (moe.add_groups' ep_dp)
                 e = dp // ep        # (ZeRO-1: reduce-scattered over them, the new weights all-gathered)
-                if e > 1 and tcfg.zero:
+                if e > 1 and tcfg.zero:   # (ZeRO-2, 3: every micro-batch; ZeRO-3 gathers in forward and backward)
                     cols = padded_size(n, e) // e
-                    _add_buckets(out, "ep_dp.reduce_scatter", cols, bucket // e, e, 4, e)
-                    _add_buckets(out, "ep_dp.all_gather", cols, bucket // e, e, itemsize, e)
+                    for _ in range(m if tcfg.zero >= 2 else 1):
+                        _add_buckets(out, "ep_dp.reduce_scatter", cols, bucket // e, e, 4, e)
+                    for _ in range(2 * m if tcfg.zero == 3 else 1):
+                        _add_buckets(out, "ep_dp.all_gather", cols, bucket // e, e, itemsize, e)
                 elif e > 1:
                     _add_buckets(out, "ep_dp.all_reduce", n, bucket, 1, 4, dp // ep)
             elif tcfg.zero:   # buckets cut the (dp, shard) view by columns; ZeRO-2, 3: every micro-batch
@@ -169,11 +180,14 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     return dict(sorted(out.items()))
 
 
-def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int) -> None:
-    """--ep N (moe.dispatch_expert_parallel): per sparse layer and micro-batch, over the ep group,
+def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int, ep: int, itemsize: int,
+                         sparse: int) -> None:
+    """--ep N (moe.dispatch_expert_parallel): per sparse layer of the stage (`sparse` of them) and
+    micro-batch, over the ep group,
     5 all-to-alls: the counts (E/N int64 to each rank), the dispatch (this rank's N*k rows of
-    d_model, N = mb x seq_len tokens), the return trip (the rows this rank RECEIVED), and in
-    backward the return trip's gradient (N*k rows again) and the dispatch's (the rows received).
+    d_model, N = mb x seq_len tokens, with sequence parallelism the tp rank's 1/tp of them), the
+    return trip (the rows this rank RECEIVED), and in backward the return trip's gradient (N*k rows
+    again) and the dispatch's (the rows received).
     What a rank receives depends on the routing: the plan predicts it for balanced routing, N*k
     rows, N*k/N of them from each rank (its own included); summed over the ep group it is exact
     whatever the routing. Capacity mode (moe.capacity_expert_parallel) sends no counts, and its
@@ -181,10 +195,10 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     Full checkpointing replays the forward ones. Then, once per step
     without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
     sum over dp adds every expert's shard once)."""
-    sparse = cfg.sparse_layers()
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
-    N, E, k = mb * tcfg.seq_len, cfg.moe_experts, cfg.moe_top_k
+    sp = tcfg.sequence_parallel and tcfg.tp > 1   # (each tp rank routes its T/tp tokens)
+    N, E, k = mb * tcfg.seq_len // (tcfg.tp if sp else 1), cfg.moe_experts, cfg.moe_top_k
     if cfg.moe_capacity_factor:   # static queues: E x C rows to and fro
         rows = E * moe.capacity(N, k, E, cfg.moe_capacity_factor)
     else:

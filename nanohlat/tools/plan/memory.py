@@ -12,7 +12,9 @@ sequences of T tokens per micro-batch; V the padded vocabulary):
 The peak is an upper bound of the allocator's peak on a rank, at most PEAK_MARGIN
 (10%) above it: tests/test_plan.py measures it on the CPU with the allocator's own
 reports (one process, tp 2 with SP, ZeRO-1/2/3 at dp 2, cp 2 with each attention,
-pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098). There a block
+pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098; the moe preset, routing
+forced balanced, tests/test_plan_moe.py: tp 2 with SP, pp 2 under 1F1B and ZB-H1, ZeRO-3,
+--ep 2 with ZeRO-2). There a block
 gloo's thread frees (a collective's copy of its input, or a tensor the program let go
 of while gloo still held it) counts as freed when the program's wait for its
 collective returns: the profiler does not see frees made on gloo's threads, and
@@ -79,12 +81,12 @@ at once under 1F1B, all M under AFAB (pipeline.stage_order); interleaved, with
 v chunks of n_layers/(pp*v) layers each, min(2(pp-1-stage) + (v-1)pp + 1, v*M) chunk
 activations, the embedding's extras on the first stage's chunk 0 only and the
 loss's on the last stage's last chunk only (activations_in_flight_bytes).
-A mixture of experts (tp 1, pp 1) holds its routers and experts in flat
-buffers of their own (params.moe_counts): replicated at ep 1, E/ep experts a
-rank at --ep N, their weights, fp32 gradients and Adam state alike (ZeRO-1: the
-experts' state sharded over the dp/N ranks holding the same ones); its
-sparse layers' activations beyond a dense MLP are an estimate
-(moe_activation_extra), not yet measured as the dense ones are.
+A mixture of experts holds its routers and experts in flat buffers of their
+own (params.moe_counts), replicated over tp like the norms: replicated at ep 1,
+E/ep experts a rank at --ep N, their weights, fp32 gradients and Adam state
+alike (ZeRO: the experts' sharded over the dp/N ranks holding the same ones);
+what its sparse blocks keep for backward instead of a dense MLP's is counted
+tensor by tensor (moe_layer_bytes, moe_activation_extra).
 With --cp every rank holds T/cp tokens of each sequence: all of the above at
 T/cp, the attention core each algorithm's (context.py), ZeRO sharded over dp x cp.
 ZB-H1 holds p micro-batches on every stage, each from its forward until its
@@ -95,22 +97,27 @@ checkpointing that is more than the block input the forward kept).
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.moe import capacity
-from nanohlat.beyond.schedules import stage_ops
+from nanohlat.beyond.schedules import chunk_layers, stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
 from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
-from nanohlat.tools.plan.params import (dtype_bytes, flat_groups, group_kinds, stage_param_counts, zero3_gathered,
-                                        zero_groups)
+from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
+                                        stage_sparse_layers, zero3_gathered, zero_groups)
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
 
 # The peak is an upper bound of the allocator's peak on a rank, no more than this fraction
 # above it: tests/test_plan.py measures it on the CPU (gloo) for one process, tp 2 with SP,
-# ZeRO-1/2/3 at dp 2, cp 2 with each attention, pp 2 and 4 under every schedule.
+# ZeRO-1/2/3 at dp 2, cp 2 with each attention, pp 2 and 4 under every schedule (and
+# tests/test_plan_moe.py for a mixture of experts).
 PEAK_MARGIN = 0.10
 
 
@@ -157,19 +164,38 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
     return norms + inputs + core + mlp
 
 
-def moe_activation_extra(cfg: ModelConfig, N: int, itemsize: int) -> int:
-    """An ESTIMATE, not checked against autograd: what one sparse layer keeps beyond a dense MLP
-    for N tokens: the experts' SwiGLU intermediates on the rows they compute (4 x rows x ffn; dropless
-    the N*k choices, in capacity mode E queues of C = moe.capacity rows each) and the shared experts'
-    (4 x N x ffn each), less the dense MLP's; the dispatched rows and the weighted outputs (2 x rows
-    x d_model); in capacity mode the dispatch buffer and its output, (E*C + 1) x d_model each (the
-    factor's cost: E/k, the most it may be, makes E*C = E*N); the router's fp32 logits and
-    probabilities (2 x N x E)."""
-    k, E, f = cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor
-    rows = E * capacity(N, k, E, f) if f else N * k
-    buffers = 2 * (rows + 1) * cfg.d_model if f else 0
-    return (itemsize * (4 * cfg.ffn_dim * (rows + N * (cfg.moe_shared_experts - 1)) + 2 * rows * cfg.d_model
-                        + buffers) + 4 * 2 * N * E)
+def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1) -> int:
+    """What one sparse layer's block (moe.MoE) keeps for backward, the N tokens of B sequences this rank
+    routes, routing balanced (counted tensor by tensor: tests/test_plan_moe.py). The router, in fp32
+    (in bf16 it keeps fp32 copies of its input and weight): logits and probabilities (N x E each), the
+    top k's values and indices, the sum renormalising them, the logsumexp of the z-loss, the per-sequence
+    f and P. Dropless (moe.dispatch_sorted; at --ep dispatch_expert_parallel, whose received rows are
+    sorted again: two more int64 permutations): the choices' sorted order and token indices (int64),
+    the N*k gathered rows, the experts' SwiGLU intermediates on them (4 x ffn each), their outputs,
+    the outputs weighted and the weights in sorted order. Capacity mode (dispatch_capacity): its keep
+    mask and slot and token indices, the gathered rows, the dispatch buffer (E*C + 1 rows of C = the
+    capacity; at --ep its E*C received rows), 4 x ffn on each of its E*C rows, the outputs picked back,
+    weighted. Shared experts: a SwiGLU's four intermediates on every token, each."""
+    E, k, F, C, f = cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.d_model, cfg.moe_capacity_factor
+    Nk = N * k
+    router = 4 * (2 * N * E + Nk + 2 * N + B * E + 2 * B + E + 1) + 8 * Nk + (4 * (N + E) * C if itemsize != 4 else 0)
+    if f:
+        rows = E * capacity(N, k, E, f)
+        experts = 17 * Nk + itemsize * (3 * Nk * C + (rows + 1) * C + 4 * rows * F + Nk)
+    else:
+        experts = (32 if ep > 1 else 16) * Nk + itemsize * (3 * Nk * C + 4 * F * Nk + Nk)
+    return router + experts + itemsize * 4 * N * cfg.moe_shared_experts * F
+
+
+def moe_activation_extra(cfg: ModelConfig, tcfg: TrainConfig, mb: int, T: int, tp: int, itemsize: int) -> int:
+    """What a sparse layer keeps beyond the dense one layer_activation_bytes counts: moe_layer_bytes, less
+    the dense MLP's SwiGLU (4 x mb*T*ffn/tp); replicated over tp, the block routes all mb*T tokens of
+    its sequences, or with sequence parallelism its T/tp share, whose input it keeps as it is (with
+    --no-sp-regather a dense MLP keeps the gathered sequence instead)."""
+    sp = tcfg.sequence_parallel and tp > 1
+    N = mb * T // (tp if sp else 1)
+    gathered = itemsize * mb * T * cfg.d_model * (tp - 1) // tp if sp and not tcfg.sp_regather else 0
+    return moe_layer_bytes(cfg, N, mb, itemsize, tcfg.ep) - 4 * itemsize * mb * T * cfg.ffn_dim // tp - gathered
 
 
 def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -187,8 +213,9 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
                                                               tcfg.cp, tcfg.cp_attention)
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
-    if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: recipe.check_moe_layout)
-        total += cfg.sparse_layers() * moe_activation_extra(cfg, mb * T, itemsize)
+    sparse = sparse_in(cfg, chunk_layers(cfg.n_layers, pp, stage, chunk, v))   # (this chunk's)
+    if sparse and mode != "full":
+        total += sparse * moe_activation_extra(cfg, tcfg, mb, T, tp, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + itemsize * mb * T
@@ -254,12 +281,15 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     flowing = 2 * mb * (T // tp if sp else T) * C + 2 * mb * T * cfg.ffn_dim // tp
     vocab = cfg.padded_vocab * C // tp if stage in (0, pp - 1) else 0
     one = max(vocab, C * cfg.ffn_dim // tp, C * C // tp)
+    # full checkpointing: a sparse block recomputed in its backward holds what it keeps (moe_layer_bytes) meanwhile
+    recompute = moe_layer_bytes(cfg, mb * T // (tp if sp else 1), mb, itemsize, tcfg.ep) \
+        if tcfg.activation_checkpointing == "full" and stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages) else 0
     if tcfg.schedule != "zb-h1":
-        return itemsize * (one + flowing), 0
+        return itemsize * (one + flowing) + recompute, 0
     deferred = cfg.n_layers // pp * cfg.layer_matrix_params(tp) + (cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
     # W: AccumulateGrad copies each dW it cannot take over (the list still holds it), one at a time
     largest_linear = max(C * cfg.ffn_dim // tp, C * C // tp, cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
-    return itemsize * ((cfg.padded_vocab * C // tp if stage == 0 else C) + flowing), \
+    return itemsize * ((cfg.padded_vocab * C // tp if stage == 0 else C) + flowing) + recompute, \
         itemsize * (deferred + largest_linear)   # B: the embedding's or a norm's gradient
 
 
@@ -291,7 +321,8 @@ def activations_in_flight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp
     return peak
 
 
-def _staged_at_moments(segments: list[tuple[int, int]], dp: int, bucket_elems: int, overlap: bool,
+@functools.lru_cache(maxsize=4096)   # (a search asks for the same group's under every checkpointing mode)
+def _staged_at_moments(segments: tuple[tuple[int, int], ...], dp: int, bucket_elems: int, overlap: bool,
                        moments: int) -> list[int]:
     """ZeRO-2/3: the fp32 staging one flat group holds at each moment of a backward, at most
     (zero2.ZeroTwoDP.grad_hook). `segments`: (moment its gradients are made at, elements), in the
@@ -310,18 +341,16 @@ def _staged_at_moments(segments: list[tuple[int, int]], dp: int, bucket_elems: i
                 break
             x -= n
         return x
-    def touched(a, b, x):   # any of the bucket's real elements at or after x
-        top = min(dp - 1, max(0, numel - 1 - a) // cols)   # the last row holding real elements here
-        return min(top * cols + b, numel) > x
+    a, b = np.array(buckets, dtype=np.int64).reshape(-1, 2).T
+    top = np.minimum(dp - 1, np.maximum(0, numel - 1 - a) // cols)   # the last row holding real elements here
+    reach = np.minimum(top * cols + b, numel)   # a bucket holds real elements at or after x if reach > x
     out = []
     for m in range(moments):
         before, after = suffix(m - 1), suffix(m)
-        done_before = all(a >= before for a, _ in buckets)
-        held = 0
-        for a, b in buckets:
-            if touched(a, b, after) and (overlap and not done_before or a < before):
-                held += 4 * dp * (b - a) + (4 * (b - a) if overlap and a >= after else 0)
-        out.append(held)
+        done_before = not len(a) or a.min() >= before
+        staged = (reach > after) & ((overlap and not done_before) | (a < before))
+        result = staged & (a >= after) if overlap else staged & False   # (overlap: its 1/dp result too)
+        out.append(int(4 * dp * (b - a)[staged].sum() + 4 * (b - a)[result].sum()))
     return out
 
 
@@ -347,14 +376,15 @@ def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int
     vocab = cfg.padded_vocab * cfg.d_model // tp
     bucket = int(tcfg.bucket_mb * 2**20 / 4)
     overlap = tcfg.overlap_grad_reduce
-    kinds = group_kinds(cfg, tp, pp, stage)
+    kinds = group_kinds(cfg, tp, pp, stage, ep=tcfg.ep, v=v)
+    ranks = {k: zdp // tcfg.ep if k == "experts" else zdp for k, _ in kinds}   # (--ep's experts: over dp/ep)
     # each group's elements per layer: less the embedding and head (sharded), the final norm (replicated)
     ends = {"sharded": vocab * (emb + head), "replicated": cfg.d_model * head}
     per_layer = {k: (n - ends.get(k, 0)) // (L * v) for k, n in kinds}
     staged = [0] * moments
     gathered = [0] * moments
-    def add(segments):
-        for m, b in enumerate(_staged_at_moments(segments, zdp, bucket, overlap, moments)):
+    def add(segments, kind="sharded"):
+        for m, b in enumerate(_staged_at_moments(tuple(segments), ranks.get(kind, zdp), bucket, overlap, moments)):
             staged[m] += b
     if tcfg.zero == 2:
         for kind, _ in kinds:
@@ -363,13 +393,13 @@ def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int
                 segs = ([(L + 1, vocab)] if emb else []) + segs + ([(0, vocab)] if head else [])
             elif kind == "replicated" and head:
                 segs.append((0, cfg.d_model))
-            add([s for s in segs if s[1]])
+            add([s for s in segs if s[1]], kind)
     else:                                 # ZeRO-3 (pp 1): one unit per layer, and the rest's
-        layer_groups = [padded_size(per_layer[k], zdp) for k, _ in kinds]
+        layer_groups = [padded_size(per_layer[k], ranks[k]) for k, _ in kinds]
         rest = [padded_size(2 * vocab, zdp), padded_size(cfg.d_model, zdp)]
         for layer in range(L):
             for k, _ in kinds:
-                add([(L - layer, per_layer[k])])
+                add([(L - layer, per_layer[k])], k)
         add([(L + 1, vocab), (0, vocab)])
         add([(0, cfg.d_model)])
         whole_rest, whole_layer = itemsize * sum(rest), itemsize * sum(layer_groups)
@@ -381,7 +411,11 @@ def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int
     loss = loss_backward + transients + gathered[0]
     # after the head's backward the final norm's and the loss's saved tensors are freed (one chunk a stage)
     tail = loss_activation_bytes(cfg, tcfg, tp, dp, tcfg.sequence_parallel and tp > 1) if head and v == 1 else 0
-    walk = [transients + staged[m] + gathered[m] - max(0, m - 1) * layer_act - (tail if m else 0)
+    # the layers whose backward has ended by moment m, last first (a mixture's sparse ones hold more)
+    extra = moe_activation_extra(cfg, tcfg, mb, local_tokens(tcfg), tp, itemsize) \
+        if cfg.moe_experts and tcfg.activation_checkpointing != "full" else 0
+    acts = [layer_act + extra * cfg.is_moe_layer(i) for i in chunk_layers(cfg.n_layers, pp, stage, v - 1, v)]
+    walk = [transients + staged[m] + gathered[m] - sum(acts[L - max(0, m - 1):]) - (tail if m else 0)
             for m in range(moments)]
     return max(forward, loss, *walk)
 
@@ -403,8 +437,12 @@ def fixed_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, 
     sp = tcfg.sequence_parallel and tp > 1
     last_exchange = eager * exchange_neighbours(tcfg, pp, stage) * 2 * dtype_bytes(tcfg.precision) \
         * micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if sp else 1) * cfg.d_model
+    # a mixture's figures (moe.py): each sparse block keeps its last forward's per-sequence losses and its
+    # load (MoE.losses, .load: fp32, 2 x mb + E + 1), the step's Figures a row of E + 4 per sparse layer
+    figures = 4 * (stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages) * (2 * micro_batch_size(tcfg, dp)
+                   + cfg.moe_experts + 1) + cfg.sparse_layers() * (cfg.moe_experts + 4)) if cfg.moe_experts else 0
     return 2 * 4 * cfg.max_seq_len * cfg.head_dim + 2 * 8 * (tcfg.batch_size // dp) * local_tokens(tcfg) \
-        + last_exchange
+        + last_exchange + figures
 
 
 def state_bytes_per_param(tcfg: TrainConfig) -> int:
@@ -422,7 +460,8 @@ def optimizer_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
     zero = tcfg.zero if zero is None else zero
     shards = dp * tcfg.cp if zero else 1
     return sum(padded_size(n, s) // s
-               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards)) * state_bytes_per_param(tcfg)
+               for n, s in zero_groups(cfg, tp, pp, stage, zero, tcfg.ep, shards, tcfg.virtual_stages)) \
+        * state_bytes_per_param(tcfg)
 
 
 def bytes_per_param_line(tcfg: TrainConfig) -> str:
@@ -441,7 +480,8 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
     ZeRO-3 keeps only the 1/dp shard between uses (zero3.py)."""
     shards = dp * tcfg.cp if tcfg.zero else 1
     return dtype_bytes(tcfg.precision) * sum(padded_size(n, s) // (s if tcfg.zero == 3 else 1)
-                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards))
+                                             for n, s in zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards,
+                                                                     tcfg.virtual_stages))
 
 
 # Eager backends (cpu, cuda) run FlatAdamW.step's AdamW one op at a time. The
@@ -459,6 +499,9 @@ EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
 # Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most
 # 2^20 elements of a buffer at a time (2^19 on the CPU: tools/fast_adamw.py's CPU_BLOCK): 8 B each.
 NORM_CHUNK = 1 << 20
+# Beside the chunk, the norm's scalars: its running sums (fp64), each group's, the loss and its finiteness:
+# at most 8 of 8 bytes (measured: 53 bytes, a mixture's 3 groups, where the norm sets the peak).
+NORM_SCALARS = 64
 
 
 def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -471,7 +514,8 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     are the buffers) and, one group at a time, the all-gathered new weights in
     the parameter dtype."""
     shards = dp * tcfg.cp if tcfg.zero else 1
-    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards)   # (--ep: the experts' over dp/ep)
+    # (--ep: the experts' over dp/ep)
+    groups = zero_groups(cfg, tp, pp, stage, tcfg.zero, tcfg.ep, shards, tcfg.virtual_stages)
     buffers = 4 * sum(padded_size(n, s) // (s if tcfg.zero >= 2 else 1) for n, s in groups)
     largest_shard = max(padded_size(n, s) // s for n, s in groups)
     during = 0
@@ -481,7 +525,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         # phase 2 before phase 3: the grad norm's fp64 copy of one chunk of a buffer, then AdamW's copies
-        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, NORM_CHUNK))
+        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, NORM_CHUNK) + NORM_SCALARS)
     return buffers, during
 
 
@@ -489,11 +533,11 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                     fused: bool = True, eager: bool = False) -> dict:
     """The per-rank breakdown of one stage, in bytes (module docstring). `fused`:
     the attention kernel keeps no T*T scores; `eager`: cpu/cuda, not xla."""
-    params = stage_param_counts(cfg, tp, pp, stage, tcfg.ep)["total"]
+    params = stage_param_counts(cfg, tp, pp, stage, tcfg.ep, tcfg.virtual_stages)["total"]
     itemsize = dtype_bytes(tcfg.precision)
     flight = microbatches_in_flight(tcfg.schedule, pp, tcfg.microbatches, stage, tcfg.virtual_stages)
     flat, temporaries = optimizer_step_bytes(cfg, tcfg, tp, pp, dp, stage, eager)
-    zdp = dp * tcfg.cp   # the ranks ZeRO shards over: dp, with --cp dp x cp (mesh.grad_group)
+    zdp, v = dp * tcfg.cp, tcfg.virtual_stages   # the ranks ZeRO shards over: dp, with --cp dp x cp (mesh.grad_group)
     out = {"params": params, "weights": weight_bytes(cfg, tcfg, tp, pp, dp, stage),
            "grads": 0,   # accumulated in the fp32 buffers
            "optimizer": optimizer_bytes(cfg, tcfg, tp, pp, dp, stage),
@@ -509,11 +553,13 @@ def memory_per_rank(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: i
                             if stage == pp - 1 else 0,
            "flat_grads": flat, "step_temporaries": temporaries,
            # ZeRO-2: buckets staged in the backward until their reduce-scatter (ends), at most all of them
-           "grad_staging": (4 * sum(padded_size(n, zdp) for n in flat_groups(cfg, tp, pp, stage))
-                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, zdp)) if tcfg.zero >= 2 and zdp > 1 else 0,
+           "grad_staging": (4 * sum(padded_size(n, r) for n, r in zero_groups(cfg, tp, pp, stage, 2, tcfg.ep, zdp, v))
+                            if tcfg.zero == 2 else 4 * zero3_gathered(cfg, tp, zdp, tcfg.ep))
+                           if tcfg.zero >= 2 and zdp > 1 else 0,
            # ZeRO-3: the units whole at once (in the parameter dtype), and one group's all-gather result
-           "gathered": itemsize * (zero3_gathered(cfg, tp, zdp)
-                            + max(padded_size(n, zdp) for n in flat_groups(cfg, tp, pp, 0, 3))) if tcfg.zero == 3 else 0}
+           "gathered": itemsize * (zero3_gathered(cfg, tp, zdp, tcfg.ep)
+                            + max(padded_size(n, r) for n, r in zero_groups(cfg, tp, pp, 0, 3, tcfg.ep, zdp)))
+                       if tcfg.zero == 3 else 0}
     if out["grad_staging"] and tcfg.overlap_grad_reduce and eager:
         # overlapped: each started bucket also holds its 1/dp result until the micro-batch's backward ends
         out["grad_staging"] += out["grad_staging"] // zdp

@@ -114,8 +114,8 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
             f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
             f"(its {k} experts{shared}, the router, the dense rest); {where}",
-            "    (activations: the sparse layers' extra bytes are an estimate, memory.moe_activation_extra, not "
-            "checked against autograd as the dense ones are)"]
+            "    (activations: what each sparse block keeps, memory.moe_layer_bytes, is counted for balanced routing; "
+            "dropless, a router favouring some experts moves more rows to their ranks at --ep)"]
 
 
 def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
@@ -285,8 +285,8 @@ def comm_report(cfg: ModelConfig, tcfg: TrainConfig, mesh, measured: dict) -> st
     if not measured:
         return "communication: none (one process)"
     if cfg.moe_experts:   # the all-to-alls' rows follow the routing: the ledger alone
-        lines = [f"communication per step on rank {mesh.rank}: the comm ledger (a mixture's; --plan, at tp 1 "
-                 f"and pp 1, predicts it, with --ep its all-to-alls for balanced routing)"]
+        lines = [f"communication per step on rank {mesh.rank}: the comm ledger (a mixture's; --plan predicts it, "
+                 f"with --ep its all-to-alls for balanced routing)"]
         return "\n".join(lines + comm_table(measured))
     predicted = comm_per_step(cfg, tcfg, mesh)
     lines = [f"communication per step on rank {mesh.rank}: the comm ledger, and the plan's prediction"]
@@ -306,8 +306,10 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines += comm_table(by_stage[s])
     everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
     lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
+    # the tokens a rank routes per micro-batch: with sequence parallelism its T/tp share (moe.py)
+    N = micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if tcfg.sequence_parallel and tp > 1 else 1)
     if tcfg.ep > 1 and cfg.moe_capacity_factor:
-        N, E = micro_batch_size(tcfg, dp) * tcfg.seq_len, cfg.moe_experts
+        E = cfg.moe_experts
         C = moe.capacity(N, cfg.moe_top_k, E, cfg.moe_capacity_factor)
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 4 calls, each {E} experts' queues of "
                      f"capacity {C} (ceil({cfg.moe_capacity_factor} x {N} tokens x top-{cfg.moe_top_k} / {E})) = "
@@ -316,7 +318,6 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      + ("; full checkpointing replays the 2 forward ones" if tcfg.activation_checkpointing == "full"
                         else ""))
     elif tcfg.ep > 1:
-        N = micro_batch_size(tcfg, dp) * tcfg.seq_len
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 5 calls: the counts ({cfg.moe_experts // tcfg.ep} "
                      f"int64 to each of the {tcfg.ep} ranks), the dispatch ({N} tokens x top-{cfg.moe_top_k} = "
                      f"{N * cfg.moe_top_k} rows of d_model {cfg.d_model}) and the return trip's gradient (as many "

@@ -1,0 +1,96 @@
+"""The plan of a mixture of experts (nanohlat/tools/plan/) in every layout it trains with but cp:
+tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, and --ep 2 with ZeRO-2.
+
+Held to the standards tests/test_plan.py holds a dense model's plan to: what one sparse block keeps
+for backward, counted tensor by tensor, to the byte; a run's comm ledger of its first step and its
+bytes per rank (weights, fp32 gradients, Adam state) to the byte; the allocator's peak bounded from
+above, at most PEAK_MARGIN below the plan's. Routing is forced balanced in the runs (what the plan
+predicts the all-to-alls and the --ep dispatch for, test_plan._balanced_routing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from dist_utils import spawn_workers
+from nanohlat.beyond import moe
+from nanohlat.system import recipe
+from nanohlat.tools import plan
+from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
+
+
+@pytest.mark.parametrize("factor, shared, dtype", [(0.0, 0, torch.float32), (1.25, 0, torch.bfloat16),
+                                                   (0.0, 1, torch.bfloat16)], ids=["dropless", "capacity", "shared"])
+def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, dtype):
+    """One moe.MoE block of the moe preset's shape (8 sequences of 32 tokens, 4 experts of ffn 128, top-2):
+    the bytes autograd keeps after its forward (LiveBytes: every storage made inside, still alive; its
+    output's left out) are plan.moe_layer_bytes's: the router's fp32 tensors (and in bf16 its fp32 copies
+    of the input and weight), the dispatch's indices, rows and SwiGLU intermediates, the shared expert's."""
+    cfg = recipe.PRESETS["moe"][0]
+    block = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, shared, factor, aux_coef=0.01,
+                    z_coef=0.001, loss_scale=0.125).to(dtype)
+    x = torch.randn(8, 32, cfg.d_model, dtype=dtype, requires_grad=True)
+    existing = {t.untyped_storage().data_ptr() for t in [*block.parameters(), x]}
+    with LiveBytes(existing) as live:
+        y = block(x)
+    kept = live.alive() - y.numel() * y.element_size()
+    cfg = dataclasses.replace(cfg, moe_capacity_factor=factor, moe_shared_experts=shared)
+    assert kept == plan.moe_layer_bytes(cfg, 8 * 32, 8, dtype.itemsize)
+
+
+# 2 gloo ranks, 3 steps each under the allocator's watch (test_plan.allocator_peak): name -> flags
+MOE_LAYOUTS = {"tp 2 SP": ["--tp", "2", "--sequence-parallel"],
+               "pp 2 1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
+               "pp 2 zb-h1": ["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"],
+               "ZeRO-3 dp 2": ["--dp", "2", "--zero", "3"],
+               "ep 2 ZeRO-2": ["--ep", "2", "--zero", "2", "--microbatches", "2"]}
+
+
+def _worker(rank, world, runs, out_dir):
+    _balanced_routing(rank)
+    _peak_worker(rank, world, runs, out_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(cache_dir, tmp_path_factory):
+    """name -> (argv, its out-dir, [(rank, stage, allocator peak, plan's peak)]): each of MOE_LAYOUTS
+    trained 3 steps by one group of 2 workers (starting them is most of the cost)."""
+    root = tmp_path_factory.mktemp("plan_moe")
+    base = ["--preset", "moe", "--steps", "3", "--eval-every", "0", "--device", "cpu", "--cache-dir", cache_dir]
+    runs = [base + extra for extra in MOE_LAYOUTS.values()]
+    spawn_workers(_worker, 2, (runs, str(root)), str(root / "errors"))
+    results = {r: json.load(open(root / f"peaks{r}.json")) for r in range(2)}
+    return {name: (runs[i], os.path.join(root, f"run{i}"), [(r, *results[r][i]) for r in range(2)])
+            for i, name in enumerate(MOE_LAYOUTS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_plan_equals_the_ledger_and_bounds_the_allocator_peak(moe_runs, name):
+    """Rank 0's first-step comm ledger (payload, wire, padding and calls of every collective: tp's
+    without the sparse blocks' MLP collectives, with their router sums under SP and their gradients'
+    sum over tp; pp's exchanges; ZeRO-3's gathers of every unit, the sparse layers' larger; ep's
+    all-to-alls and the experts' reduce-scatters over their ep_dp pair) and its bytes per rank equal
+    the plan's; on every rank, measured <= plan <= (1 + PEAK_MARGIN) x measured."""
+    argv, out_dir, peaks = moe_runs[name]
+    assert_run_matches_plan(out_dir, argv, 2)
+    for rank, stage, measured, planned in peaks:
+        print(f"moe {name}: rank {rank} stage {stage}: plan / measured {planned / measured:.3f}")   # (-s shows them)
+        assert measured <= planned <= (1 + plan.PEAK_MARGIN) * measured, \
+            (name, rank, stage, measured, planned, round(planned / measured, 4))
+
+
+@pytest.mark.slow
+def test_hlat_moe_search_prints_its_table_and_names_its_layout(capsys):
+    """hlat-moe on 2048 NeuronCores: every layout that trains is searched (tp, pp, ZeRO 0-3, ep), some fit
+    16 GiB, and the preset's own layout is called that (HLAT trained no mixture of experts)."""
+    import train
+    assert train.main(["--plan", "--search", "--preset", "hlat-moe", "--nproc", "2048"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert len(rows) == 10 and "the preset's own layout:" in out and "HLAT's own layout" not in out
+    assert any(r[1] != "1" for r in rows) or any(r[2] != "1" for r in rows)   # tp or pp: not only tp 1 pp 1
