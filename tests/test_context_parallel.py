@@ -16,7 +16,7 @@ token's global offset) must be off by far more than either tolerance.
 
 Each algorithm runs its (query chunk, key chunk) pairs through the fused CPU kernel;
 the same in fp32 matmuls (context_parallel.FUSED off: what runs where torch has no
-kernel returning the log-sum-exp) must agree as closely. And the (query, key) pairs
+kernel returning the log-sum-exp; 3 query rows at a time) must agree as closely. And the (query, key) pairs
 each rank computes, counted at every call of the pairs' arithmetic (`_attend`: a full
 pair all its tq x tk, a causal one tq(tq+1)/2, per sequence and head), are the causal
 pairs of its tokens, the plan's "zigzag pairs" (tools/plan/context.py): nothing the
@@ -98,10 +98,10 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
         results[f"{algorithm} fp32"] = errors(cp_run(algorithm, torch.float32), ref32)
         cpl._attend = attend
         results[f"{algorithm} bf16"] = errors(cp_run(algorithm, torch.bfloat16), ref16)
-        cpl.FUSED = False
+        cpl.FUSED, cpl.ROWS = False, 3     # (3 query rows at a time: chunks of 8 or 4 rows split unevenly)
         results[f"{algorithm} fp32 unfused"] = errors(cp_run(algorithm, torch.float32), ref32)
         results[f"{algorithm} bf16 unfused"] = errors(cp_run(algorithm, torch.bfloat16), ref16)
-        cpl.FUSED = True
+        cpl.FUSED, cpl.ROWS = True, 1024
         # negative control: rotary with local positions 0..t-1, the offset of the tokens forgotten
         results[f"{algorithm} wrong offset"] = errors(
             cp_run(algorithm, torch.float32, torch.arange(len(mine))), ref32)

@@ -326,25 +326,39 @@ def _attend_grads(q, dout, out, lse, k, v, causal: bool):
     return dq, _fold(dk, K), _fold(dv, K)
 
 
+ROWS = 1024   # the fp32-matmul path's query rows at a time: its scores (B, H, ROWS, tk) are all it makes
+
+
 def _block(q, k, v, causal):
-    """One pair in fp32 matmuls (no fused kernel): (o_b, lse_b) as derived above."""
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).tril().logical_not(), float("-inf"))
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)   # (every row has a key: none is skipped)
+    """One pair in fp32 matmuls (no fused kernel): (o_b, lse_b) as derived above, ROWS query rows at a time."""
+    outs, lses = [], []
+    for i in range(0, q.shape[2], ROWS):   # rows i .. : a causal row r sees keys 0 .. i + r
+        s = q[:, :, i:i + ROWS] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).tril(i).logical_not(), float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v)
+        lses.append(torch.logsumexp(s, -1))   # (every row has a key: none is skipped)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def _block_grads(q, dout, out, lse, k, v, causal):
     """One pair's share of dQ, dK, dV in fp32 matmuls: flash attention's backward, with P = exp(S - lse)
-    the final softmax and delta = rowsum(dO * O) of the final output:
+    the final softmax and delta = rowsum(dO * O) of the final output, ROWS query rows at a time:
         dV = P^T dO     dP = dO V^T     dS = P * (dP - delta)
         dQ = dS K / sqrt(D)             dK = dS^T Q / sqrt(D)"""
     scale = 1 / math.sqrt(q.shape[-1])
-    p = torch.exp(q @ k.transpose(-1, -2) * scale - lse[..., None])
-    if causal:
-        p = p.tril()
-    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
-    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout
+    dq, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(0, q.shape[2], ROWS):
+        rows = slice(i, i + ROWS)
+        p = torch.exp(q[:, :, rows] @ k.transpose(-1, -2) * scale - lse[:, :, rows, None])
+        if causal:
+            p = p.tril(i)
+        d = dout[:, :, rows]
+        ds = p * (d @ v.transpose(-1, -2) - (d * out[:, :, rows]).sum(-1, keepdim=True))
+        dq.append(ds @ k * scale)
+        dk += ds.transpose(-1, -2) @ q[:, :, rows] * scale
+        dv += p.transpose(-1, -2) @ d
+    return torch.cat(dq, 2), dk, dv
 
 
 class LocalAttention(torch.autograd.Function):
