@@ -292,6 +292,13 @@ def _fused(x: torch.Tensor) -> bool:
     return FUSED and x.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
+def kernel(device_type: str) -> str:
+    """What a pair's arithmetic is on `device_type` (--timeline and the cp benchmark say it)."""
+    if _fused(torch.empty(0, device="meta" if device_type != "cpu" else "cpu")):
+        return "torch's fused flash-attention kernel, with its log-sum-exp"
+    return f"fp32 matmul blocks, {ROWS} query rows at a time (no fused kernel with a log-sum-exp here)"
+
+
 def _expand(kv, H):
     """(B, K, ., D) -> (B, H, ., D) in fp32: each kv head repeated for the query heads that share it."""
     return kv.float().repeat_interleave(H // kv.shape[1], dim=1)
