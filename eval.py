@@ -24,7 +24,7 @@ import time
 from nanohlat.run import checkpoint, data, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
-from nanohlat.system import cli, flags
+from nanohlat.system import cli, files, flags
 from nanohlat.config import DEVICES, UserError
 from nanohlat.system.recipe import check_seed
 from nanohlat.system.files import atomic_write, json_text
@@ -176,6 +176,7 @@ def check_json_path(path: str) -> None:
         raise UserError(f"cannot write {path!r}: {parent!r} is a file, not a folder; choose another --json")
     if not os.access(parent, os.W_OK):
         raise UserError(f"cannot write {path!r}: {parent!r} is not writable; choose another --json")
+    files.refuse_unless_file(path, "another --json")   # a FIFO, a device, a socket: never replaced by a file
 
 
 @cli.command
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
             evaluate.load_task_file(t)
     out = args.json or os.path.join(args.out_dir, "eval.json")
     check_json_path(out)
+    if args.all_checkpoints:
+        files.refuse_unless_file(os.path.join(args.out_dir, "eval_curves.png"), "another --out-dir")
     dev = devicelib.get_device(args.device)
     if args.all_checkpoints:   # every path a checkpoint directory, resolved here once
         paths = checkpoint.list_checkpoints(args.out_dir)

@@ -210,15 +210,15 @@ class Transformer(nn.Module):
         the residual stream (B, T or T/tp, C) for the next stage.
 
         positions (B, T): each token's position in its sequence (the rotary
-        angles); when not given (training), `rotary`'s: 0..T-1 in every row. cache (serving:
-        serving/generate.py:CachePass, with the same positions): where each
-        layer's attention keeps the new keys and values and finds the earlier
-        ones; `cache.layer(i)` is layer i's part.
+        angles); when not given (training), `rotary`'s: 0..T-1 in every row.
+        cache (serving: serving/generate.py:CachePass, with the same positions):
+        where each layer's attention keeps the new keys and values and finds
+        the earlier ones; `cache.layer(i)` is layer i's part.
 
         layers: run only these of this stage's layers (a chunk of a pipeline
-        stage that holds several); the embedding
-        runs only before layer 0 and the head only after the last layer.
-        None: all of them, embedding and head included where held."""
+        stage that holds several); the embedding runs only before layer 0 and
+        the head only after the last layer. None: all of them, embedding and
+        head included where held."""
         ids = self.layer_ids if layers is None else list(layers)
         embeds = self.first and ids[0] == 0
         ends = self.last and ids[-1] == self.cfg.n_layers - 1

@@ -113,7 +113,7 @@ def timetable(orders: list[list[tuple[str, int, int]]], pp: int, v: int = 1,
         for s in range(pp):
             op = orders[s][nxt[s]] if nxt[s] < len(orders[s]) else None
             if op is not None:
-                dep = depends_on(op, s, pp, v)
+                dep = depends(op, s, pp, v)
                 if dep is not None and done.get(dep, t) >= t:
                     op = None
             row.append(op)

@@ -51,9 +51,24 @@ def test_xla_engine_without_torch_xla_says_so(capsys):
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
     (["--generate", "--seq-len", "15"], "give --seq-len >= 16"),
     (["--engines", "eager,tpu"], "--engines tpu: choose from eager, compile, xla"),
-    (["--cp", "2"], "leave --tp, --pp, --cp and --microbatches at 1"),
+    (["--cp", "2"], "--cp 2 would not be run; leave --nproc, --dp, --tp, --pp, --cp, --ep and --microbatches at 1"),
+    # (issue 50) timed one process at ep 1 and exited 0
+    (["--nproc", "2", "--dp", "2"], "the bench times one process, one micro-batch: --nproc 2, --dp 2 would not be run"),
+    (["--preset", "moe", "--ep", "2"], "--ep 2 would not be run"),
+    (["--nproc", "2"], "--nproc 2 would not be run"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "1e30"], "--moe-capacity-factor 1e+30 is above --moe-experts / "
+                                                                "--moe-top-k = 2"),
 ])
 def test_bench_flags_out_of_range_are_one_line(args, message, capsys):
     assert bench.main(["--preset", "tiny", "--no-hf"] + args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message in err, err
+
+
+def test_the_bench_runs_a_mixture_of_experts(capsys):
+    """--preset moe was an AssertionError: the bench built a dense Llama beside it to compare with
+    (the Mixtral comparison is the speed issue's); now it times nanohlat alone and says so."""
+    assert bench.main(["--preset", "moe", "--steps", "2", "--warmup", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Hugging Face's LlamaForCausalLM has no experts; timing nanohlat alone" in out
+    assert re.search(r"^nanohlat +\d", out, re.M), out

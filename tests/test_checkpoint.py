@@ -425,6 +425,65 @@ def test_non_finite_steps_in_a_row_stop_the_run(cache_dir, tmp_path, capsys):
     assert sorted(losses(tmp_path)) == [1, 2, 3]
 
 
+def test_a_run_stopped_by_max_bad_steps_saves_its_last_good_step_and_resumes_from_it(one, cache_dir, tmp_path,
+                                                                                       capsys, monkeypatch):
+    """Steps 4 and 5 non-finite (their losses NaN), --max-bad-steps 2: the run stops itself at
+    step 5, exit 2, and first saves what it holds, the weights and Adam state of step 3 (the
+    two updates were skipped), as step 3's checkpoint: the one a run that saved at step 3
+    wrote (one/resumed: --stop-after 3), manifest and shards. It exited 2 without saving, its
+    line pointing at a checkpoint "saved before the trouble" that did not exist. --resume auto
+    continues from it with the losses of that run, bit for bit (and of the run never stopped)."""
+    import train
+    from nanohlat import pipeline
+    from nanohlat.run import checkpoint
+    real_run, calls = pipeline.PipelineRunner.run, []
+
+    def run(self, *args, **kwargs):
+        loss = real_run(self, *args, **kwargs)
+        calls.append(1)
+        return loss * float("nan") if len(calls) in (4, 5) else loss
+    monkeypatch.setattr(pipeline.PipelineRunner, "run", run)
+    out = tmp_path / "run"
+    assert train.main(flags(cache_dir, out, "--max-bad-steps", 2)) == 2
+    err = capsys.readouterr().err
+    assert "error: 2 steps in a row had a non-finite loss or gradient (by step 5); stopping at --max-bad-steps 2" \
+        in err and err.count("error:") == 1, err
+    assert f"the weights are those of step 3, the last good one: saved in {ckpt(out, 3)}. " in err, err
+    assert "--resume auto continues from there" in err
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(str(out))] == ["step_00000003"]
+    mine, theirs = (checkpoint.read_manifest(ckpt(d, N)) for d in (out, one / "resumed"))
+    for key in ("step", "tokens", "schedule", "layout"):
+        assert mine[key] == theirs[key], key
+    shards = [torch.load(os.path.join(ckpt(d, N), "shard_00000.pt"), weights_only=True) for d in (out, one / "resumed")]
+
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    for section in ("model", "optim", "rng"):
+        assert same(shards[0][section], shards[1][section]), section
+    monkeypatch.undo()
+    assert train.main(flags(cache_dir, out, "--resume", "auto")) == 0
+    assert losses(out) == losses(one / "resumed") == losses(one / "full")
+
+
+def test_resume_auto_never_starts_from_scratch_over_a_runs_metrics(cache_dir, tmp_path, capsys):
+    """An out-dir with metrics.jsonl records and no complete checkpoint (a run that saved nothing):
+    --resume auto started from scratch and replaced them. Refused now, naming them; --resume never
+    --overwrite starts again."""
+    import train
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 6.2}\n{"step": 2, "loss": 6.1}\n')
+    assert train.main(flags(cache_dir, out, "--resume", "auto")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --out-dir {out} holds a run's metrics.jsonl (2 records) but no complete checkpoint "
+                   f"to continue from: --resume auto would start from scratch and replace them; --resume never "
+                   f"--overwrite starts again, or choose another --out-dir"), err
+    assert (out / "metrics.jsonl").read_text().count("\n") == 2
+    assert train.main(flags(cache_dir, out, "--resume", "never", "--overwrite", "--steps", 1)) == 0
+
+
 def test_nan_checks_are_off_while_neuron_extracts_graphs(cache_dir, tmp_path, monkeypatch):
     """neuron_parallel_compile runs the script on zero-valued tensors: no stopping then."""
     monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")

@@ -52,10 +52,11 @@ WRONG = {
 }
 
 
-def run_check(cwd: str, *args: str, trace: str | None = None) -> subprocess.CompletedProcess:
+def run_check(cwd: str, *args: str, trace: str | None = None, env: dict | None = None,
+              pythonpath: str | None = None) -> subprocess.CompletedProcess:
     """`check *args` in `cwd`; with `trace` (a folder), what each check reaches is recorded there."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = cwd                       # the copy's own nanohlat, not the repository's
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})
+    env["PYTHONPATH"] = pythonpath or cwd         # the copy's own nanohlat, not the repository's
     if trace:
         env = needs.trace_env(trace, env)
     return subprocess.run([sys.executable, "-m", "nanohlat.classroom", "check", *args], cwd=cwd, env=env,
@@ -186,3 +187,74 @@ def test_the_readme_reading_order_names_the_exercises_each_file_holds():
     for path, ids in held.items():
         if path not in listed:   # outside the core: the paragraph above the table names them
             assert all(f"{i} (`{path}`)" in " ".join(section.split()) for i in ids), (path, ids)
+
+
+# ---------------------------------------------------------------------------
+# A check that cannot be fooled (issue 50): exits, endless loops, missing files, no copy
+# ---------------------------------------------------------------------------
+
+def plant_region(dest, ex: str, code: str) -> None:
+    """Exercise `ex`'s region in the copy at `dest` becomes `code` (indented as the region)."""
+    rel, begin, end, indent = classroom.find_regions(str(dest))[ex][0]
+    path = dest / rel
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:begin + 1] + [indent + line for line in code.splitlines()] + lines[end:]) + "\n")
+
+
+def test_an_exit_or_an_endless_loop_in_an_exercise_fails_its_check(tmp_path):
+    """The student's code ran in `check`'s own process: sys.exit(0) and os._exit(0) ended it with
+    nothing printed and exit code 0 (a pass), and a loop that never ends hung it (only the
+    distributed checks had a time limit). Now each is a FAIL of its exercise, and the loop is
+    stopped at the limit (here 3 s)."""
+    import time
+    dest = tmp_path / "copy"
+    classroom.make_copy(str(dest), [], ROOT)
+    plant_region(dest, "1a", "while True:\n    pass")
+    plant_region(dest, "1b", "import sys\nsys.exit(0)")
+    plant_region(dest, "6a", "import os\nos._exit(0)")
+    start = time.monotonic()
+    r = run_check(str(dest), "1a", "1b", "6a", "7a", env={"NANOHLAT_CHECK_TIME_LIMIT": "3"})
+    took = time.monotonic() - start
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert verdicts(r.stdout) == {"1a": "FAIL", "1b": "FAIL", "6a": "FAIL", "7a": "pass"}, r.stdout
+    assert "check_rmsnorm did not finish within 13 s: the code never returned" in r.stdout, r.stdout
+    assert "exercise 1b's code exited (sys.exit(0), at nanohlat/model.py:" in r.stdout, r.stdout
+    assert ("the check ended without a verdict: the process running it exited (exit code 0) during check_coords"
+            in r.stdout), r.stdout
+    assert "3 failed" in r.stdout
+    assert took < 13 + 120, took     # the limit, and two fresh children's start-up on a busy machine
+
+
+def test_a_check_grades_only_the_copy_it_is_run_in(tmp_path):
+    """A copy without the exercise's file (or with a folder in its place), or without a module the
+    check imports, was graded against the installed reference (an editable install found the
+    file) and passed; `check` outside any copy passed too. Now the first two fail naming the
+    file, and the last is refused (exit 2)."""
+    dest = tmp_path / "copy"
+    classroom.make_copy(str(dest), [], ROOT)
+    os.remove(dest / "nanohlat" / "precision.py")
+    os.remove(dest / "nanohlat" / "shard_spec.py")
+    os.remove(dest / "nanohlat" / "mesh.py")
+    (dest / "nanohlat" / "mesh.py").mkdir()
+    r = run_check(str(dest), "7a", "6a", "1a")
+    assert r.returncode == 1 and verdicts(r.stdout) == {"7a": "FAIL", "6a": "FAIL", "1a": "FAIL"}, r.stdout
+    assert ("nanohlat/precision.py, the file of exercise 7a, is missing from this copy (it is not there)"
+            in r.stdout), r.stdout
+    assert "nanohlat/mesh.py, the file of exercise 6a, is missing from this copy (a folder stands in its place)" \
+        in r.stdout, r.stdout
+    # 1a's own file is there, but the model imports shard_spec.py: not taken from elsewhere either
+    assert "nanohlat/shard_spec.py is missing from this copy" in r.stdout.split("exercise   1a")[1], r.stdout
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run_check(str(elsewhere), "1a", pythonpath=ROOT)
+    assert r.returncode == 2 and not r.stdout, r.stdout
+    err = r.stderr.strip()
+    assert err == (f"error: {elsewhere} is not a copy of nanohlat (no nanohlat/classroom/ here): check grades the "
+                   f"copy it is run in; cd into your copy's top folder (`python -m nanohlat.classroom new DIR` "
+                   f"makes one)"), err
+
+
+def test_the_registry_names_each_exercises_file():
+    regions = classroom.find_regions(ROOT)
+    for e in classroom.EXERCISES:
+        assert {r[0] for r in regions[e.id]} == {e.file}, e.id

@@ -594,12 +594,19 @@ PLANTS = [
           sub("f = over_sequence(chosen) / (T * k)", "f = over_sequence(chosen) / T")),
     wrong("10a", "sums over this rank's tokens only: sequence parallelism's halves not added up over tp",
           "sequence parallelism", sub("P = over_sequence(probs) / T", "P = probs.sum(dim=1) / T")),
+    wrong("10a", "the bias ignored (the experts chosen by p alone)", "a bias (--moe-bias-rate)",
+          sub("experts = (probs + bias).topk(k, dim=-1).indices", "experts = probs.topk(k, dim=-1).indices")),
+    wrong("10a", "the bias in the weights too (it may only choose)", "a bias (--moe-bias-rate)",
+          sub("top_p = probs.gather(-1, experts)", "top_p = (probs + bias).gather(-1, experts)")),
     right("10a", "top-k on the logits, the weights a softmax over the chosen k logits (Mixtral's way), "
           "f from a scatter of ones", body(0, """
               logits = x.to(dtype) @ w_router.to(dtype).t()
               top_logits, experts = logits.topk(k, dim=-1)
               weights = top_logits.softmax(dim=-1)
               probs = logits.softmax(dim=-1)
+              if bias is not None:
+                  experts = (probs + bias).topk(k, dim=-1).indices
+                  weights = logits.gather(-1, experts).softmax(dim=-1)
               ones = torch.ones(experts.shape, dtype=dtype, device=x.device)
               chosen = torch.zeros(logits.shape, dtype=dtype, device=x.device).scatter_add(2, experts, ones)
               f, P = over_sequence(chosen) / (T * k), over_sequence(probs) / T

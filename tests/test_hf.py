@@ -320,3 +320,95 @@ def test_mixtral_configs_nanohlat_cannot_run_are_user_errors():
                           ({"num_experts_per_tok": 5}, "--moe-top-k 5")):
         with pytest.raises(UserError, match=named):
             hf.from_hf_config({**base, **change})
+
+
+# ---------------------------------------------------------------------------
+# Import refuses what export refuses, and says which file (issue 50)
+# ---------------------------------------------------------------------------
+
+MOE = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=300,
+                  moe_experts=4, moe_top_k=2)
+
+
+def write_hf(tmp_path, cfg, name="hf"):
+    """An HF folder (config.json, model.safetensors, the tokenizer) of a fresh nanohlat model."""
+    model = decoder(cfg)
+    init_weights(model, 0)
+    folder = tmp_path / name
+    hf.write_hf_dir(cfg, model.state_dict(), train_tokenizer(tmp_path), str(folder))
+    return folder
+
+
+def edit_weights(folder, edit) -> str:
+    import safetensors.torch as st
+    path = str(folder / "model.safetensors")
+    state = st.load_file(path)
+    edit(state)
+    st.save_file(state, path)
+    return path
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["llama", "mixtral"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_import_refuses_non_finite_weights(cfg, value, tmp_path, capsys):
+    """A NaN (or inf) weight was imported, trained 3 NaN steps and ended "final loss nan", exit 0;
+    export and every reader of a checkpoint refused it. Import refuses it too, naming the file and
+    the tensor, and writes nothing."""
+    folder = write_hf(tmp_path, cfg)
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight" if cfg.moe_experts else \
+        "model.layers.1.mlp.down_proj.weight"
+    path = edit_weights(folder, lambda s: s[name].view(-1).__setitem__(5, value))
+    assert hf.main(["import", str(folder), str(tmp_path / "run")]) == 2
+    err = one_line(capsys)
+    assert err.startswith(f"error: {path} has non-finite weights (NaN or inf) in {name}: it cannot be imported"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_mixtral_import_errors_name_the_file_and_the_config_they_are_about(tmp_path, capsys):
+    """Mixtral's errors named no weights file and called a bad Mixtral field "not a complete Llama
+    config"; an unsupported router_jitter_noise or sliding_window was named as a path,
+    <dir>/router_jitter_noise."""
+    import json
+    folder = write_hf(tmp_path, MOE)
+    config = folder / "config.json"
+    good = json.loads(config.read_text())
+    out = str(tmp_path / "run")
+    for change, want in (({"router_jitter_noise": 0.1}, f"error: {config}'s router_jitter_noise is 0.1, which nanohlat "
+                                                        f"does not support (its mixture of experts has "
+                                                        f"router_jitter_noise 0: full attention, a router without noise)"),
+                         ({"sliding_window": 4096}, f"error: {config}'s sliding_window is 4096, which nanohlat"),
+                         ({"num_local_experts": "four"}, f"error: {config}'s num_local_experts is 'four', not a whole "
+                                                         f"number; it is not a complete Mixtral config"),
+                         ({"hidden_act": "gelu"}, f"error: {config}: hidden_act = 'gelu' is not supported")):
+        config.write_text(json.dumps({**good, **change}))
+        assert hf.main(["import", str(folder), out]) == 2
+        err = one_line(capsys)
+        assert err.startswith(want), err
+    config.write_text(json.dumps(good))
+    name = "model.layers.0.block_sparse_moe.experts.2.w1.weight"
+    path = edit_weights(folder, lambda s: s.update({name: s[name][:, :5].contiguous()}))
+    assert hf.main(["import", str(folder), out]) == 2
+    assert one_line(capsys).startswith(f"error: {path}: {name} has shape (48, 5), expected (48, 32) from config.json")
+    edit_weights(folder, lambda s: s.pop(name))
+    assert hf.main(["import", str(folder), out]) == 2
+    assert one_line(capsys).startswith(f"error: {path}: not a Mixtral state of its config.json (missing ['{name}']")
+
+
+def test_export_overwrite_onto_a_file_says_it_is_a_file(tmp_path, capsys):
+    """It said "Not a directory; free space, fix the permissions or choose another path"."""
+    from nanohlat.run import checkpoint
+    model = nanohlat_model()
+    run = str(tmp_path / "run")
+    checkpoint.save_full(run, CFG, model.state_dict(), train_tokenizer(tmp_path), step=0)
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    assert hf.main(["export", run, str(target), "--overwrite"]) == 2
+    assert one_line(capsys) == (f"error: HF_DIR {str(target)!r} is a file, not a folder; choose a new folder "
+                                f"(--overwrite replaces the files inside one)")
+    assert target.read_text() == "mine"

@@ -147,3 +147,101 @@ def test_removing_a_linked_checkpoint_folder_removes_the_link_only(tmp_path):
     os.symlink(victim, root / "step_00000002")     # e.g. an incomplete checkpoint to clear
     history.remove_checkpoint(str(root / "step_00000002"))
     assert os.listdir(root) == [] and (victim / "inside").read_bytes() == b"mine\n"
+
+
+# ---------------------------------------------------------------------------
+# Not a file: a FIFO, a device, where a command writes (issue 50)
+# ---------------------------------------------------------------------------
+
+def make_node(path, kind: str) -> os.stat_result:
+    """A FIFO, or a character device with /dev/full's numbers (root only: skipped otherwise),
+    at `path`; returns its lstat. Never opened: that would block (a FIFO) or write to the device."""
+    import stat
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("os.mknod of a character device needs root")
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 7))
+    return os.lstat(path)
+
+
+@pytest.fixture(scope="module")
+def small_run(cache_dir, tmp_path_factory):
+    """A 2-step run and its Hugging Face export, for the commands that read one."""
+    pytest.importorskip("safetensors")
+    import train
+    from nanohlat.serving import hf
+    root = tmp_path_factory.mktemp("small")
+    assert train.main(TINY + ["--steps", "2", "--cache-dir", cache_dir, "--out-dir", str(root / "run")]) == 0
+    hf.main(["export", str(root / "run"), str(root / "hf")])
+    return root
+
+
+# command, where the node stands (under the case's folder D), argv (RUN: the run, HF: its export)
+NOT_A_FILE = {
+    "eval --json": ("node", ["eval", "--out-dir", "RUN", "--json", "NODE"]),
+    "eval's eval.json": ("D/eval.json", ["eval", "--out-dir", "D"]),
+    "eval's eval_curves.png": ("D/eval_curves.png", ["eval", "--out-dir", "D", "--all-checkpoints"]),
+    "train --out-dir": ("node", ["train", "--out-dir", "NODE"]),
+    "train's metrics.jsonl": ("D/metrics.jsonl", ["train", "--out-dir", "D"]),
+    "train's run.lock": ("D/run.lock", ["train", "--out-dir", "D"]),
+    "train's checkpoints/latest": ("D/checkpoints/latest", ["train", "--out-dir", "D"]),
+    "hf export HF_DIR": ("node", ["hf", "export", "RUN", "NODE"]),
+    "hf export --overwrite's model.safetensors": ("D/model.safetensors", ["hf", "export", "RUN", "D", "--overwrite"]),
+    "hf import OUT_DIR": ("node", ["hf", "import", "HF", "NODE"]),
+    "hf import --overwrite's run.lock": ("D/run.lock", ["hf", "import", "HF", "D", "--overwrite"]),
+    "classroom new DIR": ("node", ["classroom", "new", "NODE"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "character device"])
+@pytest.mark.parametrize("case", sorted(NOT_A_FILE))
+def test_a_fifo_or_a_device_where_a_command_writes_is_refused_and_left_as_it_was(case, kind, small_run, cache_dir,
+                                                                                   tmp_path, capsys):
+    """Written over, a FIFO or a device became a file of ours (eval.py --json replaced the system's
+    /dev/full, exit 0): every command that writes refuses one in one line, exit 2, before any work."""
+    import shutil
+    import eval as evalpy
+    import train
+    from nanohlat.classroom import kit
+    from nanohlat.serving import hf
+    where, argv = NOT_A_FILE[case]
+    d = tmp_path / "d"
+    if where.startswith("D/"):
+        if argv[0] == "eval":
+            shutil.copytree(small_run / "run", d)
+        if argv[0] == "hf" and argv[1] == "import":
+            shutil.copytree(small_run / "run", d)
+        (d / where[2:]).parent.mkdir(parents=True, exist_ok=True)
+    node = tmp_path / "node" if where == "node" else d / where[2:]
+    if os.path.lexists(node):
+        os.remove(node)          # (a run keeps its run.lock)
+    before = make_node(node, kind)
+    names = {"RUN": str(small_run / "run"), "HF": str(small_run / "hf"), "NODE": str(node), "D": str(d)}
+    args = [names.get(a, a) for a in argv[1:]]
+    main = {"eval": evalpy.main, "train": lambda a: train.main(TINY + ["--steps", "2", "--cache-dir", cache_dir] + a),
+            "hf": hf.main, "classroom": kit.main}[argv[0]]
+    code = main(args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert str(node) in err and ("FIFO" if kind == "fifo" else "character device") in err, err
+    after = os.lstat(node)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+    assert not os.path.lexists(str(node) + ".partial") and not os.path.lexists(str(node) + ".tmp")
+
+
+def test_the_writers_themselves_refuse_a_fifo(tmp_path):
+    """The last guard, under every command's own check: atomic_write and open_append refuse
+    a FIFO at the name or at its `.partial` (open_append's open would block on one)."""
+    from nanohlat.config import UserError
+    from nanohlat.system import files
+    os.mkfifo(tmp_path / "a.json")
+    os.mkfifo(tmp_path / "b.json.partial")
+    for call in (lambda: files.write_text(str(tmp_path / "a.json"), "{}"),
+                 lambda: files.write_text(str(tmp_path / "b.json"), "{}"),
+                 lambda: files.open_append(str(tmp_path / "a.json"))):
+        with pytest.raises(UserError, match="is a FIFO"):
+            call()
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.json.partial"]

@@ -785,7 +785,9 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
     """The issue's case: `kill -9` of the --nproc 2 launcher as the step-4 save starts.
     Its workers die with it (within 5 s: at once on Linux) and publish nothing; a run
     started right away into the same out-dir is its only writer: it trains steps 1-8
-    itself and nothing of the dead run is moved to abandoned_*."""
+    itself and nothing of the dead run is moved to abandoned_*. (It starts over with
+    --resume never --overwrite: the dead run saved no checkpoint, and --resume auto
+    refuses to start from scratch over its metrics.jsonl records.)"""
     import signal
     import time
     from nanohlat.run import checkpoint, runlock
@@ -810,8 +812,8 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
         first.send_signal(signal.SIGKILL)           # the launcher, mid-save
         first.wait()
         killed = time.time()
-        second = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen([sys.executable, "train.py", *argv, "--resume", "never", "--overwrite"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while any(runlock._alive(pid) for pid in workers) and time.time() < killed + 5:
             time.sleep(0.05)
         alive = [pid for pid in workers if runlock._alive(pid)]
@@ -1377,3 +1379,238 @@ def test_a_signal_under_sample_nproc_does_not_suggest_resume(tmp_path, capsys):
     assert err.strip() == "stopped by a signal", err
     launch._report_failures(failures, str(tmp_path))
     assert "--resume auto" in capsys.readouterr().err     # train.py's workers saved a checkpoint
+
+
+# ---------------------------------------------------------------------------
+# Every size answered at once: arithmetic, never counting (issue 50)
+# ---------------------------------------------------------------------------
+
+BIG = "9" * 21   # 999999999999999999999 ranks: divisors() counted up to it
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--plan", "--preset", "hlat-7b", "--nproc", BIG],
+     f"--nproc {BIG} is more than 2^53 = 9,007,199,254,740,992, the largest count nanohlat records exactly"),
+    (["--preset", "tiny", "--nproc", BIG], f"--nproc {BIG} is more than 2^53"),
+    (["--preset", "tiny", "--cp", "2", "--nproc", "1000000000001"],
+     "--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size 1000000000001; choose tp*pp*cp among 1, 73, 137, "
+     "10001, 99990001, 7299270073, 13698630137 or 1000000000001"),
+    (["--preset", "tiny", "--tp", "2", "--nproc", "1000000000001"],
+     "--tp 2 x --pp 1 = 2 does not divide the world size 1000000000001"),
+    (["--preset", "tiny", "--steps", BIG], f"--steps {BIG} is more than 2^53"),
+    (["--preset", "moe", "--n-layers", "1000000000000"], "this model does not fit"),   # (its sparse layers: counted)
+])
+def test_every_size_is_answered_at_once(args, message, tmp_path, capsys):
+    """A --nproc of 21 digits (and training at --cp 2 or --tp 2 with 10^12 + 1 ranks, a MoE of
+    10^12 layers) never answered: divisors and the sparse layers were counted one by one."""
+    import time
+    start = time.perf_counter()
+    code, err = main_in_process(args + ["--out-dir", str(tmp_path / "run")], capsys)
+    assert time.perf_counter() - start < 5
+    assert code == 2
+    one_line_error(err, message)
+
+
+def test_a_launchers_world_of_21_digits_and_a_search_over_10_12_ranks_answer_at_once(tmp_path, capsys, monkeypatch):
+    import time
+    start = time.perf_counter()
+    code, _ = main_in_process(["--plan", "--search", "--preset", "tiny", "--nproc", "1000000000000"], capsys)
+    assert code == 0 and time.perf_counter() - start < 5
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", BIG)
+    start = time.perf_counter()
+    code, err = main_in_process(["--preset", "tiny", "--out-dir", str(tmp_path / "run")], capsys)
+    assert code == 2 and time.perf_counter() - start < 5
+    one_line_error(err, f"a world of {BIG} ranks is more than 2^53")
+
+
+def test_divisors_come_from_the_factors():
+    import random
+    from nanohlat.system.recipe import choices, divisors
+    rng = random.Random(0)
+    for n in list(range(1, 500)) + [rng.randrange(1, 10**6) for _ in range(50)]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    # large primes, their products and squares, the largest count allowed: all at once
+    for n in (2**53, 2**53 - 111, (2**31 - 1) * (2**31 - 19), 4294967291**2, 999999999999999999999, 10**21):
+        d = divisors(n)
+        assert d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d) and d == sorted(set(d))
+    assert len(divisors(8086598962041600)) == 41472
+    assert choices(divisors(8086598962041600)) == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... or 8086598962041600 (41,472 in all)"
+
+
+# ---------------------------------------------------------------------------
+# A mixture's capacity factor: bounded, and its buffer counted (issue 50)
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A 1-step run of the moe preset (dropless), for sample.py and eval.py to read."""
+    out = tmp_path_factory.mktemp("moe") / "run"
+    cache = out.parent / "cache"     # (its tokenizer: a resume needs the same)
+    assert train_here(["--preset", "moe", "--steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1",
+                       "--batch-size", "4", "--cache-dir", str(cache), "--out-dir", str(out)]) is not None
+    return out
+
+
+@pytest.mark.parametrize("factor", ["1e30", "1e6"])
+def test_a_capacity_factor_beyond_every_token_is_refused_in_every_command(factor, moe_run, tmp_path, capsys):
+    """--moe-capacity-factor 1e30 was an OverflowError, 1e6 a 131 GB buffer the memory pre-flight did not
+    count: above --moe-experts / --moe-top-k (2 here) each expert already takes every token, so the
+    factor is refused there, by train.py and (through a checkpoint's manifest) sample.py and eval.py."""
+    import shutil
+    import eval as evalpy
+    import sample
+    want = f"--moe-capacity-factor {float(factor):g} is above --moe-experts / --moe-top-k = 2: at 2 each expert"
+    code, err = main_in_process(["--preset", "moe", "--moe-capacity-factor", factor, "--out-dir", str(tmp_path / "x")],
+                                capsys)
+    assert code == 2
+    one_line_error(err, want, "give at most 2, or 0 (dropless)")
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    mpath = _edit_manifest(copy, 1, lambda m: m["config"]["model"].update(moe_capacity_factor=float(factor)))
+    for main in (lambda: sample.main(["--out-dir", str(copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, f"checkpoint manifest {mpath} is damaged", want)
+
+
+def test_the_memory_preflight_counts_the_capacity_buffer():
+    import dataclasses
+    from nanohlat.system import recipe
+    from nanohlat.tools.plan.memory import moe_activation_extra
+    model, _ = recipe.parse_args(["--preset", "moe", "--moe-experts", "64", "--moe-top-k", "1"])
+    N, d = 4096, model.d_model
+    dropless = moe_activation_extra(model, N, 4)
+    at_most = moe_activation_extra(dataclasses.replace(model, moe_capacity_factor=64.0), N, 4)
+    # 64 queues of every token: 64 x the experts' rows, and the dispatch buffer and its output
+    assert at_most - dropless == 4 * (4 * model.ffn_dim * 63 * N + 2 * 63 * N * d + 2 * (64 * N + 1) * d)
+
+
+# ---------------------------------------------------------------------------
+# The launcher's lines: the cause first, below the progress bar (issue 50)
+# ---------------------------------------------------------------------------
+
+def test_a_rank_killed_without_a_word_is_named_before_the_peers_it_cut_off(tmp_path, capsys):
+    """After kill -9 of one cp worker the first line blamed rank 0's gloo connection, the true
+    cause second: a rank that died without a word (a signal first) now comes first."""
+    import signal
+    from nanohlat.run import launch
+
+    class Failure:
+        def __init__(self, code):
+            self.exitcode = code
+
+        def signal_name(self):
+            return signal.Signals(-self.exitcode).name
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    (errors / "rank0.txt").write_text("RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert launch._report_failures({0: Failure(1), 1: Failure(-9)}, str(errors)) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 1 failed with exit code -9 (signal SIGKILL)",
+        "error: rank 0: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"]
+
+
+def _killed_worker(*args, **kwargs):
+    """preflight.worker whose rank 1 kills itself (SIGKILL) at the optimizer step of step 3."""
+    import signal
+    from nanohlat import optim
+    from nanohlat.run import preflight
+    if os.environ["RANK"] == "1":
+        real, calls = optim.FlatAdamW.reduce_gradients, []
+
+        def reduce_gradients(self):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self)
+        optim.FlatAdamW.reduce_gradients = reduce_gradients
+    return preflight.worker(*args, **kwargs)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_cp_worker_is_named_first_on_a_line_of_its_own(tmp_path, cache_dir, capfd, monkeypatch):
+    """--nproc 2 --cp 2, rank 1 killed mid-run: the launcher's first line names it."""
+    import train
+    from nanohlat.run import preflight
+    monkeypatch.setattr(preflight, "worker", _killed_worker)
+    code = train.main(["--preset", "tiny", "--steps", "6", "--eval-every", "0", "--threads", "1", "--nproc", "2",
+                       "--cp", "2", "--collective-timeout", "60", "--cache-dir", cache_dir,
+                       "--out-dir", str(tmp_path / "run")])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    errors = [line for line in err.replace("\r", "\n").splitlines() if "error:" in line]
+    assert errors and all(line.startswith("error: ") for line in errors), err[-3000:]
+    assert errors[0] == "error: rank 1 failed with exit code -9 (signal SIGKILL)", err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stopped_workers_line_is_not_printed_onto_the_progress_bar(tmp_path, cache_dir, capfd, monkeypatch):
+    """Rank 1 stopped (SIGSTOP) at step 3 with rank 0's progress bar drawn: the bar's line is left
+    unfinished (rank 0 is ended from outside), and the launcher's line was printed onto it."""
+    import time
+    import train
+    from nanohlat.run import preflight
+    from test_watchdog import _stopping_worker
+    monkeypatch.setenv("TEST_WATCHDOG_STOP", json.dumps({"rank": 1, "step": 3, "note": str(tmp_path / "note")}))
+    monkeypatch.setattr(preflight, "worker", _stopping_worker)
+    code = train.main(["--preset", "tiny", "--steps", "8", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
+                       "--threads", "1", "--cache-dir", cache_dir, "--out-dir", str(tmp_path / "run"), "--nproc", "2",
+                       "--tp", "2", "--collective-timeout", "8"])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "train:" in err, err[-3000:]     # (the bar was drawn)
+    stopped = [line for line in err.replace("\r", "\n").splitlines() if "stopped (SIGSTOP" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("error: rank 1 (pid "), err[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# Messages that point the right way (issue 50, item 8)
+# ---------------------------------------------------------------------------
+
+def test_a_cp_layout_is_refused_for_its_world_before_its_sequence(tmp_path, capsys):
+    """--cp 3 --nproc 2 was refused for --seq-len (not a multiple of 6) before the world size."""
+    code, err = main_in_process(["--preset", "tiny", "--cp", "3", "--nproc", "2", "--out-dir", str(tmp_path)], capsys)
+    assert code == 2
+    one_line_error(err, "--tp 1 x --pp 1 x --cp 3 = 3 does not divide the world size 2; choose tp*pp*cp among 1 or 2")
+
+
+def test_a_search_says_why_the_presets_own_layout_is_not_valid(capsys):
+    """--plan --search --preset moe --nproc 6 said "not valid for 6 ranks" and nothing more."""
+    import train
+    assert train.main(["--plan", "--search", "--preset", "moe", "--nproc", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("the preset's own layout is not valid for 6 ranks: --batch-size 8 must split into "
+                                 "dp 6 x microbatches 1 equal micro-batches; use a multiple of 6"), out[-2000:]
+    assert "(no layout the search tries splits this model and batch over 6 ranks)" in out
+
+
+def test_a_damaged_moe_experts_in_a_manifest_is_named_as_damage(moe_run, tmp_path, capsys):
+    """The manifest's config.model says 8 experts, its shards hold 4: reported as a shape mismatch
+    ("the model being loaded has ..."), as if another model were being loaded; it is the manifest."""
+    import shutil
+    import eval as evalpy
+    import sample
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    mpath = _edit_manifest(copy, 1, lambda m: m["config"]["model"].update(moe_experts=8))
+    for main in (lambda: sample.main(["--out-dir", str(copy), "--max-new-tokens", "2"]),
+                 lambda: evalpy.main(["--out-dir", str(copy), "--examples", "4", "--max-batches", "1"])):
+        assert main() == 2
+        one_line_error(capsys.readouterr().err, f"checkpoint manifest {mpath} is damaged (its config.model makes "
+                       f"'layers.0.mlp.router.weight' [8, 64], its shards hold [4, 64])")
+
+
+def test_a_resume_that_changes_the_routing_says_so(moe_run, tmp_path, capsys):
+    """Changing --moe-top-k, --moe-capacity-factor or --moe-aux-coef on resume was accepted silently:
+    allowed (the weights fit: no shape changes), and announced in one note."""
+    import shutil
+    copy = tmp_path / "run"
+    shutil.copytree(moe_run, copy)
+    code, err = main_in_process(["--preset", "moe", "--steps", "2", "--eval-every", "0", "--no-progress", "--threads",
+                                 "1", "--batch-size", "4", "--cache-dir", str(moe_run.parent / "cache"), "--out-dir",
+                                 str(copy), "--moe-top-k", "1", "--moe-capacity-factor", "1.5"], capsys)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: resuming")]
+    assert notes == [f"note: resuming {ckpt(copy, 1)} with --moe-top-k 1 (it trained with 2), --moe-capacity-factor "
+                     f"1.5 (it trained with 0.0): the same weights, another model from here on"], err

@@ -285,3 +285,12 @@ def test_an_exception_in_a_zb_h1_tick_leaves_the_next_backward_whole(tick):
     assert torch.equal(zb.run(tokens, targets, 1.0), one_f_one_b.run(tokens, targets, 1.0))
     want = grads(one_f_one_b.model)
     assert all(torch.equal(p, want[n]) for n, p in grads(model).items())
+
+
+def test_the_timetable_follows_the_dependencies_it_is_given():
+    """pipeline.timetable lays orders out by the `depends` it is handed (schedules.py hands its own, with
+    the W ops'): with none, stage 1 runs its F0 in tick 0; with pipeline.depends_on, only after stage 0's."""
+    from nanohlat.pipeline import stage_ops, timetable
+    orders = [stage_ops("1f1b", 2, 2, s) for s in range(2)]
+    assert timetable(orders, 2)[0][1] is None
+    assert timetable(orders, 2, depends=lambda *_: None)[0][1] == ("F", 0, 0)

@@ -39,7 +39,10 @@ tokens/s, MFU, the graphs compiled during warm-up and any compiled after it
 (recompilations: there should be none), and tokens/s relative to Hugging Face.
 
 This is a benchmark, not a test: it asserts nothing about speed. Every flag of
-train.py works (the model shape, --precision, --device, --threads ...); the
+train.py that shapes one process's step works (the model shape, a mixture of
+experts, timed alone: Hugging Face's Llama has none; --precision, --device,
+--threads ...), and those it would not run (--nproc, --dp, --tp, --pp, --cp,
+--ep, --microbatches above 1) are refused; the
 bench changes two defaults, --batch-size 8 and --steps 10 (timed steps per
 model, after --warmup untimed ones).
 """
@@ -241,8 +244,12 @@ def parse(argv):
         raise UserError(f"--engines {','.join(unknown) or '(none)'}: choose from {', '.join(ENGINES)}")
     if tcfg.compile and "compile" not in own["engines"]:   # --compile: the compiled engine beside eager
         own["engines"].append("compile")
-    if tcfg.pp != 1 or tcfg.tp != 1 or tcfg.cp != 1 or tcfg.microbatches != 1:
-        raise UserError("the bench times one process: leave --tp, --pp, --cp and --microbatches at 1")
+    others = [f"--{n.replace('_', '-')} {getattr(tcfg, n)}" for n in ("nproc", "dp", "tp", "pp", "cp", "ep",
+                                                                        "microbatches") if getattr(tcfg, n) > 1]
+    if others:   # (--dp 0 is "what the world leaves": 1 here)
+        raise UserError(f"the bench times one process, one micro-batch: {', '.join(others)} would not be run; "
+                        f"leave --nproc, --dp, --tp, --pp, --cp, --ep and --microbatches at 1 (train.py --nproc N "
+                        f"times a layout: its tokens/s and MFU are logged)")
     if own["warmup"] < 0:
         raise UserError(f"--warmup must be >= 0, got {own['warmup']}")
     prompt = min(tcfg.seq_len, model_cfg.max_seq_len) // 2     # generate_bench's prompts: 8 .. prompt tokens
@@ -272,7 +279,9 @@ def main(argv=None) -> int:
     if not steps:
         print("error: none of --engines can run here", file=sys.stderr)
         return 2
-    hf = hf_step(model_cfg, tcfg, dev, tokens, targets) if args.hf else None
+    if args.hf and model_cfg.moe_experts:   # (Hugging Face's Llama is dense: no model of the same shape)
+        print("(a mixture of experts: Hugging Face's LlamaForCausalLM has no experts; timing nanohlat alone)")
+    hf = hf_step(model_cfg, tcfg, dev, tokens, targets) if args.hf and not model_cfg.moe_experts else None
     if hf is not None:
         steps["hf-llama"], models["hf-llama"] = hf
         devs["hf-llama"] = dev

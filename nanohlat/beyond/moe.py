@@ -26,7 +26,18 @@ language-model loss:
     the router's logits small (large ones make its softmax, and bf16, brittle).
     Coefficient --moe-z-coef.
 
-Both are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
+Or balance without a loss (DeepSeek-V3, --moe-bias-rate r): each sparse layer
+keeps a bias per expert, b (E,), state and not a parameter. The router chooses
+each token's k experts by p + b and weighs them by p alone, as without it; after
+every optimizer step b_e moves by r towards balance (+r if e got fewer than its
+share of the global batch's routing choices, -r if more: `update_bias`). The
+language model's gradient never sees it, so balance costs it nothing but the
+routing; the loads are summed over every rank that saw other tokens (tp with SP,
+dp x cp, pp's stages; `Figures.step`), so every layout moves b alike, bit for
+bit. It is saved in checkpoints with the weights (run/checkpoint) and Mixtral,
+whose router has none, refuses it on export (serving/hf.py).
+
+Both losses are computed per *sequence* (f_e, P_e over one sequence's T tokens; as
 DeepSeek-V3's sequence-wise balance loss) and then averaged over sequences.
 A sequence's loss depends on that sequence alone, not on which sequences share
 its dp rank or micro-batch, which is what keeps every data-parallel layout
@@ -58,7 +69,7 @@ Dispatch, two ways (`MoE.capacity_factor`):
 
 Experts are replicated on every rank, like the dense weights: with data
 parallelism their gradients are all-reduced over dp with the rest. Or, with
-expert parallelism (--ep N, carved out of dp: mesh.py's last section), each
+expert parallelism (--ep N, carved out of dp: `add_groups` below), each
 group of N neighbouring dp ranks shares the E experts, E/N each, and tokens
 travel to their experts' ranks and back (`dispatch_expert_parallel`; in
 capacity mode each rank's fixed queues do, `capacity_expert_parallel`); an
@@ -116,17 +127,19 @@ def swiglu(x, gate, up, down):
     return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
 
 
-def route(x, w_router, k: int, seq_group=None):
+def route(x, w_router, k: int, seq_group=None, bias=None):
     """The router. x (B, T, C), w_router (E, C) -> (experts, weights, balance, z):
 
-    experts (B, T, k)  each token's k chosen experts, likeliest first
-    weights (B, T, k)  their softmax probabilities renormalised over the k (Mixtral)
+    experts (B, T, k)  each token's k chosen experts, likeliest first (bias: highest p + bias first)
+    weights (B, T, k)  their softmax probabilities renormalised over the k (Mixtral), never the bias
     balance (B,)       each sequence's load-balancing loss E * sum_e f_e P_e
     z       (B,)       each sequence's router z-loss, mean over its tokens of logsumexp^2
 
     In fp32 at least, whatever the model's precision (a softmax over bf16 logits ties too often).
     seq_group: with sequence parallelism x holds T/tp of each sequence's tokens, and the
-    sums over a sequence add up over this tp group (forward all-reduce, backward identity)."""
+    sums over a sequence add up over this tp group (forward all-reduce, backward identity).
+    bias (E,): balancing without a loss (--moe-bias-rate, `update_bias`): added to p for choosing
+    the k only, so it moves tokens between experts without entering the weights or the gradient."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
     T = x.shape[1] * (seq_group.size if seq_group is not None else 1)   # the whole sequence's tokens
 
@@ -136,6 +149,9 @@ def route(x, w_router, k: int, seq_group=None):
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
     probs = logits.softmax(dim=-1)                                 # (B, T, E)
     top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
+    if bias is not None:   # (DeepSeek-V3) p + bias chooses the k, highest first; p alone weighs them
+        experts = (probs + bias).topk(k, dim=-1).indices
+        top_p = probs.gather(-1, experts)
     weights = top_p / top_p.sum(dim=-1, keepdim=True)              # renormalised over the chosen k
     # f_e: share of the sequence's T*k choices that picked e (counts: no gradient)
     chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)            # (B, T, E): 1 where e is among t's k
@@ -341,7 +357,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
                  capacity_factor: float = 0.0, ep_group=None, seq_group=None, aux_coef: float = 0.0,
-                 z_coef: float = 0.0, loss_scale: float = 0.0):
+                 z_coef: float = 0.0, loss_scale: float = 0.0, bias_rate: float = 0.0):
         super().__init__()
         self.aux_coef, self.z_coef, self.loss_scale = aux_coef, z_coef, loss_scale
         self.k, self.capacity_factor, self.n_experts, self.ep_group = top_k, capacity_factor, n_experts, ep_group
@@ -358,10 +374,22 @@ class MoE(nn.Module):
             self.shared_up = W(n_shared * ffn_dim, d_model)
             self.shared_down = W(d_model, n_shared * ffn_dim)
         self.losses = self.load = None
+        if bias_rate:   # balancing without a loss: state, not a parameter (no gradient, no optimizer; Figures.step)
+            self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def _apply(self, fn, recurse=True):
+        """module.to(device, dtype) moves the bias but keeps it fp32: its steps of --moe-bias-rate
+        (1e-3) would round away in bf16 (8 bits: 1e-3 is under half an ulp of 0.25)."""
+        bias = self._buffers.pop("expert_bias", None)
+        out = super()._apply(fn, recurse)
+        if bias is not None:
+            self._buffers["expert_bias"] = bias.to(fn(bias).device, torch.float32)
+        return out
 
     def forward(self, x):
         B, T, C = x.shape
-        experts, weights, balance, z = route(x, self.router.weight, self.k, self.seq_group)
+        experts, weights, balance, z = route(x, self.router.weight, self.k, self.seq_group,
+                                             getattr(self, "expert_bias", None))
         flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
         params = (self.gate.weight, self.up.weight, self.down.weight)
         if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
@@ -393,8 +421,8 @@ def apply(model, cfg, ep_group=None, loss_scale: float = 0.0) -> Figures:
         if cfg.is_moe_layer(int(i)):
             block.mlp = MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_shared_experts,
                             cfg.moe_capacity_factor, ep_group, seq_group, cfg.moe_aux_coef, cfg.moe_z_coef,
-                            loss_scale)
-    figures = Figures(cfg)
+                            loss_scale, cfg.moe_bias_rate)
+    figures = Figures(cfg, model)
     model.register_forward_hook(figures.after_forward, with_kwargs=True)
     return figures
 
@@ -405,9 +433,12 @@ class Figures:
     over micro-batches, tp ranks (with SP each routed its share of the tokens; without, the same ones: the
     figures are ratios), the ranks of the gradient group and the pipeline stages, and says what to log."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, model=None):
         self.cfg, self.total = cfg, None
         self.sparse = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]   # the model's sparse layers
+        # (--moe-bias-rate) this stage's sparse blocks by row, whose biases `step` updates
+        self.blocks = {self.sparse.index(int(i)): b.mlp for i, b in model.layers.items()
+                       if int(i) in self.sparse} if model is not None and cfg.moe_bias_rate else {}
 
     def after_forward(self, model, args, kwargs, out) -> None:
         """The stage's forward hook: its layers' figures, in their rows, added to the step's (not in
@@ -423,14 +454,33 @@ class Figures:
             t = t.new_zeros(len(self.sparse), t.shape[1]).index_copy(0, where, t)
         self.total = t if self.total is None else self.total + t
 
-    def step(self, mesh, device) -> dict:
-        """The step's figures (step_metrics), summed over every rank; every rank takes part."""
+    def step(self, mesh, device, finite=None) -> dict:
+        """The step's figures (step_metrics), summed over every rank; every rank takes part. Called
+        after the optimizer step: with --moe-bias-rate, this stage's biases are then moved by the load
+        of the whole global batch (`update_bias`), unless the step was not `finite` (skipped)."""
         total, self.total = self.total, None
         if total is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
             total = torch.zeros(len(self.sparse), self.cfg.moe_experts + 4, device=device)
         for group in (mesh.tp_group, mesh.grad_group, mesh.pp_group):   # (no ledger: not the step's traffic)
             total = comm.all_reduce(total, dataclasses.replace(group, ledger=None))
+        for row, block in self.blocks.items():
+            update_bias(block.expert_bias, total[row, :self.cfg.moe_experts], self.cfg.moe_bias_rate, finite)
         return step_metrics(total.cpu(), self.cfg.moe_aux_coef, self.cfg.moe_z_coef)
+
+
+@torch.no_grad()
+def update_bias(bias, load, rate: float, finite=None) -> None:
+    """DeepSeek-V3's balancing without an auxiliary loss: after each step, each expert's bias moves
+    by a fixed `rate` towards balance: up if it got fewer than its share of the step's routing
+    choices (the mean over experts), down if more, not at all if exactly its share. `load`: the
+    choices per expert of the whole global batch in this layer (Figures.step sums them over tp,
+    dp x cp (with --ep in it) and pp), the same on every rank, so every rank and every layout moves
+    the bias alike. The comparison is made on the counts, integers (exact in fp32 while one step's
+    count stays under 2^24), as sum - E x load_e: no division to round. Without tp's sequence
+    parallelism each tp rank counts the same tokens: every count x tp, which leaves every sign as it
+    is. `finite` (the optimizer's, on the device): a skipped step moves nothing (0 x the step)."""
+    step = rate * torch.sign(load.sum() - load.numel() * load)
+    bias.add_(step if finite is None else step * finite.float())
 
 
 def tally(blocks) -> torch.Tensor | None:
@@ -452,10 +502,12 @@ def step_metrics(total: torch.Tensor, aux_coef: float, z_coef: float) -> dict:
     """The summed tally of a step (layers x (E + 4)) -> the logged figures:
     moe_router_loss (what the router losses add to the objective: per sequence, summed over layers,
     with their coefficients), moe_balance, moe_z (mean per sequence and layer, without coefficients),
-    moe_load_max (max over layers of the busiest expert's tokens / the mean expert's) and moe_dropped
+    moe_load_max (max over layers of the busiest expert's tokens / the mean expert's), moe_load_cv (the
+    coefficient of variation of the tokens per expert, std / mean, mean over layers: 0 when balanced) and moe_dropped
     (the share of choices dropped, mean over layers)."""
     load, balance, z, seqs, dropped = total[:, :-4], total[:, -4], total[:, -3], total[:, -2], total[:, -1]
     return {"moe_router_loss": float(((aux_coef * balance + z_coef * z) / seqs).sum()),
             "moe_balance": float((balance / seqs).mean()), "moe_z": float((z / seqs).mean()),
             "moe_load_max": float((load.max(dim=1).values / load.mean(dim=1)).max()),
+            "moe_load_cv": float((load.std(dim=1, unbiased=False) / load.mean(dim=1)).mean()),
             "moe_dropped": float((dropped / seqs).mean())}

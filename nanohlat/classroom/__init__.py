@@ -3,6 +3,7 @@
 kit.py finds the exercise regions, writes student copies with stubs and runs
 the checks (`python -m nanohlat.classroom list | new DIR | check ID`);
 checks/ holds each exercise's check against an independent oracle, a file per chapter;
+isolate.py runs them in a child process the student's code cannot end the verdict of;
 needs.py traces which exercises each command, chapter and check runs through.
 docs/teaching.md is the teacher's guide.
 

@@ -29,7 +29,10 @@ one-process result for a parallel layout, a hand-written timetable for a
 schedule. The verdict names what differs: the first mismatching tensor, its
 rank, the index and by how much. Distributed checks run on a few gloo worker
 processes on the CPU, seconds each; a check that hangs (a collective called
-on one rank only) is stopped after its time limit and reported as such.
+on one rank only) is stopped after its time limit and reported as such. The
+student's code runs in a child process (isolate.py): an exit there is a
+failure, and every check has the time limit. `check` grades only the copy it
+is run in: outside one it is refused, and a missing exercise file is named.
 
 What a command or check needs: a student copy's command stops at the first
 stub it reaches, with one line naming it (nanohlat/system/cli.py:not_done);
@@ -69,6 +72,11 @@ class Exercise:
     id: str          # "4b": chapter 4 of tutorial.md, its second implementation exercise
     task: str        # one line: what to write
     section: str     # where tutorial.md explains it
+
+    @property
+    def file(self) -> str:
+        """The file its region is in (FILES; tests/test_classroom.py holds it to the regions)."""
+        return next(f for f, ids in FILES.items() if self.id in ids.split())
 
     @property
     def chapter(self) -> int:
@@ -112,6 +120,14 @@ EXERCISES = [
                     "and a last hop brings each block's dK/dV home", "11"),
 ]
 BY_ID = {e.id: e for e in EXERCISES}
+# Where each exercise's region is: `check` names the file when a copy lacks it (it graded the
+# reference's code then, from an editable install, and passed).
+FILES = {"nanohlat/model.py": "1a 1b", "nanohlat/serving/generate.py": "1c", "nanohlat/data_parallel.py": "3a",
+         "nanohlat/zero1.py": "3b 3c", "nanohlat/beyond/zero2.py": "3d", "nanohlat/beyond/zero3.py": "3e",
+         "nanohlat/tensor_parallel.py": "4a 4b 4c", "nanohlat/pipeline.py": "5a 5b",
+         "nanohlat/beyond/schedules.py": "5c", "nanohlat/mesh.py": "6a 6b", "nanohlat/precision.py": "7a",
+         "nanohlat/run/checkpoint/reshard.py": "8a", "nanohlat/beyond/moe.py": "10a 10b 10c",
+         "nanohlat/beyond/context_parallel.py": "11a 11b 11c"}
 
 
 # ---------------------------------------------------------------------------
@@ -289,7 +305,11 @@ def missing_first(ex: str, verdict: str) -> str:
 
 def cmd_new(args) -> int:
     dest = os.path.abspath(args.dir)
-    if os.path.exists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)):
+    if os.path.lexists(dest) and not os.path.isdir(dest):   # a file, a FIFO, a device: never written over
+        what = files.not_a_file(os.path.realpath(dest)) or ("a link" if os.path.islink(dest) else "a file")
+        print(f"error: {args.dir} is {what}, not a folder; choose a new folder", file=sys.stderr)
+        return 2
+    if os.path.exists(dest) and os.listdir(dest):
         print(f"error: {args.dir} exists and is not empty; choose a new folder", file=sys.stderr)
         return 2
     if os.path.isdir(dest):
@@ -301,27 +321,55 @@ def cmd_new(args) -> int:
     return 0
 
 
+def check_here() -> None:
+    """`check` grades the copy it is run in: this folder must be one (or the repository), and the
+    nanohlat running it that copy's (usage_error otherwise). Outside a copy it graded whatever
+    nanohlat Python found, an installed reference, and passed."""
+    here = os.getcwd()
+    if not os.path.isfile(os.path.join(here, "nanohlat", "classroom", "kit.py")):
+        usage_error(f"{here} is not a copy of nanohlat (no nanohlat/classroom/ here): check grades the copy it "
+                    f"is run in; cd into your copy's top folder (`python -m nanohlat.classroom new DIR` makes one)")
+    if os.path.realpath(here) != os.path.realpath(ROOT):
+        usage_error(f"the nanohlat running is {ROOT}, not the copy here ({here}): check grades only the copy it is "
+                    f"run in; run it there with no PYTHONPATH pointing elsewhere")
+
+
+def file_missing(ex: Exercise) -> str | None:
+    """The verdict when the copy lacks the exercise's file (or a folder stands in its place)."""
+    path = os.path.join(ROOT, ex.file)
+    if os.path.isfile(path):
+        return None
+    what = "a folder stands in its place" if os.path.isdir(path) else "it is not there"
+    return (f"{ex.file}, the file of exercise {ex.id}, is missing from this copy ({what}): nothing of yours to "
+            f"check; restore it (`python -m nanohlat.classroom new DIR --exercise {ex.id}` writes a fresh copy)")
+
+
 def cmd_check(args) -> int:
     ids = select(args)
     if not ids:
         print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
-    from nanohlat.classroom import checks as classroom_checks, needs
+    check_here()
+    from nanohlat.classroom import isolate, needs
     failed = []
-    for i in ids:
-        ex = BY_ID[i]
-        start = time.perf_counter()
-        needs.set_label(f"check {i}")      # (only while needs.py traces the checks)
-        verdict = classroom_checks.run(ex)
-        if verdict is not None and verdict.startswith("not done yet"):
-            verdict = missing_first(i, verdict)
-        took = time.perf_counter() - start
-        status = "pass" if verdict is None else "FAIL"
-        print(f"exercise {i:>4}  {status}  ({took:.1f} s)  {ex.task}")
-        if verdict is not None:
-            failed.append(i)
-            for line in verdict.splitlines():
-                print(f"              {line}")
+    child = isolate.Child(ROOT)   # the student's code runs there: its exit or endless loop is a FAIL
+    try:
+        for i in ids:
+            ex = BY_ID[i]
+            start = time.perf_counter()
+            needs.set_label(f"check {i}")      # (only while needs.py traces the checks)
+            verdict = file_missing(ex) or child.run(i)
+            if verdict is not None and verdict.startswith("not done yet"):
+                verdict = missing_first(i, verdict)
+            took = time.perf_counter() - start
+            status = "pass" if verdict is None else "FAIL"
+            print(f"exercise {i:>4}  {status}  ({took:.1f} s)  {ex.task}", flush=True)
+            if verdict is not None:
+                failed.append(i)
+                for line in verdict.splitlines():
+                    print(f"              {line}", flush=True)
+    finally:
+        child.close()
     print(f"{len(ids) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 

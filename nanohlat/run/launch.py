@@ -144,14 +144,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+NEW_LINE = "\n"   # before a failure's lines, after a progress bar a failed worker left unfinished
 RESUME_HINT = "; --resume auto continues from the last complete checkpoint"   # (saved on the way out, but
                                                                                # for a second Ctrl-C)
 
 
 def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_timeout: float | None = None,
-          stop_hint: str = RESUME_HINT) -> int:
+          stop_hint: str = RESUME_HINT, progress: bool = False) -> int:
     """Run entry(*args) in nproc local workers; returns an exit code. `stop_hint`
     follows "stopped by a signal" (sample.py, which saves nothing, gives "").
+    `progress`: rank 0 draws a progress bar, whose line a failure's line starts below.
 
     A worker that dies (exception, exit code, SIGKILL) makes the launcher stop
     all the others promptly, then restart the group (up to max_restarts) or
@@ -190,9 +192,11 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
         elastic_launch(config, _worker_main)(entry, *args)
         return 0
     except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
-        print(f"stopped by {e.sigval.name}{stop_hint}", file=sys.stderr)
+        print(f"{NEW_LINE if progress else ''}stopped by {e.sigval.name}{stop_hint}", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if progress:   # (the bar's line ends with no newline: ours start below it, not on it)
+            print(NEW_LINE, end="", file=sys.stderr)
         if watch and watch.stuck:
             return watch.report()
         return _report_failures(e.failures, errors, stop_hint)
@@ -293,13 +297,15 @@ def _report_failures(failures: dict, errors: str, stop_hint: str = RESUME_HINT) 
     for rank in sorted(reported):           # the same cause from every rank: said once
         by_cause.setdefault(reported[rank], []).append(rank)
     lines, stubs = [], []                   # a classroom stub's line comes last: it is the cause to act on
+    # A rank killed, or dead before it could say why, first: the others' lost connections follow from it
+    # (after kill -9 of one cp worker, rank 0's "Connection closed by peer" came first)
+    for rank, failure in sorted(failures.items(), key=lambda rf: (rf[1].exitcode >= 0, rf[0])):   # signals first
+        if rank not in reported:
+            how = f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
+            lines.append(f"error: rank {rank} failed with exit code {failure.exitcode}{how}")
     for cause, ranks in by_cause.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         (stubs if NOT_DONE.match(cause) else lines).append(f"error: {who}: {cause}")
-    for rank, failure in sorted(failures.items()):
-        if rank not in reported:            # killed, or died before it could say why
-            how = f" (signal {failure.signal_name()})" if failure.exitcode < 0 else ""
-            lines.append(f"error: rank {rank} failed with exit code {failure.exitcode}{how}")
     if lines or stubs:
         print("\n".join(lines + stubs), file=sys.stderr)
     return 2 if stubs or (codes and all(c == 2 for c in codes)) else 1

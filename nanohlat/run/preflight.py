@@ -75,6 +75,7 @@ def main(train, argv: list[str]) -> int:
                             f"tested on cpu and cuda only); train with --cp 1 there")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
+        runlock.check_out_dir(tcfg.out_dir)   # a FIFO or a device where a run writes: refused before any work
         # tokenizer and token shards are built once, here, before any worker starts
         ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir)
         model_cfg = vocab_from(ds, model_cfg, tcfg, world)
@@ -86,8 +87,10 @@ def main(train, argv: list[str]) -> int:
         checkpoint.warn_incomplete(tcfg.out_dir)
         if resume_from:
             # manifest, files, model shape; before local workers start, the checksums too
-            checkpoint.check(resume_from, model_cfg, checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
+            manifest = checkpoint.check(resume_from, model_cfg,
+                                        checksums=not env and (tcfg.nproc > 1 or tcfg.max_restarts > 0))
             checkpoint.check_identity(resume_from, ds.tokenizer.path, ds.fingerprint, tcfg.allow_tokenizer_change)
+            checkpoint.note_model_changes(resume_from, manifest, model_cfg)   # (--moe-top-k, ...: a note)
         elif tcfg.resume == "never" and tcfg.overwrite and not restarted and (not env or env[0] == 0):
             checkpoint.clear_run(tcfg.out_dir)          # before any worker writes; under torchrun rank 0 only
         args = (train, model_cfg, tcfg, ds, resume_from)
@@ -101,7 +104,8 @@ def main(train, argv: list[str]) -> int:
             with preempt.catch_signals() as signals:
                 train(model_cfg, tcfg, ds, resume_from)
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
-        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout)
+        return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout,
+                            progress=tcfg.progress)
     finally:
         if lock:
             lock.release()

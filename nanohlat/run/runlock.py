@@ -37,6 +37,7 @@ import os
 import time
 
 from nanohlat.config import UserError
+from nanohlat.system import files
 
 LOCK_NAME = "run.lock"
 WAIT_FOR_ORPHANS_S = 10.0       # how long a new run waits for the workers of a launcher that died
@@ -80,20 +81,41 @@ def _open_lock(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | nofollow, 0o644)
 
 
+def check_out_dir(out_dir: str) -> None:
+    """Refuse, before any work (pre-flight, then again under the lock), an out-dir a run cannot
+    write into without losing something: one that is not a folder, one holding other files than a
+    run's, and one where a run keeps a file (RUN_FILES, checkpoints/latest) holding something else
+    than a regular file (a folder, a FIFO, a device, a socket: files.not_a_file), or a
+    `checkpoints` that is no folder."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):   # (a link to a folder is followed: the path you chose)
+        raise UserError(f"--out-dir {out_dir!r} is {files.not_a_file(os.path.realpath(out_dir)) or 'a file'}, not a "
+                        f"folder; choose a folder (a new one is made)")
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        raise UserError(f"--out-dir {out_dir!r} holds other files ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}), not a nanohlat run; training would write "
+                        f"over them: choose a new or empty --out-dir")
+    ckpts = os.path.join(out_dir, "checkpoints")
+    for name in sorted(RUN_FILES - {"checkpoints"}) + [os.path.join("checkpoints", "latest"), "checkpoints"]:
+        path = os.path.join(out_dir, name)
+        what = files.not_a_file(path)
+        if path == ckpts:
+            what = None if what == "a folder" or not os.path.lexists(path) or os.path.isdir(path) else \
+                what or "a file"
+        if what == "a folder":   # (metrics.jsonl/ would have received metrics.jsonl/metrics.jsonl)
+            raise UserError(f"{path!r} is a folder, where a run keeps its file of that name; move it away or "
+                            f"choose another --out-dir")
+        if what:
+            raise UserError(f"{path!r} is {what}, where a run keeps its {'folder' if path == ckpts else 'file'} of "
+                            f"that name; move it away or choose another --out-dir")
+
+
 class RunLock:
     """The held lock (see the module docstring); release() ends it."""
 
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
-        foreign = foreign_entries(out_dir)
-        if foreign:
-            raise UserError(f"--out-dir {out_dir!r} holds other files ({', '.join(foreign[:3])}"
-                            f"{', ...' if len(foreign) > 3 else ''}), not a nanohlat run; training would write "
-                            f"over them: choose a new or empty --out-dir")
-        folder = next((n for n in sorted(RUN_FILES - {"checkpoints"}) if os.path.isdir(os.path.join(out_dir, n))), None)
-        if folder:   # (metrics.jsonl/ would have received metrics.jsonl/metrics.jsonl)
-            raise UserError(f"{os.path.join(out_dir, folder)!r} is a folder, where a run keeps its file of that "
-                            f"name; move it away or choose another --out-dir")
+        check_out_dir(out_dir)
         self.created = not os.path.exists(out_dir)
         self.was_empty = self.created or (os.path.isdir(out_dir) and not os.listdir(out_dir))
         self.path = os.path.join(out_dir, LOCK_NAME)

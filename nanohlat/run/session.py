@@ -31,10 +31,13 @@ class Session:
         self.model_cfg, self.tcfg, self.mesh, self.dev = model_cfg, tcfg, mesh, dev
         self.model, self.runner, self.opt, self.ds = model, runner, opt, ds
         self.start_step, self.tokens_seen, bad_steps = 0, 0, 0
+        self.saved: tuple[int, str] | None = None   # (step, path) of the out-dir's checkpoint this run is at
         if resume_from:   # model, optimizer (+ its step count), RNGs; the lr and data follow from the step
             manifest = checkpoint.load(resume_from, model, opt, mesh, dev)
             self.start_step, self.tokens_seen = manifest["step"], manifest["tokens"]
             bad_steps = manifest.get("schedule", {}).get("bad_steps", 0)
+            if os.path.dirname(os.path.abspath(resume_from)) == os.path.abspath(checkpoint.ckpt_root(tcfg.out_dir)):
+                self.saved = (self.start_step, resume_from)
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         # prints (rank 0), the progress bar, config.json, metrics.jsonl, summary.json, non-finite steps
         self.log = trainlog.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
@@ -55,17 +58,17 @@ class Session:
             self.log.comm(trainlog.comm_summary(mesh.ledger), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
         last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
-        figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
+        figures = self.step_figures(finite)   # (a MoE model's router losses and expert load in the step)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
             dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
-        if last or (tcfg.save_every and step % tcfg.save_every == 0):
+        saving = last or (tcfg.save_every and step % tcfg.save_every == 0)
+        if saving:
             dev.sync()   # XLA: the queued step closures (log, non-finite stop) run before anything is written
+        if saving and not self.log.stopped:   # (stopped: the last good step is saved below instead)
             try:
-                saved = checkpoint.save(tcfg.out_dir, step, self.tokens_seen, self.model, self.opt, mesh, dev,
-                                        recipe.to_dict(self.model_cfg, tcfg), self.ds.tokenizer.path, tcfg.keep_last,
-                                        bad_steps=self.log.bad_steps(), data_fingerprint=self.ds.fingerprint)
+                saved = self.save(step, self.tokens_seen, self.log.bad_steps())
             except UserError as e:
                 if self.log.write_failed is None:
                     raise
@@ -74,14 +77,41 @@ class Session:
             if last and self.log.write_failed is not None:   # rank 0: what failed, and that nothing was lost
                 raise UserError(f"{self.log.write_failed}; the run stopped at step {step} and saved what it "
                                 f"trained in {saved}: free some space, then --resume auto continues from it")
+        if self.log.stopped:   # --max-bad-steps: the last good step is saved first (every rank), then the line
+            self.stop_itself(step)
         return last
 
-    def step_figures(self) -> dict:
+    def save(self, step: int, tokens: int, bad_steps: int) -> str:
+        """checkpoint.save of the model and optimizer as they are, as step `step` (every rank)."""
+        self.saved = (step, checkpoint.save(self.tcfg.out_dir, step, tokens, self.model, self.opt, self.mesh,
+                                            self.dev, recipe.to_dict(self.model_cfg, self.tcfg),
+                                            self.ds.tokenizer.path, self.tcfg.keep_last, bad_steps=bad_steps,
+                                            data_fingerprint=self.ds.fingerprint))
+        return self.saved[1]
+
+    def stop_itself(self, step: int) -> None:
+        """The run stops itself (--max-bad-steps, trainlog.TrainLog.stopped) after step `step`. The
+        updates of its last `streak` steps were skipped (optim.FlatAdamW.update multiplies them by
+        0), so the weights, Adam's moments and step count in memory are those of step - streak, the
+        last good step: saved as that step's checkpoint (its tokens, 0 bad steps; unless this run is
+        at it already), which `--resume auto` continues from as from any checkpoint of that step
+        (the data and the lr follow from the step, no step draws from the RNGs). Then one line."""
+        streak = self.log.bad_steps()
+        good = step - streak
+        saved = self.saved[1] if self.saved and self.saved[0] == good else \
+            self.save(good, self.tokens_seen - streak * self.tokens_per_step, 0)
+        raise UserError(f"{self.log.stopped}. Their updates were skipped, so the weights are those of step {good}, "
+                        f"the last good one: saved in {saved}. Lower --lr or check the data; --resume auto "
+                        f"continues from there")
+
+    def step_figures(self, finite: torch.Tensor | None = None) -> dict:
         """Figures of the step that the model's parts keep besides the loss, to log beside it: the
         model's `step_figures` (run/build.py:decoder gives a mixture of experts one), {} if none.
-        Every rank takes part (they add up over the ranks)."""
+        Every rank takes part (they add up over the ranks). A part may also move its state by them
+        after the optimizer step (a mixture's expert biases, --moe-bias-rate), not when the step was
+        skipped (`finite` False, as the optimizer's update)."""
         step_figures = getattr(self.model, "step_figures", None)
-        return step_figures(self.mesh, self.dev.torch_device) if step_figures else {}
+        return step_figures(self.mesh, self.dev.torch_device, finite) if step_figures else {}
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""

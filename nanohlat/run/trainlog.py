@@ -149,6 +149,7 @@ class TrainLog:
                        f"{f'; experts over ep {tcfg.ep}' if tcfg.ep > 1 else ''})")
         self.writer = MetricsWriter(self.path) if self.main else None
         self.write_failed: str | None = None   # a row metrics.jsonl could not take (`_write`)
+        self.stopped: str | None = None        # why the run stops itself (--max-bad-steps: `_log_step`)
 
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len
         self.flops_tok = flops_per_token(model_cfg, tcfg.seq_len)
@@ -223,10 +224,10 @@ class TrainLog:
                                  mfu="?" if mfu_ is None else f"{mfu_ * 100:.1f}%")
             if last:   # before anything else is printed (the timeline, the last line)
                 self.bar.close()
-        if 0 < tcfg.max_bad_steps <= worst:   # (0: never stop) every rank sees the same counts: all stop together
-            raise UserError(f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
-                            f"stopping at --max-bad-steps {tcfg.max_bad_steps}. Lower --lr or check the "
-                            f"data, then resume from a checkpoint saved before the trouble (--resume PATH)")
+        if 0 < tcfg.max_bad_steps <= worst and self.stopped is None:   # (0: never stop) every rank sees the same
+            # counts, so all stop together: Session.end_step saves the last good step, then says this
+            self.stopped = (f"{worst} steps in a row had a non-finite loss or gradient (by step {step}); "
+                            f"stopping at --max-bad-steps {tcfg.max_bad_steps}")
 
     def _mfu(self, tps: float) -> float | None:
         """MFU of a logged step. A CPU peak measured once at the start, while the

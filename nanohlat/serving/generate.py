@@ -89,6 +89,7 @@ def load_model(path: str, dev, mesh=None, copies: int = 1) -> tuple[Transformer,
             raise UserError(f"checkpoint {shards.path} has non-finite weights (NaN or inf) in {name}: it cannot "
                             f"be sampled, evaluated or exported; use an earlier checkpoint (a step_* folder)")
         p.copy_(shard_spec.local_part(full, p))
+    checkpoint.load_buffers(shards, model)   # (a mixture's expert biases: it routes as it trained)
     return model.to(dev.torch_device).eval(), shards.manifest
 
 

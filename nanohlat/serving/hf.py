@@ -30,7 +30,10 @@ in the model's dtype, the same for an fp32 model); each expert is the same
 SwiGLU, and the output is the weighted sum. Mixtral has no shared experts, no
 dense layers between sparse ones and never drops a token, so export refuses
 --moe-shared-experts, --moe-every > 1 and --moe-capacity-factor > 0 (the
-weights would compute otherwise there). The attention, norms, embedding and
+weights would compute otherwise there). Nor has Mixtral's router a bias: a
+model trained with --moe-bias-rate chose its experts by p + its biases
+(moe.route), so export refuses it once a bias is not zero (Mixtral would route
+its tokens to other experts), and leaves the all-zero biases out. The attention, norms, embedding and
 head map as for Llama; in layer i, nanohlat's experts are stacked (E, ...)
 tensors and Mixtral's are one tensor per expert j:
 
@@ -213,14 +216,16 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
     model (checked: each field nanohlat reads for its type first, then the model's ranges)."""
     def bad(key: str, want: str) -> UserError:
         return UserError(f"config.json's {key} is {hf_config.get(key)!r}, not {want}; it is not a complete "
-                         f"Llama config (fix the file, or give another model directory)")
+                         f"{kind} config (fix the file, or give another model directory)")
 
     def whole(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
+    kind = "Llama"
     if not isinstance(hf_config.get("architectures") or [], list):
         raise bad("architectures", "a list of class names")
     arch = hf_config.get("model_type") or "?"
     mixtral = arch == "mixtral" or "MixtralForCausalLM" in (hf_config.get("architectures") or [])
+    kind = "Mixtral" if mixtral else kind
     if arch != "llama" and "LlamaForCausalLM" not in (hf_config.get("architectures") or []) and not mixtral:
         raise UserError(f"model_type {arch!r} is not Llama; only LlamaForCausalLM (and MixtralForCausalLM) "
                         f"checkpoints convert 1:1")
@@ -231,7 +236,7 @@ def from_hf_config(hf_config: dict, vocab_multiple: int | None = None) -> ModelC
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if not whole(hf_config.get(key)):
             raise UserError(f"config.json has no integer {key!r} (got {hf_config.get(key)!r}); "
-                            f"it is not a complete Llama config")
+                            f"it is not a complete {kind} config")
     for key in ("num_key_value_heads", "max_position_embeddings", "head_dim"):   # optional: null is the default
         if hf_config.get(key) is not None and not whole(hf_config[key]):
             raise bad(key, "a whole number")
@@ -271,8 +276,8 @@ def _mixtral_fields(hf_config: dict, bad, whole) -> dict:
             raise bad(key, "a whole number")
     for key, want in (("sliding_window", None), ("router_jitter_noise", 0)):
         if hf_config.get(key) not in (None, want):
-            raise UserError(f"{key} = {hf_config[key]!r} is not supported (nanohlat's mixture of experts has "
-                            f"{key} = {want!r}: full attention, a router without noise)")
+            raise UserError(f"config.json's {key} is {hf_config[key]!r}, which nanohlat does not support (its "
+                            f"mixture of experts has {key} {want!r}: full attention, a router without noise)")
     aux = hf_config.get("router_aux_loss_coef")
     if aux is not None and not (isinstance(aux, (int, float)) and not isinstance(aux, bool) and math.isfinite(aux)):
         raise bad("router_aux_loss_coef", "a finite number")
@@ -280,11 +285,14 @@ def _mixtral_fields(hf_config: dict, bad, whole) -> dict:
             "moe_aux_coef": float(_or(aux, 0.001))}      # (transformers' default)
 
 
-def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
-                  vocab_multiple: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor], vocab_multiple: int | None = None,
+                  origin: dict[str, str] | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Hugging Face Llama (or Mixtral) config.json dict + state -> (ModelConfig,
     nanohlat full fp32 state). Mixtral's state as its checkpoints store it (the
-    module docstring), which transformers' save_pretrained writes."""
+    module docstring), which transformers' save_pretrained writes. Every tensor is
+    checked: its name, its shape, its values finite. `origin` (read_hf_weights):
+    the file each came from, named in a refusal."""
+    where = lambda h: (origin or {}).get(h) or ", ".join(sorted(set((origin or {}).values()))) or "the weights"   # noqa: E731
     cfg = from_hf_config(hf_config, vocab_multiple)
     d = cfg.d_model
     hf_state = {k: v for k, v in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}  # old, derived
@@ -295,8 +303,8 @@ def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
     every = {h for names in wanted.values() for h in names}
     missing, unexpected = every - set(hf_state), set(hf_state) - every
     if missing or unexpected:
-        raise UserError(f"not a {'Mixtral' if cfg.moe_experts else 'Llama'} state of this config: missing "
-                        f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        raise UserError(f"{where(None)}: not a {'Mixtral' if cfg.moe_experts else 'Llama'} state of its config.json "
+                        f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     state = {}
     for name, hnames in wanted.items():
         stacked = experts_stacked(cfg, name)
@@ -304,8 +312,11 @@ def from_hf_state(hf_config: dict, hf_state: dict[str, torch.Tensor],
         want = shapes[name][1:] if stacked else (cfg.vocab_size, d) if name in _VOCAB_NAMES else shapes[name]
         for hname in hnames:
             if tuple(hf_state[hname].shape) != want:
-                raise UserError(f"{hname} has shape {tuple(hf_state[hname].shape)}, expected {want} "
+                raise UserError(f"{where(hname)}: {hname} has shape {tuple(hf_state[hname].shape)}, expected {want} "
                                 f"from config.json")
+            if not bool(torch.isfinite(hf_state[hname]).all()):   # (as every reader of a checkpoint refuses them)
+                raise UserError(f"{where(hname)} has non-finite weights (NaN or inf) in {hname}: it cannot be "
+                                f"imported (nor sampled, evaluated or exported); fix the file or use another model")
         parts = [hf_state[h].detach().float() for h in hnames]   # nanohlat keeps fp32; bf16 widens exactly
         t = torch.stack(parts) if stacked else parts[0]          # expert j's matrix at j
         if name in _VOCAB_NAMES:
@@ -377,8 +388,9 @@ def read_hf_config(hf_dir: str) -> dict:
     return hf_config
 
 
-def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
-    """The merged state of all *.safetensors or pytorch_model*.bin shards of a model directory."""
+def read_hf_weights(hf_dir: str, origin: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """The merged state of all *.safetensors or pytorch_model*.bin shards of a model directory
+    (`origin`, if given, gets the file of each tensor)."""
     state = {}
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     st = _safetensors() if shards else None
@@ -386,20 +398,25 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
         shards = sorted(glob.glob(os.path.join(hf_dir, "pytorch_model*.bin")))
     for path in shards:
         try:
-            state.update(st.load_file(path) if st else
-                         torch.load(path, map_location="cpu", weights_only=True))  # never unpickle code
+            part = st.load_file(path) if st else torch.load(path, map_location="cpu", weights_only=True)  # no code
         except Exception as e:  # noqa: BLE001 - any failure to parse the file means it is damaged
             raise UserError(f"{path} cannot be read ({e.__class__.__name__}); the file is truncated or "
                             f"damaged") from None
+        state.update(part)
+        if origin is not None:
+            origin.update(dict.fromkeys(part, path))
     if not shards:
         raise UserError(f"{hf_dir!r} has no *.safetensors or pytorch_model*.bin weights")
     return state
 
 
-def _refuse_non_empty(path: str, what: str) -> None:
+def _refuse_non_empty(path: str, what: str, overwrite: bool = False) -> None:
+    """A target folder: refused if it is no folder (a file, a FIFO, a device: even with --overwrite,
+    which replaces files inside a folder), or holds something unless --overwrite."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise UserError(f"{what} {path!r} is a file, not a folder; choose a new folder")
-    if os.path.exists(path) and os.listdir(path):
+        raise UserError(f"{what} {path!r} is {files.not_a_file(os.path.realpath(path)) or 'a file'}, not a folder; "
+                        f"choose a new folder{' (--overwrite replaces the files inside one)' if overwrite else ''}")
+    if not overwrite and os.path.exists(path) and os.listdir(path):
         raise UserError(f"{what} {path!r} is not empty; choose a new folder, or pass --overwrite to replace "
                         f"what it holds")
 
@@ -411,6 +428,9 @@ def _partial_dir(hf_dir: str) -> str:
     """`HF_DIR.partial`, the export's temporary folder, made anew. One left by a killed
     export (nothing but export files in it) is removed; anything else there is refused."""
     tmp = os.path.normpath(os.path.abspath(hf_dir)) + ".partial"
+    if files.not_a_file(tmp) not in (None, "a folder"):
+        raise UserError(f"{tmp!r} is {files.not_a_file(tmp)}, where export writes first; move it away or choose "
+                        f"another HF_DIR")
     if os.path.islink(tmp) or os.path.isfile(tmp):
         os.unlink(tmp)                 # (nanohlat makes no link or file there)
     elif os.path.isdir(tmp):
@@ -439,13 +459,22 @@ def _move_into(tmp: str, hf_dir: str) -> None:
 def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
     from nanohlat.device import get_device
     from nanohlat.serving.generate import load_model
-    if not overwrite:
-        _refuse_non_empty(hf_dir, "HF_DIR")
+    _refuse_non_empty(hf_dir, "HF_DIR", overwrite)
+    for name in EXPORT_FILES:   # (--overwrite: a FIFO or a device there would be replaced by the file)
+        files.refuse_unless_file(os.path.join(hf_dir, name), "another HF_DIR")
     # its config and finite weights checked, and that three copies of the weights fit
     # (the model, its state cut for HF, the file's bytes)
     model, manifest = load_model(run_or_ckpt, get_device("cpu"), copies=3)
     check_mixtral(model.cfg)    # before anything is written
     state = model.state_dict()
+    biases = [n for n in state if n.endswith(".expert_bias")]   # --moe-bias-rate's (module docstring)
+    moved = [n for n in biases if bool(state[n].any())]
+    if moved:
+        raise UserError(f"{run_or_ckpt} trained with --moe-bias-rate and its expert biases are not zero ({moved[0]} "
+                        f"and {len(moved) - 1} more): Mixtral's router has no bias, so the exported model would "
+                        f"send tokens to other experts than this one does; nothing was written (export a model "
+                        f"balanced by --moe-aux-coef instead)")
+    state = {n: t for n, t in state.items() if n not in biases}
     # Into a temporary folder beside HF_DIR, moved into place once every file is whole: a
     # full disk (or Ctrl-C) leaves HF_DIR as it was, never config.json without its weights.
     tmp = _partial_dir(hf_dir)
@@ -466,12 +495,12 @@ def export(run_or_ckpt: str, hf_dir: str, overwrite: bool = False) -> None:
 def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int | None = None,
             overwrite: bool = False) -> str:
     from nanohlat.run.checkpoint import clear_run, save_full
-    from nanohlat.run.runlock import acquire
+    from nanohlat.run.runlock import acquire, check_out_dir
     if not os.path.isdir(hf_dir):
         raise UserError(f"{hf_dir!r} {'is not a folder' if os.path.exists(hf_dir) else 'does not exist'}; give "
                         f"the folder of a Hugging Face LLaMA checkpoint (config.json, *.safetensors, tokenizer.model)")
-    if not overwrite:
-        _refuse_non_empty(out_dir, "OUT_DIR")
+    _refuse_non_empty(out_dir, "OUT_DIR", overwrite)
+    check_out_dir(out_dir)   # (a FIFO or a device at one of a run's files: before any work)
     tokenizer = tokenizer or os.path.join(hf_dir, "tokenizer.model")
     if not os.path.isfile(tokenizer):
         raise UserError(f"{hf_dir!r} has no SentencePiece tokenizer.model (nanohlat tokenises with "
@@ -482,9 +511,11 @@ def import_(hf_dir: str, out_dir: str, tokenizer: str = "", vocab_multiple: int 
     try:
         cfg = from_hf_config(hf_config, vocab_multiple)
     except UserError as e:   # named with its folder: config.json alone says not which one
-        raise UserError(f"{os.path.join(hf_dir, '')}{e}") from None
+        path = os.path.join(hf_dir, "config.json")
+        raise UserError(f"{path[:-11]}{e}" if str(e).startswith("config.json") else f"{path}: {e}") from None
     check_fits(cfg, "cpu", os.path.join(hf_dir, "config.json"), copies=2, ranks=0)
-    cfg, state = from_hf_state(hf_config, read_hf_weights(hf_dir), vocab_multiple)
+    origin: dict[str, str] = {}
+    cfg, state = from_hf_state(hf_config, read_hf_weights(hf_dir, origin), vocab_multiple, origin)
     from nanohlat.run.data import load_tokenizer
     if load_tokenizer(tokenizer).vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer {tokenizer!r} has more pieces than the model's vocab_size {cfg.vocab_size}")

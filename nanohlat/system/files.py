@@ -9,6 +9,9 @@ import json
 import math
 import os
 import shutil
+import stat
+
+from nanohlat.config import UserError
 
 
 def fsync_dir(path: str) -> None:
@@ -18,6 +21,33 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_file(path: str) -> str | None:
+    """What stands at `path`, in words ("a FIFO (named pipe)", "a character device", "a folder", ...),
+    when it is something nanohlat must not write over: neither absent, a regular file nor a
+    symbolic link (a link is replaced, never followed: _create_new). None otherwise. Read with
+    lstat alone: nothing is opened (opening a FIFO blocks until someone reads it)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return next((what for test, what in _KINDS if test(mode)), None) if not stat.S_ISREG(mode) \
+        and not stat.S_ISLNK(mode) else None
+
+
+def refuse_unless_file(path: str, choose: str = "another path") -> None:
+    """UserError, one line, when something other than a regular file (or a link, or nothing)
+    stands at `path`, a file nanohlat is about to write: writing it would replace a device
+    node, a FIFO or a socket with a file of ours (a folder it cannot replace at all)."""
+    what = not_a_file(path)
+    if what:
+        raise UserError(f"{path!r} is {what}, not a regular file: nanohlat writes only regular files there "
+                        f"and would replace it; move it away or choose {choose}")
 
 
 def _create_new(path: str, flags: int) -> int:
@@ -38,10 +68,12 @@ def atomic_write(path: str, write) -> None:
     process leaves one behind.
 
     Every file a run writes goes through here (or open_append), so none is ever
-    written through a symbolic link: the temporary is created anew, refusing to
+    written over a device, a FIFO or a socket (refused: refuse_unless_file), nor through a symbolic link: the temporary is created anew, refusing to
     follow a link (_create_new), and the rename replaces a link at `path` by the
     file itself, leaving the link's target untouched."""
     tmp = path + ".partial"
+    refuse_unless_file(path)   # (every command checks its targets before any work; this is the last guard)
+    refuse_unless_file(tmp)
     try:
         with os.fdopen(_create_new(tmp, os.O_WRONLY), "wb") as f:
             write(f)
@@ -72,7 +104,9 @@ def copy_file(source: str, path: str) -> None:
 def open_append(path: str):
     """`path` opened for appending text (metrics.jsonl), never through a link:
     O_NOFOLLOW refuses one, which is then removed (not its target) and the file
-    created anew. A regular file already there is continued."""
+    created anew. A regular file already there is continued; anything else refused
+    (refuse_unless_file: a FIFO would block the open)."""
+    refuse_unless_file(path)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags, 0o644)

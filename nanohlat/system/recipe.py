@@ -24,6 +24,8 @@ from nanohlat.precision import PRECISIONS
 from nanohlat.beyond.schedules import SCHEDULES   # --schedule
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
+MOST = 2**53            # any other count (sizes, steps, ranks): JSON's largest exact integer, as config.json
+                        # and a checkpoint record it (checkpoint.read_manifest refuses more)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
 
@@ -38,10 +40,16 @@ class ModelConfig(config.ModelConfig):
     moe_every: int = 1           # layer i is sparse when (i + 1) % moe_every == 0 (2: every other layer)
     moe_aux_coef: float = 0.01   # coefficient of the load-balancing loss
     moe_z_coef: float = 0.001    # coefficient of the router z-loss
+    moe_bias_rate: float = 0.0   # balancing without a loss (DeepSeek-V3): each step's move of an expert's bias
     moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes ceil(c * tokens * k / E)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+    def sparse_layers(self) -> int:
+        """How many layers are sparse (is_moe_layer): the multiples of moe_every up to n_layers, counted
+        arithmetically (never layer by layer: a --n-layers of 10^12 is refused by size, not counted)."""
+        return self.n_layers // self.moe_every if self.moe_experts > 0 else 0
 
     def num_params(self) -> int:
         """Parameters of the full (unsharded) model: config.ModelConfig's, and what the sparse layers add."""
@@ -50,12 +58,13 @@ class ModelConfig(config.ModelConfig):
     def moe_extra_params(self, active: bool = False) -> int:
         """What the sparse layers hold beyond dense ones: each has E + shared experts (active:
         the k + shared a token uses) in the place of one MLP, and the router (E x d_model)."""
-        sparse = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        sparse = self.sparse_layers()
         experts = self.moe_top_k if active else self.moe_experts
         return sparse * ((experts + self.moe_shared_experts - 1) * 3 * self.d_model * self.ffn_dim
                          + self.moe_experts * self.d_model)
 
     def validate(self) -> None:
+        check_counts(self)
         for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
                      "vocab_multiple"):   # first: the divisibility checks below divide by some of these
             if getattr(self, name) <= 0:
@@ -79,8 +88,14 @@ class ModelConfig(config.ModelConfig):
         if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
             raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
                             f"got {self.moe_shared_experts} and {self.moe_every}")
-        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor"):
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor", "moe_bias_rate"):
             _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
+        most = self.moe_experts / self.moe_top_k   # C = ceil(factor * N * k / E) reaches N there (moe.capacity)
+        if self.moe_capacity_factor > most:
+            raise UserError(f"--moe-capacity-factor {self.moe_capacity_factor:g} is above --moe-experts / --moe-top-k "
+                            f"= {most:g}: at {most:g} each expert already takes every token (capacity C = the "
+                            f"tokens, none dropped) and a larger factor only grows its buffer (E x C rows a sparse "
+                            f"layer); give at most {most:g}, or 0 (dropless)")
 
 
 @dataclass
@@ -89,11 +104,12 @@ class TrainConfig(config.TrainConfig):
     expert parallelism, context parallelism (their modules in nanohlat/beyond/)."""
 
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
-    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py, mesh.py)
-    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py, mesh.py)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
+    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
     cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
 
     def validate(self) -> None:
+        check_counts(self)
         for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep", "cp"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -165,6 +181,17 @@ class TrainConfig(config.TrainConfig):
                             f"(0 = this machine's cores shared among the local workers)")
 
 
+def check_counts(cfg) -> None:
+    """Every whole-number field of `cfg` (a ModelConfig or TrainConfig) but --seed at most MOST: a
+    size, a step count or a world is checked by arithmetic (divisors, the memory pre-flight), and
+    nothing nanohlat records can hold more (a --nproc of 21 digits hung, counting its divisors)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if type(f.default) is int and f.name != "seed" and isinstance(value, int) and value > MOST:
+            raise UserError(f"{_flag(f.name)} {value} is more than 2^53 = {MOST:,}, the largest count nanohlat "
+                            f"records exactly (config.json, checkpoints); give a smaller one")
+
+
 def check_seed(seed: int) -> None:
     """--seed of every command (train, bench, sample, eval, serving)."""
     if not 0 <= seed < SEED_LIMIT:
@@ -200,11 +227,89 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending, from its prime factors (_factor): never by trying every
+    number up to n, which took forever at a world of 10^21 ranks (and up to its square root would
+    at 10^30). Sizes reach here checked to be at most MOST (2^53), where it takes milliseconds."""
+    out = [1]
+    for p, e in sorted(_factor(n).items()):
+        out = [d * p ** i for d in out for i in range(e + 1)]
+    return sorted(out)
+
+
+def _factor(n: int) -> dict[int, int]:
+    """{prime: exponent} of n: trial division by the small primes, then Pollard's rho (Brent's
+    cycle finding) for what is left, each part tested for primality by Miller-Rabin (exact for
+    every n below 3.3 x 10^24 with these bases)."""
+    found: dict[int, int] = {}
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % p == 0:
+            found[p] = found.get(p, 0) + 1
+            n //= p
+    rest = [n] if n > 1 else []
+    while rest:
+        m = rest.pop()
+        if _is_prime(m):
+            found[m] = found.get(m, 0) + 1
+        else:
+            d = _rho(m)
+            rest += [d, m // d]
+    return found
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _rho(n: int) -> int:
+    """A factor 1 < d < n of an odd composite n with no factor below 41 (Pollard-Brent)."""
+    for c in range(1, n):
+        y, m, g, r, q, x = 2, 128, 1, 1, 1, 2
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(m, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = math.gcd(q, n)
+                k += m
+            r *= 2
+        if g == n:   # the batch overshot: step one at a time from its start
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = math.gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise AssertionError(f"no factor of {n}")
 
 
 def choices(xs) -> str:
+    """"1, 2 or 4"; a long list (the divisors of a world of 2^53 ranks: thousands) cut to its ends."""
     xs = list(xs)
+    if len(xs) > 12:
+        return ", ".join(map(str, xs[:10])) + f", ... or {xs[-1]} ({len(xs):,} in all)"
     return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
 
 
@@ -214,6 +319,9 @@ def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     it. One line each, naming what failed and what to choose. Returns dp."""
     tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
     cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if world > MOST:   # (WORLD_SIZE from a launcher: --nproc is checked with the other counts)
+        raise UserError(f"a world of {world} ranks is more than 2^53 = {MOST:,}, the largest count nanohlat "
+                        f"records exactly; no machine has as many")
     if world % (tp * pp * cp):
         raise UserError(f"--tp {tp} x --pp {pp}{cp_text} = {tp * pp * cp} does not divide the world size {world}; "
                         f"choose tp*pp{'*cp' if cp > 1 else ''} among {choices(divisors(world))}")
@@ -221,6 +329,8 @@ def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     if tp * pp * cp * dp != world:
         raise UserError(f"--tp {tp} x --pp {pp}{cp_text} x --dp {dp} = {tp * pp * cp * dp} but the world has "
                         f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
+    if cp > 1:   # (after the world: its sequence's chunks and heads; in resolve too, where the world allows)
+        check_cp_layout(model, tcfg)
     # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
     # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
     kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0   # noqa: E731
@@ -310,6 +420,10 @@ HELP = {
                     "logged (without it) as moe_balance",
     "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
                   "logits)^2), logged (without it) as moe_z",
+    "moe_bias_rate": "balancing without a loss (DeepSeek-V3): a bias per expert, added to the router's "
+                     "probabilities to choose the top-k (never to weigh them), moved by this much after each "
+                     "step towards the experts the global batch gave less than their share (0 = off; "
+                     "DeepSeek-V3: 1e-3; with --moe-aux-coef 0 the only balancing)",
     "ep": "expert parallelism: ranks of each dp group sharing a mixture's experts, E/ep each (divides dp; moe.py)",
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
     "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
@@ -381,8 +495,11 @@ def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
-    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N; what cp trains with so far."""
+    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N; what cp trains with so far.
+    When --nproc is not a multiple of tp x pp x cp this waits for check_layout, which says that first."""
     cp = tcfg.cp
+    if tcfg.nproc > 1 and tcfg.nproc % (tcfg.tp * tcfg.pp * cp):
+        return
     if tcfg.seq_len % (2 * cp):
         raise UserError(f"--cp {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (zigzag): "
                         f"--seq-len {tcfg.seq_len} is not a multiple of {2 * cp}")

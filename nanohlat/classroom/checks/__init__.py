@@ -58,10 +58,13 @@ from nanohlat.classroom.checks.ch10_moe import check_dispatch, check_ep_groups, 
 from nanohlat.classroom.checks.ch11_context_parallel import check_merge, check_ring_backward, check_zigzag
 
 
-def run(ex) -> str | None:
-    """Run every check of exercise `ex`; the first verdict, or None when all pass."""
+def run(ex, on_start=None) -> str | None:
+    """Run every check of exercise `ex`; the first verdict, or None when all pass. `on_start(name)`
+    as each check starts (isolate.serve: each has its time limit)."""
     for check in CHECKS[ex.id]:
         _CASE["name"] = None
+        if on_start:
+            on_start(check.__name__)
         try:
             verdict = check()
         except Exception as e:   # the student's code raised (NotImplementedError for the stub)

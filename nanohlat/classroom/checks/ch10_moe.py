@@ -6,7 +6,7 @@ experts, their probabilities renormalised over the k; per sequence f_e (the
 share of the T*k choices, counts with no gradient), P_e (the mean
 probability), balance E * sum_e f_e P_e and z the mean of logsumexp^2; k 1,
 2 and E, sequences routed very differently (a batch mean is not a sequence's),
-bf16 inputs (routed in fp32); then with sequence parallelism on 2 gloo ranks,
+a bias that chooses (p + bias) but does not weigh (--moe-bias-rate), bf16 inputs (routed in fp32); then with sequence parallelism on 2 gloo ranks,
 each holding half of every sequence (the sums over a sequence add up over tp).
 10b (the sorted dispatch, moe.dispatch_sorted) against the plain loop over
 experts written here, values and the gradients of x, the weights and every
@@ -33,14 +33,16 @@ from nanohlat.classroom.checks.wire import Wire
 # The oracles: the router's formulas and the plain loop, in fp64
 # ---------------------------------------------------------------------------
 
-def _route(x, w, k):
-    """(experts, weights, balance, z) of the router, per sequence, straight from the formulas."""
+def _route(x, w, k, bias=None):
+    """(experts, weights, balance, z) of the router, per sequence, straight from the formulas
+    (bias: p + bias chooses the experts, p weighs them)."""
     B, T, _ = x.shape
     E = w.shape[0]
     logits = x.double() @ w.double().t()
     p = torch.exp(logits - logits.max(-1, keepdim=True).values)
     p = p / p.sum(-1, keepdim=True)
-    order = torch.sort(p.detach(), dim=-1, descending=True).indices[..., :k]   # (B, T, k)
+    score = p.detach() if bias is None else p.detach() + bias.double()
+    order = torch.sort(score, dim=-1, descending=True).indices[..., :k]   # (B, T, k)
     top = torch.gather(p, -1, order)
     weights = top / top.sum(-1, keepdim=True)
     balance, z = [], []
@@ -92,19 +94,19 @@ def _grads(what, got, want, names, rank=None, **tol) -> str | None:
 # 10a: the router
 # ---------------------------------------------------------------------------
 
-def _route_case(name, x, w, k, seq_group=None, part=None, rank=None, **tol) -> str | None:
+def _route_case(name, x, w, k, seq_group=None, part=None, rank=None, bias=None, **tol) -> str | None:
     """route on x (or on `part`, this rank's slice of the tokens, under SP) against the oracle
     on the whole x: each output, then the gradients of x and w_router through each output."""
     from nanohlat.beyond.moe import route
     B, T, C = x.shape
     ref_x, ref_w = _leaves(x, w)
-    want = _route(ref_x, ref_w, k)
+    want = _route(ref_x, ref_w, k, bias)
     g = torch.Generator().manual_seed(3)
     up_w = torch.randn(B, T, k, generator=g, dtype=torch.float64)
     up_b, up_z = torch.randn(B, generator=g, dtype=torch.float64), torch.randn(B, generator=g, dtype=torch.float64)
     sl = slice(None) if part is None else part
     mx, mw = x[:, sl].detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    outs = route(mx, mw, k, seq_group)
+    outs = route(mx, mw, k, seq_group) if bias is None else route(mx, mw, k, seq_group, bias)
     if not isinstance(outs, tuple) or len(outs) != 4:
         return f"{name}: route returned {type(outs).__name__}, expected (experts, weights, balance, z)"
     experts, weights, balance, z = outs
@@ -115,7 +117,8 @@ def _route_case(name, x, w, k, seq_group=None, part=None, rank=None, **tol) -> s
     if not torch.equal(experts.long(), want_e):
         i = tuple(int(a) for a in (experts.long() != want_e).nonzero()[0][:2])
         return (f"{name}: token {list(i)} chose experts {experts[i].tolist()}, expected {want_e[i].tolist()} "
-                f"(the k largest router probabilities over the E experts, likeliest first)")
+                f"(the k largest router probabilities over the E experts, likeliest first"
+                f"{'; with a bias, the k largest p + bias, the weights still from p' if bias is not None else ''})")
     if weights is None or weights.dtype != x.dtype:
         return f"{name}: weights are {None if weights is None else weights.dtype}, expected {x.dtype} (the input's)"
     for what, got, exact in (("weights", weights, want_w), ("balance", balance, want_b), ("z", z, want_z)):
@@ -167,6 +170,11 @@ def check_route() -> str | None:
     x = torch.randn(3, 6, 6, generator=g, dtype=torch.float64)
     x[0] = w[0] * 3 + 0.1 * x[0]          # sequence 0 leans hard on expert 0
     v = _route_case(name, x, w, 2)
+    if v:
+        return v
+    name = case("a bias (--moe-bias-rate) that moves some tokens: p + bias chooses the k, p alone weighs them")
+    x, w = torch.randn(3, 7, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    v = _route_case(name, x, w, 2, bias=torch.tensor([0.2, -0.15, 0.0, 0.1], dtype=torch.float64))
     if v:
         return v
     name = case("bf16 inputs (routed in fp32; the weights in bf16)")

@@ -12,7 +12,7 @@ from nanohlat.classroom.checks.wire import Wire
 
 HERE = os.path.dirname(os.path.abspath(__file__))   # the checks' files: a verdict points past them
 TOL = dict(rtol=1e-5, atol=1e-5)   # fp32 round-off of the same sums added in another order
-TIME_LIMIT = float(os.environ.get("NANOHLAT_CHECK_TIME_LIMIT", "120"))   # seconds for one distributed check, start-up included
+from nanohlat.classroom.isolate import TIME_LIMIT   # seconds for one check (a distributed one: start-up included)
 
 
 # ---------------------------------------------------------------------------
@@ -86,7 +86,9 @@ def explain(e: BaseException, exercise: str | None = None) -> str:
             return f"not done yet: exercise {exercise} needs exercise {stub.group(1)} first ({stub.group(0)})"
         return f"not done yet: {stub.group(0)}"
     tb = traceback.extract_tb(e.__traceback__)
-    mine = [f for f in tb if os.path.dirname(os.path.abspath(f.filename)) != HERE] or tb   # not these files
+    kit = (HERE, os.path.join(os.path.dirname(HERE), "isolate.py"))   # not these files, nor the import machinery
+    mine = [f for f in tb if os.path.dirname(os.path.abspath(f.filename)) != HERE and
+            os.path.abspath(f.filename) not in kit and not f.filename.startswith("<frozen")] or tb
     at = f" at {os.path.relpath(mine[-1].filename)}:{mine[-1].lineno}" if mine else ""
     during = f"{_CASE['name']}: " if _CASE["name"] else ""
     return f"{during}raised {type(e).__name__}: {e}{at}"
@@ -109,6 +111,8 @@ def _worker(rank, world, port, fn, args, queue):
             verdict = fn(rank, world, *args)
         except Exception as e:
             verdict = explain(e)
+        except SystemExit as e:   # an exit is a failure, never a pass (isolate.py)
+            verdict = f"the code exited on rank {rank} ({explain(e).removeprefix('raised ')}): an exit ends no check with a pass"
         queue.put((rank, verdict))
         told = True
         dist.destroy_process_group()
@@ -132,18 +136,29 @@ def spawn(fn, world: int, *args) -> str | None:
     verdicts = {}
     import time
     deadline = time.monotonic() + TIME_LIMIT
+    gone = {}   # rank -> exit code of a rank that ended without a verdict (os._exit, a crash)
     try:
-        while len(verdicts) < world:
+        while len(verdicts) < world and time.monotonic() < deadline and not gone:
             try:
-                rank, v = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, v = q.get(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
+                verdicts[rank] = v
             except queue_mod.Empty:
-                break
-            verdicts[rank] = v
+                gone = {r: p.exitcode for r, p in enumerate(procs) if r not in verdicts and p.exitcode is not None}
+                while gone:   # (a verdict put just before its rank exited is still in the queue)
+                    try:
+                        rank, v = q.get(timeout=0.2)
+                    except queue_mod.Empty:
+                        break
+                    verdicts[rank] = v
+                    gone.pop(rank, None)
     finally:
         for p in procs:
             p.join(timeout=5 if len(verdicts) == world else 0.1)
             if p.is_alive():
                 p.kill()
+    if gone:
+        return (f"rank(s) {sorted(gone)} ended without a verdict (exit code {', '.join(map(str, gone.values()))}): "
+                f"the code called os._exit or crashed, and an exit ends no check with a pass")
     if len(verdicts) < world:
         stuck = [r for r in range(world) if r not in verdicts]
         return (f"rank(s) {stuck} did not finish within {TIME_LIMIT:.0f} s: usually a collective that only "

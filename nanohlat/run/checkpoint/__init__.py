@@ -34,6 +34,6 @@ from __future__ import annotations
 
 from nanohlat.run.checkpoint.history import (ckpt_root, clear_run, find_resume, incomplete_checkpoints, latest,
                                              list_checkpoints, resolve, step_of, warn_incomplete)
-from nanohlat.run.checkpoint.manifest import check, check_identity, corrupt_files, read_manifest
-from nanohlat.run.checkpoint.reshard import ShardSet, load
+from nanohlat.run.checkpoint.manifest import check, check_identity, corrupt_files, note_model_changes, read_manifest
+from nanohlat.run.checkpoint.reshard import ShardSet, load, load_buffers
 from nanohlat.run.checkpoint.saving import save, save_full

@@ -11,7 +11,8 @@ a `.tmp_` one) is incomplete: never loaded, named in a warning, and cleared by
 the next save.
 
 Which checkpoint a run starts from (find_resume): --resume auto, the newest
-complete one in out-dir; never, none (an existing run is refused unless
+complete one in out-dir (none: a fresh start, refused where out-dir holds a
+run's metrics.jsonl records, which it would replace); never, none (an existing run is refused unless
 --overwrite, and then cleared by clear_run); PATH, that one. A job restarted
 by its launcher after a failure (--max-restarts) continues from the newest
 checkpoint it saved, whatever --resume said.
@@ -19,6 +20,7 @@ checkpoint it saved, whatever --resume said.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -110,17 +112,39 @@ def find_resume(out_dir: str, resume: str, overwrite: bool = False, restarted: b
     """
     if restarted:
         return latest(out_dir) or (None if resume in ("auto", "never") else resolve(resume))
+    metrics = os.path.join(out_dir, "metrics.jsonl")
     if resume == "auto":
+        # nothing to continue from, but a run's records: starting from scratch would replace them
+        if not latest(out_dir) and logged_rows(metrics):
+            raise UserError(f"--out-dir {out_dir} holds a run's metrics.jsonl ({logged_rows(metrics)} records) but "
+                            f"no complete checkpoint to continue from: --resume auto would start from scratch and "
+                            f"replace them; --resume never --overwrite starts again, or choose another --out-dir")
         return latest(out_dir)
     if resume == "never":
         # a run that logged no row trained nothing (e.g. one killed with -9 before its first step)
-        metrics = os.path.join(out_dir, "metrics.jsonl")
         has_run = latest(out_dir) or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
         if has_run and not overwrite:
             raise UserError(f"--out-dir {out_dir} already holds a run; use --resume auto to continue it, "
                             f"--overwrite to replace it, or another --out-dir")
         return None
     return resolve(resume)
+
+
+def logged_rows(metrics: str) -> int:
+    """The records of a run's metrics.jsonl: its lines that are JSON objects with a whole-number step
+    (what a resume keeps, trainlog.truncate_metrics: a damaged line, dropped by any resume, is none)."""
+    if not os.path.isfile(metrics):
+        return 0
+    rows = 0
+    with open(metrics, "rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw.decode())
+            except ValueError:      # (not UTF-8, not JSON)
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            rows += isinstance(step, int) and not isinstance(step, bool)
+    return rows
 
 
 def clear_run(out_dir: str) -> None:

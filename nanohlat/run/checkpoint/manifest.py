@@ -183,16 +183,33 @@ def check_files(path: str, manifest: dict) -> None:
                             f"says {info['bytes']}: the file is truncated or corrupt")
 
 
+SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "vocab_multiple",
+                "moe_experts", "moe_shared_experts", "moe_every")   # what the tensors' shapes follow from
+
+
 def check_model(path: str, manifest: dict, cfg: ModelConfig) -> None:
-    """The checkpoint was saved for a model of this shape."""
-    saved = manifest["config"]["model"]
+    """The checkpoint was saved for a model of this shape (a field it lacks, from before it
+    existed, has its default). A reader builds its model from the manifest, so it always
+    passes here: a tensor of another shape is then the manifest's fault (ShardSet.tensor)."""
+    saved = dataclasses.asdict(model_from_dict(manifest["config"]["model"]))
     mine = dataclasses.asdict(cfg)
-    diff = [k for k in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                        "vocab_multiple") if saved.get(k) != mine[k]]
+    diff = [k for k in SHAPE_FIELDS if saved[k] != mine[k]]
     if diff:
         desc = ", ".join(f"{k} {saved.get(k)} vs {mine[k]}" for k in diff)
         raise UserError(f"checkpoint {os.path.join(path, 'manifest.json')} is for a different model shape "
                         f"({desc}: saved vs this run); pick a matching checkpoint or --out-dir")
+
+
+def note_model_changes(path: str, manifest: dict, cfg: ModelConfig) -> None:
+    """(Resume) a model field that shapes no tensor but differs from the checkpoint's (--moe-top-k,
+    --moe-capacity-factor, --moe-aux-coef, --rope-theta, ...): allowed, as a changed --lr is, and
+    announced in one note (it was silent); a shape field is refused (check_model)."""
+    saved, mine = dataclasses.asdict(model_from_dict(manifest["config"]["model"])), dataclasses.asdict(cfg)
+    changed = [f"--{k.replace('_', '-')} {mine[k]!r} (it trained with {saved[k]!r})" for k in mine
+               if k not in SHAPE_FIELDS and saved[k] != mine[k]]
+    if changed:
+        print(f"note: resuming {path} with {', '.join(changed)}: the same weights, another model from here on",
+              file=sys.stderr)
 
 
 def identity(tokenizer_path: str, data_fingerprint: str | None) -> dict:

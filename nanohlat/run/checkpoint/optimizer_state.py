@@ -44,6 +44,14 @@ def export_state(opt, host) -> dict:
     return out
 
 
+def state_buffers(model) -> dict:
+    """{name: tensor} of the model's persistent buffers: state that is no parameter, so no flat
+    buffer holds it (a mixture's expert biases, moved after each step by the load: moe.update_bias).
+    Saved and loaded whole, as the model section's tensors that no rank splits."""
+    params = {n for n, _ in model.named_parameters()}
+    return {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in params}
+
+
 @torch.no_grad()
 def import_state(opt, local_flat, step_count: int) -> None:
     """Fill the optimizer's (shards of) state from `local_flat(name, key)` -> the

@@ -19,8 +19,9 @@ import torch
 from nanohlat import comm
 from nanohlat.beyond import zero3
 from nanohlat.config import UserError
-from nanohlat.run.checkpoint.manifest import check_files, check_model, corrupt_error, corrupt_files, read_manifest
-from nanohlat.run.checkpoint.optimizer_state import import_state
+from nanohlat.run.checkpoint.manifest import (check_files, check_model, corrupt_error, corrupt_files, damaged,
+                                             read_manifest)
+from nanohlat.run.checkpoint.optimizer_state import import_state, state_buffers
 from nanohlat.shard_spec import local_part
 
 
@@ -122,10 +123,24 @@ class ShardSet:
         if t is None:
             raise UserError(f"checkpoint {self.path} has no {section} tensor {name!r}: a shard is missing "
                             f"or the model differs")
-        if list(t.shape) != list(full_shape):
-            raise UserError(f"checkpoint {self.path}: {name!r} has shape {list(t.shape)}, the model being "
-                            f"loaded has {list(full_shape)}")
+        if list(t.shape) != list(full_shape):   # (the model's shape fields are the manifest's: check_model)
+            raise damaged(os.path.join(self.path, "manifest.json"), f"its config.model makes {name!r} "
+                          f"{list(full_shape)}, its shards hold {list(t.shape)}")
         return t
+
+
+@torch.no_grad()
+def load_buffers(shards: ShardSet, model) -> None:
+    """The model's state besides its parameters (optimizer_state.state_buffers: a mixture's expert
+    biases), whole on every rank. One the checkpoint lacks keeps its value as built (a run saved
+    without --moe-bias-rate resumed with it: its biases start at zero, as a new run's)."""
+    for name, b in state_buffers(model).items():
+        t = shards.full(name)
+        if t is not None:
+            if list(t.shape) != list(b.shape):
+                raise UserError(f"checkpoint {shards.path}: {name!r} is {list(t.shape)}, this model's "
+                                f"{list(b.shape)}; the checkpoint is for another model")
+            b.copy_(t.to(b.dtype))
 
 
 @torch.no_grad()
@@ -138,6 +153,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
     with zero3.whole(opt):           # ZeRO-3: the parameters' storage back while they are written
         for name, p in params.items():   # one full tensor at a time, cut to this rank's part
             p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
+    load_buffers(shards, model)
 
     if shards.manifest.get("optimizer", True):
         def local_flat(name, key):

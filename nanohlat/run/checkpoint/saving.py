@@ -35,7 +35,7 @@ from nanohlat.run.checkpoint.history import (ckpt_root, incomplete_checkpoints, 
                                              set_aside_newer)
 from nanohlat.run.checkpoint.io_errors import io_error, state_bytes
 from nanohlat.run.checkpoint.manifest import FORMAT, RNG, TOKENIZER_COPY, identity
-from nanohlat.run.checkpoint.optimizer_state import export_state, export_weights, fetch_buffers
+from nanohlat.run.checkpoint.optimizer_state import export_state, export_weights, fetch_buffers, state_buffers
 from nanohlat.system.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.system.files import fsync_dir, sha256_file
 from nanohlat.xla import extract_graphs_only
@@ -139,6 +139,13 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
                             if n in mine and _first_replica(params[n], mesh)}
     shard_state["optim"] = {n: v for n, v in export_state(opt, host).items()
                             if n in mine and (opt.zero or _first_replica(params[n], mesh))}
+    # the model's state besides its parameters (a mixture's expert biases, --moe-bias-rate): the
+    # optimizer holds none of it; the same on every rank of a stage, so saved by its first
+    buffers = state_buffers(model)
+    shard_state["meta"].update({n: {"full_shape": list(b.shape), "tp_dim": -1, "parts": 1, "part": 0}
+                                for n, b in buffers.items()})
+    if mesh.tp_rank == 0 and mesh.grad_group.rank == 0:
+        shard_state["model"].update({n: b.detach().float().cpu().clone() for n, b in buffers.items()})
     if extract_graphs_only():
         # neuron_parallel_compile's trial run: tensors hold zeros, not weights. The
         # transfer above has been traced (so its graph is pre-compiled too); writing

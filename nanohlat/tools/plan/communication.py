@@ -147,7 +147,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         _add(out, f"{g}.all_reduce", 4, 1, dp)                      # loss
         bucket = int(tcfg.bucket_mb * 2**20 / 4)                     # fp32 elements per bucket
         for kind, n in groups:   # one flat buffer after the other (optim.FlatGroup)
-            if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (mesh.py's ep_dp)
+            if kind == "experts":   # --ep: summed over the dp/ep ranks holding the same experts (moe.add_groups' ep_dp)
                 e = dp // ep        # (ZeRO-1: reduce-scattered over them, the new weights all-gathered)
                 if e > 1 and tcfg.zero:
                     cols = padded_size(n, e) // e
@@ -181,7 +181,7 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     Full checkpointing replays the forward ones. Then, once per step
     without ZeRO, the experts' share of the grad norm's square (4 bytes over the ep group; ZeRO-1's
     sum over dp adds every expert's shard once)."""
-    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    sparse = cfg.sparse_layers()
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
     N, E, k = mb * tcfg.seq_len, cfg.moe_experts, cfg.moe_top_k

@@ -32,7 +32,7 @@ def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list
     out = [(1, tcfg.cp_attention)]
     if tcfg.seq_len < CP_SEARCH_FROM and tcfg.cp == 1 or cfg.moe_experts:
         return out
-    for cp in divisors(ranks)[1:]:
+    for cp in divisors(math.gcd(ranks, tcfg.seq_len // 2))[1:]:   # (2 x cp chunks split --seq-len)
         if tcfg.seq_len % (2 * cp) == 0 and tcfg.seq_len // cp >= min(CP_MIN_TOKENS, tcfg.seq_len // tcfg.cp):
             out += [(cp, a) for a in ALGORITHMS if a != "ulysses" or ulysses_fits(cfg, tp, cp)]
     return out
@@ -49,8 +49,8 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     checkpointing, and on cpu and cuda overlapped gradient reduction or not; for a mixture of experts
     ep too, and only what recipe.check_moe_layout lets its plan count)
     for this model, batch and world size, as TrainConfigs."""
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
+    for tp in divisors(math.gcd(world, cfg.n_heads)):               # (tp divides the heads, pp the layers:
+        for pp in divisors(math.gcd(world // tp, cfg.n_layers)):    # the search is the model's, not the world's)
             for cp, attention in cp_choices(cfg, tcfg, tp, world // (tp * pp)):
                 # interleaved: only with pp > 1, its chunks splitting the layers equally, m a multiple of pp
                 sched = (dict(schedule="1f1b", virtual_stages=1) if pp == 1 and tcfg.schedule == "interleaved"
@@ -158,8 +158,15 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
     lines += table(header, [_search_row(i + 1, r, world, moe) for i, r in enumerate(fits[:top])])
     own = _layout_name(tcfg)
     mine = next((r for r in rows if _layout_name(r["t"]) == own), None)
-    if mine is None:
-        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks"])
+    if mine is None:   # why: recipe.check_layout's refusal, or what the search does not try
+        try:
+            validate_plan_layout(cfg, tcfg, world)
+            why = "it passes the layout checks, but is not one the search tries (train.py --help, --search)"
+        except UserError as e:
+            why = str(e)
+        if not rows:
+            lines.append(f"  (no layout the search tries splits this model and batch over {world} ranks)")
+        return "\n".join(lines + ["", f"the preset's own layout is not valid for {world} ranks: {why}"])
     who = "HLAT's own layout" if tcfg.preset.startswith("hlat") else "the preset's own layout"
     lines += ["", f"{who}:"] + table(header, [_search_row("-", mine, world, moe)])
     lines += textwrap.wrap(_why(mine, fits, cap, who, moe).strip(), 100, initial_indent="  ", subsequent_indent="  ")

@@ -96,6 +96,7 @@ checkpointing that is more than the block input the forward kept).
 from __future__ import annotations
 
 from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.beyond.moe import capacity
 from nanohlat.beyond.schedules import stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
@@ -158,12 +159,17 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
 
 def moe_activation_extra(cfg: ModelConfig, N: int, itemsize: int) -> int:
     """An ESTIMATE, not checked against autograd: what one sparse layer keeps beyond a dense MLP
-    for N tokens: its k experts' and shared experts' SwiGLU intermediates on their rows (k + shared
-    times a dense MLP's 4 x N x ffn, less the dense one), the dispatched rows and the weighted
-    outputs (2 x N*k x d_model), the router's fp32 logits and probabilities (2 x N x E)."""
-    k, E = cfg.moe_top_k, cfg.moe_experts
-    return (itemsize * (4 * N * cfg.ffn_dim * (k + cfg.moe_shared_experts - 1) + 2 * N * k * cfg.d_model)
-            + 4 * 2 * N * E)
+    for N tokens: the experts' SwiGLU intermediates on the rows they compute (4 x rows x ffn; dropless
+    the N*k choices, in capacity mode E queues of C = moe.capacity rows each) and the shared experts'
+    (4 x N x ffn each), less the dense MLP's; the dispatched rows and the weighted outputs (2 x rows
+    x d_model); in capacity mode the dispatch buffer and its output, (E*C + 1) x d_model each (the
+    factor's cost: E/k, the most it may be, makes E*C = E*N); the router's fp32 logits and
+    probabilities (2 x N x E)."""
+    k, E, f = cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor
+    rows = E * capacity(N, k, E, f) if f else N * k
+    buffers = 2 * (rows + 1) * cfg.d_model if f else 0
+    return (itemsize * (4 * cfg.ffn_dim * (rows + N * (cfg.moe_shared_experts - 1)) + 2 * rows * cfg.d_model
+                        + buffers) + 4 * 2 * N * E)
 
 
 def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,
@@ -182,7 +188,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
     if cfg.moe_experts and mode != "full":   # (tp 1, pp 1: recipe.check_moe_layout)
-        total += sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * moe_activation_extra(cfg, mb * T, itemsize)
+        total += cfg.sparse_layers() * moe_activation_extra(cfg, mb * T, itemsize)
     first, last = stage == 0 and chunk == 0, stage == pp - 1 and chunk == v - 1
     if first:       # token ids (int64) and the "my vocabulary shard" mask of the embedding
         total += 8 * mb * T + itemsize * mb * T

@@ -22,7 +22,7 @@ def moe_counts(cfg: ModelConfig, ep: int = 1) -> dict:
     the same ones; "dense_mlp": the dense MLPs the sparse layers do not have."""
     if not cfg.moe_experts:
         return {"moe": 0, "experts": 0, "dense_mlp": 0}
-    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    sparse = cfg.sparse_layers()
     mlp, E = 3 * cfg.d_model * cfg.ffn_dim, cfg.moe_experts
     experts = sparse * E // ep * mlp
     moe = sparse * (E * cfg.d_model + cfg.moe_shared_experts * mlp) + (experts if ep == 1 else 0)
@@ -71,7 +71,7 @@ def group_kinds(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int = 0,
 def zero_groups(cfg: ModelConfig, tp: int, pp: int, stage: int, zero: int, ep: int, ranks: int) -> list[tuple[int, int]]:
     """(elements, ranks its ZeRO shards go over) of each flat buffer (group_kinds), for `ranks` = dp (x cp)
     under ZeRO, 1 without: all of them over those ranks but --ep's experts, sharded over the ranks holding
-    the same experts (ranks / ep: optim.FlatAdamW's expert_dp over mesh.py's ep_dp)."""
+    the same experts (ranks / ep: optim.FlatAdamW's strategy over the mesh's ep_dp, moe.add_groups)."""
     return [(n, ranks // ep if kind == "experts" and ranks > 1 else ranks)
             for kind, n in group_kinds(cfg, tp, pp, stage, zero, ep)]
 

@@ -105,7 +105,7 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     if not cfg.moe_experts:
         return []
     E, k, ep = cfg.moe_experts, cfg.moe_top_k, tcfg.ep
-    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    sparse = cfg.sparse_layers()
     active = active_params(cfg)
     shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
     where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "

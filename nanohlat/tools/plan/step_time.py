@@ -41,7 +41,7 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     hardware_flops = model_flops + recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) * tokens
     compute = hardware_flops / world / (peak * utilisation)
     # rank 0's groups; with --cp the gradients' group is dp x cp, ranks tp apart like a cp-1 mesh's dp group
-    # of dp x cp ranks (mesh.py's last section), and the cp group's ranks are tp apart
+    # of dp x cp ranks (context_parallel.ContextMesh), and the cp group's ranks are tp apart
     groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],
               "dp": [rank_of(d, 0, 0, tp, dp * cp) for d in range(dp * cp)],
               "pp": [rank_of(0, s, 0, tp, dp * cp) for s in range(min(pp, 2))],
