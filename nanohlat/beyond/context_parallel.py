@@ -289,12 +289,16 @@ FUSED = True   # the CPU kernel where torch has it (tests turn it off to check _
 
 
 def _fused(x: torch.Tensor) -> bool:
-    return FUSED and x.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return _fused_on(x.device.type)
+
+
+def _fused_on(device_type: str) -> bool:
+    return FUSED and device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def kernel(device_type: str) -> str:
     """What a pair's arithmetic is on `device_type` (--timeline and the cp benchmark say it)."""
-    if _fused(torch.empty(0, device="meta" if device_type != "cpu" else "cpu")):
+    if _fused_on(device_type):
         return "torch's fused flash-attention kernel, with its log-sum-exp"
     return f"fp32 matmul blocks, {ROWS} query rows at a time (no fused kernel with a log-sum-exp here)"
 
