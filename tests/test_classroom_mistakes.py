@@ -119,8 +119,8 @@ WROTE_INTO = "right values, but it wrote into"
 ZERO2_RS = "s.grad[a:b].add_(comm.reduce_scatter(piece, self.group, what=(s.grad, k)))"
 RING = reference("11c")
 RING_PAIRS = """
-    for a, b, mask in _pairs(q_pos, positions[r], q.device):
-        g_q, g_k, g_v = _block_grads(qc[a], dc[a], lc[a], deltac[a], kc[b], vc[b], mask)
+    for a, b, causal in _pairs(q_pos, positions[r]):
+        g_q, g_k, g_v = _attend_grads(qc[a], dc[a], oc[a], lc[a], kc[b], vc[b], causal)
         dq[a] += g_q
         dk[b] += g_k
         dv[b] += g_v

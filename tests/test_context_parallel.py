@@ -13,6 +13,14 @@ rounded values): <= BF16_TOL; measured at cp 2 and 4: out 4e-3, gradients up to
 the test prints), and at cp 4 not more than 1.5x (+1e-3) what it is at cp 2.
 The negative controls (a ring that keeps a stale K/V block; rotary without each
 token's global offset) must be off by far more than either tolerance.
+
+Each algorithm runs its (query chunk, key chunk) pairs through the fused CPU kernel;
+the same in fp32 matmuls (context_parallel.FUSED off: what runs where torch has no
+kernel returning the log-sum-exp; 3 query rows at a time) must agree as closely. And the (query, key) pairs
+each rank computes, counted at every call of the pairs' arithmetic (`_attend`: a full
+pair all its tq x tk, a causal one tq(tq+1)/2, per sequence and head), are the causal
+pairs of its tokens, the plan's "zigzag pairs" (tools/plan/context.py): nothing the
+mask hides is computed.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
     from nanohlat.beyond import context_parallel as cpl
     from nanohlat.comm import Group
     from nanohlat.model import apply_rotary, rotary_tables
+    from nanohlat.tools.plan import context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -74,11 +83,25 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
     def errors(got, want):
         return {n: _error(got[n], want[n]) for n in want}
 
+    pairs = {}
+    attend = cpl._attend
+
+    def counted(q, k, v, causal):   # the pairs each call computes, over its sequences and heads
+        B_, H_, tq, tk = *q.shape[:3], k.shape[2]
+        pairs[current] = pairs.get(current, 0) + B_ * H_ * (tq * (tq + 1) // 2 if causal else tq * tk)
+        return attend(q, k, v, causal)
+
     results = {}
     ref32, ref16 = reference(torch.float32), reference(torch.bfloat16)
     for algorithm in algorithms:
+        current, cpl._attend = algorithm, counted
         results[f"{algorithm} fp32"] = errors(cp_run(algorithm, torch.float32), ref32)
+        cpl._attend = attend
         results[f"{algorithm} bf16"] = errors(cp_run(algorithm, torch.bfloat16), ref16)
+        cpl.FUSED, cpl.ROWS = False, 3     # (3 query rows at a time: chunks of 8 or 4 rows split unevenly)
+        results[f"{algorithm} fp32 unfused"] = errors(cp_run(algorithm, torch.float32), ref32)
+        results[f"{algorithm} bf16 unfused"] = errors(cp_run(algorithm, torch.bfloat16), ref16)
+        cpl.FUSED, cpl.ROWS = True, 1024
         # negative control: rotary with local positions 0..t-1, the offset of the tokens forgotten
         results[f"{algorithm} wrong offset"] = errors(
             cp_run(algorithm, torch.float32, torch.arange(len(mine))), ref32)
@@ -100,14 +123,20 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
             comm.start_ring_shift = real
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    with open(os.path.join(out_dir, f"pairs{rank}.json"), "w") as f:
+        json.dump({"computed": pairs, "causal": context.attention_pairs(T, world, "zigzag")[rank] * H}, f)
     dist.destroy_process_group()
 
 
 def _run(tmp_path, world, algorithms=("allgather", "ring", "ulysses")) -> dict:
-    """{case: {tensor: the worst error over the ranks}}."""
+    """{case: {tensor: the worst error over the ranks}}; and every rank's pairs computed by each algorithm
+    equal to its causal pairs, the plan's."""
     spawn_workers(_worker, world, (str(tmp_path), list(algorithms)), str(tmp_path / "err"))
     worst = {}
     for r in range(world):
+        with open(tmp_path / f"pairs{r}.json") as f:
+            pairs = json.load(f)
+        assert pairs["computed"] == dict.fromkeys(algorithms, B * pairs["causal"]), (r, pairs)
         with open(tmp_path / f"rank{r}.json") as f:
             for case, errs in json.load(f).items():
                 for n, e in errs.items():
@@ -118,10 +147,11 @@ def _run(tmp_path, world, algorithms=("allgather", "ring", "ulysses")) -> dict:
 
 def _check(worst: dict, algorithms) -> None:
     for a in algorithms:
-        for n, e in worst[f"{a} fp32"].items():
-            assert e <= FP32_TOL, f"{a} fp32 {n}: {e:.2e} > {FP32_TOL}"
-        for n, e in worst[f"{a} bf16"].items():
-            assert e <= BF16_TOL, f"{a} bf16 {n}: {e:.2e} > {BF16_TOL}"
+        for kernel in ("", " unfused"):
+            for n, e in worst[f"{a} fp32{kernel}"].items():
+                assert e <= FP32_TOL, f"{a} fp32{kernel} {n}: {e:.2e} > {FP32_TOL}"
+            for n, e in worst[f"{a} bf16{kernel}"].items():
+                assert e <= BF16_TOL, f"{a} bf16{kernel} {n}: {e:.2e} > {BF16_TOL}"
         assert worst[f"{a} wrong offset"]["out"] > CAUGHT, f"{a}: a wrong rotary offset went unseen"
     if "ring" in algorithms:
         assert worst["ring stale block"]["out"] > CAUGHT, "a stale K/V block in the ring went unseen"

@@ -117,10 +117,9 @@ def _local_rotary(rank: int) -> None:
 def _local_attention(rank: int) -> None:
     """The second negative control: each cp rank attends over its own tokens only (no exchange)."""
     from nanohlat.beyond import context_parallel
-    def attention(self, q, k, v):
-        mine = self.positions(q.shape[2])[self.group.rank]
-        return context_parallel._dense(q, k, v, context_parallel._causal_mask(mine, mine, q.device))
-    context_parallel.Context.attention = attention
+    from nanohlat.model import causal_attention
+    # a rank's tokens are in position order (chunk i, then chunk 2n-1-i): causal among themselves
+    context_parallel.Context.attention = lambda self, q, k, v: causal_attention(q, k, v)
 
 
 def _compare(ref: dict, got: list, first: int, name: str) -> float:

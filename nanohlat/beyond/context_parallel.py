@@ -15,9 +15,15 @@ compute exact causal attention across the pieces:
                merges the partial results with an online softmax. No rank ever
                holds more than two blocks of K/V (a custom backward).
     ulysses    all-to-all from "my tokens, all heads" to "all tokens, my
-               heads", ordinary attention on heads/cp heads, all-to-all back.
-               (What that asks of the model: tutorial question 11.3;
-               ulysses_attention refuses a layout it cannot split.)
+               heads", one process's causal attention on heads/cp heads,
+               all-to-all back. (What that asks of the model: tutorial question
+               11.3; ulysses_attention refuses a layout it cannot split.)
+
+All three compute only the (query, key) pairs the causal mask keeps, block by
+block ("The blocks" below): a rank's two chunks against the key chunks, with no
+mask below the diagonal, causal on it, skipped above it, each block through torch's
+fused CPU kernel (fp32 matmuls elsewhere) and the partial results merged; none keeps
+a mask or the repeated kv heads for the backward.
 
 Shapes: B batch, H query heads, K kv heads, D head dim, T the whole sequence,
 t = T/cp the tokens on one rank, n = cp. `positions` is the (n, t) table of every
@@ -137,19 +143,6 @@ def attention(q, k, v, group, positions: torch.Tensor, algorithm: str):
     raise ValueError(f"unknown cp attention {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
 
 
-def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, device) -> torch.Tensor:
-    """(tq, tk) bool: True where the key's position is at or before the query's."""
-    return (k_pos[None, :] <= q_pos[:, None]).to(device)
-
-
-def _dense(q, k, v, mask):
-    """softmax(q k^T / sqrt(D), masked) v with grouped-query kv heads shared (as model.attention_core)."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 # ---------------------------------------------------------------------------
 # The mesh with a cp dimension. The cp ranks of one sequence talk in every layer's
 # attention, so they sit next to the tp ranks: (cp, tp) together form the inner
@@ -217,6 +210,229 @@ class ContextMesh(Mesh):
 
 
 # ---------------------------------------------------------------------------
+# The blocks: what the causal mask hides is never computed
+# ---------------------------------------------------------------------------
+#
+# Every algorithm below cuts the work the same way. A rank's t tokens are two
+# zigzag chunks, and the keys are the sequence's 2n chunks. A (query chunk, key
+# chunk) pair is one of three kinds:
+#
+#     skip      every key after every query: the causal mask hides it all, so nothing is computed
+#     full      every key at or before every query: attention with no mask
+#     diagonal  the query chunk against itself: plain causal attention (the fused kernel's is_causal)
+#
+#   n = 2, rank 0 (chunks 0 and 3):   key chunk  0     1     2     3
+#                               query chunk 0   diag  skip  skip  skip
+#                               query chunk 3   full  full  full  diag
+#
+# So no rank ever computes a (query, key) pair the mask hides, and none keeps a
+# mask: the pairs it computes are the causal pairs of its tokens, the plan's
+# "zigzag pairs" (tools/plan/context.py). Each computed pair gives a partial
+# result over its keys, and partial results over disjoint keys merge exactly.
+#
+# Softmax over all keys, one block of keys at a time. For one query row and one
+# block b of its keys, with scores s_j = q.k_j / sqrt(D):
+#
+#     m_b   = max_j s_j                         (the block's max: keeps exp() finite)
+#     l_b   = sum_j exp(s_j - m_b)
+#     o_b   = sum_j exp(s_j - m_b) v_j / l_b    (the block's own softmax-weighted values)
+#     lse_b = m_b + log l_b                     (log of sum_j exp(s_j): all a merge needs)
+#
+# Two blocks a, b merge exactly:  lse = log(e^lse_a + e^lse_b)  and
+# o = (e^lse_a o_a + e^lse_b o_b) / e^lse, computed as e^(lse_a - m), e^(lse_b - m)
+# with m = max(lse_a, lse_b) (the running max), so nothing overflows. All in fp32.
+
+
+def _relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
+    """'skip' (every key after every query), 'full' (every key at or before every query) or
+    'diagonal' (the same chunk: causal)."""
+    if int(k_pos.min()) > int(q_pos.max()):
+        return "skip"
+    if int(k_pos.max()) <= int(q_pos.min()):
+        return "full"
+    if not torch.equal(q_pos, k_pos):
+        raise ValueError("a query chunk and a key chunk overlap without being the same chunk: the positions "
+                         "table is not one of whole chunks (zigzag_positions)")
+    return "diagonal"
+
+
+def _pairs(q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The (query chunk a, key chunk b, causal) pairs of two chunks each that are not skipped."""
+    for a, qp in enumerate(q_pos.chunk(2)):
+        for b, kp in enumerate(k_pos.chunk(2)):
+            rel = _relation(qp, kp)
+            if rel != "skip":
+                yield a, b, rel == "diagonal"
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial results for the same queries over disjoint keys -> the result over both."""
+    # exercise 11a: begin
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-30)[..., None]
+    return o, m + torch.log(total)
+    # exercise 11a: end
+
+
+# One pair's arithmetic. On the CPU it is torch's fused flash-attention kernel
+# (aten::_scaled_dot_product_flash_attention_for_cpu), which returns each row's
+# log-sum-exp beside its output, and whose backward, given the FINAL merged output
+# and log-sum-exp, rebuilds P = exp(S - lse) and delta = rowsum(dO * O) of the whole
+# softmax: a pair's backward is then exactly its share of dQ, dK, dV (FlashAttention-2's
+# backward, which the ring needs). Where that kernel is absent (cuda, xla) a pair is
+# two fp32 matmuls and a softmax (_block, _block_grads), its scores recomputed in the
+# backward. Either way every pair runs in fp32 (bf16 inputs are cast), so a merge adds
+# no rounding, and the kernel needs the kv heads repeated to the query heads: done
+# here, per pair, and never kept (the backward repeats them again and sums dK, dV over
+# the query heads that share each kv head).
+
+FUSED = True   # the CPU kernel where torch has it (tests turn it off to check _block, _block_grads)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return _fused_on(x.device.type)
+
+
+def _fused_on(device_type: str) -> bool:
+    return FUSED and device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def kernel(device_type: str) -> str:
+    """What a pair's arithmetic is on `device_type` (--timeline and the cp benchmark say it)."""
+    if _fused_on(device_type):
+        return "torch's fused flash-attention kernel, with its log-sum-exp"
+    return f"fp32 matmul blocks, {ROWS} query rows at a time (no fused kernel with a log-sum-exp here)"
+
+
+def _expand(kv, H):
+    """(B, K, ., D) -> (B, H, ., D) in fp32: each kv head repeated for the query heads that share it."""
+    return kv.float().repeat_interleave(H // kv.shape[1], dim=1)
+
+
+def _fold(g, K):
+    """(B, H, ., D) -> (B, K, ., D): the gradient of each kv head, summed over the query heads sharing it
+    (kv head i's are i*rep .. i*rep + rep-1: query heads j, j + rep, ... are one of each)."""
+    rep = g.shape[1] // K
+    return sum((g[:, j::rep] for j in range(1, rep)), g[:, ::rep])
+
+
+def _attend(q, k, v, causal: bool):
+    """One pair: q (B, H, tq, D) against k, v (B, K, tk, D) -> (o fp32 (B, H, tq, D), lse fp32 (B, H, tq)).
+    causal: the diagonal pair (tq = tk, the same positions)."""
+    q, k, v = q.float(), _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return _block(q, k, v, causal)
+
+
+def _attend_grads(q, dout, out, lse, k, v, causal: bool):
+    """One pair's share of dQ (B, H, tq, D), dK and dV (B, K, tk, D), fp32, from the final out and lse of
+    its queries (over all their keys) and the output's gradient dout (fp32)."""
+    H, K = q.shape[1], k.shape[1]
+    q, kx, vx = q.float(), _expand(k, H), _expand(v, H)
+    if _fused(q):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, kx, vx, out, lse, 0.0, causal)
+    else:
+        dq, dk, dv = _block_grads(q, dout, out, lse, kx, vx, causal)
+    return dq, _fold(dk, K), _fold(dv, K)
+
+
+ROWS = 1024   # the fp32-matmul path's query rows at a time: its scores (B, H, ROWS, tk) are all it makes
+
+
+def _block(q, k, v, causal):
+    """One pair in fp32 matmuls (no fused kernel): (o_b, lse_b) as derived above, ROWS query rows at a time."""
+    outs, lses = [], []
+    for i in range(0, q.shape[2], ROWS):   # rows i .. : a causal row r sees keys 0 .. i + r
+        s = q[:, :, i:i + ROWS] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(torch.ones_like(s[0, 0], dtype=torch.bool).tril(i).logical_not(), float("-inf"))
+        outs.append(torch.softmax(s, -1) @ v)
+        lses.append(torch.logsumexp(s, -1))   # (every row has a key: none is skipped)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _block_grads(q, dout, out, lse, k, v, causal):
+    """One pair's share of dQ, dK, dV in fp32 matmuls: flash attention's backward, with P = exp(S - lse)
+    the final softmax and delta = rowsum(dO * O) of the final output, ROWS query rows at a time:
+        dV = P^T dO     dP = dO V^T     dS = P * (dP - delta)
+        dQ = dS K / sqrt(D)             dK = dS^T Q / sqrt(D)"""
+    scale = 1 / math.sqrt(q.shape[-1])
+    dq, dk, dv = [], torch.zeros_like(k), torch.zeros_like(v)
+    for i in range(0, q.shape[2], ROWS):
+        rows = slice(i, i + ROWS)
+        p = torch.exp(q[:, :, rows] @ k.transpose(-1, -2) * scale - lse[:, :, rows, None])
+        if causal:
+            p = p.tril(i)
+        d = dout[:, :, rows]
+        ds = p * (d @ v.transpose(-1, -2) - (d * out[:, :, rows]).sum(-1, keepdim=True))
+        dq.append(ds @ k * scale)
+        dk += ds.transpose(-1, -2) @ q[:, :, rows] * scale
+        dv += p.transpose(-1, -2) @ d
+    return torch.cat(dq, 2), dk, dv
+
+
+class LocalAttention(torch.autograd.Function):
+    """Causal attention of query chunks whose keys are all on this rank, in position order (allgather's
+    gathered K/V, ulysses' whole sequence): the query chunk at positions s .. s+c-1 attends to the keys
+    before it, [0, s), in one full pair, and to its own chunk [s, s+c) causally, the two merged; the keys
+    after it are never touched. Keeps q, k, v as given (kv heads not repeated), the fp32 output and its
+    log-sum-exp; the backward gives each pair its share (`_attend_grads`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, starts):
+        outs, lses = [], []
+        for qc, s in zip(q.chunk(len(starts), dim=2), starts):
+            c = qc.shape[2]
+            o, lse = _attend(qc, k[:, :, s:s + c], v[:, :, s:s + c], causal=True)   # the diagonal pair
+            if s > 0:                                                                # the full pair before it
+                o, lse = merge(o, lse, *_attend(qc, k[:, :, :s], v[:, :, :s], causal=False))
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.starts = starts
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        n = len(ctx.starts)
+        dq = []
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for qc, dc, oc, lc, s in zip(q.chunk(n, 2), grad.float().chunk(n, 2), out.chunk(n, 2), lse.chunk(n, 2),
+                                     ctx.starts):
+            c = qc.shape[2]
+            g_q, g_k, g_v = _attend_grads(qc, dc, oc, lc, k[:, :, s:s + c], v[:, :, s:s + c], causal=True)
+            dk[:, :, s:s + c] += g_k
+            dv[:, :, s:s + c] += g_v
+            if s > 0:
+                g_before, g_k, g_v = _attend_grads(qc, dc, oc, lc, k[:, :, :s], v[:, :, :s], causal=False)
+                g_q = g_q + g_before
+                dk[:, :, :s] += g_k
+                dv[:, :, :s] += g_v
+            dq.append(g_q)
+        return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _chunk_order(positions: torch.Tensor) -> list[int]:
+    """The 2n chunks as gathered (rank 0's two, then rank 1's, ...) in their order in the sequence:
+    torch.cat([chunks[i] for i in order]) is position order."""
+    return positions.view(2 * positions.shape[0], -1)[:, 0].argsort().tolist()
+
+
+def _in_order(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """x's 2n chunks along dim 2, rearranged: chunk i of the result is chunk order[i] of x."""
+    chunks = x.chunk(len(order), dim=2)
+    return torch.cat([chunks[i] for i in order], dim=2)
+
+
+# ---------------------------------------------------------------------------
 # allgather: everyone gets all of K and V
 # ---------------------------------------------------------------------------
 
@@ -236,10 +452,10 @@ class _GatherSeq(torch.autograd.Function):
 
 def allgather_attention(q, k, v, group, positions):
     K = k.shape[1]
-    kv = _GatherSeq.apply(torch.cat([k, v], dim=1), group)     # one gather for both: (B, 2K, T, D)
-    k_all, v_all = kv[:, :K], kv[:, K:]                         # the tokens in rank order, not position order:
-    mask = _causal_mask(positions[group.rank], positions.flatten(), q.device)   # so the mask comes from positions
-    return _dense(q, k_all, v_all, mask)
+    kv = _GatherSeq.apply(torch.cat([k, v], dim=1), group)     # one gather for both: (B, 2K, T, D), rank order
+    kv = _in_order(kv, _chunk_order(positions))                 # the whole sequence's K/V in position order
+    starts = [int(p[0]) for p in positions[group.rank].chunk(2)]   # where this rank's two chunks begin
+    return LocalAttention.apply(q, kv[:, :K], kv[:, K:], starts)
 
 
 # ---------------------------------------------------------------------------
@@ -281,9 +497,10 @@ def ulysses_attention(q, k, v, group, positions):
     # and the kv heads they use (kv head of query head i is i // (H/K), so kv heads j*kh .. (j+1)*kh - 1)
     x = torch.cat([q.unflatten(1, (n, h)), k.unflatten(1, (n, kh)), v.unflatten(1, (n, kh))], dim=2)
     x = _AllToAll.apply(x, group, 1, 3, ("fwd qkv>heads", "bwd dqkv>seq")).squeeze(1)   # (B, h + 2kh, T, D)
-    q_mine, k_mine, v_mine = x.split([h, kh, kh], dim=1)             # all tokens, my heads
-    everyone = positions.flatten()                                # the gathered tokens, in rank order
-    y = _dense(q_mine, k_mine, v_mine, _causal_mask(everyone, everyone, q.device))   # (B, h, T, D)
+    order = _chunk_order(positions)
+    q_mine, k_mine, v_mine = _in_order(x, order).split([h, kh, kh], dim=1)   # all tokens in position order, my heads
+    y = LocalAttention.apply(q_mine, k_mine, v_mine, [0])                    # one process's causal attention
+    y = _in_order(y, sorted(range(len(order)), key=order.__getitem__))      # (B, h, T, D) back in rank order
     return _AllToAll.apply(y, group, 2, 1, ("fwd out>seq", "bwd dout>heads"))   # back: (B, H, t, D), heads in order again
 
 
@@ -291,84 +508,10 @@ def ulysses_attention(q, k, v, group, positions):
 # ring: K/V blocks go round, partial results merge with an online softmax
 # ---------------------------------------------------------------------------
 #
-# Softmax over all keys, computed one block of keys at a time. For one query row
-# and one block b of its keys, with scores s_j = q.k_j / sqrt(D):
-#
-#     m_b   = max_j s_j                         (the block's max: keeps exp() finite)
-#     l_b   = sum_j exp(s_j - m_b)
-#     o_b   = sum_j exp(s_j - m_b) v_j / l_b    (the block's own softmax-weighted values)
-#     lse_b = m_b + log l_b                     (log of sum_j exp(s_j): all a merge needs)
-#
-# Two blocks a, b merge exactly:  lse = log(e^lse_a + e^lse_b)  and
-# o = (e^lse_a o_a + e^lse_b o_b) / e^lse, computed as e^(lse_a - m), e^(lse_b - m)
-# with m = max(lse_a, lse_b) (the running max), so nothing overflows. All in fp32.
-#
-# Each rank's t tokens are two zigzag chunks, and so is each K/V block; of the
-# four (query chunk, key chunk) pairs a pair wholly above the causal diagonal
-# (every key after every query) is skipped, a pair wholly below it needs no mask.
-
-
-def _relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
-    """'skip' (every key after every query), 'full' (every key at or before every query) or 'mask'."""
-    if int(k_pos.min()) > int(q_pos.max()):
-        return "skip"
-    return "full" if int(k_pos.max()) <= int(q_pos.min()) else "mask"
-
-
-def _expand(kv, H):
-    """(B, K, ., D) -> (B, H, ., D): each kv head repeated for the query heads that share it."""
-    return kv.repeat_interleave(H // kv.shape[1], dim=1)
-
-
-def _block(q, k, v, mask):
-    """One (query chunk, key chunk) pair in fp32: (o_b, lse_b) as derived above."""
-    s = q.float() @ _expand(k, q.shape[1]).float().transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)   # a row with no key here: e^(-inf) = 0, lse -inf
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    o = (p @ _expand(v, q.shape[1]).float()) / l.clamp_min(1e-30)
-    return o, (m + torch.log(l)).squeeze(-1)
-
-
-def merge(o_a, lse_a, o_b, lse_b):
-    """Two partial results for the same queries over disjoint keys -> the result over both."""
-    # exercise 11a: begin
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-30)[..., None]
-    return o, m + torch.log(total)
-    # exercise 11a: end
-
-
-def _block_grads(q, dout, lse, delta, k, v, mask):
-    """One (query chunk, key chunk) pair's share of dQ, dK, dV, in fp32 (all inputs fp32): flash
-    attention's backward, with P = exp(S - lse) the final softmax and delta = rowsum(dO * O):
-        dV = P^T dO     dP = dO V^T     dS = P * (dP - delta)
-        dQ = dS K / sqrt(D)             dK = dS^T Q / sqrt(D)
-    dK and dV summed over the query heads that share each kv head: (B, K, ., D)."""
-    H, K, scale = q.shape[1], k.shape[1], 1 / math.sqrt(q.shape[-1])
-    kb, vb = _expand(k, H), _expand(v, H)
-    p = torch.exp(q @ kb.transpose(-1, -2) * scale - lse[..., None])
-    if mask is not None:
-        p = p.masked_fill(~mask, 0.0)
-    ds = p * (dout @ vb.transpose(-1, -2) - delta[..., None])
-    dk = (ds.transpose(-1, -2) @ q * scale).unflatten(1, (K, H // K)).sum(2)
-    dv = (p.transpose(-1, -2) @ dout).unflatten(1, (K, H // K)).sum(2)
-    return ds @ kb * scale, dk, dv
-
-
-def _pairs(q_pos, k_pos, device):
-    """The (query chunk a, key chunk b, mask or None) pairs that are not skipped."""
-    for a, qp in enumerate(q_pos.chunk(2)):
-        for b, kp in enumerate(k_pos.chunk(2)):
-            rel = _relation(qp, kp)
-            if rel != "skip":
-                yield a, b, (_causal_mask(qp, kp, device) if rel == "mask" else None)
+# Each K/V block is a rank's two zigzag chunks, so at every step a rank meets four
+# (query chunk, key chunk) pairs and computes those `_pairs` does not skip, merging
+# each into what it had (`merge`). The backward is FlashAttention-2's: from the final
+# output and log-sum-exp, each pair's share of dQ, dK, dV (`_attend_grads`).
 
 
 class RingAttention(torch.autograd.Function):
@@ -388,8 +531,8 @@ class RingAttention(torch.autograd.Function):
             if s < n - 1:
                 arriving, handles = comm.start_ring_shift(kv, group, +1, f"fwd K/V {s + 1}/{n - 1}")
             k_chunks, v_chunks = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for a, b, mask in _pairs(q_pos, positions[(me - s) % n], q.device):
-                o, l = _block(q_chunks[a], k_chunks[b], v_chunks[b], mask)
+            for a, b, causal in _pairs(q_pos, positions[(me - s) % n]):
+                o, l = _attend(q_chunks[a], k_chunks[b], v_chunks[b], causal)
                 out[a], lse[a] = (o, l) if out[a] is None else merge(out[a], lse[a], o, l)
             if s < n - 1:
                 for h in handles:
@@ -405,10 +548,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, positions = ctx.group, ctx.positions
         n, me = group.size, group.rank
-        dout = grad.float()
-        delta = (dout * out).sum(-1)                                # (B, H, t)
         q_pos = positions[me]
-        qc, dc, lc, deltac = q.float().chunk(2, 2), dout.chunk(2, 2), lse.chunk(2, 2), delta.chunk(2, 2)
+        qc, dc, oc, lc = q.float().chunk(2, 2), grad.float().chunk(2, 2), out.chunk(2, 2), lse.chunk(2, 2)
         dq = [torch.zeros_like(c) for c in qc]
         # exercise 11c: begin
         kv = torch.stack([k, v])
@@ -418,8 +559,8 @@ class RingAttention(torch.autograd.Function):
                 arriving, handles = comm.start_ring_shift(kv, group, -1, f"bwd K/V {s + 1}/{n - 1}")
             kc, vc = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
             dk, dv = list(dkv[0].chunk(2, 2)), list(dkv[1].chunk(2, 2))   # views: += writes into dkv
-            for a, b, mask in _pairs(q_pos, positions[(me + s) % n], q.device):
-                g_q, g_k, g_v = _block_grads(qc[a], dc[a], lc[a], deltac[a], kc[b], vc[b], mask)
+            for a, b, causal in _pairs(q_pos, positions[(me + s) % n]):
+                g_q, g_k, g_v = _attend_grads(qc[a], dc[a], oc[a], lc[a], kc[b], vc[b], causal)
                 dq[a] += g_q
                 dk[b] += g_k
                 dv[b] += g_v

@@ -47,6 +47,7 @@ import time
 import torch
 
 from nanohlat import comm
+from nanohlat.beyond import context_parallel
 from nanohlat.tools.timeline import draw_rows, op_name
 
 
@@ -357,7 +358,8 @@ def cp_report(trace, ops, mesh, dev) -> list[str]:
     lines = []
     for text in sections:
         lines += [""] + text.splitlines()
-    lines += ["", "attention on each cp rank, last step (ms: wall time in context_parallel.attention on that rank, "
+    lines += ["", f"attention's pairs: {context_parallel.kernel(torch.device(dev).type)}",
+              "attention on each cp rank, last step (ms: wall time in context_parallel.attention on that rank, "
                   "recomputed forwards included; of it, the host blocked on the cp collectives; the rest, its own work):",
               "  cp rank   forward: calls     wall  blocked      own   backward: calls     wall  blocked      own"]
     own = {"forward": [], "backward": []}

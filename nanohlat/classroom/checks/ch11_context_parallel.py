@@ -14,7 +14,7 @@ inputs; once the gradients are right, what the backward moved: every message on
 the cp group, no more bytes sent than the ring sends, and no message larger than
 one block of K/V and its fp32 dK/dV (the ring's point: no rank holds all of K/V);
 q, k, v and the incoming gradient left as they were; then how each shift ran
-(Wire's clock against each _block_grads call, as 3d sees ZeRO-2's overlap):
+(Wire's clock against each _attend_grads call, as 3d sees ZeRO-2's overlap):
 every message waited, the next K/V block in flight during a step's arithmetic
 (n - 1 of them) and waited before the next step's. A deadlock (a handle waited
 twice, a shift never waited) ends after harness.STALL_S s of no rank moving,
@@ -215,11 +215,11 @@ def _ring_verdict(name, group, calls, rank, kv_bytes, dkv_bytes) -> str | None:
 
 
 def _shifts_verdict(name, rank, calls, stamps, n) -> str | None:
-    """How each shift ran, against the arithmetic (`stamps`: when each _block_grads call began, on
+    """How each shift ran, against the arithmetic (`stamps`: when each _attend_grads call began, on
     Wire's clock): every started message waited; the K/V block of the next step in flight while
     this step's blocks are computed (n - 1 of them: the overlap the ring exists for); and each
     message that was in flight during a step's arithmetic waited before the next step's begins
-    (the block it brings is what that step reads). Steps: runs of _block_grads calls with no
+    (the block it brings is what that step reads). Steps: runs of _attend_grads calls with no
     collective started or waited in between."""
     never = sorted((c for c in calls if c.waited is None), key=lambda c: c.kind != "recv")   # (a recv first)
     if never:
@@ -228,7 +228,7 @@ def _shifts_verdict(name, rank, calls, stamps, n) -> str | None:
                 f"reads whatever has arrived so far; gloo happened to deliver it in time here, a GPU's "
                 f"communication stream does not. Wait on every handle comm.start_ring_shift returns")
     if not stamps:
-        return (f"{name} backward on rank {rank}: the backward never called _block_grads; compute each (query "
+        return (f"{name} backward on rank {rank}: the backward never called _attend_grads; compute each (query "
                 f"chunk, key chunk) pair's gradients with it (the check sees each step's arithmetic through it)")
     events = sorted({c.started for c in calls} | {c.waited for c in calls})
     runs = []
@@ -241,7 +241,7 @@ def _shifts_verdict(name, rank, calls, stamps, n) -> str | None:
     over = [c for c in recvs if any(c.started < t < c.waited for t in stamps)]
     if len(over) < n - 1:
         return (f"{name} backward on rank {rank}: right values, but no block travelled while a block was computed "
-                f"({len(over)} of its {len(recvs)} receives were in flight during any _block_grads; {n - 1} "
+                f"({len(over)} of its {len(recvs)} receives were in flight during any _attend_grads; {n - 1} "
                 f"needed, one for each K/V block that arrives): the ring exists to hide the shifts behind the "
                 f"arithmetic. Start the next K/V block's shift before this step's pairs, wait after them")
     for j, run in enumerate(runs[:-1]):
@@ -256,12 +256,12 @@ def _shifts_verdict(name, rank, calls, stamps, n) -> str | None:
 def _ring(rank, world):
     from nanohlat.beyond import context_parallel
     from nanohlat.beyond.context_parallel import RingAttention
-    stamps, block_grads = [], context_parallel._block_grads
+    stamps, block_grads = [], context_parallel._attend_grads
 
     def stamped(*args, **kwargs):   # (each pair's arithmetic, on Wire's clock)
         stamps.append(Wire.now())
         return block_grads(*args, **kwargs)
-    context_parallel._block_grads = stamped
+    context_parallel._attend_grads = stamped
     groups = [make_group(rank, world, "cp"), make_group(rank, world, "cp", [0, 1, 2])]
     cases = [("cp 4, fp32", groups[0], torch.float32), ("cp 3 (ranks 0-2 of 4), fp32", groups[1], torch.float32),
              ("cp 4, bf16 inputs (within 1.5 bf16 steps of the exact gradients)", groups[0], torch.bfloat16)]

@@ -8,35 +8,42 @@ per layer and micro-batch, with e the parameter dtype's bytes, mb sequences,
 H query heads and K kv heads on the tp rank, D the head dim, n = cp,
 q = mb*t*H*D (this rank's queries: the same count as mb*T*(H/n)*D), kv = mb*t*K*D:
 
-    allgather  keeps q, the gathered K and V repeated to H heads (2 e mb*T*H*D:
-               the whole sequence's), the kernel's output, its fp32 log-sum-exp
-               (4 mb*H*t) and the causal mask of its t queries x T keys (the
-               kernel's additive mask, e t*T). Sends: forward one all-gather of
-               [K; V] (payload e * 2 mb*T*K*D, the gathered tensor), backward one
-               reduce-scatter of their gradients (the same bytes).
+    allgather  keeps q, the whole sequence's K and V (2 e mb*T*K*D: gathered and put
+               in position order, kv heads not repeated), the fp32 output (4q) and
+               log-sum-exp (4 mb*H*t), the output's copy that wo reads (e q).
+               Sends: forward one all-gather of [K; V] (payload e * 2 mb*T*K*D, the
+               gathered tensor), backward one reduce-scatter of their gradients
+               (the same bytes).
     ring       keeps q, k, v of its own tokens, the fp32 output (4q) and
                log-sum-exp, the output's copy that wo reads (e q): no more
-               K/V than its own, no T*T; and, in every checkpointing mode, its
+               K/V than its own; and, in every checkpointing mode, its
                (n, t) int64 positions table (8 n t, on the autograd node).
                Sends: forward n-1 ring shifts of [K; V] (e * 2 kv each), backward
                n-1 shifts of [K; V] and n of the fp32 dK/dV travelling with them
                (4 * 2 kv each, the last one the hop home): 3n-2 shifts a layer.
-    ulysses    keeps the all-to-all's output (all T tokens, H/n heads and K/n kv
-               heads: e (q + 2kv)), the kv heads repeated to H/n (2 e q, unless
-               K = H), the kernel's output (e q) and log-sum-exp (4 mb*(H/n)*T),
-               the T x T mask (e T*T), the output wo reads (e q). Sends: forward
-               two all-to-alls (sequence -> heads: e (q + 2kv), heads ->
-               sequence: e q), backward their inverses (the same bytes).
-               Needs H and K divisible by n.
+    ulysses    keeps the all-to-all's output in position order (all T tokens, H/n
+               heads and K/n kv heads: e (q + 2kv)), the fp32 output (4q, as
+               (B, H/n, T, D)) and log-sum-exp (4 mb*(H/n)*T), the output's copy
+               that wo reads (e q). Sends: forward two all-to-alls (sequence ->
+               heads: e (q + 2kv), heads -> sequence: e q), backward their
+               inverses (the same bytes). Needs H and K divisible by n.
+
+No algorithm keeps a mask, the kv heads repeated or a T*T tensor: each computes
+its (query chunk, key chunk) pairs with no mask below the causal diagonal, causal
+on it and not at all above it, in fp32 (context_parallel.py: the fused CPU kernel,
+which returns the log-sum-exp the merge and the backward need, or fp32 matmuls
+where torch has no such kernel), and recomputes each pair's scores in backward
+from the kept output and log-sum-exp. So the FLOPs of a rank are those of its
+causal pairs (below), the same at every cp, and allgather differs from the ring
+only in holding the whole sequence's K and V (with grouped-query attention small:
+n x its own).
 
 With selective checkpointing all three keep what the cp-1 plan keeps at t
 tokens (the attention core is recomputed, its exchanges with it); with full
 checkpointing a block keeps its input only. Every mode adds, once per
 micro-batch, the rotary angles of this rank's t tokens (cos and sin, fp32,
 gathered at their zigzag places). Measured tensor by tensor against autograd
-on the CPU, fp32 (tests/test_plan.py); on xla (no fused kernel) allgather and
-ulysses keep the softmax probabilities (e mb*H*t*T, e mb*(H/n)*T*T) in place
-of the log-sum-exp; ring keeps none (its backward recomputes them block by block).
+on the CPU, fp32 (tests/test_plan_cp.py).
 Checkpointing replays the forward's exchanges in backward: selective and full
 once each (ulysses with selective: only the first all-to-all, torch's
 checkpoint stops once the attention kernel has what it needs).
@@ -71,22 +78,18 @@ def ulysses_fits(cfg: ModelConfig, tp: int, cp: int) -> bool:
     return H % cp == 0 and K % cp == 0
 
 
-def attention_core_bytes(cfg: ModelConfig, mb: int, t: int, tp: int, cp: int, itemsize: int, algorithm: str,
-                         fused: bool) -> int:
+def attention_core_bytes(cfg: ModelConfig, mb: int, t: int, tp: int, cp: int, itemsize: int, algorithm: str) -> int:
     """What one layer's context-parallel attention keeps for backward, no checkpointing (module docstring);
-    replaces memory.layer_activation_bytes' attention core at t = T/cp tokens."""
-    e, T = itemsize, t * cp
+    replaces memory.layer_activation_bytes' attention core at t = T/cp tokens. The same with or without
+    the fused kernel: no algorithm keeps the scores."""
+    e = itemsize
     H, K, q, kv = _shape(cfg, mb, t, tp, cp)
-    if algorithm == "allgather":
-        scores = e * mb * H * t * T if not fused else 4 * mb * H * t
-        return e * q + 2 * e * q * cp + e * q + scores + e * t * T
-    if algorithm == "ring":
-        return e * (q + 2 * kv) + 4 * q + e * q + 4 * mb * H * t
-    if algorithm == "ulysses":
-        h, kh = H // cp, K // cp
-        scores = e * mb * h * T * T if not fused else 4 * mb * h * T
-        return e * (q + 2 * kv) + (2 * e * q if kh != h else 0) + e * q + scores + e * T * T + e * q
-    raise ValueError(f"unknown cp attention {algorithm!r}")
+    kept = {"allgather": e * q + e * 2 * kv * cp,   # q; the whole sequence's K and V
+            "ring": e * (q + 2 * kv),               # q, k, v: its own tokens'
+            "ulysses": e * (q + 2 * kv)}            # all T tokens' q, k, v of its H/n and K/n heads
+    if algorithm not in kept:
+        raise ValueError(f"unknown cp attention {algorithm!r}")
+    return kept[algorithm] + 4 * q + 4 * mb * H * t + e * q   # fp32 output, log-sum-exp; wo's copy of the output
 
 
 def fixed_activation_bytes(cfg: ModelConfig, t: int, cp: int, algorithm: str, layers: int) -> int:

@@ -155,7 +155,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
     if mode == "selective":
         core = itemsize * (q + 2 * kv) + itemsize * q
     elif cp > 1:
-        core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm, fused)
+        core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm)
     elif fused:
         core = 4 * itemsize * q + 4 * mb * heads * T
     else:

@@ -208,7 +208,6 @@ def cp_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     if cp == 1:
         return []
     mb, t, e, mode = micro_batch_size(tcfg, dp), local_tokens(tcfg), dtype_bytes(tcfg.precision), tcfg.activation_checkpointing
-    fused = tcfg.device in ("cpu", "cuda")
     layers = cfg.n_layers // tcfg.pp
     rows = []
     for alg in ALGORITHMS:
@@ -218,7 +217,7 @@ def cp_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         moved = lambda when: fmt_bytes(sum(p * c for w, _, p, c in calls if w == when))
         acts = activation_bytes(cfg, dataclasses.replace(tcfg, cp_attention=alg), tp, tcfg.pp, dp, 0)
         rows.append([alg + (" <- this run" if alg == tcfg.cp_attention else ""),
-                     fmt_bytes(attention_core_bytes(cfg, mb, t, tp, cp, e, alg, fused)), fmt_bytes(acts),
+                     fmt_bytes(attention_core_bytes(cfg, mb, t, tp, cp, e, alg)), fmt_bytes(acts),
                      f"{count('forward')} / {count('backward')}" + (f" + {count('replay')}" if count("replay") else ""),
                      moved("forward"), moved("backward") + (f" + {moved('replay')}" if count("replay") else ""),
                      {"allgather": "-", "ring": "-"}.get(alg) or (
@@ -230,16 +229,16 @@ def cp_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
              f"{H} heads, {K} kv heads of dim {cfg.head_dim} per tp rank):"]
     lines += table(["algorithm", "attention keeps (no ckpt)", f"stage 0 activations, 1 mb ({mode})",
                     "calls fwd / bwd (+ replay)", "bytes fwd", "bytes bwd (+ replay)", "constraint"], rows)
-    lines += ["  allgather: all-gather [K; V] (every rank's T tokens of K/V held, 2 x mb*T*heads*dim once repeated "
-              "to the query heads, and the t x T mask), backward reduce-scatter of dK/dV; ring: n-1 shifts of "
-              "[K; V] forward, n-1 of [K; V] and n of the fp32 dK/dV backward (3n-2; two K/V blocks in flight, "
-              "no T*T); ulysses: all-to-all sequence -> heads and back, forward and backward (4; T tokens x "
-              "heads/cp, and the T x T mask)",
+    lines += ["  allgather: all-gather [K; V] (every rank's T tokens of K/V held, kv heads not repeated), backward "
+              "reduce-scatter of dK/dV; ring: n-1 shifts of [K; V] forward, n-1 of [K; V] and n of the fp32 dK/dV "
+              "backward (3n-2; two K/V blocks in flight); ulysses: all-to-all sequence -> heads and back, forward "
+              "and backward (4; T tokens x heads/cp)",
               f"  'replay': activation checkpointing ({mode}) repeats the forward's exchanges in backward"
               if mode != "none" else "  (with selective or full checkpointing the forward's exchanges are replayed "
               "in backward)",
-              "  'attention keeps': " + ("fused kernel (cpu, cuda): its log-sum-exp, no T*T scores" if fused else
-                                         "xla: the softmax probabilities kept (ring: none, its backward recomputes them)")]
+              "  'attention keeps': q, k, v (allgather: the whole sequence's k, v), the fp32 output and its "
+              "log-sum-exp; no mask, no T*T scores: every algorithm computes its causal pairs only, by (query chunk, "
+              "key chunk) pairs, in fp32 (on the CPU torch's fused kernel; elsewhere two matmuls and a softmax)"]
     shown = list(range(cp)) if cp <= 16 else list(range(4)) + list(range(cp - 4, cp))
     zig, cont = attention_pairs(T, cp, "zigzag"), attention_pairs(T, cp, "contiguous")
     spread = lambda xs: max(xs) / min(xs) - 1

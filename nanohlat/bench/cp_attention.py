@@ -1,0 +1,153 @@
+"""Benchmark context-parallel attention per cp rank beside one process's (issue 47).
+
+    python -m nanohlat.bench.cp_attention                 # tiny's attention shape, T = 2048, cp 2 and 4
+    python -m nanohlat.bench.cp_attention --seq-len 4096 --cp 2,4,8 --rounds 9
+
+What is timed is one layer's attention core, forward + backward, on each rank:
+`context_parallel.attention` with each --cp-attention over gloo workers (one
+thread each), and beside it, in the same workers, one process's causal attention
+over the whole sequence (model.causal_attention, what a cp-1 run calls), run by
+rank 0 while the others wait. Rounds alternate the four, in a rotating order, so
+that load from anything else on the machine hits them alike; the figure is the
+median over rounds.
+
+Two clocks: the rank's CPU time (its main thread's, which runs the arithmetic:
+torch runs one thread here, and gloo moves the bytes on threads of its own, so
+this is the rank's arithmetic and its Python, not the time it waited for a
+peer), and wall time. On a machine with fewer free cores than cp ranks the
+ranks take turns and wall time says more about the machine than about the
+algorithm; the CPU time does not. A rank's figure is the slowest cp rank's (the
+others wait for it in the next layer), and the ratio is to one process's: the
+ideal is 1/cp (each rank computes 1/cp of the causal pairs).
+
+This is a benchmark, not a test: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from nanohlat.beyond.context_parallel import kernel
+from nanohlat.config import PRESETS
+
+ALGORITHMS = ("allgather", "ring", "ulysses")
+ONE = "one process"
+
+
+def _worker(rank, world, port, args, queue):
+    import datetime
+
+    import torch.distributed as dist
+
+    from nanohlat.beyond import context_parallel as cpl
+    from nanohlat.comm import Group
+    from nanohlat.model import causal_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    group = Group("cp", list(range(world)), rank, dist.new_group(list(range(world))))
+    B, H, K, T, D, dtype = args["batch"], args["heads"], args["kv_heads"], args["seq_len"], args["head_dim"], args["dtype"]
+    g = torch.Generator().manual_seed(0)    # the same tensors on every rank
+    full = [torch.randn(B, h, T, D, generator=g).to(dtype) for h in (H, K, K)]
+    upstream = torch.randn(B, H, T, D, generator=g).to(dtype)
+    table = cpl.zigzag_positions(T, world)
+    mine = table[rank]
+
+    ours = [x[:, :, mine].clone().requires_grad_() for x in full], upstream[:, :, mine].clone()
+    whole = [x.clone().requires_grad_() for x in full], upstream
+
+    def cp_step(algorithm):
+        (q, k, v), grad = ours
+        cpl.attention(q, k, v, group, table, algorithm).backward(grad)
+
+    def one_step():
+        (q, k, v), grad = whole
+        causal_attention(q, k, v).backward(grad)
+
+    names = [a for a in ALGORITHMS if a != "ulysses" or (H % world == 0 and K % world == 0)]
+    steps = {**{a: (lambda a=a: cp_step(a)) for a in names}, ONE: one_step}
+    times = {n: [] for n in steps}
+    for r in range(args["rounds"] + 1):                  # round 0 warms up, untimed
+        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
+        for name in order:
+            dist.barrier(group.pg)
+            if name == ONE and rank != 0:
+                continue
+            cpu, wall = time.thread_time(), time.perf_counter()
+            steps[name]()
+            if r:
+                times[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
+    queue.put((rank, times))
+    dist.barrier(group.pg)
+    dist.destroy_process_group()
+
+
+def run(world: int, args: dict) -> dict:
+    """{name: [(cpu, wall) medians of each rank]} for cp `world` (the one process: rank 0's only)."""
+    import torch.multiprocessing as mp
+
+    from nanohlat.run.launch import free_port, start_method
+    ctx = mp.get_context(start_method())
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=3600) for _ in range(world))
+    for p in procs:
+        p.join(timeout=60)
+    out = {}
+    for rank in range(world):
+        for name, ts in got[rank].items():
+            if ts:
+                out.setdefault(name, []).append(tuple(statistics.median(x[i] for x in ts) for i in (0, 1)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanohlat.bench.cp_attention", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the attention shape's model (tiny)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=2, help="sequences in the micro-batch (2)")
+    p.add_argument("--cp", default="2,4", help="comma-separated cp sizes (2,4)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up (5)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    a = p.parse_args(argv)
+    cfg = PRESETS[a.preset][0]
+    args = dict(batch=a.batch_size, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                seq_len=a.seq_len, rounds=a.rounds, dtype=torch.float32 if a.precision == "fp32" else torch.bfloat16)
+    sizes = [int(c) for c in a.cp.split(",") if c.strip().isdigit()]
+    if not sizes or len(sizes) != len(a.cp.split(",")) or min(sizes) < 2:
+        print(f"error: --cp {a.cp!r}: give comma-separated cp sizes of 2 or more, e.g. --cp 2,4", file=sys.stderr)
+        return 2
+    for n in sizes:
+        if a.seq_len % (2 * n):
+            print(f"error: --seq-len {a.seq_len} does not split into 2 x cp = {2 * n} chunks: make it a multiple "
+                  f"of {2 * n}", file=sys.stderr)
+            return 2
+    print(f"attention of {a.preset}: {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads of dim {cfg.head_dim}; "
+          f"{a.batch_size} x {a.seq_len} tokens, {a.precision}; forward + backward of one layer, median of "
+          f"{a.rounds} rounds, one thread a rank; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    print(f"each rank's pairs: {kernel('cpu')}; one process: model.causal_attention")
+    print(f"  {'cp':>2}  {'algorithm':<11} {'cpu ms':>8} {'x one':>6} {'wall ms':>8} {'x one':>6}   "
+          f"(the slowest cp rank; 'x one': over one process's, in the same run; ideal 1/cp)")
+    for n in sizes:
+        res = run(n, args)
+        one_cpu, one_wall = res[ONE][0]
+        print(f"  {1:>2}  {ONE:<11} {1e3 * one_cpu:8.1f} {1:6.2f} {1e3 * one_wall:8.1f} {1:6.2f}")
+        for name in (x for x in ALGORITHMS if x in res):
+            cpu, wall = max(c for c, _ in res[name]), max(w for _, w in res[name])
+            print(f"  {n:>2}  {name:<11} {1e3 * cpu:8.1f} {cpu / one_cpu:6.2f} {1e3 * wall:8.1f} {wall / one_wall:6.2f}")
+    print(f"  (load {os.getloadavg()[0]:.1f} at the end)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
