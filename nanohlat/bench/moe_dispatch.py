@@ -13,19 +13,22 @@ backward touches all E experts' weights (indexing a stacked (E, F, C) tensor,
 gate[e], gives each expert a gradient the size of the whole stack:
 O(E^2 F C) in all; moe.py takes views with unbind instead).
 
-Three dispatches of beyond/moe.py run on the same tokens, routing and weights,
-interleaved (each round runs all three, in turn) so that load from the rest of
-the machine falls on all alike; the median round counts:
+Four dispatches of beyond/moe.py run on the same tokens, routing and weights,
+interleaved (each round runs all four, in turn, the order reversed every other
+round) so that load from the rest of the machine falls on all alike; the
+median round counts:
 
+  grouped   dispatch_grouped, what the model runs: sorted, and each projection of all
+            the experts' slices one grouped matmul (where torch has one: else = sorted)
   sorted    dispatch_sorted: choices sorted by expert, one SwiGLU per expert's slice
   loop      dispatch_loop: the plain reference, each expert finds its tokens
   capacity  dispatch_capacity at factor 1: fixed (E, C, d) queues, one batched matmul
             (it drops what overflows a queue: the same work, not the same result)
 
 and the table prints time per expert-token, the largest over the smallest
-across E for each dispatch, and sorted / loop at each E. A benchmark, not a
-test: it asserts nothing about speed (the sorted and loop outputs are checked
-equal, to fp32 round-off). The routing is a softmax over random logits: about
+across E for each dispatch, and grouped / loop and sorted / loop at each E. A
+benchmark, not a test: it asserts nothing about speed (the grouped, sorted and
+loop outputs are checked equal, to fp32 round-off). The routing is a softmax over random logits: about
 N k / E tokens per expert, as a router trained for balance gives.
 """
 
@@ -40,7 +43,7 @@ import torch
 
 from nanohlat.beyond import moe
 
-DISPATCHES = ("sorted", "loop", "capacity")
+DISPATCHES = ("grouped", "sorted", "loop", "capacity")
 
 
 def case(n_tokens: int, d_model: int, ffn_dim: int, n_experts: int, k: int, seed: int = 0):
@@ -56,6 +59,8 @@ def case(n_tokens: int, d_model: int, ffn_dim: int, n_experts: int, k: int, seed
 
 def run(name: str, x, experts, weights, gate, up, down) -> torch.Tensor:
     """One dispatch's output (N, C)."""
+    if name == "grouped":
+        return moe.dispatch_grouped(x, experts, weights, gate, up, down)
     if name == "sorted":
         return moe.dispatch_sorted(x, experts, weights, gate, up, down)
     if name == "loop":
@@ -79,9 +84,10 @@ def sweep(n_tokens, d_model, ffn_dim, experts_list, k, rounds) -> dict:
     out = {}
     for E in experts_list:
         inputs = case(n_tokens, d_model, ffn_dim, E, k)
-        with torch.no_grad():   # the two dropless dispatches compute the same thing
-            a, b = run("sorted", *inputs), run("loop", *inputs)
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"E {E}: sorted and loop differ"
+        with torch.no_grad():   # the three dropless dispatches compute the same thing
+            want = run("loop", *inputs)
+            for name in ("grouped", "sorted"):
+                assert torch.allclose(run(name, *inputs), want, rtol=1e-5, atol=1e-6), f"E {E}: {name} != loop"
         for name in DISPATCHES:   # one untimed round: first-call allocations
             fwd_bwd(name, inputs)
         times = {name: [] for name in DISPATCHES}
@@ -96,16 +102,18 @@ def sweep(n_tokens, d_model, ffn_dim, experts_list, k, rounds) -> dict:
 def report(results: dict, n_tokens: int, k: int) -> str:
     """The table: microseconds per expert-token (median round), then the ratios."""
     pairs = n_tokens * k
-    lines = [f"{'E':>4} " + " ".join(f"{n + ' us/pair':>18}" for n in DISPATCHES) + f" {'sorted / loop':>14}"]
+    lines = [f"{'E':>4} " + " ".join(f"{n + ' us/pair':>17}" for n in DISPATCHES)
+             + f" {'grouped / loop':>15} {'sorted / loop':>14}"]
     for E, t in results.items():
-        lines.append(f"{E:>4} " + " ".join(f"{t[n] / pairs * 1e6:>18.2f}" for n in DISPATCHES)
-                     + f" {t['sorted'] / t['loop']:>13.2f}x")
+        lines.append(f"{E:>4} " + " ".join(f"{t[n] / pairs * 1e6:>17.2f}" for n in DISPATCHES)
+                     + f" {t['grouped'] / t['loop']:>14.2f}x {t['sorted'] / t['loop']:>13.2f}x")
     for n in DISPATCHES:
         per = [t[n] for t in results.values()]
         lines.append(f"{n}: largest / smallest time per expert-token over E: {max(per) / min(per):.2f}x")
-    slower = [E for E, t in results.items() if t["sorted"] > t["loop"]]
-    lines.append("sorted at least as fast as loop at every E" if not slower
-                 else f"sorted slower than loop at E {', '.join(map(str, slower))}")
+    for n in ("grouped", "sorted"):
+        slower = [E for E, t in results.items() if t[n] > t["loop"]]
+        lines.append(f"{n} at least as fast as loop at every E" if not slower
+                     else f"{n} slower than loop at E {', '.join(map(str, slower))}")
     return "\n".join(lines)
 
 
