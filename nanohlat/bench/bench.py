@@ -40,7 +40,7 @@ tokens/s, MFU, the graphs compiled during warm-up and any compiled after it
 
 This is a benchmark, not a test: it asserts nothing about speed. Every flag of
 train.py that shapes one process's step works (the model shape, a mixture of
-experts, timed alone: Hugging Face's Llama has none; --precision, --device,
+experts: timed beside Hugging Face's Mixtral instead, mixtral.py; --precision, --device,
 --threads ...), and those it would not run (--nproc, --dp, --tp, --pp, --cp,
 --ep, --microbatches above 1) are refused; the
 bench changes two defaults, --batch-size 8 and --steps 10 (timed steps per
