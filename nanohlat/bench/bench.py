@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     hf = None
     if args.hf and model_cfg.moe_experts:
         try:
-            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets)
+            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark)
         except UserError as e:
             print(f"(no Hugging Face model of this shape, timing nanohlat alone: {e})")
             args.hf = False

@@ -63,7 +63,7 @@ def loadable(hf_state: dict, wanted: dict) -> dict:
     return out
 
 
-def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets):
+def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark):
     """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model),
     step.first_loss the first step's language-model loss; None without transformers.
     UserError for a mixture Mixtral cannot express (serving/hf.py's check_mixtral)."""
@@ -85,8 +85,7 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
-    V, coef = model_cfg.vocab_size, config.router_aux_loss_coef
-    from nanohlat.bench.bench import mark   # (bench imports this module)
+    V, coef = model_cfg.vocab_size, config.router_aux_loss_coef   # (mark: bench.mark, the end of fwd + bwd)
 
     def step():
         t0 = time.perf_counter()
