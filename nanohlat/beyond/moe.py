@@ -196,9 +196,11 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
 # is slower per multiply-add than one large matmul, so it pays only where the slices are small:
 # measured on a 2-core CPU, fp32, C 64, forward + backward, against dispatch_sorted: 0.4x the time at
 # 32 rows x F 16 per expert, 0.8x at 128 x F 128, even at 256 x F 128, 1.3x at 1024 x F 128. The model
-# dispatches that way where torch has one for these tensors and slices are below GROUPED_BELOW.
+# dispatches that way where torch has one for these tensors and slices are below GROUPED_BELOW: fine-
+# grained experts (many, small). The moe preset's (128 x F 128) stay with dispatch_sorted, exercise 10b,
+# which chapter 10's runs then exercise.
 
-GROUPED_BELOW = 2 ** 21   # multiply-adds of the mean expert's slice, rows x F x C (2M: 256 x 128 x 64)
+GROUPED_BELOW = 2 ** 19   # multiply-adds of the mean expert's slice, rows x F x C (0.5M: 64 x 128 x 64)
 
 
 def grouped(x, *stacks, rows: float = 0.0) -> bool:
