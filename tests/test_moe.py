@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import read_metrics
 from dist_utils import run_layouts
@@ -786,3 +787,25 @@ def test_experts_are_whole_on_every_tp_rank_and_partial_only_under_sp():
         g = FlatGroup(["layers.0.mlp.gate.weight"], experts, True, False, dp, torch.float32, torch.float32, "cpu",
                       tp_rank=3, tp=4)
         assert g.partial == want, (sp, g.partial)
+
+
+def test_grouped_dispatch_equals_the_loop_in_fp32_with_an_empty_expert():
+    """dispatch_grouped (one F.grouped_mm per projection, for small fine-grained slices) against the
+    plain loop: output and every gradient to fp32 round-off, an expert with no token included (its
+    gradient zeros, not missing); where torch has no grouped matmul it is dispatch_sorted."""
+    g = torch.Generator().manual_seed(4)
+    N, C, E, Fd, k = 64, 16, 8, 8, 2
+    x = torch.randn(N, C, generator=g).requires_grad_()
+    experts = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])   # expert 7: no token
+    weights = (torch.rand(N, k, generator=g) + 0.1).requires_grad_()
+    params = [(p.float() * 0.5).requires_grad_() for p in _experts(E, C, Fd, seed=3)]
+    assert moe.grouped(x, *params, rows=N * k / E) == hasattr(F, "grouped_mm")   # the path under test
+    upstream = torch.randn(N, C, generator=g)
+    got = moe.dispatch_grouped(x, experts, weights, *params)
+    want = moe.dispatch_loop(x, experts, weights, *params)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad((got * upstream).sum(), [x, weights, *params])
+    wanted = torch.autograd.grad((want * upstream).sum(), [x, weights, *params])
+    for a, b in zip(grads, wanted):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert grads[2][E - 1].abs().sum() == 0 and grads[2][0].abs().sum() > 0
