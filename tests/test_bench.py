@@ -65,10 +65,29 @@ def test_bench_flags_out_of_range_are_one_line(args, message, capsys):
     assert err.startswith("error: ") and "\n" not in err and message in err, err
 
 
-def test_the_bench_runs_a_mixture_of_experts(capsys):
-    """--preset moe was an AssertionError: the bench built a dense Llama beside it to compare with
-    (the Mixtral comparison is the speed issue's); now it times nanohlat alone and says so."""
-    assert bench.main(["--preset", "moe", "--steps", "2", "--warmup", "1", "--threads", "1"]) == 0
+@pytest.mark.slow
+def test_the_bench_times_a_mixture_of_experts_beside_mixtral_from_the_same_weights(capsys):
+    """--preset moe was an AssertionError (a dense Llama built beside it): now Hugging Face's
+    MixtralForCausalLM of the same shape, loaded with nanohlat's initial weights through the export
+    mapping, is timed beside it, and the two first-step losses must agree (fp32: <= 1e-5; measured
+    4.8e-7). A mixture Mixtral cannot express (shared experts) is timed alone, and says why."""
+    pytest.importorskip("transformers")
+    assert bench.main(["--preset", "moe", "--n-layers", "1", "--steps", "2", "--warmup", "0", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "Hugging Face's LlamaForCausalLM has no experts; timing nanohlat alone" in out
-    assert re.search(r"^nanohlat +\d", out, re.M), out
+    assert "hf-mixtral: Hugging Face's MixtralForCausalLM" in out and re.search(r"^hf-mixtral +\d", out, re.M), out
+    diff = float(re.search(r"first-step loss from the same initial weights: nanohlat \d+\.\d+, "
+                           r"hf-mixtral \d+\.\d+, \|diff\| (\S+) <= 1e-05", out).group(1))
+    assert diff <= 1e-5
+    assert re.fullmatch(r"nanohlat / hf-mixtral tokens/s: \d+\.\d{3}x", out.strip().splitlines()[-1])
+    assert bench.main(["--preset", "moe", "--n-layers", "1", "--moe-shared-experts", "1", "--steps", "1",
+                       "--warmup", "0", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(no Hugging Face model of this shape, timing nanohlat alone: this mixture of experts" in out
+    assert re.search(r"^nanohlat +\d", out, re.M) and "hf-mixtral" not in out, out
+
+
+def test_a_mixtral_whose_first_loss_differs_voids_the_comparison():
+    from nanohlat.bench import mixtral
+    assert mixtral.first_losses(2.0, 2.0 + 4e-6, "fp32")[1]
+    line, same = mixtral.first_losses(2.0, 2.0 + 2e-5, "fp32")
+    assert not same and "not the same model, the comparison is void" in line

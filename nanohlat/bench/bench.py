@@ -40,7 +40,7 @@ tokens/s, MFU, the graphs compiled during warm-up and any compiled after it
 
 This is a benchmark, not a test: it asserts nothing about speed. Every flag of
 train.py that shapes one process's step works (the model shape, a mixture of
-experts, timed alone: Hugging Face's Llama has none; --precision, --device,
+experts: timed beside Hugging Face's Mixtral instead, mixtral.py; --precision, --device,
 --threads ...), and those it would not run (--nproc, --dp, --tp, --pp, --cp,
 --ep, --microbatches above 1) are refused; the
 bench changes two defaults, --batch-size 8 and --steps 10 (timed steps per
@@ -72,6 +72,7 @@ from nanohlat.config import UserError
 from nanohlat.system import cli
 from nanohlat.model import init_weights
 from nanohlat.precision import param_dtype
+from nanohlat.bench import mixtral
 
 BENCH_DEFAULTS = {"batch_size": 8, "steps": 10}
 ENGINES = {"eager": "nanohlat", "compile": "nanohlat-compile", "xla": "nanohlat-xla"}   # --engines -> row name
@@ -107,7 +108,8 @@ def random_batch(model_cfg, tcfg, dev):
 
 
 def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
-    """nanohlat's single-process training step, as train.py runs it. Returns (step, model)."""
+    """nanohlat's single-process training step, as train.py runs it. Returns (step, model);
+    step.first_loss: the first step's loss (a tensor), for the comparison with Hugging Face's."""
     mesh = meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger())
     model, runner, opt = build(model_cfg, tcfg, mesh, dev)   # what train.py builds
     B, T = tokens.shape
@@ -116,12 +118,15 @@ def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
     def step():
         t0 = time.perf_counter()
         opt.zero_grad()
-        runner.run(tokens, targets, 1.0 / (B * T))
+        loss = runner.run(tokens, targets, 1.0 / (B * T))
         t1 = mark(dev)
         opt.step(tcfg.lr)
         dev.sync()
+        if step.first_loss is None:
+            step.first_loss = loss.detach()
         return t1 - t0 if t1 else None
 
+    step.first_loss = None
     return step, model
 
 
@@ -279,19 +284,33 @@ def main(argv=None) -> int:
     if not steps:
         print("error: none of --engines can run here", file=sys.stderr)
         return 2
-    if args.hf and model_cfg.moe_experts:   # (Hugging Face's Llama is dense: no model of the same shape)
-        print("(a mixture of experts: Hugging Face's LlamaForCausalLM has no experts; timing nanohlat alone)")
-    hf = hf_step(model_cfg, tcfg, dev, tokens, targets) if args.hf and not model_cfg.moe_experts else None
+    # the reference: Hugging Face's Llama of the same shape, or for a mixture of experts its Mixtral
+    # (from nanohlat's initial weights: mixtral.py), unless the mixture is one Mixtral cannot express
+    ref = mixtral.NAME if model_cfg.moe_experts else "hf-llama"
+    hf = None
+    if args.hf and model_cfg.moe_experts:
+        try:
+            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark)
+        except UserError as e:
+            print(f"(no Hugging Face model of this shape, timing nanohlat alone: {e})")
+            args.hf = False
+    elif args.hf:
+        hf = hf_step(model_cfg, tcfg, dev, tokens, targets)
     if hf is not None:
-        steps["hf-llama"], models["hf-llama"] = hf
-        devs["hf-llama"] = dev
-        n_ours, n_hf = (sum(p.numel() for p in models[name].parameters()) for name in (next(iter(models)), "hf-llama"))
+        steps[ref], models[ref] = hf
+        devs[ref] = dev
+        n_ours, n_hf = (sum(p.numel() for p in models[name].parameters()) for name in (next(iter(models)), ref))
+        if ref == mixtral.NAME:   # (Mixtral's embedding and head have vocab_size rows, nanohlat's padded_vocab)
+            n_hf += 2 * (model_cfg.padded_vocab - model_cfg.vocab_size) * model_cfg.d_model
         assert n_ours == n_hf, f"shape mismatch: nanohlat {n_ours:,} vs Hugging Face {n_hf:,} parameters"
+        if ref == mixtral.NAME:
+            print(f"{ref}: Hugging Face's MixtralForCausalLM, experts computed by its "
+                  f"'{mixtral.experts_implementation(models[ref])}' implementation")
         # Hugging Face's step runs second in each round (the order reverses every
         # round), so it runs right next to each of the first two engines: the
         # pairs of `spread` are then two back-to-back steps
-        names = [n for n in steps if n != "hf-llama"]
-        steps = {n: steps[n] for n in names[:1] + ["hf-llama"] + names[1:]}
+        names = [n for n in steps if n != ref]
+        steps = {n: steps[n] for n in names[:1] + [ref] + names[1:]}
     elif args.hf:
         print("(transformers is not installed: timing nanohlat alone; pip install transformers)")
 
@@ -321,14 +340,21 @@ def main(argv=None) -> int:
               + "".join(f"\n  break: {r}" for r in st["break_reasons"]))
     if args.profile:
         print(profile(steps, devs))
-    if "hf-llama" in steps:   # eager and compile last, as the README quotes them
+    if ref in steps:   # eager and compile last, as the README quotes them
         rate = {name: tok_per_step / statistics.median(ts) for name, ts in times.items()}
-        ours = sorted((n for n in steps if n != "hf-llama"), key=lambda n: n != "nanohlat-xla")
+        ours = sorted((n for n in steps if n != ref), key=lambda n: n != "nanohlat-xla")
         print()
+        if ref == mixtral.NAME:   # the same weights, the same batch: the same first loss, or no comparison
+            line, same = mixtral.first_losses(steps[ours[-1]].first_loss, steps[ref].first_loss,
+                                              tcfg.precision)
+            print(line)
+            if not same:
+                print(f"error: {line}", file=sys.stderr)
+                return 1
         print(spread(times, ours))
         print()
         for name in ours:
-            print(f"{name} / hf-llama tokens/s: {rate[name] / rate['hf-llama']:.3f}x")
+            print(f"{name} / {ref} tokens/s: {rate[name] / rate[ref]:.3f}x")
     return 0
 
 
@@ -356,12 +382,13 @@ def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
 
 
 def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak) -> str:
-    """The table: one row per engine (and Hugging Face), ratios against hf-llama's eager step."""
-    hf = tok_per_step / statistics.median(times["hf-llama"]) if "hf-llama" in times else None
+    """The table: one row per engine (and Hugging Face), ratios against Hugging Face's eager step."""
+    ref = reference(times)
+    hf = tok_per_step / statistics.median(times[ref]) if ref else None
     # fwd+bwd and optimizer: medians of each phase (they need not add up to the step's median)
     lines = [f"{'':<16} {'first step':>10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>9} "
              f"{'MFU':>6} {'vs hf':>6} {'graphs':>6} {'recompiled':>10} {'fwd+bwd':>10} {'optimizer':>10}"]
-    for name in sorted(times, key=lambda n: n == "hf-llama"):   # nanohlat's engines, then hf-llama
+    for name in sorted(times, key=lambda n: n == ref):   # nanohlat's engines, then Hugging Face's
         ts = times[name]
         med = statistics.median(ts)
         rate = tok_per_step / med
@@ -384,7 +411,12 @@ def paired_ratios(times: dict, name: str) -> list[float]:
     relative to Hugging Face's, from the two steps of one round (back to back
     for the first two engines, which main() places on either side of
     Hugging Face's step)."""
-    return [hf / ours for hf, ours in zip(times["hf-llama"], times[name])]
+    return [hf / ours for hf, ours in zip(times[reference(times)], times[name])]
+
+
+def reference(times: dict) -> str | None:
+    """The Hugging Face row among `times`: hf-llama, or hf-mixtral for a mixture of experts."""
+    return next((n for n in ("hf-llama", mixtral.NAME) if n in times), None)
 
 
 def spread(times: dict, names: list) -> str:
