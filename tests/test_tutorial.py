@@ -38,9 +38,8 @@ Which figures another machine changes, and how each is checked:
   * lines only some machines print (`OPTIONAL`: pictures, which need
     matplotlib; the warning that threads outnumber cores) may be missing.
 Where a command fixes `--threads 1`, the test runs it with
-$NANOHLAT_TEST_THREADS threads instead when that is set (`with_threads`), and
-skips the blocks that fix none: .ci/other-cpu-lane runs this file so, and
-under another CPU's kernels.
+$NANOHLAT_TEST_THREADS threads instead when that is set (`with_threads`):
+.ci/other-cpu-lane runs this file so, under another CPU's kernels at once.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from dist_utils import THREADS_ENV, fixed_threads
+from dist_utils import fixed_threads
 from nanohlat.classroom import needs
 from nanohlat.serving import server as serving
 
@@ -425,8 +424,6 @@ def test_compared_sample_files_must_hold_text(tmp_path):
 @pytest.mark.slow
 def test_tutorial_block_runs_and_prints_its_transcript(index, tmp_path, tmp_path_factory):
     commands, transcript = runnable_blocks()[index]
-    if os.environ.get(THREADS_ENV) and with_threads(commands) == commands:
-        pytest.skip(f"block {index} fixes no thread count: {THREADS_ENV} changes nothing in it")
     made_with = CORPUS_PYTHON.search(tutorial_text())
     assert made_with, "tutorial.md says which Python version its figures were made with"
     masks = MEASURED + TRAINED + ([] if made_with.group(1) == platform.python_version() else CORPUS_DEPENDENT)
