@@ -53,8 +53,9 @@ ALGORITHMS = ("allgather", "ring", "ulysses")
 # the last token of each piece loses its target (it lives on another rank), so
 # shift the whole sequence first: input = tokens[:-1], target = tokens[1:], then
 # split both the same way. (2) Under the causal mask the token at position p
-# attends to p + 1 tokens, so a contiguous split gives the last rank about 2n-1
-# times the attention work of the first, and the others wait for it. Zigzag cuts
+# attends to p + 1 tokens, so a contiguous split gives the later ranks more
+# attention work than the earlier ones (how much, and what it costs the others:
+# tutorial question 11.2). Zigzag cuts
 # the sequence into 2n chunks and gives rank i chunks i and 2n-1-i: an early chunk
 # and a late one, and every rank the same total work.
 #
@@ -238,9 +239,9 @@ class ContextMesh(Mesh):
 #     o_b   = sum_j exp(s_j - m_b) v_j / l_b    (the block's own softmax-weighted values)
 #     lse_b = m_b + log l_b                     (log of sum_j exp(s_j): all a merge needs)
 #
-# Two blocks a, b merge exactly:  lse = log(e^lse_a + e^lse_b)  and
-# o = (e^lse_a o_a + e^lse_b o_b) / e^lse, computed as e^(lse_a - m), e^(lse_b - m)
-# with m = max(lse_a, lse_b) (the running max), so nothing overflows. All in fp32.
+# Two blocks a, b merge exactly: o = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b).
+# Computed as written, e^lse overflows fp32 once a score passes about 88: how `merge`
+# computes it without overflow, and the merged lse, is exercise 11a. All in fp32.
 
 
 def _relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
@@ -268,6 +269,8 @@ def _pairs(q_pos: torch.Tensor, k_pos: torch.Tensor):
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial results for the same queries over disjoint keys -> the result over both."""
     # exercise 11a: begin
+    # lse = log(e^lse_a + e^lse_b), o = (e^lse_a o_a + e^lse_b o_b) / e^lse, computed with
+    # e^(lse_a - m), e^(lse_b - m), m = max(lse_a, lse_b) (the running max): nothing overflows
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

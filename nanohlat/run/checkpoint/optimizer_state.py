@@ -46,7 +46,7 @@ def export_state(opt, host) -> dict:
 
 def state_buffers(model) -> dict:
     """{name: tensor} of the model's persistent buffers: state that is no parameter, so no flat
-    buffer holds it (a mixture's expert biases, moved after each step by the load: moe.update_bias).
+    buffer holds it (a mixture's expert biases, moved after each step by the load: moe_figures.update_bias).
     Saved and loaded whole, as the model section's tensors that no rank splits."""
     params = {n for n, _ in model.named_parameters()}
     return {n: t for n, t in model.state_dict(keep_vars=True).items() if n not in params}
