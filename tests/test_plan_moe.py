@@ -1,5 +1,6 @@
-"""The plan of a mixture of experts (nanohlat/tools/plan/) in every layout it trains with but cp:
-tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, and --ep 2 with ZeRO-2.
+"""The plan of a mixture of experts (nanohlat/tools/plan/) in every layout it trains with:
+tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, --ep 2 with ZeRO-2, and cp 2
+(ring attention), alone and with --ep 2 drawn from dp x cp (dp 1: the two cp ranks share the experts).
 
 Held to the standards tests/test_plan.py holds a dense model's plan to: what one sparse block keeps
 for backward, counted tensor by tensor, to the byte; a run's comm ledger of its first step and its
@@ -47,7 +48,9 @@ MOE_LAYOUTS = {"tp 2 SP": ["--tp", "2", "--sequence-parallel"],
                "pp 2 1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
                "pp 2 zb-h1": ["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"],
                "ZeRO-3 dp 2": ["--dp", "2", "--zero", "3"],
-               "ep 2 ZeRO-2": ["--ep", "2", "--zero", "2", "--microbatches", "2"]}
+               "ep 2 ZeRO-2": ["--ep", "2", "--zero", "2", "--microbatches", "2"],
+               "cp 2 ring": ["--cp", "2", "--cp-attention", "ring"],
+               "cp 2 x ep 2": ["--cp", "2", "--ep", "2"]}
 
 
 def _worker(rank, world, runs, out_dir):
@@ -74,8 +77,9 @@ def test_moe_plan_equals_the_ledger_and_bounds_the_allocator_peak(moe_runs, name
     """Rank 0's first-step comm ledger (payload, wire, padding and calls of every collective: tp's
     without the sparse blocks' MLP collectives, with their router sums under SP and their gradients'
     sum over tp; pp's exchanges; ZeRO-3's gathers of every unit, the sparse layers' larger; ep's
-    all-to-alls and the experts' reduce-scatters over their ep_dp pair) and its bytes per rank equal
-    the plan's; on every rank, measured <= plan <= (1 + PEAK_MARGIN) x measured."""
+    all-to-alls and the experts' reduce-scatters over their ep_dp pair; cp's attention exchanges and
+    the router sums over the cp ranks, and at cp 2 x ep 2 the all-to-alls of T/cp tokens a rank) and
+    its bytes per rank equal the plan's; on every rank, measured <= plan <= (1 + PEAK_MARGIN) x measured."""
     argv, out_dir, peaks = moe_runs[name]
     assert_run_matches_plan(out_dir, argv, 2)
     for rank, stage, measured, planned in peaks:
@@ -94,3 +98,14 @@ def test_hlat_moe_search_prints_its_table_and_names_its_layout(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
     assert len(rows) == 10 and "the preset's own layout:" in out and "HLAT's own layout" not in out
     assert any(r[1] != "1" for r in rows) or any(r[2] != "1" for r in rows)   # tp or pp: not only tp 1 pp 1
+
+
+def test_moe_search_tries_cp_and_draws_ep_from_dp_x_cp():
+    """--search with --cp 4 given (a dense model's rule: cp is tried for long sequences or when asked, down
+    to the tokens a rank keeps at the cp asked) tries a mixture at cp 2 and 4 too, with every ep dividing dp x cp and the experts: at cp 4 and dp 1 on 4
+    ranks, ep 2 and 4 (the cp ranks share the experts); each such layout is planned and estimated."""
+    model, t = recipe.parse_args(["--preset", "moe", "--device", "cpu", "--cp", "4"])
+    layouts = [c for c in plan.candidate_layouts(model, t, 4) if (c.tp, c.pp) == (1, 1)]
+    assert {(c.cp, c.ep) for c in layouts} == {(cp, ep) for cp in (1, 2, 4) for ep in (1, 2, 4)}
+    rows = plan.search(model, t, 4, "cpu")
+    assert any(r["t"].cp == 4 and r["t"].ep == 4 and r["estimate"]["comm"]["ep"] > 0 for r in rows)

@@ -14,7 +14,7 @@ The peak is an upper bound of the allocator's peak on a rank, at most PEAK_MARGI
 reports (one process, tp 2 with SP, ZeRO-1/2/3 at dp 2, cp 2 with each attention,
 pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098; the moe preset, routing
 forced balanced, tests/test_plan_moe.py: tp 2 with SP, pp 2 under 1F1B and ZB-H1, ZeRO-3,
---ep 2 with ZeRO-2). There a block
+--ep 2 with ZeRO-2, cp 2 with ring attention, cp 2 x --ep 2). There a block
 gloo's thread frees (a collective's copy of its input, or a tensor the program let go
 of while gloo still held it) counts as freed when the program's wait for its
 collective returns: the profiler does not see frees made on gloo's threads, and
