@@ -24,23 +24,29 @@ from nanohlat.tools import plan
 from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
 
 
-@pytest.mark.parametrize("factor, shared, dtype", [(0.0, 0, torch.float32), (1.25, 0, torch.bfloat16),
-                                                   (0.0, 1, torch.bfloat16)], ids=["dropless", "capacity", "shared"])
-def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, dtype):
-    """One moe.MoE block of the moe preset's shape (8 sequences of 32 tokens, 4 experts of ffn 128, top-2):
+@pytest.mark.parametrize("factor, shared, dtype, B", [(0.0, 0, torch.float32, 8), (1.25, 0, torch.bfloat16, 8),
+                                                      (0.0, 1, torch.bfloat16, 8), (0.0, 0, torch.float32, 2)],
+                         ids=["dropless", "capacity", "shared", "grouped"])
+def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, dtype, B):
+    """One moe.MoE block of the moe preset's shape (B = 8 sequences of 32 tokens, 4 experts of ffn 128, top-2):
     the bytes autograd keeps after its forward (LiveBytes: every storage made inside, still alive; its
     output's left out) are plan.moe_layer_bytes's: the router's fp32 tensors (and in bf16 its fp32 copies
-    of the input and weight), the dispatch's indices, rows and SwiGLU intermediates, the shared expert's."""
+    of the input and weight), the dispatch's indices, rows and SwiGLU intermediates, the shared expert's.
+    At B = 2 in fp32 each expert's slice is small enough for moe.grouped's one grouped matmul (torch >= 2.10:
+    plan.moe_grouped says so, and the plan adds its side-by-side gate and up weights; older torch: sorted)."""
     cfg = recipe.PRESETS["moe"][0]
     block = moe.MoE(cfg.d_model, cfg.ffn_dim, cfg.moe_experts, cfg.moe_top_k, shared, factor, aux_coef=0.01,
                     z_coef=0.001, loss_scale=0.125).to(dtype)
-    x = torch.randn(8, 32, cfg.d_model, dtype=dtype, requires_grad=True)
+    x = torch.randn(B, 32, cfg.d_model, dtype=dtype, requires_grad=True)
     existing = {t.untyped_storage().data_ptr() for t in [*block.parameters(), x]}
     with LiveBytes(existing) as live:
         y = block(x)
     kept = live.alive() - y.numel() * y.element_size()
     cfg = dataclasses.replace(cfg, moe_capacity_factor=factor, moe_shared_experts=shared)
-    assert kept == plan.moe_layer_bytes(cfg, 8 * 32, 8, dtype.itemsize)
+    on_cpu = recipe.parse_args(["--preset", "moe", "--device", "cpu"])[1]
+    grouped = plan.moe_grouped(cfg, on_cpu, B * 32, dtype.itemsize)
+    assert grouped == (B == 2 and hasattr(torch.nn.functional, "grouped_mm"))
+    assert kept == plan.moe_layer_bytes(cfg, B * 32, B, dtype.itemsize, grouped=grouped)
 
 
 # 2 gloo ranks, 3 steps each under the allocator's watch (test_plan.allocator_peak): name -> flags
