@@ -112,7 +112,7 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "
              f"Adam state: the experts' share / {ep}), summed over the ({over})/ep = {dp * cp // ep} ranks holding "
              f"the same ones"
-             if ep > 1 else "experts replicated on every dp rank like the dense weights (ep 1)")
+             if ep > 1 else f"experts replicated on every {over} rank like the dense weights (ep 1)")
     return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
             f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
             f"(its {k} experts{shared}, the router, the dense rest); {where}",
