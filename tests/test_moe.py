@@ -219,8 +219,7 @@ def test_the_router_losses_join_the_backward_where_they_are_made_and_not_the_los
     assert logged["moe_router_loss"] == pytest.approx(float(router(model).mean().detach()), rel=1e-6)
 
 
-@pytest.mark.parametrize("flags, named", [(["--plan", "--cp", "2"], "--plan with --cp"),
-                                          (["--moe-top-k", "5"], "--moe-top-k 5")])
+@pytest.mark.parametrize("flags, named", [(["--moe-top-k", "5"], "--moe-top-k 5")])
 def test_moe_refuses_what_it_does_not_support_in_one_line(flags, named):
     with pytest.raises(UserError) as e:
         recipe.parse_args(["--preset", "moe"] + flags)
@@ -810,9 +809,7 @@ def test_expert_parallelism_draws_its_ranks_from_dp_x_cp():
     with pytest.raises(UserError, match=r"--ep 4 must divide dp x cp 2 and --moe-experts 4") as e:
         recipe.check_layout(*recipe.parse_args(["--preset", "moe", "--cp", "2", "--ep", "4"]), 2)
     assert "\n" not in str(e.value)
-    with pytest.raises(UserError, match=r"--plan with --cp is not supported yet") as e:
-        recipe.parse_args(["--preset", "moe", "--cp", "2", "--plan"])
-    assert "\n" not in str(e.value)
+    recipe.parse_args(["--preset", "moe", "--cp", "2", "--ep", "2", "--plan"])   # (planned: test_plan_moe.py)
 
 
 # -------------------------------------------------------------- training, against one process

@@ -258,8 +258,8 @@ def assert_run_matches_plan(out_dir, argv, world):
     with open(os.path.join(out_dir, "summary.json")) as f:
         measured = json.load(f)
     model, train = recipe.parse_args(argv)
-    dp = world // (train.tp * train.pp)
-    predicted = plan.comm_per_step(model, train, Mesh(train.tp, train.pp, dp, 0))
+    dp = world // (train.tp * train.pp * train.cp)
+    predicted = plan.comm_per_step(model, train, ContextMesh(train.tp, train.pp, dp, 0, cp=train.cp))
     # payload, wire, padding and calls of every collective, to the byte
     for figure, name in (("payload", "comm_bytes"), ("wire", "comm_wire_bytes"),
                          ("padding", "comm_padding_bytes"), ("calls", "comm_calls")):
@@ -515,12 +515,10 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     for text in ("E/ep = 2 expert(s)", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
                  "on its active parameters"):
         assert text in out, text
-    # every layout it trains with, it plans (but cp, which it trains with and does not plan yet: one line)
+    # every layout it trains with, it plans
     for flags in (["--zero", "3"], ["--ep", "2", "--zero", "2"], ["--tp", "2", "--sequence-parallel"],
-                  ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"]):
+                  ["--pp", "2", "--schedule", "zb-h1", "--microbatches", "2"], ["--cp", "2"], ["--cp", "2", "--ep", "2"]):
         assert train.main(["--plan", "--preset", "moe", "--nproc", "2"] + flags) == 0, flags
-    with pytest.raises(config.UserError, match="--plan with --cp is not supported yet"):
-        recipe.parse_args(["--plan", "--preset", "moe", "--cp", "2"])
 
 
 def _search_rows(out: str) -> list[list[str]]:

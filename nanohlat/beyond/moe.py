@@ -245,13 +245,18 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
 GROUPED_BELOW = 2 ** 19   # multiply-adds of the mean expert's slice, rows x F x C (0.5M: 64 x 128 x 64)
 
 
+def grouped_by_shape(device: str, fp32: bool, rows: float, Fd: int, C: int) -> bool:
+    """`grouped`'s rule on the shapes alone (what --plan can know: tools/plan/memory.py): torch >= 2.10,
+    the CPU, fp32, F and C multiples of 4, `rows` x F x C below GROUPED_BELOW."""
+    return (hasattr(F, "grouped_mm") and device == "cpu" and fp32 and Fd % 4 == 0 and C % 4 == 0
+            and rows * Fd * C < GROUPED_BELOW)
+
+
 def grouped(x, *stacks, rows: float = 0.0) -> bool:
     """Whether to use F.grouped_mm for x (N, C) and the stacked (E, F, C) weights, `rows` per expert
-    on average: torch >= 2.10, the CPU, fp32, every row and matrix 16-byte aligned (what its kernel
-    asks), slices below GROUPED_BELOW."""
+    on average: grouped_by_shape, and every row and matrix 16-byte aligned (what its kernel asks)."""
     E, Fd, C = stacks[0].shape
-    return (hasattr(F, "grouped_mm") and x.device.type == "cpu" and x.dtype == torch.float32
-            and rows * Fd * C < GROUPED_BELOW
+    return (grouped_by_shape(x.device.type, x.dtype == torch.float32, rows, Fd, C)
             and all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.shape[-1] % 4 == 0
                     and t.shape[-2] % 4 == 0 for t in stacks))
 

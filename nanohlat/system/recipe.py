@@ -483,12 +483,9 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
 
 def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
     """A MoE model trains with every layout (experts replicated over dp, cp and tp, or --ep: moe.py,
-    any ZeRO, pp with any schedule), and its plan counts every one of them but cp."""
+    any ZeRO, pp with any schedule, cp), and its plan counts every one of them."""
     if tcfg.ep > 1 and not model_cfg.moe_experts:
         raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
-    if tcfg.plan and tcfg.cp > 1:
-        raise UserError("a mixture of experts' --plan with --cp is not supported yet (the layout trains; "
-                        "tools/plan/ does not count it): plan it at --cp 1")
 
 
 def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

@@ -30,7 +30,7 @@ from nanohlat.tools.plan.hardware import NETWORKS, Network, dp_ring, ring_hops
 from nanohlat.tools.plan.kv_cache import kv_cache_bytes
 from nanohlat.tools.plan.layout_search import candidate_layouts, search, search_report
 from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, memory_per_rank, micro_batch_size,
-                                        microbatches_in_flight, moe_layer_bytes, peak_memory_per_rank,
+                                        microbatches_in_flight, moe_grouped, moe_layer_bytes, peak_memory_per_rank,
                                         weight_grad_bytes)
 from nanohlat.tools.plan.sheets import COMM_LEGEND_SHORT, comm_report, comm_table, report
 from nanohlat.tools.plan.step_time import estimate_step, recompute_flops_per_token

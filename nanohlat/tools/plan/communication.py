@@ -135,6 +135,11 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
         for _, op, payload, calls in attention_collectives(cfg, mb, T, tp, cp, itemsize, tcfg.cp_attention,
                                                            tcfg.activation_checkpointing):
             _add(out, f"cp.{op}", payload, calls * m * layers, cp)
+        # a mixture's router sums its per-sequence f_e, P_e (mb x E each) and z (mb), fp32, over the cp
+        # ranks' T/cp tokens too (moe.route's seq_group: in the forward and its replay under full checkpointing)
+        sparse = m * stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages)
+        for n in (mb * cfg.moe_experts, mb * cfg.moe_experts, mb):
+            _add(out, "cp.all_reduce", 4 * n, sparse * (1 + (tcfg.activation_checkpointing == "full")), cp)
     ep = tcfg.ep
     if ep > 1:
         _add_expert_parallel(out, cfg, tcfg, mb, ep, itemsize, stage_sparse_layers(cfg, pp, stage, tcfg.virtual_stages))
@@ -198,7 +203,7 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     calls = sparse * tcfg.microbatches
     replays = 1 + (tcfg.activation_checkpointing == "full")
     sp = tcfg.sequence_parallel and tcfg.tp > 1   # (each tp rank routes its T/tp tokens)
-    N, E, k = mb * tcfg.seq_len // (tcfg.tp if sp else 1), cfg.moe_experts, cfg.moe_top_k
+    N, E, k = mb * local_tokens(tcfg) // (tcfg.tp if sp else 1), cfg.moe_experts, cfg.moe_top_k
     if cfg.moe_capacity_factor:   # static queues: E x C rows to and fro
         rows = E * moe.capacity(N, k, E, cfg.moe_capacity_factor)
     else:

@@ -30,7 +30,7 @@ def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list
     every cp dividing them whose 2 x cp chunks split --seq-len, with each of allgather, ring and ulysses
     (where its heads divide: context.py)."""
     out = [(1, tcfg.cp_attention)]
-    if tcfg.seq_len < CP_SEARCH_FROM and tcfg.cp == 1 or cfg.moe_experts:
+    if tcfg.seq_len < CP_SEARCH_FROM and tcfg.cp == 1:
         return out
     for cp in divisors(math.gcd(ranks, tcfg.seq_len // 2))[1:]:   # (2 x cp chunks split --seq-len)
         if tcfg.seq_len % (2 * cp) == 0 and tcfg.seq_len // cp >= min(CP_MIN_TOKENS, tcfg.seq_len // tcfg.cp):
@@ -39,15 +39,16 @@ def cp_choices(cfg: ModelConfig, tcfg: TrainConfig, tp: int, ranks: int) -> list
 
 
 def ep_choices(cfg: ModelConfig, dp: int) -> list[int]:
-    """--ep degrees to try at this dp: for a mixture of experts every ep dividing both dp and the
-    experts (mesh.check_ep); a dense model has none to spread (ep 1)."""
+    """--ep degrees to try at this dp (with --cp, dp x cp: the ranks expert parallelism draws from,
+    moe.add_groups): for a mixture of experts every ep dividing both it and the experts
+    (recipe.check_layout); a dense model has none to spread (ep 1)."""
     return divisors(math.gcd(dp, cfg.moe_experts)) if cfg.moe_experts else [1]
 
 
 def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
     """Every valid (tp, pp, cp and its attention, dp, micro-batches, ZeRO stage, sequence parallel,
     checkpointing, and on cpu and cuda overlapped gradient reduction or not; for a mixture of experts
-    ep too; cp not: recipe.check_cp_layout refuses it with a mixture)
+    ep too, drawn from dp x cp)
     for this model, batch and world size, as TrainConfigs."""
     for tp in divisors(math.gcd(world, cfg.n_heads)):               # (tp divides the heads, pp the layers:
         for pp in divisors(math.gcd(world // tp, cfg.n_layers)):    # the search is the model's, not the world's)
@@ -76,7 +77,7 @@ def candidate_layouts(cfg: ModelConfig, tcfg: TrainConfig, world: int):
                             for mode in ("none", "selective", "full"):
                                 for ov in ((True, False) if dp * cp > 1 and tcfg.device in ("cpu", "cuda")
                                            else (tcfg.overlap_grad_reduce,)):
-                                    for ep in ep_choices(cfg, dp):
+                                    for ep in ep_choices(cfg, dp * cp):
                                         c = dataclasses.replace(tcfg, tp=tp, pp=pp, cp=cp, cp_attention=attention,
                                                                 dp=0, microbatches=m, sequence_parallel=sp, zero=zero,
                                                                 activation_checkpointing=mode, overlap_grad_reduce=ov,
@@ -147,7 +148,7 @@ def search_report(cfg: ModelConfig, tcfg: TrainConfig, world: int, top: int = 10
             if tcfg.device in ("cpu", "cuda") else "nothing overlapped)")]
     moe = bool(cfg.moe_experts)
     if moe:
-        lines.append(f"  ep: the dp ranks sharing each sparse layer's {cfg.moe_experts} experts ({cfg.moe_experts}/ep a "
+        lines.append(f"  ep: the dp (x cp) ranks sharing each sparse layer's {cfg.moe_experts} experts ({cfg.moe_experts}/ep a "
                      f"rank; comm counts its all-to-alls, predicted for balanced routing)")
     header = search_header(cfg, tcfg)
     lines += table(header, [_search_row(i + 1, r, world, moe) for i, r in enumerate(fits[:top])])

@@ -14,7 +14,7 @@ The peak is an upper bound of the allocator's peak on a rank, at most PEAK_MARGI
 reports (one process, tp 2 with SP, ZeRO-1/2/3 at dp 2, cp 2 with each attention,
 pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098; the moe preset, routing
 forced balanced, tests/test_plan_moe.py: tp 2 with SP, pp 2 under 1F1B and ZB-H1, ZeRO-3,
---ep 2 with ZeRO-2). There a block
+--ep 2 with ZeRO-2, cp 2 with ring attention, cp 2 x --ep 2). There a block
 gloo's thread frees (a collective's copy of its input, or a tensor the program let go
 of while gloo still held it) counts as freed when the program's wait for its
 collective returns: the profiler does not see frees made on gloo's threads, and
@@ -102,7 +102,7 @@ import functools
 import numpy as np
 
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.beyond.moe import capacity
+from nanohlat.beyond.moe import capacity, grouped_by_shape
 from nanohlat.beyond.schedules import chunk_layers, stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
@@ -164,7 +164,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
     return norms + inputs + core + mlp
 
 
-def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1) -> int:
+def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1, grouped: bool = False) -> int:
     """What one sparse layer's block (moe.MoE) keeps for backward, the N tokens of B sequences this rank
     routes, routing balanced (counted tensor by tensor: tests/test_plan_moe.py). The router, in fp32
     (in bf16 it keeps fp32 copies of its input and weight): logits and probabilities (N x E each), the
@@ -175,7 +175,9 @@ def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1
     the outputs weighted and the weights in sorted order. Capacity mode (dispatch_capacity): its keep
     mask and slot and token indices, the gathered rows, the dispatch buffer (E*C + 1 rows of C = the
     capacity; at --ep its E*C received rows), 4 x ffn on each of its E*C rows, the outputs picked back,
-    weighted. Shared experts: a SwiGLU's four intermediates on every token, each."""
+    weighted. Shared experts: a SwiGLU's four intermediates on every token, each. `grouped` (dropless, where
+    moe.grouped multiplies every slice in one grouped matmul: moe_grouped) adds the gate and up weights side
+    by side, (E/ep, 2F, C), and the slices' int32 ends."""
     E, k, F, C, f = cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.d_model, cfg.moe_capacity_factor
     Nk = N * k
     router = 4 * (2 * N * E + Nk + 2 * N + B * E + 2 * B + E + 1) + 8 * Nk + (4 * (N + E) * C if itemsize != 4 else 0)
@@ -184,6 +186,7 @@ def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1
         experts = 17 * Nk + itemsize * (3 * Nk * C + (rows + 1) * C + 4 * rows * F + Nk)
     else:
         experts = (32 if ep > 1 else 16) * Nk + itemsize * (3 * Nk * C + 4 * F * Nk + Nk)
+        experts += (itemsize * 2 * F * C + 4) * (E // ep) if grouped else 0
     return router + experts + itemsize * 4 * N * cfg.moe_shared_experts * F
 
 
@@ -195,7 +198,16 @@ def moe_activation_extra(cfg: ModelConfig, tcfg: TrainConfig, mb: int, T: int, t
     sp = tcfg.sequence_parallel and tp > 1
     N = mb * T // (tp if sp else 1)
     gathered = itemsize * mb * T * cfg.d_model * (tp - 1) // tp if sp and not tcfg.sp_regather else 0
-    return moe_layer_bytes(cfg, N, mb, itemsize, tcfg.ep) - 4 * itemsize * mb * T * cfg.ffn_dim // tp - gathered
+    return moe_layer_bytes(cfg, N, mb, itemsize, tcfg.ep, moe_grouped(cfg, tcfg, N, itemsize)) \
+        - 4 * itemsize * mb * T * cfg.ffn_dim // tp - gathered
+
+
+def moe_grouped(cfg: ModelConfig, tcfg: TrainConfig, N: int, itemsize: int) -> bool:
+    """Whether a run's dropless experts take moe.grouped's path, by its rule on shapes (moe.grouped_by_shape):
+    the rows per expert of a balanced routing of N tokens, N*k/E (--ep: the N*k rows received over E/ep)."""
+    E = cfg.moe_experts // tcfg.ep
+    return not cfg.moe_capacity_factor and grouped_by_shape(tcfg.device, itemsize == 4, N * cfg.moe_top_k / E,
+                                                            cfg.ffn_dim, cfg.d_model)
 
 
 def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int, stage: int,

@@ -108,9 +108,11 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     sparse = cfg.sparse_layers()
     active = active_params(cfg)
     shared = f" + {cfg.moe_shared_experts} shared" if cfg.moe_shared_experts else ""
+    cp, over = tcfg.cp, "dp x cp" if tcfg.cp > 1 else "dp"   # (--cp: ep drawn from dp x cp, moe.add_groups)
     where = (f"--ep {ep}: each rank holds E/ep = {E // ep} expert(s) of each sparse layer (weights, fp32 gradients and "
-             f"Adam state: the experts' share / {ep}), summed over the dp/ep = {dp // ep} ranks holding the same ones"
-             if ep > 1 else "experts replicated on every dp rank like the dense weights (ep 1)")
+             f"Adam state: the experts' share / {ep}), summed over the ({over})/ep = {dp * cp // ep} ranks holding "
+             f"the same ones"
+             if ep > 1 else f"experts replicated on every {over} rank like the dense weights (ep 1)")
     return [f"  mixture of experts: {sparse} of {cfg.n_layers} layers sparse, {E} experts{shared}, top-{k}: "
             f"{fmt_count(cfg.num_params())} parameters in all, {fmt_count(active)} active per token "
             f"(its {k} experts{shared}, the router, the dense rest); {where}",
@@ -305,8 +307,14 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines += comm_table(by_stage[s])
     everyone = sum(entry["wire"] + entry["padding"] for c in by_stage.values() for entry in c.values()) * tp * dp * cp
     lines.append(f"  all {tp * pp * dp * cp} ranks together: {fmt_bytes(everyone)} on the wire per step (padding included)")
-    # the tokens a rank routes per micro-batch: with sequence parallelism its T/tp share (moe.py)
-    N = micro_batch_size(tcfg, dp) * tcfg.seq_len // (tp if tcfg.sequence_parallel and tp > 1 else 1)
+    # the tokens a rank routes per micro-batch: with --cp its T/cp share, with sequence parallelism T/tp of that (moe.py)
+    N = micro_batch_size(tcfg, dp) * local_tokens(tcfg) // (tp if tcfg.sequence_parallel and tp > 1 else 1)
+    if cp > 1 and cfg.moe_experts:
+        mb = micro_batch_size(tcfg, dp)
+        lines.append(f"  cp.all_reduce: per sparse layer and micro-batch 3 calls, the router's per-sequence sums over "
+                     f"this rank's {N // mb} tokens of each sequence (f and P, {mb} x {cfg.moe_experts} fp32 each, "
+                     f"and z) added up over the cp ranks"
+                     + ("; full checkpointing replays them" if tcfg.activation_checkpointing == "full" else ""))
     if tcfg.ep > 1 and cfg.moe_capacity_factor:
         E = cfg.moe_experts
         C = moe.capacity(N, cfg.moe_top_k, E, cfg.moe_capacity_factor)

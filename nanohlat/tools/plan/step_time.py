@@ -48,15 +48,15 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
               "kv": [rank_of(0, 0, r, tp, dp) for r in range(kv_replicas(cfg, tp))]}   # copies of one kv head
     if cp > 1:
         groups["cp"] = [c * tp for c in range(cp)]
-    if tcfg.ep > 1:   # a mixture's experts: the ranks sharing them, and those holding the same ones
-        groups.update(ep=[rank_of(d, 0, 0, tp, dp) for d in range(tcfg.ep)],
-                      ep_dp=[rank_of(d, 0, 0, tp, dp) for d in range(0, dp, tcfg.ep)])
+    if tcfg.ep > 1:   # a mixture's experts: the ranks sharing them, and those holding the same ones, both
+        # drawn from the gradients' dp (x cp) group above (moe.add_groups: runs of it, cp neighbours first)
+        groups.update(ep=groups["dp"][:tcfg.ep], ep_dp=groups["dp"][::tcfg.ep])
     inside = {g: group_inside_node(r, net.per_node) for g, r in groups.items()}
     ring = dp_ring(tp, pp, dp * cp, net)
     links = {g: (net.inside, net.latency_inside) if inside[g] else (net.across, net.latency_across) for g in groups}
     links["dp"] = (ring.bandwidth, ring.latency)     # the dp ring goes at its slowest hop's pace
     if tcfg.ep > 1:   # the ep_dp rings, ranks tp x ep apart, all running at once: walked hop by hop like dp's
-        ep_ring = dp_ring(tp * tcfg.ep, pp, dp // tcfg.ep, net)
+        ep_ring = dp_ring(tp * tcfg.ep, pp, dp * cp // tcfg.ep, net)
         links["ep_dp"] = (ep_ring.bandwidth, ep_ring.latency)
     comm_s = dict.fromkeys(groups, 0.0)
     dp_wire, grad_s = 0, 0.0
