@@ -70,6 +70,19 @@ class Bug:
     nonfix_what: str = ""
 
 
+# The non-fixes a check must fail (they hide a symptom, and the bug stays): the replica check turned
+# off, or the layout that shows the bug refused.
+REPLICA_CHECK_OFF = dict(nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
+                         nonfix_what="turn the replica check off")
+
+
+def refuse(condition: str, what: str) -> dict:
+    line = "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n"
+    return dict(nonfix=("nanohlat/system/recipe.py", line,
+                        line + f"    if {condition}:\n        raise UserError(\"this layout is not supported\")\n"),
+                nonfix_what=what)
+
+
 BUGS = [
     Bug(1, "dp-mean", "DP", 1, "train.py",
         "runner.run(tokens, targets, 1.0 / tokens_per_step)",
@@ -91,9 +104,7 @@ BUGS = [
         "The vocab-parallel cross-entropy did not mask the padded vocabulary rows (ids >= vocab_size) to -inf: "
         "they took probability mass in the softmax's sum. Mask them before the max and the sum.",
         base=("--vocab-size", "500"),
-        nonfix=("nanohlat/system/recipe.py", "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n",
-                "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n" + "    if tcfg.tp > 1 and model.vocab_size % 128:\n        raise UserError(\"this layout is not supported\")\n"),
-        nonfix_what="refuse tp 2 with a padded vocabulary (skip the layout)"),
+        **refuse("tcfg.tp > 1 and model.vocab_size % 128", "refuse tp 2 with a padded vocabulary (skip the layout)")),
     Bug(3, "zero-norm", "DP/ZeRO", 1, "nanohlat/zero1.py",
         '        return comm.all_reduce(sq, self.group, what="grad norm")', "        return sq",
         (["--nproc", "2", "--dp", "2", "--zero", "1"],),
@@ -101,8 +112,7 @@ BUGS = [
         "(metrics.jsonl's grad_norm). Read the ledger against the plan too.",
         "ZeRO-1's sum of squares was not added up over dp: each rank held a different shard and took its own "
         "shard's norm for the whole model's, so clipping used the wrong norm. All-reduce it over dp.",
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(4, "sp-norm", "TP/SP", 2, "nanohlat/model.py",
         "self.weight = shard_spec._param((dim,), None, 1, sequence_parallel=sequence_parallel)",
         "self.weight = shard_spec._param((dim,), None, 1)",
@@ -113,8 +123,7 @@ BUGS = [
         "was never summed over tp: every rank stepped its own partial gradient. Mark it (shard_spec). (The same "
         "defect, reported: NVIDIA/Megatron-LM issue 1446, final_layernorm's gradient differing over tp ranks with "
         "sequence parallelism.)",
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(5, "zero-gather", "DP/ZeRO", 2, "nanohlat/zero1.py",
         "comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)",
         "comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a).flip(0)",
@@ -123,8 +132,7 @@ BUGS = [
         "replica check still passes). The weights after the first update are wrong: bisect the optimizer's phases.",
         "ZeRO-1's all-gather put the shards back in the reverse rank order: every rank got the same, wrong, "
         "weights. Row r of the gathered buffer is rank r's shard.",
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(6, "cp-rotary", "CP", 2, "nanohlat/beyond/context_parallel.py",
         "mine = self.positions(t)[self.group.rank].to(cos.device)",
         "mine = torch.arange(t, device=cos.device)",
@@ -133,9 +141,7 @@ BUGS = [
         "relative; the ledger equals the plan and the replicas agree.",
         "Under cp the rotary angles used each rank's local positions 0..t-1, not its tokens' places in the "
         "whole sequence (zigzag_positions): rank 1's queries and keys were rotated as if they began the sequence.",
-        nonfix=("nanohlat/system/recipe.py", "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n",
-                "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n" + "    if tcfg.cp > 1:\n        raise UserError(\"this layout is not supported\")\n"),
-        nonfix_what="refuse --cp (skip the layout)"),
+        **refuse("tcfg.cp > 1", "refuse --cp (skip the layout)")),
     Bug(7, "ep-grad", "MoE/EP", 2, "nanohlat/beyond/moe.py",
         "    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]\n",
         "    return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]\n",
@@ -146,8 +152,7 @@ BUGS = [
         "The experts' gradients were summed over the ranks of an ep group, which hold DIFFERENT experts, instead "
         "of over ep_dp, the ranks holding the same ones: each expert stepped with another's gradient added.",
         base=tuple(MOE),
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(8, "resume-step", "checkpoints", 2, "nanohlat/run/checkpoint/reshard.py",
         "import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), step_count)",
         "import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), 0)",
@@ -158,8 +163,7 @@ BUGS = [
         "The optimizer's step count was not restored on resume: Adam's bias correction started over, so the "
         "first update after a resume was far larger. Restore schedule.optimizer_step.",
         targeted="resume",
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(9, "bf16-rne", "precision", 3, "nanohlat/precision.py",
         "master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))",
         "master[p.start:p.stop].copy_(w[p.start:p.stop].to(master.dtype))",
@@ -169,8 +173,7 @@ BUGS = [
         "bf16-sr's update was stored with round-to-nearest: an update under half a bf16 gap rounds back to the "
         "old weight, so small updates vanish (HLAT's lesson). Round stochastically: E[round(x)] = x.",
         targeted="rounding",
-        nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-        nonfix_what="turn the replica check off"),
+        **REPLICA_CHECK_OFF),
     Bug(10, "pp-idle", "PP", 3, "nanohlat/pipeline.py",
         "            if act_in is not None or grad_out is not None:\n",
         "            if act_in is not None:\n",
@@ -179,9 +182,7 @@ BUGS = [
         "ends it. Run it with a short --collective-timeout and read which line each rank waited at.",
         "The last stage skipped the left boundary's exchange in the ticks where it only SENT a gradient: the "
         "exchange is a collective both stages must call, so stage 0 waited for a partner that never came.",
-        nonfix=("nanohlat/system/recipe.py", "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n",
-                "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n" + "    if tcfg.pp > 1:\n        raise UserError(\"this layout is not supported\")\n"),
-        nonfix_what="refuse --pp (skip the layout)"),
+        **refuse("tcfg.pp > 1", "refuse --pp (skip the layout)")),
 ]
 BY_N = {b.n: b for b in BUGS}
 BY_NAME = {f"bug{b.n}": b for b in BUGS}
