@@ -46,13 +46,16 @@ def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
     from nanohlat.beyond import context_parallel as cpl
-    from nanohlat.comm import Group
+    from nanohlat.comm import Group, all_reduce
     from nanohlat.model import causal_attention
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     group = Group("cp", list(range(world)), rank, dist.new_group(list(range(world))))
+
+    def barrier():   # every rank here before the next timing: a one-number all-reduce (comm.py's)
+        all_reduce(torch.zeros(1), group)
     B, H, K, T, D, dtype = args["batch"], args["heads"], args["kv_heads"], args["seq_len"], args["head_dim"], args["dtype"]
     g = torch.Generator().manual_seed(0)    # the same tensors on every rank
     full = [torch.randn(B, h, T, D, generator=g).to(dtype) for h in (H, K, K)]
@@ -77,7 +80,7 @@ def _worker(rank, world, port, args, queue):
     for r in range(args["rounds"] + 1):                  # round 0 warms up, untimed
         order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
         for name in order:
-            dist.barrier(group.pg)
+            barrier()
             if name == ONE and rank != 0:
                 continue
             cpu, wall = time.thread_time(), time.perf_counter()
@@ -85,7 +88,7 @@ def _worker(rank, world, port, args, queue):
             if r:
                 times[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
     queue.put((rank, times))
-    dist.barrier(group.pg)
+    barrier()
     dist.destroy_process_group()
 
 

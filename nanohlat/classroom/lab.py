@@ -339,8 +339,9 @@ def _worker(rank, world, port, root, jobs, q, scratch):
             ones += 1
             if (ones - 1) % world != rank:
                 continue
-        else:
-            dist.barrier()   # (the default group's: both ranks start the run's groups together)
+        else:   # both ranks start the run's groups together: a one-number all-reduce on the default group
+            from nanohlat import comm
+            comm.all_reduce(torch.zeros(1), comm.Group("world", list(range(world)), rank, dist.group.WORLD))
         _load(root, job["texts"])
         out = os.path.join(scratch, job["key"].replace(":", "-"))   # (shared by the job's ranks)
         mine = rank if job["world"] > 1 else 0                      # this worker's rank in the run
