@@ -302,9 +302,11 @@ def main(argv=None) -> int:
     for name, why in bad.items():
         print(f"{name}: {why}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"digest": digest, "machine": where, "steps": STEPS, "fixed_flags": FIXED, "tolerance": TOLERANCE,
-                   "seconds": round(seconds), "references": refs, "runs": results}, f, indent=1)
+    sys.path.insert(0, ROOT)
+    from nanohlat.system import files   # (whole or absent, and never written through a link)
+    files.write_text(args.out, json.dumps({"digest": digest, "machine": where, "steps": STEPS, "fixed_flags": FIXED,
+                                           "tolerance": TOLERANCE, "seconds": round(seconds), "references": refs,
+                                           "runs": results}, indent=1))
     print(f"wrote {args.out}")
     changed = compare(results, args.compare) if args.compare else []
     if args.compare:
