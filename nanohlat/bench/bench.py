@@ -146,12 +146,7 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets):
     torch.manual_seed(tcfg.seed)
     model = LlamaForCausalLM(hf_cfg).to(device=dev.torch_device, dtype=param_dtype(tcfg.precision))
     model.train()
-    # weight decay on matrices only, as nanohlat (and HF's Trainer) do
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
+    opt = mixtral.hf_adamw(model, tcfg)                 # (weight decay on matrices only, as nanohlat)
     V = model_cfg.padded_vocab
 
     def step():

@@ -63,6 +63,16 @@ def loadable(hf_state: dict, wanted: dict) -> dict:
     return out
 
 
+def hf_adamw(model, tcfg):
+    """torch.optim.AdamW for a Hugging Face reference model, set as nanohlat's: weight decay on
+    matrices only (as nanohlat, and HF's Trainer, do), the recipe's lr, betas and eps."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
+
+
 def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark):
     """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model),
     step.first_loss the first step's language-model loss; None without transformers.
@@ -80,11 +90,7 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark):
     model.load_state_dict(state, strict=True)
     model = model.to(device=dev.torch_device, dtype=param_dtype(tcfg.precision))
     model.train()
-    decay = [p for p in model.parameters() if p.ndim >= 2]     # weight decay on matrices only, as nanohlat
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
+    opt = hf_adamw(model, tcfg)
     V, coef = model_cfg.vocab_size, config.router_aux_loss_coef   # (mark: bench.mark, the end of fwd + bwd)
 
     def step():
