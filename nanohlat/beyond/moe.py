@@ -175,18 +175,19 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
         return t
     # exercise 10a: begin
     logits = x.to(dtype) @ w_router.to(dtype).t()                  # (B, T, E)
-    probs = logits.softmax(dim=-1)                                 # (B, T, E)
+    lse = torch.logsumexp(logits, dim=-1)                          # (B, T): the softmax's normaliser, and z's
+    probs = (logits - lse.unsqueeze(-1)).exp()                     # (B, T, E): softmax, = exp(logits) / exp(lse)
     top_p, experts = probs.topk(k, dim=-1)                         # (B, T, k), likeliest first
     if bias is not None:   # (DeepSeek-V3) p + bias chooses the k, highest first; p alone weighs them
         experts = (probs + bias).topk(k, dim=-1).indices
         top_p = probs.gather(-1, experts)
     weights = top_p / top_p.sum(dim=-1, keepdim=True)              # renormalised over the chosen k
     # f_e: share of the sequence's T*k choices that picked e (counts: no gradient)
-    chosen = F.one_hot(experts, E).sum(dim=2).to(dtype)            # (B, T, E): 1 where e is among t's k
+    chosen = torch.zeros_like(probs).scatter_(-1, experts, 1.0)    # (B, T, E): 1 where e is among t's k
     f = over_sequence(chosen) / (T * k)                            # (B, E), sums to 1 per sequence
     P = over_sequence(probs) / T                                   # (B, E), sums to 1 per sequence
     balance = E * (f * P).sum(dim=-1)                              # (B,)
-    z = over_sequence(torch.logsumexp(logits, dim=-1).pow(2)) / T  # (B,)
+    z = over_sequence(lse.pow(2)) / T                              # (B,)
     return experts, weights.to(x.dtype), balance, z
     # exercise 10a: end
 
