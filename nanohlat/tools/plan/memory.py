@@ -509,7 +509,11 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
 # Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most
-# 2^20 elements of a buffer at a time (2^19 on the CPU: tools/fast_adamw.py's CPU_BLOCK): 8 B each.
+# 2^20 elements of a buffer at a time (2^16 on the CPU: tools/fast_adamw.py's CPU_NORM_CHUNK): 8 B
+# each. The plan counts 2^20 on the CPU too, an upper bound: at pp 4 under 1F1B with one sequence
+# per micro-batch the last stage's forward and backward measure 194 KB (6%) above what this file
+# counts for them (tests/test_plan.py), found when the CPU's chunk shrank and not yet explained;
+# counting the CPU's own chunk would leave that stage's plan below its measured peak.
 NORM_CHUNK = 1 << 20
 # Beside the chunk, the norm's scalars: its running sums (fp64), each group's, the loss and its finiteness:
 # at most 8 of 8 bytes (measured: 53 bytes, a mixture's 3 groups, where the norm sets the peak).
