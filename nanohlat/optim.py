@@ -71,6 +71,7 @@ def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> to
     for a in range(0, x.numel(), chunk):
         c = x[a:a + chunk].double()
         total += torch.dot(c, c)
+        del c   # before the next chunk is made: one fp64 chunk alive at a time, not two
     return total
 
 

@@ -110,6 +110,7 @@ from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
 from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
                                         stage_sparse_layers, zero3_gathered, zero_groups)
+from nanohlat.tools.fast_adamw import CPU_NORM_CHUNK
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -509,11 +510,7 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
 # Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most
-# 2^20 elements of a buffer at a time (2^16 on the CPU: tools/fast_adamw.py's CPU_NORM_CHUNK): 8 B
-# each. The plan counts 2^20 on the CPU too, an upper bound: at pp 4 under 1F1B with one sequence
-# per micro-batch the last stage's forward and backward measure 194 KB (6%) above what this file
-# counts for them (tests/test_plan.py), found when the CPU's chunk shrank and not yet explained;
-# counting the CPU's own chunk would leave that stage's plan below its measured peak.
+# 2^20 elements of a buffer at a time (2^16 on the CPU: tools/fast_adamw.py's CPU_NORM_CHUNK): 8 B each.
 NORM_CHUNK = 1 << 20
 # Beside the chunk, the norm's scalars: its running sums (fp64), each group's, the loss and its finiteness:
 # at most 8 of 8 bytes (measured: 53 bytes, a mixture's 3 groups, where the norm sets the peak).
@@ -541,7 +538,8 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         # phase 2 before phase 3: the grad norm's fp64 copy of one chunk of a buffer, then AdamW's copies
-        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, NORM_CHUNK) + NORM_SCALARS)
+        chunk = CPU_NORM_CHUNK if tcfg.device == "cpu" else NORM_CHUNK
+        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, chunk) + NORM_SCALARS)
     return buffers, during
 
 
