@@ -131,7 +131,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                 "--device cpu or cuda for eager")]
     rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
     during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
-              eager and "in-place AdamW temporaries")
+              eager and "the grad norm's fp64 chunk or the in-place AdamW's temporaries, the larger")
     step_parts = " + ".join(x for x in during if x) or "nothing more"
     gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
     transient = any(mems[s]["backward_transients"] for s in range(pp))    # (eager backends')
