@@ -27,10 +27,11 @@ from nanohlat.optim import FlatAdamW, sum_of_squares
 
 CPU_BLOCK = 1 << 19
 # The grad norm's fp64 copy (optim.sum_of_squares), one chunk of a buffer at a time: on the CPU
-# 2^16 elements (512 KiB). A chunk the size of a block (4 MiB of fp64) goes back to the operating
-# system when freed and is faulted in again, page by page, at the next step's norm: 1.2 ms of a
-# 21 ms step on the moe preset (2-core CPU), more than the sum itself. The chunks' sums add in
-# another order than whole-buffer passes would: at most a last-bit difference in fp64.
+# 2^16 elements (512 KiB). A chunk the size of a block (4 MiB of fp64) can go back to the operating
+# system when freed and be faulted in again, page by page, at the next step's norm: where another
+# model's step runs between two of ours (the bench), the moe preset's step took 22.9 ms with it
+# against 22.5 ms with 2^16 (2-core CPU, 40 paired rounds); back to back the two were level. The
+# chunks' sums add in another order than whole-buffer passes would: at most a last-bit difference in fp64.
 CPU_NORM_CHUNK = 1 << 16
 
 
