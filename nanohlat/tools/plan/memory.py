@@ -44,7 +44,7 @@ largest at its start, the staged buckets and gathered units later.
                   at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES), or the grad norm's fp64 chunk
-                  (NORM_CHUNK), the larger; XLA fuses them away
+                  (NORM_CHUNK; CPU_NORM_CHUNK on the CPU), the larger; XLA fuses them away
     fixed         the rotary tables, the step's token ids and targets, and (eager, pp > 1)
                   the last exchange's output, which gloo may still hold (fixed_bytes)
     transients    eager backends only: what a backward makes beside what its micro-batch
