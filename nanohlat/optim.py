@@ -52,6 +52,8 @@ import torch
 from . import comm, data_parallel, zero1
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
+NORM_CHUNK = 1 << 20   # elements of a buffer sum_of_squares copies to fp64 at a time (tools/plan counts them)
+
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Linear warmup to `lr`, then cosine decay to `min_lr` at `total` steps (step counts from 0)."""
@@ -67,7 +69,7 @@ def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> to
     So `exact` (cpu, cuda) sums in fp64, by chunks; XLA (trn1 has no fp64) takes an fp32 dot."""
     if not exact:
         return torch.dot(x, x)
-    total, chunk = torch.zeros((), dtype=torch.float64, device=x.device), chunk or 1 << 20
+    total, chunk = torch.zeros((), dtype=torch.float64, device=x.device), chunk or NORM_CHUNK
     for a in range(0, x.numel(), chunk):
         c = x[a:a + chunk].double()
         total += torch.dot(c, c)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.optim import FlatAdamW, sum_of_squares
+from nanohlat.optim import NORM_CHUNK, FlatAdamW, sum_of_squares
 
 CPU_BLOCK = 1 << 19
 # The grad norm's fp64 copy (optim.sum_of_squares), one chunk of a buffer at a time: on the CPU
@@ -33,6 +33,11 @@ CPU_BLOCK = 1 << 19
 # against 22.5 ms with 2^16 (2-core CPU, 40 paired rounds); back to back the two were level. The
 # chunks' sums add in another order than whole-buffer passes would: at most a last-bit difference in fp64.
 CPU_NORM_CHUNK = 1 << 16
+
+
+def norm_chunk(device_kind: str) -> int:
+    """Elements of a buffer the grad norm copies to fp64 at a time on this device (the plan counts them)."""
+    return CPU_NORM_CHUNK if device_kind == "cpu" else NORM_CHUNK
 
 
 def block_size(device_kind: str) -> int | None:
@@ -59,7 +64,7 @@ class FastFlatAdamW(FlatAdamW):
     def __init__(self, model, mesh, tcfg, device, strategy=None):
         super().__init__(model, mesh, tcfg, device, strategy)
         self.block = block_size(device.kind)
-        self.chunk = CPU_NORM_CHUNK if device.kind == "cpu" else None   # (None: sum_of_squares' 2^20)
+        self.chunk = norm_chunk(device.kind)
         self.kernel = super()._adamw      # FlatAdamW's AdamW, run on one block at a time
         self.squares = None               # --compile: the compiled fused_sum_of_squares
 
@@ -72,7 +77,7 @@ class FastFlatAdamW(FlatAdamW):
         self.kernel = torch.compile(self.kernel, dynamic=False)
 
     def _sum_of_squares(self, grad: torch.Tensor) -> torch.Tensor:
-        # the same fp64 rule; on the CPU in chunks of CPU_NORM_CHUNK (FlatAdamW's are 1 << 20 elements)
+        # the same fp64 rule; on the CPU in chunks of CPU_NORM_CHUNK (FlatAdamW's are NORM_CHUNK)
         return self.squares(grad) if self.squares else sum_of_squares(grad, self.exact, self.chunk)
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:

@@ -44,7 +44,7 @@ largest at its start, the staged buckets and gathered units later.
                   at most the rest's unit and one layer, and one group's all-gather result (zero3.py)
     temporaries   eager backends only (cpu, cuda): what the in-place AdamW update
                   still allocates (EAGER_STEP_COPIES), or the grad norm's fp64 chunk
-                  (NORM_CHUNK; CPU_NORM_CHUNK on the CPU), the larger; XLA fuses them away
+                  (fast_adamw.norm_chunk), the larger; XLA fuses them away
     fixed         the rotary tables, the step's token ids and targets, and (eager, pp > 1)
                   the last exchange's output, which gloo may still hold (fixed_bytes)
     transients    eager backends only: what a backward makes beside what its micro-batch
@@ -110,7 +110,7 @@ from nanohlat.tools.plan import context
 from nanohlat.tools.plan.context import local_tokens
 from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
                                         stage_sparse_layers, zero3_gathered, zero_groups)
-from nanohlat.tools.fast_adamw import CPU_NORM_CHUNK
+from nanohlat.tools.fast_adamw import norm_chunk
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -510,8 +510,8 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
 # Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most
-# 2^20 elements of a buffer at a time (2^16 on the CPU: tools/fast_adamw.py's CPU_NORM_CHUNK): 8 B each.
-NORM_CHUNK = 1 << 20
+# 2^20 elements of a buffer at a time (optim.NORM_CHUNK; 2^16 on the CPU: tools/fast_adamw.py's
+# norm_chunk): 8 B each.
 # Beside the chunk, the norm's scalars: its running sums (fp64), each group's, the loss and its finiteness:
 # at most 8 of 8 bytes (measured: 53 bytes, a mixture's 3 groups, where the norm sets the peak).
 NORM_SCALARS = 64
@@ -538,8 +538,7 @@ def optimizer_step_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, 
     if eager:
         copies = EAGER_STEP_COPIES[tcfg.precision] + (EAGER_STEP_COPIES_BF16_MOMENTS if tcfg.moments == "bf16" else 0)
         # phase 2 before phase 3: the grad norm's fp64 copy of one chunk of a buffer, then AdamW's copies
-        chunk = CPU_NORM_CHUNK if tcfg.device == "cpu" else NORM_CHUNK
-        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, chunk) + NORM_SCALARS)
+        during += max(int(4 * copies * largest_shard), 8 * min(largest_shard, norm_chunk(tcfg.device)) + NORM_SCALARS)
     return buffers, during
 
 
