@@ -333,6 +333,8 @@ def _worker(rank, world, port, root, jobs, q, scratch):
     # the groups each run makes (mesh.py, through new_group) wait COLLECTIVE_S in a collective
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
+    from nanohlat import comm   # (no bug plants comm.py: the module held here is the one every job loads)
+    everyone = comm.Group("world", list(range(world)), rank, dist.group.WORLD)
     ones = 0
     for job in jobs:
         if job["world"] == 1:   # one process: the workers take turns (two run at once)
@@ -340,8 +342,7 @@ def _worker(rank, world, port, root, jobs, q, scratch):
             if (ones - 1) % world != rank:
                 continue
         else:   # both ranks start the run's groups together: a one-number all-reduce on the default group
-            from nanohlat import comm
-            comm.all_reduce(torch.zeros(1), comm.Group("world", list(range(world)), rank, dist.group.WORLD))
+            comm.all_reduce(torch.zeros(1), everyone)
         _load(root, job["texts"])
         out = os.path.join(scratch, job["key"].replace(":", "-"))   # (shared by the job's ranks)
         mine = rank if job["world"] > 1 else 0                      # this worker's rank in the run
