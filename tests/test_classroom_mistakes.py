@@ -630,7 +630,7 @@ PLANTS = [
           "9 tokens, k 2 of E 4: y", sub("return torch.zeros_like(x).index_add(0, token, out)",
                                          "return torch.zeros_like(x).index_copy(0, token, out)")),
     wrong("10b", "the weights in the unsorted order", "9 tokens, k 2 of E 4: y",
-          sub("torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)", "torch.cat(outs) * weights.reshape(-1).unsqueeze(-1)")),
+          sub("out * weights.reshape(-1)[order].unsqueeze(-1)", "out * weights.reshape(-1).unsqueeze(-1)")),
     wrong("10b", "the token of choice j as j % k (its rank) instead of j // k", "9 tokens, k 2 of E 4: y",
           sub("token = order // k\n    xs = x[token]", "token = order % k\n    xs = x[token]")),
     wrong("10b", "each expert's slice taken in expert order but the tokens left unsorted", "9 tokens, k 2 of E 4: y",
@@ -662,8 +662,16 @@ PLANTS = [
               out = out[order.argsort()].view(N, k, -1)            # choice j back at row j
               return (out * weights.unsqueeze(-1)).sum(dim=1)""")),
     right("10b", "experts with no token skipped (the stacked weights' gradient is still whole: zeros there)",
-          sub("outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts))]",
-              "outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts)) if len(chunk)]")),
+          body(0, """
+              N, k = experts.shape
+              flat = experts.reshape(-1)
+              order = flat.argsort(stable=True)
+              token = order // k
+              counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+              gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
+              outs = [swiglu(c, gates[e], ups[e], downs[e]) for e, c in enumerate(x[token].split(counts)) if len(c)]
+              out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)
+              return torch.zeros_like(x).index_add(0, token, out)""")),
     # ---- 10c the expert-parallel groups --------------------------------------------------------------
     wrong("10c", "ep_dp the ep groups themselves (the gradients summed over ranks holding other experts)",
           "dp 4, ep 2: rank", body(0, """

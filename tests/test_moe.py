@@ -876,9 +876,10 @@ def test_moe_with_context_parallelism_trains_like_one_process(cache_dir, tmp_pat
 
 
 def test_grouped_dispatch_equals_the_loop_in_fp32_with_an_empty_expert():
-    """dispatch_grouped (one F.grouped_mm per projection, for small fine-grained slices) against the
-    plain loop: output and every gradient to fp32 round-off, an expert with no token included (its
-    gradient zeros, not missing); where torch has no grouped matmul it is dispatch_sorted."""
+    """dispatch_sorted where its slices are small and fp32 (moe.swiglu_slices: one F.grouped_mm per
+    projection) against the plain loop: output and every gradient to fp32 round-off, an expert with
+    no token included (its gradient zeros, not missing); where torch has no grouped matmul, one
+    matmul per slice."""
     g = torch.Generator().manual_seed(4)
     N, C, E, Fd, k = 64, 16, 8, 8, 2
     x = torch.randn(N, C, generator=g).requires_grad_()
@@ -887,7 +888,7 @@ def test_grouped_dispatch_equals_the_loop_in_fp32_with_an_empty_expert():
     params = [(p.float() * 0.5).requires_grad_() for p in _experts(E, C, Fd, seed=3)]
     assert moe.grouped(x, *params, rows=N * k / E) == hasattr(F, "grouped_mm")   # the path under test
     upstream = torch.randn(N, C, generator=g)
-    got = moe.dispatch_grouped(x, experts, weights, *params)
+    got = moe.dispatch_sorted(x, experts, weights, *params)
     want = moe.dispatch_loop(x, experts, weights, *params)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     grads = torch.autograd.grad((got * upstream).sum(), [x, weights, *params])

@@ -18,16 +18,17 @@ interleaved (each round runs all four, in turn, the order reversed every other
 round) so that load from the rest of the machine falls on all alike; the
 median round counts:
 
-  grouped   dispatch_grouped, what the model runs: sorted, and each projection of all
-            the experts' slices one grouped matmul (where torch has one: else = sorted)
-  sorted    dispatch_sorted: choices sorted by expert, one SwiGLU per expert's slice
-  loop      dispatch_loop: the plain reference, each expert finds its tokens
-  capacity  dispatch_capacity at factor 1: fixed (E, C, d) queues, one batched matmul
-            (it drops what overflows a queue: the same work, not the same result)
+  sorted     dispatch_sorted, what the model runs: choices sorted by expert, and the
+             experts' slices computed as moe.swiglu_slices chooses (where they are small,
+             each projection of all of them in one grouped matmul, where torch has one)
+  per-slice  dispatch_sorted with one SwiGLU per expert's slice at every size
+  loop       dispatch_loop: the plain reference, each expert finds its tokens
+  capacity   dispatch_capacity at factor 1: fixed (E, C, d) queues, one batched matmul
+             (it drops what overflows a queue: the same work, not the same result)
 
 and the table prints time per expert-token, the largest over the smallest
-across E for each dispatch, and grouped / loop and sorted / loop at each E. A
-benchmark, not a test: it asserts nothing about speed (the grouped, sorted and
+across E for each dispatch, and sorted / loop and per-slice / loop at each E. A
+benchmark, not a test: it asserts nothing about speed (the sorted, per-slice and
 loop outputs are checked equal, to fp32 round-off). The routing is a softmax over random logits: about
 N k / E tokens per expert, as a router trained for balance gives.
 """
@@ -35,6 +36,7 @@ N k / E tokens per expert, as a router trained for balance gives.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -43,7 +45,7 @@ import torch
 
 from nanohlat.beyond import moe
 
-DISPATCHES = ("grouped", "sorted", "loop", "capacity")
+DISPATCHES = ("sorted", "per-slice", "loop", "capacity")
 
 
 def case(n_tokens: int, d_model: int, ffn_dim: int, n_experts: int, k: int, seed: int = 0):
@@ -57,12 +59,23 @@ def case(n_tokens: int, d_model: int, ffn_dim: int, n_experts: int, k: int, seed
     return x, experts, weights, *params
 
 
+@contextlib.contextmanager
+def one_matmul_per_slice():
+    """moe.swiglu_slices without its grouped matmul: no slice is below GROUPED_BELOW = 0."""
+    saved, moe.GROUPED_BELOW = moe.GROUPED_BELOW, 0
+    try:
+        yield
+    finally:
+        moe.GROUPED_BELOW = saved
+
+
 def run(name: str, x, experts, weights, gate, up, down) -> torch.Tensor:
-    """One dispatch's output (N, C)."""
-    if name == "grouped":
-        return moe.dispatch_grouped(x, experts, weights, gate, up, down)
+    """One dispatch's output (N, C) (its backward is fixed by the forward's choices)."""
     if name == "sorted":
         return moe.dispatch_sorted(x, experts, weights, gate, up, down)
+    if name == "per-slice":
+        with one_matmul_per_slice():
+            return moe.dispatch_sorted(x, experts, weights, gate, up, down)
     if name == "loop":
         return moe.dispatch_loop(x, experts, weights, gate, up, down)
     return moe.dispatch_capacity(x, experts, weights, gate, up, down, 1.0)[0]
@@ -86,7 +99,7 @@ def sweep(n_tokens, d_model, ffn_dim, experts_list, k, rounds) -> dict:
         inputs = case(n_tokens, d_model, ffn_dim, E, k)
         with torch.no_grad():   # the three dropless dispatches compute the same thing
             want = run("loop", *inputs)
-            for name in ("grouped", "sorted"):
+            for name in ("sorted", "per-slice"):
                 assert torch.allclose(run(name, *inputs), want, rtol=1e-5, atol=1e-6), f"E {E}: {name} != loop"
         for name in DISPATCHES:   # one untimed round: first-call allocations
             fwd_bwd(name, inputs)
@@ -103,14 +116,14 @@ def report(results: dict, n_tokens: int, k: int) -> str:
     """The table: microseconds per expert-token (median round), then the ratios."""
     pairs = n_tokens * k
     lines = [f"{'E':>4} " + " ".join(f"{n + ' us/pair':>17}" for n in DISPATCHES)
-             + f" {'grouped / loop':>15} {'sorted / loop':>14}"]
+             + f" {'sorted / loop':>14} {'per-slice / loop':>17}"]
     for E, t in results.items():
         lines.append(f"{E:>4} " + " ".join(f"{t[n] / pairs * 1e6:>17.2f}" for n in DISPATCHES)
-                     + f" {t['grouped'] / t['loop']:>14.2f}x {t['sorted'] / t['loop']:>13.2f}x")
+                     + f" {t['sorted'] / t['loop']:>13.2f}x {t['per-slice'] / t['loop']:>16.2f}x")
     for n in DISPATCHES:
         per = [t[n] for t in results.values()]
         lines.append(f"{n}: largest / smallest time per expert-token over E: {max(per) / min(per):.2f}x")
-    for n in ("grouped", "sorted"):
+    for n in ("sorted", "per-slice"):
         slower = [E for E, t in results.items() if t[n] > t["loop"]]
         lines.append(f"{n} at least as fast as loop at every E" if not slower
                      else f"{n} slower than loop at E {', '.join(map(str, slower))}")

@@ -51,11 +51,11 @@ Dispatch, two ways (`MoE.capacity_factor`):
   * dropless (capacity factor 0, the default): every routed token is computed.
     The N*k (token, expert) pairs are sorted by expert, so that each expert's
     tokens are one contiguous slice, and each expert multiplies its slice: E
-    matmuls of data-dependent sizes (`dispatch_sorted`). `dispatch_loop` is the
-    plain per-expert loop (find expert e's tokens, compute, add back) that the
-    tests compare it with, for equality and speed. The model runs
-    `dispatch_grouped`: the same, each projection of all E slices in one grouped
-    matmul where torch has one (python -m nanohlat.bench.moe_dispatch times them).
+    matmuls of data-dependent sizes (`dispatch_sorted`), or where the slices are
+    small, each projection of all E slices in one grouped matmul where torch has
+    one (`swiglu_slices`). `dispatch_loop` is the plain per-expert loop (find
+    expert e's tokens, compute, add back) that the tests compare it with, for
+    equality and speed (python -m nanohlat.bench.moe_dispatch times them).
   * capacity (factor c > 0): each expert takes at most C = ceil(c * N * k / E)
     tokens, in a fixed-size (E, C, d) buffer: every shape is known before the
     step runs, which XLA (and trn1) need, since a new shape is a new compiled
@@ -213,8 +213,9 @@ def dispatch_loop(x, experts, weights, gate, up, down):
 
 def dispatch_sorted(x, experts, weights, gate, up, down):
     """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
-    tokens are one contiguous slice; one matmul per slice; combine. Same arguments
-    and result as `dispatch_loop`."""
+    tokens are one contiguous slice; each expert's SwiGLU on its slice (`swiglu_slices`,
+    below); combine. Same arguments and result as `dispatch_loop`. The model's dropless
+    dispatch (without --ep)."""
     # exercise 10b: begin
     N, k = experts.shape
     flat = experts.reshape(-1)                                     # choice j = token j // k, rank j % k
@@ -222,26 +223,22 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     token = order // k
     xs = x[token]                                                  # (N*k, C): the permuted tokens
     counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()   # tokens per expert (the host needs them)
-    gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)   # each expert's weights, views (above)
-    # every expert runs, on no tokens too: its gradient is then zeros, not missing (the overlapped
-    # gradient reduction waits for every parameter's, data_parallel.py)
-    outs = [swiglu(chunk, gates[e], ups[e], downs[e]) for e, chunk in enumerate(xs.split(counts))]
-    out = torch.cat(outs) * weights.reshape(-1)[order].unsqueeze(-1)  # (N*k, C), each scaled by its weight
+    out = swiglu_slices(xs, counts, gate, up, down)                # (N*k, C): expert e's SwiGLU on slice e
+    out = out * weights.reshape(-1)[order].unsqueeze(-1)           # each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
     # exercise 10b: end
 
 
-# The E small matmuls of dispatch_sorted cost a fixed overhead each (a call, its autograd node,
-# three in the forward and six in the backward per expert), which at E 64 and small experts is
-# most of the time. A grouped matmul computes every expert's slice times its own matrix in one
-# call (F.grouped_mm, torch >= 2.10: rows [ends[e-1], ends[e]) of the input use matrix e), and the
-# gate and up projections share one (their matrices side by side, (E, 2F, C)). On the CPU its kernel
-# is slower per multiply-add than one large matmul, so it pays only where the slices are small:
-# measured on a 2-core CPU, fp32, C 64, forward + backward, against dispatch_sorted: 0.4x the time at
-# 32 rows x F 16 per expert, 0.8x at 128 x F 128, even at 256 x F 128, 1.3x at 1024 x F 128. The model
-# dispatches that way where torch has one for these tensors and slices are below GROUPED_BELOW: fine-
-# grained experts (many, small). The moe preset's (128 x F 128) stay with dispatch_sorted, exercise 10b,
-# which chapter 10's runs then exercise.
+# One matmul per expert's slice costs a fixed overhead each (a call, its autograd node, three in
+# the forward and six in the backward per expert), which at E 64 and small experts is most of the
+# time. A grouped matmul computes every expert's slice times its own matrix in one call
+# (F.grouped_mm, torch >= 2.10: rows [ends[e-1], ends[e]) of the input use matrix e), and the gate
+# and up projections share one (their matrices side by side, (E, 2F, C)). On the CPU its kernel is
+# slower per multiply-add than one large matmul, so it pays only where the slices are small:
+# measured on a 2-core CPU, fp32, C 64, forward + backward, against one matmul per slice: 0.4x the
+# time at 32 rows x F 16 per expert, 0.8x at 128 x F 128, even at 256 x F 128, 1.3x at 1024 x F 128.
+# swiglu_slices computes that way where torch has one for these tensors and slices are below
+# GROUPED_BELOW: fine-grained experts (many, small).
 
 GROUPED_BELOW = 2 ** 19   # multiply-adds of the mean expert's slice, rows x F x C (0.5M: 64 x 128 x 64)
 
@@ -264,8 +261,9 @@ def grouped(x, *stacks, rows: float = 0.0) -> bool:
 
 def swiglu_slices(xs, counts: list, gate, up, down):
     """Expert e's SwiGLU on its slice of xs (N*k, C), the slices in expert order, counts[e] rows
-    each (zero too: that expert's gradient is zeros, not missing). One grouped matmul per projection
-    where `grouped`; else one SwiGLU per slice, on unbind's views (above)."""
+    each. One grouped matmul per projection where `grouped`; else one SwiGLU per slice, on unbind's
+    views (above). Every expert runs, on no tokens too: its gradient is then zeros, not missing (the
+    overlapped gradient reduction waits for every parameter's, data_parallel.py)."""
     if not grouped(xs, gate, up, down, rows=xs.shape[0] / len(counts)):
         gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
         return torch.cat([swiglu(c, gates[e], ups[e], downs[e]) for e, c in enumerate(xs.split(counts))])
@@ -273,21 +271,6 @@ def swiglu_slices(xs, counts: list, gate, up, down):
     gate_up = torch.cat([gate, up], dim=1)                         # (E, 2F, C): both in one grouped matmul
     g, u = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     return F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)
-
-
-def dispatch_grouped(x, experts, weights, gate, up, down):
-    """dispatch_sorted with every expert's slice in one grouped matmul per projection (swiglu_slices):
-    the model's dropless dispatch. The same sums as dispatch_sorted, to fp32 round-off (the kernel
-    may add in another order); dispatch_sorted itself where `grouped` says no."""
-    if not grouped(x, gate, up, down, rows=experts.numel() / gate.shape[0]):
-        return dispatch_sorted(x, experts, weights, gate, up, down)
-    # the permutation as dispatch_sorted makes it (exercise 10b), then one grouped call for all the slices
-    choices = experts.reshape(-1)
-    perm = choices.argsort(stable=True)
-    src = perm // experts.shape[1]                                 # each sorted choice's token
-    sizes = torch.bincount(choices, minlength=gate.shape[0]).tolist()
-    y = swiglu_slices(x[src], sizes, gate, up, down) * weights.reshape(-1)[perm].unsqueeze(-1)
-    return x.new_zeros(x.shape).index_add(0, src, y)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -507,7 +490,7 @@ class MoE(nn.Module):
             y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group)
             dropped = flat.new_zeros((), dtype=torch.float32)
         else:
-            y, dropped = dispatch_grouped(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
+            y, dropped = dispatch_sorted(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
         if self.n_shared:
             y = y + swiglu(flat, self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
         self.losses = (balance, z)
