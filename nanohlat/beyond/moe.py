@@ -234,13 +234,14 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
 # time. A grouped matmul computes every expert's slice times its own matrix in one call
 # (F.grouped_mm, torch >= 2.10: rows [ends[e-1], ends[e]) of the input use matrix e), and the gate
 # and up projections share one (their matrices side by side, (E, 2F, C)). On the CPU its kernel is
-# slower per multiply-add than one large matmul, so it pays only where the slices are small:
-# measured on a 2-core CPU, fp32, C 64, forward + backward, against one matmul per slice: 0.4x the
-# time at 32 rows x F 16 per expert, 0.8x at 128 x F 128, even at 256 x F 128, 1.3x at 1024 x F 128.
-# swiglu_slices computes that way where torch has one for these tensors and slices are below
-# GROUPED_BELOW: fine-grained experts (many, small).
+# slower per multiply-add than one large matmul, so it pays only where the slices are small.
+# Measured on a 2-core CPU, fp32, C 64, forward + backward of the dispatch, against one matmul per
+# slice, with 1 thread / 2 threads: 32 rows x F 16 per expert (E 64, k 8) 0.44x / 0.48x the time,
+# 128 rows x F 128 (the moe preset's, E 4, k 2) 0.93x / 0.85x, 256 x F 128 1.01x / 0.96x, 512 x
+# F 128 1.05x / 0.99x. swiglu_slices computes that way where torch has one for these tensors and
+# slices are below GROUPED_BELOW: small or fine-grained experts.
 
-GROUPED_BELOW = 2 ** 19   # multiply-adds of the mean expert's slice, rows x F x C (0.5M: 64 x 128 x 64)
+GROUPED_BELOW = 2 ** 21   # multiply-adds of the mean expert's slice, rows x F x C (2M: 256 x 128 x 64)
 
 
 def grouped_by_shape(device: str, fp32: bool, rows: float, Fd: int, C: int) -> bool:
