@@ -73,14 +73,15 @@ def tally(blocks) -> torch.Tensor | None:
     expert (E columns), then the sums over sequences of balance and z, the
     sequence count and the dropped fraction times it. Summed over micro-batches and dp
     ranks, `step_metrics` turns them into the logged means."""
-    rows = []
-    for mlp in blocks:
-        if hasattr(mlp, "load"):   # a moe.MoE (a dense block's MLP keeps no load)
-            (balance, z), (load, dropped) = mlp.losses, mlp.load
-            n = balance.new_tensor(balance.numel())
-            extra = torch.stack([balance.detach().sum(), z.detach().sum(), n, dropped * n])
-            rows.append(torch.cat([load, extra]))
-    return torch.stack(rows) if rows else None
+    moes = [mlp for mlp in blocks if hasattr(mlp, "load")]   # the moe.MoE blocks (a dense MLP keeps no load)
+    if not moes:
+        return None
+    # every layer's at once, a handful of ops however many layers (this runs after every forward)
+    load, dropped = (torch.stack(t) for t in zip(*(m.load for m in moes)))           # (layers, E), (layers,)
+    balance, z = (torch.stack(t).detach() for t in zip(*(m.losses for m in moes)))   # (layers, B) each
+    n = torch.full_like(dropped, balance.shape[1])                                   # sequences, per layer
+    return torch.cat([load, balance.sum(1, keepdim=True), z.sum(1, keepdim=True),
+                      n.unsqueeze(1), (dropped * n).unsqueeze(1)], dim=1)
 
 
 def step_metrics(total: torch.Tensor, aux_coef: float, z_coef: float) -> dict:
