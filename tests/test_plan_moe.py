@@ -26,9 +26,9 @@ from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_mat
 
 @pytest.mark.parametrize("factor, shared, dtype, B", [(0.0, 0, torch.float32, 16), (1.25, 0, torch.bfloat16, 8),
                                                       (0.0, 1, torch.bfloat16, 8), (0.0, 0, torch.float32, 8)],
-                         ids=["dropless", "capacity", "shared", "grouped"])
+                         ids=["per-slice", "capacity", "shared", "grouped"])
 def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, dtype, B):
-    """One moe.MoE block of the moe preset's shape (B = 8 sequences of 32 tokens, 4 experts of ffn 128, top-2):
+    """One moe.MoE block of the moe preset's shape (B sequences of 32 tokens, 4 experts of ffn 128, top-2):
     the bytes autograd keeps after its forward (LiveBytes: every storage made inside, still alive; its
     output's left out) are plan.moe_layer_bytes's: the router's fp32 tensors (and in bf16 its fp32 copies
     of the input and weight), the dispatch's indices, rows and SwiGLU intermediates, the shared expert's.

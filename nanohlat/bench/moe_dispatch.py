@@ -22,6 +22,8 @@ median round counts:
              experts' slices computed as moe.swiglu_slices chooses (where they are small,
              each projection of all of them in one grouped matmul, where torch has one)
   per-slice  dispatch_sorted with one SwiGLU per expert's slice at every size
+             (at the defaults the two differ only at E 64: 128 rows an expert is under
+             moe.GROUPED_BELOW, 256 and more are not)
   loop       dispatch_loop: the plain reference, each expert finds its tokens
   capacity   dispatch_capacity at factor 1: fixed (E, C, d) queues, one batched matmul
              (it drops what overflows a queue: the same work, not the same result)

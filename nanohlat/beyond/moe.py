@@ -192,8 +192,9 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
     # exercise 10a: end
 
 
-# The experts' weights are stacked, (E, F, C). Each dispatch takes every expert's own as a view,
-# with unbind, whose backward stacks the E experts' gradients into one (E, F, C) tensor: O(E F C)
+# The experts' weights are stacked, (E, F, C). Where a dispatch computes expert by expert
+# (dispatch_loop, swiglu_slices slice by slice) it takes every expert's own as a view, with
+# unbind, whose backward stacks the E experts' gradients into one (E, F, C) tensor: O(E F C)
 # work. Indexing the stack instead (gate[e]) gives each expert's backward a zero gradient the size
 # of the whole stack with its slice filled, E of them added up: O(E^2 F C), what dominates the
 # backward once E is in the tens.
@@ -213,9 +214,11 @@ def dispatch_loop(x, experts, weights, gate, up, down):
 
 def dispatch_sorted(x, experts, weights, gate, up, down):
     """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
-    tokens are one contiguous slice; each expert's SwiGLU on its slice (`swiglu_slices`,
-    below); combine. Same arguments and result as `dispatch_loop`. The model's dropless
-    dispatch (without --ep)."""
+    tokens are one contiguous slice; each expert's SwiGLU on its slice (`swiglu_slices(xs,
+    counts, gate, up, down)`, below: xs the N*k rows in that order, counts a list of the E
+    slices' sizes, zeros included; returns (N*k, C), row i its expert's SwiGLU of xs[i]);
+    combine. Same arguments and result as `dispatch_loop`. The model's dropless dispatch
+    (without --ep)."""
     # exercise 10b: begin
     N, k = experts.shape
     flat = experts.reshape(-1)                                     # choice j = token j // k, rank j % k
@@ -442,8 +445,9 @@ class MoE(nn.Module):
     """The sparse feed-forward block (a drop-in for model.MLP, replicated over tp). After each
     forward, `self.losses` holds this forward's per-sequence (balance, z) and `self.load` its
     tokens per expert and dropped fraction, for the log (`Figures`). In training (loss_scale > 0)
-    its router losses, aux_coef x balance + z_coef x z per sequence, join the backward with weight
-    loss_scale each (`RouterLoss`): 1 / the global batch's sequences, as the mean over sequences."""
+    its router losses join the backward (`RouterLoss`), each sequence's balance with weight
+    aux_coef x loss_scale and its z with z_coef x loss_scale: loss_scale is 1 / the global batch's
+    sequences, so the objective gains the mean over sequences of aux_coef x balance + z_coef x z."""
 
     def __init__(self, d_model: int, ffn_dim: int, n_experts: int, top_k: int, n_shared: int = 0,
                  capacity_factor: float = 0.0, ep_group=None, seq_group=None, aux_coef: float = 0.0,

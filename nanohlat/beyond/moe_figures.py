@@ -78,8 +78,8 @@ def tally(blocks) -> torch.Tensor | None:
         return None
     # every layer's at once, a handful of ops however many layers (this runs after every forward)
     load, dropped = (torch.stack(t) for t in zip(*(m.load for m in moes)))           # (layers, E), (layers,)
-    balance, z = (torch.stack(t).detach() for t in zip(*(m.losses for m in moes)))   # (layers, B) each
-    n = torch.full_like(dropped, balance.shape[1])                                   # sequences, per layer
+    balance, z = (torch.stack([t.detach() for t in ts]) for ts in zip(*(m.losses for m in moes)))   # (layers, B)
+    n = torch.full_like(balance[:, 0], balance.shape[1])                             # sequences, per layer
     return torch.cat([load, balance.sum(1, keepdim=True), z.sum(1, keepdim=True),
                       n.unsqueeze(1), (dropped * n).unsqueeze(1)], dim=1)
 

@@ -111,7 +111,7 @@ EXERCISES = [
     Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
     Exercise("10a", "top-k routing: each token's k likeliest experts, their probabilities renormalised over the k; "
                     "per sequence the load-balancing loss E sum f_e P_e (f_e counts, no gradient) and the z-loss", "10"),
-    Exercise("10b", "the sorted dispatch: sort the choices by expert, one SwiGLU per expert's slice (every expert), "
+    Exercise("10b", "the sorted dispatch: sort the choices by expert, each expert's SwiGLU on its slice (swiglu_slices), "
                     "weight, and add each back to its token", "10"),
     Exercise("10c", "the expert-parallel groups: ep, runs of ep neighbouring dp ranks sharing the experts; ep_dp, "
                     "the ranks holding the same ones, over which their gradients are summed", "10"),
