@@ -52,6 +52,7 @@ def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, d
 
 # 2 gloo ranks, 3 steps each under the allocator's watch (test_plan.allocator_peak): name -> flags
 MOE_LAYOUTS = {"tp 2 SP": ["--tp", "2", "--sequence-parallel"],
+               "tp 2 SP full": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"],
                "pp 2 1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
                "pp 2 zb-h1": ["--pp", "2", "--microbatches", "4", "--schedule", "zb-h1"],
                "ZeRO-3 dp 2": ["--dp", "2", "--zero", "3"],
