@@ -52,7 +52,7 @@ import torch
 from . import comm, data_parallel, zero1
 from .precision import master_dtype, moment_dtype, round_into_master, shard_pieces
 
-NORM_CHUNK = 1 << 20   # elements of a buffer sum_of_squares copies to fp64 at a time (tools/plan counts them)
+NORM_CHUNK = 1 << 20   # elements of a buffer sum_of_squares copies to fp64 at a time (plan/ counts them)
 
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:

@@ -19,7 +19,7 @@ the same in fp32 matmuls (context_parallel.FUSED off: what runs where torch has 
 kernel returning the log-sum-exp; 3 query rows at a time) must agree as closely. And the (query, key) pairs
 each rank computes, counted at every call of the pairs' arithmetic (`_attend`: a full
 pair all its tq x tk, a causal one tq(tq+1)/2, per sequence and head), are the causal
-pairs of its tokens, the plan's "zigzag pairs" (tools/plan/context.py): nothing the
+pairs of its tokens, the plan's "zigzag pairs" (plan/context.py): nothing the
 mask hides is computed.
 """
 
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, out_dir: str, algorithms: list[str]) -> None:
     from nanohlat.beyond import context_parallel as cpl
     from nanohlat.comm import Group
     from nanohlat.model import apply_rotary, rotary_tables
-    from nanohlat.tools.plan import context
+    from nanohlat.plan import context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

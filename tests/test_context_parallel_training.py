@@ -29,7 +29,7 @@ from nanohlat.config import UserError
 from nanohlat.beyond.context_parallel import ALGORITHMS
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import Mesh
-from nanohlat.tools.plan.sheets import layout_table
+from nanohlat.plan.sheets import layout_table
 
 LOSS_REL = 1e-5
 CAUGHT = 10 * LOSS_REL   # the negative control must be off by at least this (relative, some step)

@@ -3,7 +3,7 @@
 The prose is README.md, tutorial.md, docs/*.md and the docstrings and comments of
 train.py, sample.py, eval.py and nanohlat/**/*.py. A code pointer is
 
-  * a file: `optim.py`, `run/checkpoint.py`, `nanohlat/tools/plan.py`, `tests/test_xla.py`;
+  * a file: `optim.py`, `run/checkpoint.py`, `nanohlat/plan.py`, `tests/test_xla.py`;
   * a file and a top-level name in it: `optim.py:FlatAdamW`, `tools/fast_adamw.py:CPU_BLOCK`;
   * a file, a class and a method (or class attribute): `optim.py:FlatAdamW.update`.
 
@@ -189,9 +189,9 @@ def test_every_code_pointer_in_the_prose_exists():
 def test_the_pointer_finder_finds_pointers():
     """The scan itself works: it finds the forms it claims to, and resolves them."""
     found = [m.group(0) for m in POINTER.finditer(
-        "see `optim.py:FlatAdamW.update`, run/checkpoint.py, nanohlat/tools/plan.py's and "
+        "see `optim.py:FlatAdamW.update`, run/checkpoint.py, nanohlat/plan.py's and "
         "`torch_xla/runtime.py:f`; not python -m nanohlat.bench")]
-    assert found == ["optim.py:FlatAdamW.update", "run/checkpoint.py", "nanohlat/tools/plan.py",
+    assert found == ["optim.py:FlatAdamW.update", "run/checkpoint.py", "nanohlat/plan.py",
                      "torch_xla/runtime.py:f"]
     assert check("optim.py", "FlatAdamW.update") == ""
     assert check("optim.py", "FlatAdamW.no_such_method") != ""

@@ -53,6 +53,7 @@ FLOORS = (
     ("beyond", ("beyond",)),
     ("system", ("system",)),
     ("tools", ("tools",)),
+    ("plan", ("plan",)),
     ("run", ("run",)),
     ("serving", ("serving",)),
     ("classroom", ("classroom",)),

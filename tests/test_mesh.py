@@ -9,7 +9,7 @@ import pytest
 from nanohlat.config import UserError
 from nanohlat.system.recipe import PRESETS, TrainConfig, check_layout as validate_layout
 from nanohlat.mesh import Mesh, coords, rank_of
-from nanohlat.tools.plan.sheets import layout_table
+from nanohlat.plan.sheets import layout_table
 
 CFG = PRESETS["tiny"][0]
 

@@ -235,7 +235,7 @@ def test_replicated_kv_heads_train_like_one_process(layout_runs, reference_kv2, 
     the plan predicts; the checkpoint holds each kv head once (ranks 0 and 2)."""
     import torch
     from nanohlat.system import recipe
-    from nanohlat.tools import plan
+    from nanohlat import plan
     from nanohlat.mesh import Mesh
     out = layout_runs["tp4_kv2_sp"]
     assert_same_as_reference(reference_kv2, out)

@@ -1,4 +1,4 @@
-"""Specifications for nanohlat/tools/plan/, the arithmetic behind `train.py --plan`.
+"""Specifications for nanohlat/plan/, the arithmetic behind `train.py --plan`.
 
 The plan is held to two standards.
 
@@ -42,8 +42,8 @@ from nanohlat import config
 from nanohlat.system import recipe
 from nanohlat.run import preflight
 from nanohlat.tools import metrics
-from nanohlat.tools import plan
-from nanohlat.tools.plan import layout_search
+from nanohlat import plan
+from nanohlat.plan import layout_search
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import Mesh
 
@@ -509,7 +509,7 @@ def test_moe_plan_prints_total_and_active_parameters_and_its_all_to_alls(capsys)
     out = capsys.readouterr().out
     model, _ = recipe.parse_args(["--preset", "moe"])
     active = model.num_params() - model.moe_extra_params() + model.moe_extra_params(active=True)
-    from nanohlat.tools.plan.fmt import fmt_count
+    from nanohlat.plan.fmt import fmt_count
     assert active < model.num_params()
     assert f"{fmt_count(model.num_params())} parameters in all, {fmt_count(active)} active per token" in out
     for text in ("E/ep = 2 expert(s)", "ep.all_to_all", "PREDICTED FOR BALANCED ROUTING", "ep all-to-all",
@@ -536,7 +536,7 @@ def test_moe_search_tries_every_ep_and_its_rows_are_the_plans_figures(capsys):
     (8 KiB each: the 50 us calls cost more than the bytes). On NeuronCores, whose links are ~100
     times faster and whose calls cost as much, those calls are what a step spends: ep 1 wins."""
     import train
-    from nanohlat.tools.plan.fmt import fmt_bytes, fmt_seconds
+    from nanohlat.plan.fmt import fmt_bytes, fmt_seconds
     argv = ["--preset", "moe", "--device", "cpu"]
     assert train.main(["--plan", "--search", "--nproc", "8"] + argv) == 0
     out = capsys.readouterr().out
@@ -1004,7 +1004,7 @@ def test_the_dp_rings_the_plan_walks_are_the_groups_every_rank_joins():
     (stage, tp rank), in dp-rank order (the ring order), and each rank's own dp group, built as
     training builds it, is one of them: for every small layout."""
     from nanohlat.mesh import rank_of
-    from nanohlat.tools.plan import hardware
+    from nanohlat.plan import hardware
     for tp, pp, dp in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2, 4, 5)):
         rings = hardware.dp_groups(tp, pp, dp)
         assert rings == [[rank_of(d, s, t, tp, dp) for d in range(dp)] for s in range(pp) for t in range(tp)]

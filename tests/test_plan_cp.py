@@ -1,4 +1,4 @@
-"""The plan with context parallelism (--cp N, issue 37; tools/plan/context.py) against what
+"""The plan with context parallelism (--cp N, issue 37; plan/context.py) against what
 real runs hold and send.
 
 * The comm ledger of a first step, every collective (the cp group's all-gathers,
@@ -27,8 +27,8 @@ from dist_utils import spawn_workers
 from nanohlat.beyond import context_parallel
 from nanohlat.system import recipe
 from nanohlat.beyond.context_parallel import ContextMesh
-from nanohlat.tools import plan
-from nanohlat.tools.plan import context
+from nanohlat import plan
+from nanohlat.plan import context
 
 BASE = ["--preset", "tiny", "--steps", "1", "--eval-every", "0", "--batch-size", "8", "--seq-len", "32", "--device", "cpu"]
 LAYOUTS = {   # world -> name -> flags; rank 0's ledger

@@ -1,4 +1,4 @@
-"""The plan of a mixture of experts (nanohlat/tools/plan/) in every layout it trains with:
+"""The plan of a mixture of experts (nanohlat/plan/) in every layout it trains with:
 tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, --ep 2 with ZeRO-2, and cp 2
 (ring attention), alone and with --ep 2 drawn from dp x cp (dp 1: the two cp ranks share the experts).
 
@@ -20,7 +20,7 @@ import torch
 from dist_utils import spawn_workers
 from nanohlat.beyond import moe
 from nanohlat.system import recipe
-from nanohlat.tools import plan
+from nanohlat import plan
 from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
 
 

@@ -1007,7 +1007,7 @@ def test_memory_check_counts_every_local_rank(monkeypatch):
     from nanohlat import config
     from nanohlat.system import recipe
     from nanohlat.run import preflight
-    from nanohlat.tools import plan
+    from nanohlat import plan
     model_cfg, tcfg = recipe.parse_args([*TINY, "--device", "cpu", "--nproc", "4", "--dp", "4"])
     per_rank = plan.peak_memory_per_rank(model_cfg, tcfg, 4) + preflight.rotary_bytes(model_cfg)
     monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 1}.get(name, 2 * per_rank))
@@ -1477,7 +1477,7 @@ def test_a_capacity_factor_beyond_every_token_is_refused_in_every_command(factor
 def test_the_memory_preflight_counts_the_capacity_buffer():
     import dataclasses
     from nanohlat.system import recipe
-    from nanohlat.tools.plan.memory import moe_layer_bytes
+    from nanohlat.plan.memory import moe_layer_bytes
     model, _ = recipe.parse_args(["--preset", "moe", "--moe-experts", "64", "--moe-top-k", "1"])
     N, d = 4096, model.d_model
     dropless = moe_layer_bytes(model, N, 1, 4)

@@ -334,7 +334,7 @@ def test_sample_py_refuses_a_tp_degree_the_model_cannot_split(checkpoint_dir):
 
 
 def test_plan_kv_cache_bytes_match_the_cache(model):
-    from nanohlat.tools import plan
+    from nanohlat import plan
     assert gen.cache_bytes(gen.new_cache(model, 3, 20)) == plan.kv_cache_bytes(CFG, 3 * 20, 4)
     assert plan.kv_cache_bytes(PRESETS["hlat-7b"][0], 4096, 2) == 2 * 2**30        # 512 KiB per token
     assert plan.kv_cache_bytes(PRESETS["hlat-70b"][0], 4096, 2) == 1.25 * 2**30    # GQA: 8 kv heads

@@ -309,7 +309,7 @@ def _check_split_backward(rank, tp):
     from nanohlat.mesh import Group
     from nanohlat.system.recipe import TrainConfig
     from nanohlat.model import Transformer, init_weights
-    from nanohlat.tools import plan
+    from nanohlat import plan
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
     group = Group("tp", list(range(tp)), rank, dist.group.WORLD if tp > 1 else None)
     g = torch.Generator().manual_seed(3)
@@ -335,7 +335,7 @@ def _check_split_backward(rank, tp):
                         stash = deferring.stash
                     assert bool(stash) == split
                     in_b = {n for n, p in model.named_parameters() if p.grad is not None}
-                    if split:    # what B left for W is what --plan counts (tools/plan/memory.py:weight_grad_bytes)
+                    if split:    # what B left for W is what --plan counts (plan/memory.py:weight_grad_bytes)
                         kept = {t.untyped_storage().data_ptr(): t.nbytes for _, x, _, gs in stash for t in (x, *gs)}
                         tcfg = TrainConfig(batch_size=2, seq_len=16, sequence_parallel=sp, sp_regather=regather,
                                            precision="fp32" if dtype == torch.float32 else "bf16")

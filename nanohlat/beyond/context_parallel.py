@@ -228,7 +228,7 @@ class ContextMesh(Mesh):
 #
 # So no rank ever computes a (query, key) pair the mask hides, and none keeps a
 # mask: the pairs it computes are the causal pairs of its tokens, the plan's
-# "zigzag pairs" (tools/plan/context.py). Each computed pair gives a partial
+# "zigzag pairs" (plan/context.py). Each computed pair gives a partial
 # result over its keys, and partial results over disjoint keys merge exactly.
 #
 # Softmax over all keys, one block of keys at a time. For one query row and one

@@ -248,7 +248,7 @@ GROUPED_BELOW = 2 ** 21   # multiply-adds of the mean expert's slice, rows x F x
 
 
 def grouped_by_shape(device: str, fp32: bool, rows: float, Fd: int, C: int) -> bool:
-    """`grouped`'s rule on the shapes alone (what --plan can know: tools/plan/memory.py): torch >= 2.10,
+    """`grouped`'s rule on the shapes alone (what --plan can know: plan/memory.py): torch >= 2.10,
     the CPU, fp32, F and C multiples of 4, `rows` x F x C below GROUPED_BELOW."""
     return (hasattr(F, "grouped_mm") and device == "cpu" and fp32 and Fd % 4 == 0 and C % 4 == 0
             and rows * Fd * C < GROUPED_BELOW)

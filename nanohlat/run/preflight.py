@@ -56,7 +56,7 @@ def main(train, argv: list[str]) -> int:
         world = env[1] if env else tcfg.nproc
         launch.check_nproc(tcfg.nproc, env)
         if tcfg.plan:
-            from nanohlat.tools import plan
+            from nanohlat import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
             return 0
         recipe.check_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
@@ -153,14 +153,14 @@ def rotary_bytes(model_cfg: recipe.ModelConfig) -> int:
 def check_memory(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int, local: int,
                  spawns: bool) -> None:
     """Refuse, before anything is allocated, a model or sequence that cannot fit:
-    the plan's peak per rank (tools/plan/memory.py: weights, optimizer, gradient buffers,
+    the plan's peak per rank (plan/memory.py: weights, optimizer, gradient buffers,
     activations) plus the rotary tables, against this machine's memory (cpu: all
     `local` ranks share the RAM) or one GPU's (cuda). Only what truly cannot fit is
     refused (the estimate is of what must be held at once, not an upper bound).
     Not checked: xla (memory is the compiler's to plan; --plan shows it), and a cuda
     launcher that spawns workers (asking a GPU its size would make a CUDA context
     in this process, held for the whole run)."""
-    from nanohlat.tools import plan
+    from nanohlat import plan
     kind = devicelib.resolve_kind(tcfg.device)
     if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
         return

@@ -23,7 +23,8 @@ from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
 from nanohlat.system import files
-from nanohlat.tools import comm_trace, metrics, plan, timeline
+from nanohlat import plan
+from nanohlat.tools import comm_trace, metrics, timeline
 
 
 class Session:
@@ -132,7 +133,7 @@ class Session:
         return global_mean(total, mesh) / tcfg.eval_batches
 
     def comm_report(self) -> str:
-        """The comm ledger of the first step on this rank, beside the plan's (tools/plan/sheets.py:comm_report)."""
+        """The comm ledger of the first step on this rank, beside the plan's (plan/sheets.py:comm_report)."""
         return plan.comm_report(self.model_cfg, self.tcfg, self.mesh, self.mesh.ledger.snapshot())
 
     def write_timeline(self) -> None:

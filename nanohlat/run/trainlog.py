@@ -18,7 +18,7 @@ import torch
 from nanohlat import comm, xla
 from nanohlat.system import recipe
 from nanohlat.config import UserError
-from nanohlat.tools.plan.sheets import layout_table
+from nanohlat.plan.sheets import layout_table
 from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat.system import files
 from nanohlat.tools.metrics import (Throughput, active_params, describe_peak, device_peak, flops_per_token, mfu,

@@ -8,11 +8,11 @@ and backward (timeline.py, `--timeline`) and the comm trace that times and
 names every collective of the step (comm_trace.py). Beside it: the
 timeline's report and its bubble (timeline.py), the collectives' report
 (comm_trace.py), what a step is measured in (metrics.py: FLOPs per token,
-peaks, MFU, tokens/s, bytes), the memory/communication/time plan behind
-`train.py --plan` (plan/), and tutorial chapter 2's graph-compiler lessons
-(compile_lessons.py).
+peaks, MFU, tokens/s, bytes), and tutorial chapter 2's graph-compiler lessons
+(compile_lessons.py). The plan, which predicts a step before any runs, stands
+on these in a floor of its own (nanohlat/plan/).
 
-run/ builds its step with these and consults the plan; nothing here starts,
+run/ builds its step with these; nothing here starts,
 resumes or saves a run, so nothing here imports run/ or any floor above it
 (docs/design.md 1). The core never imports these.
 """

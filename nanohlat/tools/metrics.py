@@ -1,7 +1,7 @@
 """Metrics: FLOPs per token, model FLOPs utilisation (MFU), tokens/s, the
 bytes a rank keeps: what a training step is measured in. run/trainlog.py
 reports them for a run, the bench (bench/bench.py) for its steps, and
-tools/plan/ predicts them before a run.
+plan/ predicts them before a run.
 
 MFU (PaLM, Chowdhery et al. 2022, appendix B) is the fraction of the hardware's
 peak that the *model's* arithmetic would need at the measured token rate:
@@ -247,7 +247,7 @@ def optimizer_bytes(opt) -> int:
 
 
 def resident_bytes(opt) -> dict:
-    """What this rank keeps between steps, by kind (summary.json; tools/plan/memory.py predicts each):
+    """What this rank keeps between steps, by kind (summary.json; plan/memory.py predicts each):
     the parameters' flat buffers, the fp32 gradient buffers, the optimizer state."""
     return {"param_bytes": sum(_nbytes(g.dp_state.param_shard) if hasattr(g.dp_state, "param_shard")   # ZeRO-3: kept
                                else _nbytes(g.flat) if g.aliased else sum(_nbytes(p) for p in g.params)

@@ -9,12 +9,12 @@ import textwrap
 
 from nanohlat.config import UserError
 from nanohlat.system.recipe import ModelConfig, TrainConfig, divisors
-from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
-from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS
-from nanohlat.tools.plan.context import ALGORITHMS, ulysses_fits
-from nanohlat.tools.plan.memory import memory_per_rank
-from nanohlat.tools.plan.sheets import schedule_text, validate_plan_layout
-from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step
+from nanohlat.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
+from nanohlat.plan.hardware import DEVICE_MEMORY, NETWORKS
+from nanohlat.plan.context import ALGORITHMS, ulysses_fits
+from nanohlat.plan.memory import memory_per_rank
+from nanohlat.plan.sheets import schedule_text, validate_plan_layout
+from nanohlat.plan.step_time import DEFAULT_MFU, estimate_step
 
 
 SEARCH_DEVICE = {"xla": "NeuronCore-v2", "auto": "NeuronCore-v2", "cuda": "H100", "cpu": "cpu"}

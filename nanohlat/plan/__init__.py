@@ -20,17 +20,21 @@ One idea a file, in the order they build on each other:
     sheets.py         the printed plan (`--plan`), and the comm table a run prints
     layout_search.py  `--plan --search`: every layout that fits, fastest first
 
+It stands on the step's tools (tools/metrics.py's FLOPs and peaks, the
+optimizer's chunk, the pipeline's timetable) and below run/, whose pre-flight
+refuses a model the plan says cannot fit (docs/design.md 1).
+
 The names below are what the rest of nanohlat and the tests use
-(`from nanohlat.tools import plan; plan.report(...)`).
+(`from nanohlat import plan; plan.report(...)`).
 """
 
-from nanohlat.tools.plan.communication import comm_bytes_per_step, comm_per_step, exchanges_per_boundary
-from nanohlat.tools.plan.fmt import GiB
-from nanohlat.tools.plan.hardware import NETWORKS, Network, dp_ring, ring_hops
-from nanohlat.tools.plan.kv_cache import kv_cache_bytes
-from nanohlat.tools.plan.layout_search import candidate_layouts, search, search_report
-from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, memory_per_rank, micro_batch_size,
+from nanohlat.plan.communication import comm_bytes_per_step, comm_per_step, exchanges_per_boundary
+from nanohlat.plan.fmt import GiB
+from nanohlat.plan.hardware import NETWORKS, Network, dp_ring, ring_hops
+from nanohlat.plan.kv_cache import kv_cache_bytes
+from nanohlat.plan.layout_search import candidate_layouts, search, search_report
+from nanohlat.plan.memory import (PEAK_MARGIN, activation_bytes, memory_per_rank, micro_batch_size,
                                         microbatches_in_flight, moe_grouped, moe_layer_bytes, peak_memory_per_rank,
                                         weight_grad_bytes)
-from nanohlat.tools.plan.sheets import COMM_LEGEND_SHORT, comm_report, comm_table, report
-from nanohlat.tools.plan.step_time import estimate_step, recompute_flops_per_token
+from nanohlat.plan.sheets import COMM_LEGEND_SHORT, comm_report, comm_table, report
+from nanohlat.plan.step_time import estimate_step, recompute_flops_per_token

@@ -8,8 +8,8 @@ from nanohlat.system.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas, rank_of
 from nanohlat.tools.metrics import flops_per_token, peak_flops
-from nanohlat.tools.plan.communication import comm_per_step
-from nanohlat.tools.plan.hardware import NETWORKS, Network, dp_ring, group_inside_node
+from nanohlat.plan.communication import comm_per_step
+from nanohlat.plan.hardware import NETWORKS, Network, dp_ring, group_inside_node
 
 
 DEFAULT_MFU = 0.40

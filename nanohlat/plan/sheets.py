@@ -12,16 +12,16 @@ from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout
 from nanohlat.beyond.context_parallel import ContextMesh, lift
 from nanohlat.mesh import coords, kv_replicas, rank_of
 from nanohlat.tools.metrics import active_params, flops_per_token
-from nanohlat.tools.plan.communication import comm_per_step
-from nanohlat.tools.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
+from nanohlat.plan.communication import comm_per_step
+from nanohlat.plan.context import (ALGORITHMS, attention_collectives, attention_core_bytes, attention_flops,
                                          attention_pairs, local_tokens, ulysses_fits)
-from nanohlat.tools.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
-from nanohlat.tools.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
-from nanohlat.tools.plan.kv_cache import kv_cache_section
-from nanohlat.tools.plan.params import dtype_bytes
-from nanohlat.tools.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
+from nanohlat.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
+from nanohlat.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
+from nanohlat.plan.kv_cache import kv_cache_section
+from nanohlat.plan.params import dtype_bytes
+from nanohlat.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
-from nanohlat.tools.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
+from nanohlat.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
 from nanohlat.tools.timeline import FORMULAS
 
 

@@ -14,8 +14,8 @@ from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas
 from nanohlat.pipeline import PipelineRunner
 from nanohlat.beyond.schedules import InterleavedRunner, timetable
-from nanohlat.tools.plan.context import attention_collectives, local_tokens
-from nanohlat.tools.plan.params import dtype_bytes, group_kinds, stage_sparse_layers
+from nanohlat.plan.context import attention_collectives, local_tokens
+from nanohlat.plan.params import dtype_bytes, group_kinds, stage_sparse_layers
 from nanohlat.zero1 import padded_size
 
 

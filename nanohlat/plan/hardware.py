@@ -8,7 +8,7 @@ import dataclasses
 import functools
 
 from nanohlat.mesh import Mesh
-from nanohlat.tools.plan.fmt import GiB
+from nanohlat.plan.fmt import GiB
 
 
 # Memory of ONE process's device (one NeuronCore / GPU), for "does it fit".

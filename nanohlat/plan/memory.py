@@ -106,9 +106,9 @@ from nanohlat.beyond.moe import capacity, grouped_by_shape
 from nanohlat.beyond.schedules import chunk_layers, stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
-from nanohlat.tools.plan import context
-from nanohlat.tools.plan.context import local_tokens
-from nanohlat.tools.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
+from nanohlat.plan import context
+from nanohlat.plan.context import local_tokens
+from nanohlat.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
                                         stage_sparse_layers, zero3_gathered, zero_groups)
 from nanohlat.tools.fast_adamw import norm_chunk
 from nanohlat.tools.timeline import in_flight

@@ -4,8 +4,8 @@ whole and per tp rank, and the section of the plan that prints them."""
 from __future__ import annotations
 
 from nanohlat.system.recipe import ModelConfig, TrainConfig
-from nanohlat.tools.plan.fmt import fmt_bytes, table
-from nanohlat.tools.plan.params import dtype_bytes, stage_param_counts
+from nanohlat.plan.fmt import fmt_bytes, table
+from nanohlat.plan.params import dtype_bytes, stage_param_counts
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, itemsize: int, kv_heads: int | None = None) -> int:
