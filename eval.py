@@ -26,7 +26,7 @@ from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
 from nanohlat.system import cli, files, flags
 from nanohlat.config import DEVICES, UserError
-from nanohlat.system.recipe import check_seed
+from nanohlat.recipe import check_seed
 from nanohlat.system.files import atomic_write, json_text
 
 

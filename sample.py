@@ -33,7 +33,7 @@ from nanohlat.system import cli, flags
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.config import DEVICES, UserError
-from nanohlat.system.recipe import check_seed, model_from_dict
+from nanohlat.recipe import check_seed, model_from_dict
 
 
 def parse_args(argv=None):

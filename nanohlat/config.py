@@ -6,7 +6,7 @@ picks the starting values. There are no hidden switches: what a run did is
 fully described by the config it writes next to its metrics. This file holds
 the dataclasses and the presets, each field's meaning beside it; reading the
 flags, checking them and their combinations happen before any of this code
-runs (system/recipe.py).
+runs (nanohlat/recipe/).
 """
 
 from __future__ import annotations

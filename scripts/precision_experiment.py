@@ -167,7 +167,7 @@ def frozen_report(root: str, precisions) -> str:
     import torch
     sys.path.insert(0, ROOT)
     from nanohlat.run import checkpoint
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.model import full_init
     from nanohlat.precision import param_dtype
     lines = [f"share of weights still exactly at their initial value after the last step ({root}):",

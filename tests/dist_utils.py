@@ -65,7 +65,7 @@ def spawn_workers(fn, world: int, args: tuple, err_dir: str) -> None:
 
 def _train(rank: int, world: int, runs: list[list[str]], setup=None) -> None:
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     if setup is not None:   # a test's instrumentation, installed in each worker
         setup(rank)

@@ -62,7 +62,7 @@ def ckpt(out_dir, step: int) -> str:
 def train_here(argv):
     """One process, in this process (no torch.distributed)."""
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     model_cfg, tcfg = recipe.parse_args(argv)
     return train.train(*preflight.inputs(model_cfg, tcfg))
@@ -580,7 +580,7 @@ def test_checkpoint_of_another_model_shape_is_refused(one, cache_dir, tmp_path, 
     assert "different model shape (d_model 64 vs 32" in err and "manifest.json" in err and err.count("\n") == 1
     # the library call refuses too (train() under a launcher does not go through main's check)
     from nanohlat import device
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.model import Transformer
     from nanohlat.mesh import Mesh
     from nanohlat.optim import FlatAdamW

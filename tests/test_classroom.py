@@ -147,13 +147,13 @@ def test_typical_mistakes_fail_their_checks(tmp_path):
 
 
 def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
-    """An error raised inside the checks (an oracle's comparison, harness.py's
+    """An error raised inside the checks (an oracle's comparison, grading.py's
     compare) is reported at the last frame outside them: the student's line
     that led there."""
-    from nanohlat.classroom.checks import harness
+    from nanohlat.classroom.checks import grading
     oracle = {}
     exec(compile("def compare():\n    raise ValueError('shapes differ')\n",
-                 harness.__file__, "exec"), oracle)
+                 grading.__file__, "exec"), oracle)
 
     def students_code():
         oracle["compare"]()   # the line the verdict names

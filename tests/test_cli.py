@@ -136,10 +136,10 @@ def test_every_command_ends_through_the_one_error_tail():
     from nanohlat.run import preflight
     from nanohlat.serving import hf, server
     from nanohlat.system import cli
-    from nanohlat.tools import compile_lessons
+    from nanohlat.classroom import compile_lessons
     mains = {"run/preflight.py (train.py)": preflight.main, "sample.py": sample.main, "eval.py": eval_py.main,
              "bench/bench.py": bench.main, "serving/server.py": server.main, "serving/hf.py": hf.main,
-             "classroom/kit.py": kit.main, "tools/compile_lessons.py": compile_lessons.main}
+             "classroom/kit.py": kit.main, "classroom/compile_lessons.py": compile_lessons.main}
     try:
         from nanohlat.serving import harness
         mains["serving/harness.py"] = harness.main

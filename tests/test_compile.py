@@ -36,7 +36,7 @@ def _flags(cache_dir, out_dir, extra):
 
 def _train(flags):
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     model_cfg, tcfg = recipe.parse_args(flags)
     return train.train(*preflight.inputs(model_cfg, tcfg))
@@ -94,7 +94,7 @@ def test_compile_tp2_pp2_dp2_zero1_and_cp2_match_eager(eager, cache_dir, tmp_pat
 
 def test_lessons_count_what_the_tutorial_says(capsys):
     """The numbers chapter 2's exercises check (backend="eager": Dynamo's counts, no C++)."""
-    from nanohlat.tools import compile_lessons
+    from nanohlat.classroom import compile_lessons
     for lesson in ("lr", "branch", "sync"):
         assert compile_lessons.main([lesson]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -24,7 +24,7 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import assert_same_weights, run_layouts
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.beyond.context_parallel import ALGORITHMS
 from nanohlat.beyond.context_parallel import ContextMesh
@@ -95,7 +95,7 @@ def test_train_py_refuses_with_exit_2_and_one_line(flags, named, capsys):
 
 
 def test_a_layout_that_does_not_divide_the_world_names_cp():
-    from nanohlat.system.recipe import check_layout as validate_layout
+    from nanohlat.recipe import check_layout as validate_layout
     with pytest.raises(UserError, match=r"--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size 3"):
         validate_layout(*recipe.parse_args(["--preset", "tiny", "--cp", "2"]), 3)
     assert validate_layout(*recipe.parse_args(["--preset", "tiny", "--cp", "2"]), 4) == 2   # dp = 4 / cp

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import PRESETS, ModelConfig
+from nanohlat.recipe import PRESETS, ModelConfig
 from dist_utils import free_port
 from nanohlat import xla
 from nanohlat.device import get_device
@@ -270,7 +270,7 @@ def test_a_stale_cpu_peak_is_measured_again_when_beaten_and_unknown_mfu_prints_a
 
 def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1.0)       # a peak every rate beats
@@ -291,7 +291,7 @@ def test_the_progress_bar_prints_unknown_mfu_as_unknown_not_zero(monkeypatch, ca
 
 def test_a_known_mfu_is_recorded_from_the_second_step(monkeypatch, cache_dir, tmp_path, capsys):
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "_best_matmul_rate", lambda: 1e15)      # a peak no rate beats

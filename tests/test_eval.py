@@ -14,7 +14,7 @@ import torch
 
 from nanohlat.serving import evaluate
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig
+from nanohlat.recipe import ModelConfig
 from nanohlat.run.data import prepare_data
 from nanohlat.model import Transformer, init_weights
 from nanohlat.run.build import decoder

@@ -15,7 +15,7 @@ import torch
 
 from nanohlat.serving import hf
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig
+from nanohlat.recipe import ModelConfig
 from nanohlat.model import init_weights
 from nanohlat.run.build import decoder
 
@@ -198,7 +198,7 @@ def _moe_checkpoints(cache_dir, root):
     matrices are x4, so that its greedy continuation is not one repeated token (the
     trained one's mostly is, at 10 steps) and argmaxes are far from ties."""
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import checkpoint, preflight
     trained = str(root / "trained")
     train.train(*preflight.inputs(*recipe.parse_args(
@@ -278,7 +278,7 @@ def test_mixtral_aux_loss_on_one_sequence_is_nanohlats_balance_term(cache_dir, t
     relative (export writes the coefficient x L / k, hf.py's docstring), and export says so."""
     import json
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     run, hf_dir = str(tmp_path / "run"), str(tmp_path / "hf")
     train.train(*preflight.inputs(*recipe.parse_args(
@@ -330,7 +330,7 @@ def test_a_mixture_mixtral_cannot_hold_is_refused_in_one_line(change, tmp_path, 
     """Shared experts, dense layers between sparse ones, a capacity (dropped
     tokens): export exits 2 with one line and writes nothing."""
     import dataclasses
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import checkpoint
     cfg = dataclasses.replace(recipe.PRESETS["moe"][0], n_layers=2, **change)
     model = decoder(cfg)

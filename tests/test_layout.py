@@ -52,6 +52,7 @@ FLOORS = (
     ("core", ()),
     ("beyond", ("beyond",)),
     ("system", ("system",)),
+    ("recipe", ("recipe",)),
     ("tools", ("tools",)),
     ("plan", ("plan",)),
     ("run", ("run",)),
@@ -301,7 +302,7 @@ def test_the_comment_count_sees_docstrings_and_comments():
 def beyond_names() -> dict[str, list[str]]:
     """What the core must not name, read from the source: each module of nanohlat/beyond/ (as a
     module: `moe.py`, `moe.`, an import of it), each class it defines, and each field (flag) that
-    system/recipe.py adds to config.py's dataclasses, as a flag (`--moe-experts`) or an attribute
+    nanohlat/recipe/configs.py adds to config.py's dataclasses, as a flag (`--moe-experts`) or an attribute
     (`.moe_experts`)."""
     folder = os.path.join(PACKAGE, "beyond")
     modules = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py")
@@ -310,7 +311,7 @@ def beyond_names() -> dict[str, list[str]]:
         with open(os.path.join(folder, m + ".py"), encoding="utf-8") as f:
             classes += [n.name for n in ast.parse(f.read()).body if isinstance(n, ast.ClassDef)
                         and not n.name.startswith("_")]   # (its own helpers may share a name with the core's)
-    with open(os.path.join(PACKAGE, "system", "recipe.py"), encoding="utf-8") as f:
+    with open(os.path.join(PACKAGE, "recipe", "configs.py"), encoding="utf-8") as f:
         recipe = ast.parse(f.read())
     fields = [t.target.id for cls in recipe.body if isinstance(cls, ast.ClassDef)
               and cls.name in ("ModelConfig", "TrainConfig") for t in cls.body if isinstance(t, ast.AnnAssign)]

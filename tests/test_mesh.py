@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import PRESETS, TrainConfig, check_layout as validate_layout
+from nanohlat.recipe import PRESETS, TrainConfig, check_layout as validate_layout
 from nanohlat.mesh import Mesh, coords, rank_of
 from nanohlat.plan.sheets import layout_table
 

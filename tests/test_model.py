@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from nanohlat.system.recipe import PRESETS
+from nanohlat.recipe import PRESETS
 from nanohlat.model import Transformer, full_init, init_weights
 from nanohlat.mesh import Group
 from nanohlat.serving import generate as gen
@@ -127,7 +127,7 @@ def test_micro_batches_reach_the_model_as_their_own_tensors():
     exactly those tensors to the model: no `tokens[i]` of a device tensor, which
     XLA would bake into the graph as a constant, one graph per i."""
     from nanohlat import data_parallel, device, pipeline
-    from nanohlat.system.recipe import TrainConfig
+    from nanohlat.recipe import TrainConfig
     from nanohlat.mesh import Mesh
     t = dataclasses.replace(TrainConfig(), batch_size=6, seq_len=16, microbatches=3)
     mesh = Mesh(1, 1, 1).build_groups(None)

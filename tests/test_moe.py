@@ -16,7 +16,7 @@ from conftest import read_metrics
 from dist_utils import run_layouts
 from nanohlat.beyond import moe
 from nanohlat.beyond.context_parallel import ALGORITHMS, ContextMesh
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.model import full_init, init_weights
 from nanohlat.run.build import decoder

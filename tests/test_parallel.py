@@ -55,7 +55,7 @@ def reference(cache_dir, tmp_path_factory):
     """One process, no parallelism: the ground truth."""
     import train
     from nanohlat import device
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref")
     model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, out, ["--no-progress"]))
@@ -139,7 +139,7 @@ def _ckpt(out_dir, step: int) -> str:
 def reference_kv2(cache_dir, tmp_path_factory):
     import train
     from nanohlat import device
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     out = tmp_path_factory.mktemp("ref_kv2")
     model_cfg, tcfg = recipe.parse_args(_flags(cache_dir, out, KV2 + ["--no-progress", "--save-every", "2"]))
@@ -188,7 +188,7 @@ def test_interleaved_with_dp2_zero1_trains_like_one_process_and_its_checkpoints_
     weights; its step-2 checkpoint continues with 1F1B and in one process,
     and one process's continues interleaved: each like one process from step 3."""
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     assert_same_as_reference(reference_kv2, layout_runs["dp2_pp2_interleaved_zero1"])
     ckpt = _ckpt(layout_runs["dp2_pp2_interleaved_zero1"], 2)
@@ -234,7 +234,7 @@ def test_replicated_kv_heads_train_like_one_process(layout_runs, reference_kv2, 
     weights of one process; the replicas' gradient all-reduce moves the bytes
     the plan predicts; the checkpoint holds each kv head once (ranks 0 and 2)."""
     import torch
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat import plan
     from nanohlat.mesh import Mesh
     out = layout_runs["tp4_kv2_sp"]
@@ -270,7 +270,7 @@ def test_replicated_kv_checkpoints_continue_in_other_layouts(name, layout_runs, 
     one of tp 4 continues at tp 2 (one kv head per rank) and in one process."""
     if name == "tp1_from_tp4":
         import train
-        from nanohlat.system import recipe
+        from nanohlat import recipe
         from nanohlat.run import preflight
         argv = _flags(cache_dir, tmp_path, KV2 + ["--no-progress", "--resume", _ckpt(layout_runs["tp4_kv2_sp"], 2)])
         train.train(*preflight.inputs(*recipe.parse_args(argv)))

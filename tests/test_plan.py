@@ -39,7 +39,7 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat import config
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.run import preflight
 from nanohlat.tools import metrics
 from nanohlat import plan

@@ -25,7 +25,7 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat.beyond import context_parallel
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat import plan
 from nanohlat.plan import context

@@ -19,7 +19,7 @@ import torch
 
 from dist_utils import spawn_workers
 from nanohlat.beyond import moe
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat import plan
 from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from nanohlat import comm, config, optim
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights

@@ -220,7 +220,7 @@ def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
 
 def train_here(argv):
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     model_cfg, tcfg = recipe.parse_args(argv)
     return train.train(*preflight.inputs(model_cfg, tcfg))
@@ -1005,7 +1005,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys, 
 def test_memory_check_counts_every_local_rank(monkeypatch):
     """--nproc N on the CPU: N ranks share the RAM; what fits once may not fit N times."""
     from nanohlat import config
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.run import preflight
     from nanohlat import plan
     model_cfg, tcfg = recipe.parse_args([*TINY, "--device", "cpu", "--nproc", "4", "--dp", "4"])
@@ -1426,7 +1426,7 @@ def test_a_launchers_world_of_21_digits_and_a_search_over_10_12_ranks_answer_at_
 
 def test_divisors_come_from_the_factors():
     import random
-    from nanohlat.system.recipe import choices, divisors
+    from nanohlat.recipe import choices, divisors
     rng = random.Random(0)
     for n in list(range(1, 500)) + [rng.randrange(1, 10**6) for _ in range(50)]:
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
@@ -1476,7 +1476,7 @@ def test_a_capacity_factor_beyond_every_token_is_refused_in_every_command(factor
 
 def test_the_memory_preflight_counts_the_capacity_buffer():
     import dataclasses
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.plan.memory import moe_layer_bytes
     model, _ = recipe.parse_args(["--preset", "moe", "--moe-experts", "64", "--moe-top-k", "1"])
     N, d = 4096, model.d_model

@@ -229,7 +229,7 @@ def test_an_exception_in_a_zb_h1_tick_leaves_the_next_backward_whole(tick):
     import torch
     from nanohlat import device, tensor_parallel as tpl
     from nanohlat.beyond import schedules, split_backward
-    from nanohlat.system.recipe import PRESETS, TrainConfig
+    from nanohlat.recipe import PRESETS, TrainConfig
     from nanohlat.mesh import Mesh
     from nanohlat.model import Transformer, init_weights
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)

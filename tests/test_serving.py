@@ -19,7 +19,7 @@ from conftest import ROOT
 from nanohlat.serving import generate as gen
 from nanohlat.serving import server as serving
 from nanohlat.config import UserError
-from nanohlat.system.recipe import PRESETS
+from nanohlat.recipe import PRESETS
 from nanohlat.model import Transformer, init_weights
 from nanohlat.run.build import decoder
 
@@ -338,7 +338,7 @@ def test_plan_kv_cache_bytes_match_the_cache(model):
     assert gen.cache_bytes(gen.new_cache(model, 3, 20)) == plan.kv_cache_bytes(CFG, 3 * 20, 4)
     assert plan.kv_cache_bytes(PRESETS["hlat-7b"][0], 4096, 2) == 2 * 2**30        # 512 KiB per token
     assert plan.kv_cache_bytes(PRESETS["hlat-70b"][0], 4096, 2) == 1.25 * 2**30    # GQA: 8 kv heads
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     text = plan.report(*recipe.parse_args(["--preset", "hlat-70b"]), 2048)
     assert "x 80 layers = 320.00 KiB per token" in text and "8x larger (10.00 GiB per sequence)" in text
     assert "  8                      32,768    10.00 GiB             1.25 GiB" in text   # batch 8 at 4096, tp 32

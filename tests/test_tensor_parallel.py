@@ -107,7 +107,7 @@ def _check_kv_replicas(rank, tp):
     import dataclasses
     import torch.distributed as dist
     from nanohlat import comm
-    from nanohlat.system.recipe import PRESETS
+    from nanohlat.recipe import PRESETS
     from nanohlat.mesh import Group
     from nanohlat.model import Attention, rotary_tables
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_kv_heads=2)
@@ -202,7 +202,7 @@ def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
     marked sequence_parallel; at tp 8 > 4 kv heads wk and wv have 4 parts,
     each held by 2 ranks."""
     from nanohlat import shard_spec
-    from nanohlat.system.recipe import ModelConfig
+    from nanohlat.recipe import ModelConfig
     from nanohlat.mesh import Group
     from nanohlat.model import Transformer
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128, max_seq_len=16)
@@ -225,7 +225,7 @@ def test_every_parameter_carries_one_shard_spec(tp, rank, sp):
 def test_place_reattaches_the_shard_spec_when_a_move_makes_new_parameters(monkeypatch):
     """Device.place keeps `p.shard` across a move that makes new Parameter
     objects, as a move to XLA does (simulated here on the CPU)."""
-    from nanohlat.system.recipe import ModelConfig
+    from nanohlat.recipe import ModelConfig
     from nanohlat.device import Device
     from nanohlat.model import Transformer
     model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
@@ -253,7 +253,7 @@ def _check_sp_regather(rank, tp):
     import dataclasses
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
-    from nanohlat.system.recipe import PRESETS
+    from nanohlat.recipe import PRESETS
     from nanohlat.mesh import Group
     from nanohlat.model import Transformer, init_weights
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)
@@ -305,9 +305,9 @@ def _check_split_backward(rank, tp):
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
     from nanohlat.beyond import split_backward
-    from nanohlat.system.recipe import PRESETS
+    from nanohlat.recipe import PRESETS
     from nanohlat.mesh import Group
-    from nanohlat.system.recipe import TrainConfig
+    from nanohlat.recipe import TrainConfig
     from nanohlat.model import Transformer, init_weights
     from nanohlat import plan
     cfg = dataclasses.replace(PRESETS["tiny"][0], n_layers=2)

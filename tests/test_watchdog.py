@@ -78,7 +78,7 @@ def test_collective_timeout_is_recognized_and_said_in_one_line():
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_collective_timeout_out_of_range_is_refused(value):
     from nanohlat import config
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     with pytest.raises(config.UserError, match="--collective-timeout must be a finite number > 0"):
         recipe.parse_args(["--collective-timeout", value])
 
@@ -91,7 +91,7 @@ def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_p
     import subprocess
     import sys
     code = (
-        "from nanohlat.system import recipe\n"
+        "from nanohlat import recipe\n"
         "from nanohlat.run import preflight, runlock\n"
         "def train(*a):\n"
         "    raise RuntimeError('[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 7000ms for recv '\n"

@@ -198,7 +198,7 @@ def child(mode: str, cache_dir: str, out: str) -> dict:
     import train
     from nanohlat.run import checkpoint, preflight
     from nanohlat import optim, xla
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat import device as devicelib
 
     def metrics(out_dir) -> dict:
@@ -287,7 +287,7 @@ if __name__ == "__main__":
 MICROBATCH_CHILD = """
 import json, sys
 import train
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.run import preflight
 import torch_xla.debug.metrics as met
 train.train(*preflight.inputs(*recipe.parse_args(sys.argv[1:])))

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.config import UserError
 
 TINY = ["--preset", "tiny"]

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from nanohlat import comm, xla
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.tools import metrics
 from nanohlat.run import preflight, runconfig
 from nanohlat.system.flags import Parser

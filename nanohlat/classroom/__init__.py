@@ -11,5 +11,5 @@ How a command recognises a stub that a student copy reached, so that it ends
 with one line naming the exercise, is system/cli.py's (`not_done`): every
 command needs it, and the kit stands above the floors it checks, every one
 but the commands (docs/design.md 1). The checks recognise a stub by the same
-pattern (system/cli.py:STUB, read by classroom/checks/harness.py:explain).
+pattern (system/cli.py:STUB, read by classroom/checks/grading.py:explain).
 """

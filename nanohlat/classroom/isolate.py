@@ -16,7 +16,7 @@ can do to the child is a failure of its exercise, never a pass:
   * a check still running TIME_LIMIT + SLACK_S seconds after it started is
     stopped (the child and every process it started: its own session) and
     failed as such. The distributed checks stop their gloo ranks at
-    TIME_LIMIT themselves (classroom/checks/harness.py:spawn) and name them, so the
+    TIME_LIMIT themselves (classroom/checks/grading.py:spawn) and name them, so the
     slack lets that verdict arrive first.
 
 After such an end the next exercise gets a fresh child; otherwise one child

@@ -78,7 +78,7 @@ REPLICA_CHECK_OFF = dict(nonfix=("nanohlat/run/replicas.py", "    if not every o
 
 def refuse(condition: str, what: str) -> dict:
     line = "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n"
-    return dict(nonfix=("nanohlat/system/recipe.py", line,
+    return dict(nonfix=("nanohlat/recipe/layouts.py", line,
                         line + f"    if {condition}:\n        raise UserError(\"this layout is not supported\")\n"),
                 nonfix_what=what)
 
@@ -282,7 +282,7 @@ def _command(root: str):
 def _run(job: dict, rank: int, world: int, out: str) -> dict:
     train = _command(os.getcwd())
     from nanohlat.run import preflight
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     res = {"steps": []}
     for k, argv in enumerate(job["argvs"]):
         w = 1 if "--nproc" not in argv else int(argv[argv.index("--nproc") + 1])

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from nanohlat import comm
 from nanohlat.beyond import moe
-from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas
 from nanohlat.pipeline import PipelineRunner

@@ -57,7 +57,7 @@ t*i*t + t(t+1)/2, the last rank about 2n-1 times the first's.
 
 from __future__ import annotations
 
-from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.recipe import ModelConfig, TrainConfig
 
 ALGORITHMS = ("allgather", "ring", "ulysses")
 

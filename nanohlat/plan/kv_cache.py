@@ -3,7 +3,7 @@ whole and per tp rank, and the section of the plan that prints them."""
 
 from __future__ import annotations
 
-from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.recipe import ModelConfig, TrainConfig
 from nanohlat.plan.fmt import fmt_bytes, table
 from nanohlat.plan.params import dtype_bytes, stage_param_counts
 

@@ -8,7 +8,7 @@ import math
 import textwrap
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig, TrainConfig, divisors
+from nanohlat.recipe import ModelConfig, TrainConfig, divisors
 from nanohlat.plan.fmt import fmt_bytes, fmt_count, fmt_seconds, table
 from nanohlat.plan.hardware import DEVICE_MEMORY, NETWORKS
 from nanohlat.plan.context import ALGORITHMS, ulysses_fits

@@ -101,7 +101,7 @@ import functools
 
 import numpy as np
 
-from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.moe import capacity, grouped_by_shape
 from nanohlat.beyond.schedules import chunk_layers, stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype

@@ -5,7 +5,7 @@ and with --ep its E/ep experts apart), which ZeRO pads to a multiple of dp."""
 
 from __future__ import annotations
 
-from nanohlat.system.recipe import ModelConfig
+from nanohlat.recipe import ModelConfig
 from nanohlat.precision import param_dtype
 from nanohlat.beyond.schedules import chunk_layers
 from nanohlat.zero1 import padded_size

@@ -8,7 +8,7 @@ import dataclasses
 
 from nanohlat import comm
 from nanohlat.beyond import moe
-from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout
+from nanohlat.recipe import ModelConfig, TrainConfig, check_layout
 from nanohlat.beyond.context_parallel import ContextMesh, lift
 from nanohlat.mesh import coords, kv_replicas, rank_of
 from nanohlat.tools.metrics import active_params, flops_per_token

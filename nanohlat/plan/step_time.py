@@ -4,7 +4,7 @@ device and its network (hardware.py), at a stated share of the device's peak."""
 from __future__ import annotations
 
 from nanohlat import comm
-from nanohlat.system.recipe import ModelConfig, TrainConfig
+from nanohlat.recipe import ModelConfig, TrainConfig
 from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas, rank_of
 from nanohlat.tools.metrics import flops_per_token, peak_flops

@@ -37,7 +37,7 @@ import sys
 import torch
 import torch.distributed
 
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat import device as devicelib
 from nanohlat.config import UserError
 from nanohlat.run import checkpoint, data, launch, preempt, runlock

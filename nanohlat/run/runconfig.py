@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig, TrainConfig, model_from_dict
+from nanohlat.recipe import ModelConfig, TrainConfig, model_from_dict
 from nanohlat.run import preflight
 from nanohlat.run.checkpoint.manifest import FieldError, damaged, typed_fields
 

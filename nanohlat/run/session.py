@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog

@@ -16,7 +16,7 @@ import time
 import torch
 
 from nanohlat import comm, xla
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.plan.sheets import layout_table
 from nanohlat.run.checkpoint.history import set_aside_newer

@@ -48,7 +48,7 @@ from nanohlat.run.build import decoder
 from nanohlat import comm
 from nanohlat import shard_spec
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig, TrainConfig, check_layout, model_from_dict
+from nanohlat.recipe import ModelConfig, TrainConfig, check_layout, model_from_dict
 from nanohlat.mesh import Group
 from nanohlat.model import Transformer
 

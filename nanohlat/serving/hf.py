@@ -71,7 +71,7 @@ import sys
 import torch
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig
+from nanohlat.recipe import ModelConfig
 from nanohlat.system import cli, files, flags
 from nanohlat.serving.hf_files import (EXPORT_FILES, _move_into, _partial_dir, _refuse_non_empty,  # noqa: F401
                                      _safetensors, read_hf_config, read_hf_dir, read_hf_weights)

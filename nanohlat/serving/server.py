@@ -54,7 +54,7 @@ import torch
 from nanohlat.system import flags
 from nanohlat.serving import generate as gen
 from nanohlat.config import DEVICES, UserError
-from nanohlat.system.recipe import check_seed
+from nanohlat.recipe import check_seed
 from nanohlat.system import cli
 
 

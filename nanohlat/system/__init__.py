@@ -10,7 +10,4 @@ bad input, an OSError, Ctrl-C or an exercise stub of a student copy reached
 (`not_done`) as one line and an exit code, a crash with its traceback.
 flags.py: the flag parser of every command line (`Parser`): a flag it cannot
 read is one line and exit code 2, not a page of usage.
-recipe.py: the recipe as every command takes it: config.py's dataclasses with
-the extensions' fields, the presets of both, every check of a value, of a
-combination of flags and of a layout (`check_layout`), and train.py's flags.
 """

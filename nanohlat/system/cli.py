@@ -1,7 +1,7 @@
 """How every command of nanohlat ends: one line and an exit code, written once.
 
 train.py (its pre-flight's main), sample.py, eval.py and the `python -m` commands (nanohlat.bench,
-.hf, .harness, .serving, .classroom, .tools.compile_lessons) each decorate
+.hf, .harness, .serving, .classroom, .classroom.compile_lessons) each decorate
 their `main` with `command`, which ends it the same way:
 
   * bad input (a config.UserError): "error: <what to do>", exit code 2;

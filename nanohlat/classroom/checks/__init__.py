@@ -26,17 +26,17 @@ And how a value was made, where the right one can come the wrong way: each
 call is stamped with whether it was started asynchronously and when it was
 waited (3d with overlap: started in the hook, waited later), and the tensors
 handed to the student's code are compared afterwards with copies taken
-before (harness.py:untouched): a custom autograd Function that writes into
+before (grading.py:untouched): a custom autograd Function that writes into
 its input without ctx.mark_dirty, or into its incoming gradient, gets the
 right values today and wrong gradients in another graph.
 
-Distributed checks run `world` gloo processes on the CPU (harness.py:spawn); each
+Distributed checks run `world` gloo processes on the CPU (grading.py:spawn); each
 returns its own verdict, and the first failing rank's is reported. A rank
 stuck in a collective that its peers never called is stopped at the time
 limit, and the verdict says so: it is the typical symptom of a collective
 called on some ranks only.
 
-Where things are: harness.py (verdicts, the gloo workers), wire.py (what a
+Where things are: grading.py (verdicts, the gloo workers), wire.py (what a
 rank moves), then one file of oracles per chapter of tutorial.md, in its
 order: ch1_transformer.py, ch3_data_parallel.py, ch4_tensor_parallel.py,
 ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch8_checkpoints.py,
@@ -46,7 +46,7 @@ file runs an exercise's checks (`run`) and lists them (`CHECKS`).
 
 from __future__ import annotations
 
-from nanohlat.classroom.checks.harness import _CASE, explain
+from nanohlat.classroom.checks.grading import _CASE, explain
 from nanohlat.classroom.checks.ch1_transformer import check_kv_cache, check_rmsnorm, check_rotary
 from nanohlat.classroom.checks.ch3_data_parallel import check_all_gather, check_all_reduce, check_reduce_scatter, check_zero2_bucket, check_zero3_gather
 from nanohlat.classroom.checks.ch4_tensor_parallel import check_conjugates, check_cross_entropy, check_linears

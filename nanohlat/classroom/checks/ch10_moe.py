@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import Kept, case, compare, make_group, spawn, untouched
+from nanohlat.classroom.checks.grading import Kept, case, compare, make_group, spawn, untouched
 from nanohlat.classroom.checks.wire import Wire
 
 
@@ -291,7 +291,7 @@ def _ep_run(rank, world, ep, zero) -> str | None:
     import dataclasses
     import torch.distributed as dist
     from nanohlat import comm
-    from nanohlat.system.recipe import TrainConfig
+    from nanohlat.recipe import TrainConfig
     from nanohlat.device import get_device
     from nanohlat.mesh import Mesh
     from nanohlat.beyond.moe import MoE, add_groups

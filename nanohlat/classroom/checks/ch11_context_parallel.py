@@ -17,7 +17,7 @@ q, k, v and the incoming gradient left as they were; then how each shift ran
 (Wire's clock against each _attend_grads call, as 3d sees ZeRO-2's overlap):
 every message waited, the next K/V block in flight during a step's arithmetic
 (n - 1 of them) and waited before the next step's. A deadlock (a handle waited
-twice, a shift never waited) ends after harness.STALL_S s of no rank moving,
+twice, a shift never waited) ends after grading.STALL_S s of no rank moving,
 naming what each rank was blocked in.
 The positions tables here are written out by hand, not taken from 11b's code.
 """
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from nanohlat.classroom.checks.harness import TOL, Kept, case, compare, make_group, spawn, untouched
+from nanohlat.classroom.checks.grading import TOL, Kept, case, compare, make_group, spawn, untouched
 from nanohlat.classroom.checks.wire import Wire, _name
 
 # rank i holds chunks i and 2n-1-i of 2n chunks (c tokens each): written out, not computed

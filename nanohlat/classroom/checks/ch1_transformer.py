@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import Kept, case, compare, untouched
+from nanohlat.classroom.checks.grading import Kept, case, compare, untouched
 
 
 def bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ def check_rotary() -> str | None:
 
 
 def check_kv_cache() -> str | None:
-    from nanohlat.system.recipe import ModelConfig
+    from nanohlat.recipe import ModelConfig
     from nanohlat.model import Transformer, init_weights
     from nanohlat.serving import generate as gen
     for n_kv in (4, 2):   # multi-head, then grouped-query attention

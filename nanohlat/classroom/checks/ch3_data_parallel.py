@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare, make_group, spawn
+from nanohlat.classroom.checks.grading import case, compare, make_group, spawn
 from nanohlat.classroom.checks.wire import Wire, comm_verdict
 
 

@@ -7,20 +7,20 @@ tp > n_kv_heads) and 4c (the vocab-parallel cross-entropy, on logits of about
 against plain dense PyTorch on one process: outputs, gradients, and each
 forward's and backward's collectives (wire.py:comm_verdict); 4a's custom
 autograd Functions and 4c leave their inputs (and 4a its incoming gradients)
-as they were, unless a forward says so with ctx.mark_dirty (harness.py:untouched).
+as they were, unless a forward says so with ctx.mark_dirty (grading.py:untouched).
 """
 
 from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import Kept, case, compare, make_group, spawn, untouched
+from nanohlat.classroom.checks.grading import Kept, case, compare, make_group, spawn, untouched
 from nanohlat.classroom.checks.wire import Wire, comm_verdict
 
 
 TP_WORLD = 4   # chapter 4's checks: at 4 ranks an all-gather + sum costs more than the all-reduce it replaces
 # why a custom autograd Function must leave its inputs alone unless it says so: the right values come out
-# either way, so the check looks at the inputs themselves (harness.py:untouched)
+# either way, so the check looks at the inputs themselves (grading.py:untouched)
 INPUT_WRITTEN = ("autograd still takes x for the tensor it was, so a backward that saved x (exp saves its "
                  "output, for one) reads the new values and computes a wrong gradient, silently: "
                  "torch.distributed's in-place collectives do not even bump the version counter that "

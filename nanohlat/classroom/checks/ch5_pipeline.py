@@ -8,7 +8,7 @@ the AFAB and 1F1B timetables, 5c also against the bubble (pp-1)/(v m+pp-1).
 
 from __future__ import annotations
 
-from nanohlat.classroom.checks.harness import case
+from nanohlat.classroom.checks.grading import case
 
 
 def oracle_1f1b(pp: int, m: int, stage: int) -> list[tuple[str, int]]:

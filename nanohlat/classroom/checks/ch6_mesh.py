@@ -7,7 +7,7 @@ coordinates, each listed in increasing order.
 
 from __future__ import annotations
 
-from nanohlat.classroom.checks.harness import case
+from nanohlat.classroom.checks.grading import case
 
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 3), (2, 3, 4), (8, 4, 2)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import Kept, case, compare, untouched
+from nanohlat.classroom.checks.grading import Kept, case, compare, untouched
 
 
 def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nanohlat.classroom.checks.harness import case, compare
+from nanohlat.classroom.checks.grading import case, compare
 
 
 def _saved_parts(full: torch.Tensor, tp_dim: int, parts: int, tp: int, optim: bool = False) -> list[dict]:

@@ -110,9 +110,9 @@ class Wire:
     calls: list = []
     _depth = [0]
     _clock = [0]
-    board = None     # (a shared array of bytes: what this rank waits in now, for its parent: harness.spawn)
+    board = None     # (a shared array of bytes: what this rank waits in now, for its parent: grading.spawn)
     progress = None  # (a shared counter, bumped whenever a call starts or returns)
-    case = None      # (the case running, harness.case: named on the board)
+    case = None      # (the case running, grading.case: named on the board)
 
     @classmethod
     def waiting(cls, what: str | None, at: str = "") -> None:

@@ -22,7 +22,7 @@ import os
 import sys
 
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig, model_from_dict
+from nanohlat.recipe import ModelConfig, model_from_dict
 from nanohlat.system.files import sha256_file
 
 # how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)

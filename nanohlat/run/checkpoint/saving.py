@@ -30,7 +30,7 @@ import torch
 
 from nanohlat import comm
 from nanohlat.config import UserError
-from nanohlat.system.recipe import ModelConfig
+from nanohlat.recipe import ModelConfig
 from nanohlat.run.checkpoint.history import (ckpt_root, incomplete_checkpoints, list_checkpoints, remove_checkpoint,
                                              set_aside_newer)
 from nanohlat.run.checkpoint.io_errors import io_error, state_bytes

@@ -1,8 +1,8 @@
 """Tutorial chapter 2's exercises: what a graph compiler sees, counted on a laptop.
 
-    python -m nanohlat.tools.compile_lessons lr       # a Python-float learning rate vs a tensor
-    python -m nanohlat.tools.compile_lessons branch   # a Python `if` on a tensor's value vs a mask
-    python -m nanohlat.tools.compile_lessons sync     # reading a value on the host inside the step
+    python -m nanohlat.classroom.compile_lessons lr       # a Python-float learning rate vs a tensor
+    python -m nanohlat.classroom.compile_lessons branch   # a Python `if` on a tensor's value vs a mask
+    python -m nanohlat.classroom.compile_lessons sync     # reading a value on the host inside the step
     ... --xla                                   # the same functions on torch_xla (the XLA lane)
 
 Each lesson runs two (or three) versions of one small piece of an optimizer
@@ -178,7 +178,7 @@ LESSONS = {"lr": lesson_lr, "branch": lesson_branch, "sync": lesson_sync}
 
 @cli.command
 def main(argv=None) -> int:
-    p = flags.Parser(prog="python -m nanohlat.tools.compile_lessons",
+    p = flags.Parser(prog="python -m nanohlat.classroom.compile_lessons",
                      description="Tutorial chapter 2: graph compiler lessons, counted.")
     p.add_argument("lesson", nargs="+", choices=sorted(LESSONS), help="one or more, run in this order")
     p.add_argument("--xla", action="store_true", help="run on torch_xla (PJRT_DEVICE=CPU on a laptop)")

@@ -1,4 +1,4 @@
-"""The checks' harness: verdicts, and the gloo workers that distributed checks run on."""
+"""Grading the checks: verdicts, and the gloo workers that distributed checks run on."""
 
 from __future__ import annotations
 

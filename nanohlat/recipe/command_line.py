@@ -1,0 +1,123 @@
+"""train.py's command line: one flag per dataclass field (generated, so that the two never drift),
+`--preset` the starting values, the flags given laid over them and checked (`parse_args`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import fields
+
+from nanohlat.config import UserError
+from nanohlat.recipe.configs import PRESETS, ModelConfig, TrainConfig, _flag
+from nanohlat.recipe.configs import CP_ATTENTIONS, SCHEDULES
+from nanohlat.recipe.layouts import check_cp_layout, check_moe_layout
+
+# ---------------------------------------------------------------------------
+# Flags: one per dataclass field, generated so that the two never drift.
+# ---------------------------------------------------------------------------
+
+HELP = {
+    "preset": "starting values: " + ", ".join(PRESETS),
+    "data": "text file, folder of .txt/.py/.md files, or JSONL with a 'text' field ('' = built-in corpus)",
+    "tokenizer": "existing SentencePiece tokenizer.model ('' = train one on the corpus and cache it)",
+    "batch_size": "global batch in sequences per optimizer step (over all dp ranks)",
+    "microbatches": "micro-batches per dp rank per step (gradient accumulation / pipeline depth)",
+    "dp": "data-parallel degree (0 = world / (tp * pp))",
+    "nproc": "local worker processes train.py starts itself",
+    "resume": "auto (continue from out-dir's latest checkpoint), never, or a checkpoint path",
+    "stop_after": "stop cleanly after this step, as if interrupted (for resume experiments)",
+    "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
+    "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
+              "cuda overlapped gradient reduction; a MoE model's --ep) that fits",
+    "threads": "CPU threads per worker (0 = cores / local workers)",
+    "save_every": "save a checkpoint every N steps (0 = only at the end)",
+    "keep_last": "checkpoints to keep (0 = keep all)",
+    "max_bad_steps": "stop after this many non-finite steps in a row (0 = never stop)",
+    "check_replicas": "every N steps check that all copies of every parameter are bitwise identical, "
+                      "stop with an error if not (0 = never)",
+    "overwrite": "with --resume never: replace an existing run in --out-dir",
+    "allow_tokenizer_change": "resume a checkpoint trained with another tokenizer (its token ids change meaning)",
+    "rendezvous_timeout": "seconds every rank waits for the others to join before giving up with an error",
+    "collective_timeout": "seconds a collective (all-reduce, send, ...) waits for a stuck or stopped rank before "
+                          "the job ends with an error naming it (XLA compiles happen outside collectives)",
+    "grad_clip": "clip the global gradient norm to this (0 = no clipping)",
+    "sequence_parallel": "Megatron sequence parallelism in the norm/residual regions (needs --tp > 1 to matter)",
+    "sp_regather": "with --sequence-parallel: the column-parallel matmuls keep only their 1/tp input shard and "
+                   "all-gather it again in backward (Megatron's way; --no-sp-regather keeps the gathered input)",
+    "zero": "ZeRO stage over the dp group: 0 (replicated), 1 (shard the master weights and AdamW state), "
+            "2 (and the gradients: reduce-scattered in the backward, zero2.py), 3 (and the parameters: "
+            "all-gathered per layer in the forward and backward, zero3.py; cpu, cuda; pp 1)",
+    "zero1": "the older spelling of --zero 1 (kept)",
+    "overlap_grad_reduce": "start each gradient bucket's dp all-reduce / reduce-scatter in the backward, as soon as "
+                           "its last gradient is in, and wait for it before the optimizer (bitwise the same; "
+                           "cpu and cuda, ignored on xla)",
+    "moments": "Adam's two moments in fp32, or bf16 with stochastic rounding (needs --precision bf16-sr; "
+               "what HLAT's pure-bf16 stack did: 4 bytes per parameter instead of 8)",
+    "compile": "torch.compile the model stage (cpu, cuda; slow first step, see nanohlat/tools/compile.py)",
+    "schedule": "pipeline schedule: " + ", ".join(SCHEDULES) + " (pipeline.py)",
+    "virtual_stages": "with --schedule interleaved: model chunks per pipeline stage (stage s holds chunks s, s+pp, ...)",
+    "moe_experts": "mixture of experts: E expert MLPs in each sparse layer (0 = dense; nanohlat/beyond/moe.py)",
+    "moe_top_k": "experts each token is sent to, its router weights renormalised over them (Mixtral)",
+    "moe_shared_experts": "experts every token also goes through, besides its top-k (0 = none)",
+    "moe_aux_coef": "coefficient of the load-balancing loss E * sum_e f_e * P_e (Switch), "
+                    "logged (without it) as moe_balance",
+    "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
+                  "logits)^2), logged (without it) as moe_z",
+    "moe_bias_rate": "balancing without a loss (DeepSeek-V3): a bias per expert, added to the router's "
+                     "probabilities to choose the top-k (never to weigh them), moved by this much after each "
+                     "step towards the experts the global batch gave less than their share (0 = off; "
+                     "DeepSeek-V3: 1e-3; with --moe-aux-coef 0 the only balancing)",
+    "ep": "expert parallelism: ranks of each dp group (with --cp: dp x cp) sharing a mixture's experts, E/ep each "
+          "(divides dp, or dp x cp; moe.py)",
+    "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
+    "moe_capacity_factor": "0: dropless (every routed token computed); c > 0: each expert takes at most "
+                           "ceil(c * tokens * top_k / experts) tokens, the rest dropped (static shapes, for xla)",
+    "cp": "context parallelism: split each sequence over N ranks (zigzag: 2N chunks, rank i holds i and 2N-1-i; "
+          "--seq-len a multiple of 2N), attention across them by --cp-attention (nanohlat/beyond/context_parallel.py)",
+    "cp_attention": "with --cp: " + ", ".join(CP_ATTENTIONS) + " (all-gather K/V; K/V round a ring with an "
+                    "online-softmax merge; Ulysses' all-to-all to a head split, needing heads and kv heads "
+                    "divisible by --cp)",
+    "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
+}
+
+
+def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=argparse.ArgumentParser):
+    p = cls(description=description, argument_default=argparse.SUPPRESS)   # cls: system/flags.py's, one-line errors
+    for group, cls in (("training", TrainConfig), ("model", ModelConfig)):
+        g = p.add_argument_group(group)
+        for f in fields(cls):
+            kind = type(f.default)
+            if kind is bool:
+                g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
+            else:
+                g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(), help=HELP.get(f.name, f"(default {f.default!r})"))
+    return p
+
+
+def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
+    """Preset values overlaid with the flags the user actually gave."""
+    preset = flags.get("preset", TrainConfig.preset)
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base_model, base_train = PRESETS[preset]
+    model_names = {f.name for f in fields(ModelConfig)}
+    if flags.get("zero1") and flags.get("zero", 1) != 1:
+        raise UserError(f"--zero1 is the older spelling of --zero 1 and cannot go with --zero {flags['zero']}; "
+                        f"give only --zero {flags['zero']}")
+    model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
+    tcfg = dataclasses.replace(TrainConfig(), **base_train)
+    tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
+    model_cfg.validate()
+    tcfg.validate()
+    if model_cfg.moe_experts or tcfg.ep > 1:
+        check_moe_layout(model_cfg, tcfg)
+    if tcfg.cp > 1:
+        check_cp_layout(model_cfg, tcfg)
+    if tcfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
+                        f"lower --seq-len or raise --max-seq-len")
+    return model_cfg, tcfg
+
+
+def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:
+    return resolve(vars(build_parser(cls=cls).parse_args(argv)))

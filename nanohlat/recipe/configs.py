@@ -1,0 +1,236 @@
+"""The recipe's fields: the core's dataclasses (config.py) with the fields of beyond/'s extensions, each
+value's check, and the presets of both.
+
+config.py holds the dense HLAT recipe: the model's shape, the run, the presets, each field's meaning
+beside it. The extensions in nanohlat/beyond/ add their own fields here (a mixture of experts' shape,
+the interleaved schedule's chunks, the expert- and context-parallel degrees), so that every flag is
+still a dataclass field and config.json still says everything a run did. `validate` checks that each
+value is in range and that flags go together (their refusals, one line each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+
+from nanohlat import config
+from nanohlat.config import DEVICES, UserError
+from nanohlat.beyond.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
+from nanohlat.precision import PRECISIONS
+from nanohlat.beyond.schedules import SCHEDULES   # --schedule
+
+SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
+MOST = 2**53            # any other count (sizes, steps, ranks): JSON's largest exact integer, as config.json
+                        # and a checkpoint record it (checkpoint.read_manifest refuses more)
+THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
+
+
+@dataclass
+class ModelConfig(config.ModelConfig):
+    """config.ModelConfig, the decoder's shape, and a mixture of experts' (moe.py)."""
+
+    # Mixture of experts (moe.py). 0 experts: every block's MLP is dense (all the presets but `moe`)
+    moe_experts: int = 0         # E expert MLPs of ffn_dim each in a sparse layer
+    moe_top_k: int = 2           # experts each token uses
+    moe_shared_experts: int = 0  # experts every token uses besides its k
+    moe_every: int = 1           # layer i is sparse when (i + 1) % moe_every == 0 (2: every other layer)
+    moe_aux_coef: float = 0.01   # coefficient of the load-balancing loss
+    moe_z_coef: float = 0.001    # coefficient of the router z-loss
+    moe_bias_rate: float = 0.0   # balancing without a loss (DeepSeek-V3): each step's move of an expert's bias
+    moe_capacity_factor: float = 0.0   # 0: dropless; c > 0: each expert takes ceil(c * tokens * k / E)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+    def sparse_layers(self) -> int:
+        """How many layers are sparse (is_moe_layer): the multiples of moe_every up to n_layers, counted
+        arithmetically (never layer by layer: a --n-layers of 10^12 is refused by size, not counted)."""
+        return self.n_layers // self.moe_every if self.moe_experts > 0 else 0
+
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model: config.ModelConfig's, and what the sparse layers add."""
+        return super().num_params() + self.moe_extra_params()
+
+    def moe_extra_params(self, active: bool = False) -> int:
+        """What the sparse layers hold beyond dense ones: each has E + shared experts (active:
+        the k + shared a token uses) in the place of one MLP, and the router (E x d_model)."""
+        sparse = self.sparse_layers()
+        experts = self.moe_top_k if active else self.moe_experts
+        return sparse * ((experts + self.moe_shared_experts - 1) * 3 * self.d_model * self.ffn_dim
+                         + self.moe_experts * self.d_model)
+
+    def validate(self) -> None:
+        check_counts(self)
+        for name in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                     "vocab_multiple"):   # first: the divisibility checks below divide by some of these
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise UserError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise UserError(f"--n-heads {self.n_heads} is not a multiple of --n-kv-heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
+        for name in ("rope_theta", "norm_eps"):
+            _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
+        if self.moe_experts:
+            self.validate_moe()
+
+    def validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise UserError(f"--moe-experts must be >= 0 (0: a dense model), got {self.moe_experts}")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise UserError(f"--moe-top-k {self.moe_top_k} must be in [1, --moe-experts {self.moe_experts}]")
+        if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
+            raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
+                            f"got {self.moe_shared_experts} and {self.moe_every}")
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor", "moe_bias_rate"):
+            _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
+        most = self.moe_experts / self.moe_top_k   # C = ceil(factor * N * k / E) reaches N there (moe.capacity)
+        if self.moe_capacity_factor > most:
+            raise UserError(f"--moe-capacity-factor {self.moe_capacity_factor:g} is above --moe-experts / --moe-top-k "
+                            f"= {most:g}: at {most:g} each expert already takes every token (capacity C = the "
+                            f"tokens, none dropped) and a larger factor only grows its buffer (E x C rows a sparse "
+                            f"layer); give at most {most:g}, or 0 (dropless)")
+
+
+@dataclass
+class TrainConfig(config.TrainConfig):
+    """config.TrainConfig, the run, and the layouts beyond the core's: the interleaved schedule's chunks,
+    expert parallelism, context parallelism (their modules in nanohlat/beyond/)."""
+
+    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
+    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
+    cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
+
+    def validate(self) -> None:
+        check_counts(self)
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "ep", "cp"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
+                     "max_restarts", "stop_after", "threads"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.log_every <= 0:
+            raise UserError(f"--log-every must be positive, got {self.log_every}")
+        choices = {
+            "device": DEVICES,
+            "schedule": SCHEDULES,
+            "precision": PRECISIONS,
+            "moments": ("fp32", "bf16"),
+            "activation_checkpointing": ("none", "selective", "full"),
+            "cp_attention": CP_ATTENTIONS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        # Each number against its meaning: NaN fails every comparison, so each
+        # check is written as "inside the range", never as "not outside it".
+        _finite_in("lr", self.lr, 0, math.inf, "> 0", low_open=True)
+        _finite_in("min_lr", self.min_lr, 0, self.lr, "in [0, --lr]")
+        _finite_in("beta1", self.beta1, 0, 1, "in [0, 1)", high_open=True)
+        _finite_in("beta2", self.beta2, 0, 1, "in [0, 1)", high_open=True)
+        _finite_in("adam_eps", self.adam_eps, 0, math.inf, "> 0", low_open=True)
+        _finite_in("weight_decay", self.weight_decay, 0, math.inf, ">= 0")
+        _finite_in("grad_clip", self.grad_clip, 0, math.inf, ">= 0 (0 = no clipping)")
+        _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
+        _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        if self.virtual_stages < 1:
+            raise UserError(f"--virtual-stages must be positive, got {self.virtual_stages}")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise UserError(f"--schedule {self.schedule} with --virtual-stages {self.virtual_stages}: the interleaved "
+                            f"schedule needs --virtual-stages >= 2 (with 1 it is 1f1b), and only it uses them")
+        if self.moments == "bf16" and self.precision != "bf16-sr":
+            raise UserError(f"--moments bf16 rounds Adam's moments stochastically and needs --precision bf16-sr "
+                            f"(got {self.precision}); drop --moments or use --precision bf16-sr")
+        if self.zero not in (0, 1, 2, 3):
+            raise UserError(f"--zero {self.zero} is not a ZeRO stage; give 0 (none), 1 (optimizer state), "
+                            f"2 (+ gradients) or 3 (+ parameters)")
+        if self.zero == 3 and self.pp > 1:
+            raise UserError(f"--zero 3 with --pp {self.pp} is not supported: a pipeline stage interleaves the "
+                            f"forwards and backwards of different micro-batches, which ZeRO-3's per-layer gathers "
+                            f"do not follow (zero3.py); use --zero 2 (or --zero 1) with pipeline parallelism")
+        if self.zero == 3 and self.compile:
+            raise UserError("--zero 3 with --compile is not supported: ZeRO-3 empties and refills the weights' storage "
+                            "around every layer, behind the compiled graph's back; drop --compile or use --zero 2")
+        if self.zero >= 2 and self.schedule in ("interleaved", "zb-h1"):
+            raise UserError(f"--zero {self.zero} with --schedule {self.schedule} is not supported: ZeRO-{self.zero} "
+                            f"reduce-scatters a bucket as each micro-batch's backward fills it, and {self.schedule} runs "
+                            f"one micro-batch's backward in several ticks between other micro-batches'; use --zero 1")
+        if self.schedule == "zb-h1" and self.compile:
+            raise UserError("--schedule zb-h1 with --compile is not supported: its split backward hands each linear's "
+                            "inputs, in Python, to a later W op, which torch.compile's backward cannot; use 1f1b")
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.eval_every and not self.eval_batches:
+            raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
+                            "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
+        if not self.resume.strip():
+            raise UserError("--resume is empty; give auto (continue out-dir's run), never (start fresh) "
+                            "or a checkpoint path")
+        check_seed(self.seed)
+        if self.threads > THREADS_LIMIT:
+            raise UserError(f"--threads {self.threads} is more than {THREADS_LIMIT}; use at most one per core "
+                            f"(0 = this machine's cores shared among the local workers)")
+
+
+def check_counts(cfg) -> None:
+    """Every whole-number field of `cfg` (a ModelConfig or TrainConfig) but --seed at most MOST: a
+    size, a step count or a world is checked by arithmetic (divisors, the memory pre-flight), and
+    nothing nanohlat records can hold more (a --nproc of 21 digits hung, counting its divisors)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if type(f.default) is int and f.name != "seed" and isinstance(value, int) and value > MOST:
+            raise UserError(f"{_flag(f.name)} {value} is more than 2^53 = {MOST:,}, the largest count nanohlat "
+                            f"records exactly (config.json, checkpoints); give a smaller one")
+
+
+def check_seed(seed: int) -> None:
+    """--seed of every command (train, bench, sample, eval, serving)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def _finite_in(name: str, value: float, low: float, high: float, meaning: str,
+               low_open: bool = False, high_open: bool = False) -> None:
+    """Refuse a flag value that is not a finite number in [low, high] (open ends as told)."""
+    ok = (math.isfinite(value) and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high))
+    if not ok:
+        raise UserError(f"--{name.replace('_', '-')} must be a finite number {meaning}, got {value}")
+
+
+# ---------------------------------------------------------------------------
+# Presets: config.py's, and the mixtures of experts'
+# ---------------------------------------------------------------------------
+
+PRESETS: dict[str, tuple[ModelConfig, dict]] = {
+    **{name: (ModelConfig(**dataclasses.asdict(shape)), run) for name, (shape, run) in config.PRESETS.items()},
+    # tiny's shape with 4 experts of ffn 128, top-2, in every layer: trains on the CPU (moe.py)
+    "moe": (
+        ModelConfig(n_layers=4, d_model=64, n_heads=8, n_kv_heads=4, ffn_dim=128,
+                    vocab_size=512, max_seq_len=64, moe_experts=4, moe_top_k=2),
+        dict(steps=20, batch_size=8, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10),
+    ),
+    # hlat-7b's shape with 8 experts of its MLP in every layer, top-2 (Mixtral's): for --plan (HLAT trained no mixture)
+    "hlat-moe": (ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, ffn_dim=11008, vocab_size=32000,
+                             max_seq_len=4096, moe_experts=8, moe_top_k=2),
+                 dict(batch_size=2048, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=215000)),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def to_dict(model_cfg: ModelConfig, tcfg: TrainConfig) -> dict:
+    return {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(tcfg)}
+
+
+def model_from_dict(d: dict) -> ModelConfig:
+    names = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})

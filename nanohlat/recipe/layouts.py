@@ -1,0 +1,177 @@
+"""Whether a layout can split the model and the batch (`check_layout`): mesh.py's rules, then each
+extension's (experts over --ep, a sequence over --cp). One line each, naming what failed and what to
+choose among (`divisors`, `choices`)."""
+
+from __future__ import annotations
+
+import math
+
+from nanohlat.config import UserError
+from nanohlat.recipe.configs import MOST, ModelConfig, TrainConfig
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n >= 1, ascending, from its prime factors (_factor): never by trying every
+    number up to n, which took forever at a world of 10^21 ranks (and up to its square root would
+    at 10^30). Sizes reach here checked to be at most MOST (2^53), where it takes milliseconds."""
+    out = [1]
+    for p, e in sorted(_factor(n).items()):
+        out = [d * p ** i for d in out for i in range(e + 1)]
+    return sorted(out)
+
+
+def _factor(n: int) -> dict[int, int]:
+    """{prime: exponent} of n: trial division by the small primes, then Pollard's rho (Brent's
+    cycle finding) for what is left, each part tested for primality by Miller-Rabin (exact for
+    every n below 3.3 x 10^24 with these bases)."""
+    found: dict[int, int] = {}
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % p == 0:
+            found[p] = found.get(p, 0) + 1
+            n //= p
+    rest = [n] if n > 1 else []
+    while rest:
+        m = rest.pop()
+        if _is_prime(m):
+            found[m] = found.get(m, 0) + 1
+        else:
+            d = _rho(m)
+            rest += [d, m // d]
+    return found
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _rho(n: int) -> int:
+    """A factor 1 < d < n of an odd composite n with no factor below 41 (Pollard-Brent)."""
+    for c in range(1, n):
+        y, m, g, r, q, x = 2, 128, 1, 1, 1, 2
+        while g == 1:
+            x = y
+            for _ in range(r):
+                y = (y * y + c) % n
+            k = 0
+            while k < r and g == 1:
+                ys = y
+                for _ in range(min(m, r - k)):
+                    y = (y * y + c) % n
+                    q = q * abs(x - y) % n
+                g = math.gcd(q, n)
+                k += m
+            r *= 2
+        if g == n:   # the batch overshot: step one at a time from its start
+            g = 1
+            while g == 1:
+                ys = (ys * ys + c) % n
+                g = math.gcd(abs(x - ys), n)
+        if g != n:
+            return g
+    raise AssertionError(f"no factor of {n}")
+
+
+def choices(xs) -> str:
+    """"1, 2 or 4"; a long list (the divisors of a world of 2^53 ranks: thousands) cut to its ends."""
+    xs = list(xs)
+    if len(xs) > 12:
+        return ", ".join(map(str, xs[:10])) + f", ... or {xs[-1]} ({len(xs):,} in all)"
+    return ", ".join(map(str, xs[:-1])) + (" or " if len(xs) > 1 else "") + str(xs[-1])
+
+
+def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
+    """Refuse a layout that cannot work, before any worker starts: the world split into tp x pp (x cp) x dp,
+    the model over tp and pp, the batch over dp and the micro-batches; then what the extensions need of
+    it. One line each, naming what failed and what to choose. Returns dp."""
+    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
+    cp_text = f" x --cp {cp}" if cp > 1 else ""
+    if world > MOST:   # (WORLD_SIZE from a launcher: --nproc is checked with the other counts)
+        raise UserError(f"a world of {world} ranks is more than 2^53 = {MOST:,}, the largest count nanohlat "
+                        f"records exactly; no machine has as many")
+    if world % (tp * pp * cp):
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} = {tp * pp * cp} does not divide the world size {world}; "
+                        f"choose tp*pp{'*cp' if cp > 1 else ''} among {choices(divisors(world))}")
+    dp = tcfg.dp or world // (tp * pp * cp)
+    if tp * pp * cp * dp != world:
+        raise UserError(f"--tp {tp} x --pp {pp}{cp_text} x --dp {dp} = {tp * pp * cp * dp} but the world has "
+                        f"{world} processes; use --dp {world // (tp * pp * cp)} or leave --dp unset")
+    if cp > 1:   # (after the world: its sequence's chunks and heads; in resolve too, where the world allows)
+        check_cp_layout(model, tcfg)
+    # kv heads: each rank holds n_kv_heads/tp of them, or (tp a multiple of
+    # n_kv_heads) a replica of one, shared with tp/n_kv_heads ranks
+    kv_fits = lambda d: model.n_kv_heads % d == 0 or d % model.n_kv_heads == 0   # noqa: E731
+    common = [d for d in divisors(model.n_heads) if kv_fits(d) and model.ffn_dim % d == 0
+              and model.padded_vocab % d == 0]
+    for what, n in (("n_heads", model.n_heads), ("ffn_dim", model.ffn_dim), ("padded vocabulary", model.padded_vocab)):
+        if n % tp:
+            hint = (f", or a --vocab-multiple that --tp {tp} divides (the vocabulary is padded up to a "
+                    f"multiple of it, now {model.vocab_multiple})") if what == "padded vocabulary" else ""
+            raise UserError(f"--tp {tp} does not divide {what} {n}; choose {choices(common)}{hint}")
+    if not kv_fits(tp):
+        raise UserError(f"--tp {tp} and n_kv_heads {model.n_kv_heads}: one must divide the other (a tp rank holds "
+                        f"whole kv heads, or several ranks share one); choose {choices(common)}")
+    if pp > model.n_layers or model.n_layers % pp:
+        raise UserError(f"--pp {pp} cannot split {model.n_layers} layers into equal contiguous stages; "
+                        f"choose {choices(divisors(model.n_layers))}")
+    v = tcfg.virtual_stages   # > 1: interleaved (validate checked that the schedule is); the refusal names what failed
+    needs = {f"--pp >= 2 (got {pp})": pp >= 2,
+             f"--pp x --virtual-stages = {pp * v} chunks of equal size (--n-layers {model.n_layers})": model.n_layers % (pp * v) == 0,
+             f"--microbatches {tcfg.microbatches} a multiple of --pp (micro-batches go through the chunks in groups of pp)": tcfg.microbatches % pp == 0}
+    if v > 1 and not all(needs.values()):
+        raise UserError("--schedule interleaved needs " + "; ".join(need for need, met in needs.items() if not met))
+    if tcfg.schedule == "zb-h1" and tcfg.microbatches < pp:
+        raise UserError(f"--schedule zb-h1 needs --microbatches >= --pp (got {tcfg.microbatches} < {pp}): W fills "
+                        f"the bubble, (p-1)/(3m+p-1), once the pipeline holds a micro-batch per stage")
+    per_rank = tcfg.batch_size // dp if tcfg.batch_size % dp == 0 else 0
+    if not per_rank or per_rank % tcfg.microbatches:
+        raise UserError(f"--batch-size {tcfg.batch_size} must split into dp {dp} x microbatches "
+                        f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
+    if tcfg.sequence_parallel and tcfg.seq_len % tp:
+        raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
+    if tcfg.ep > 1 and ((dp * cp) % tcfg.ep or model.moe_experts % tcfg.ep):   # (each ep rank holds E / ep experts)
+        where = f"dp x cp {dp * cp}" if cp > 1 else f"dp {dp}"   # (--cp: ep's ranks come out of dp x cp, moe.py)
+        raise UserError(f"--ep {tcfg.ep} must divide {where} and --moe-experts {model.moe_experts} (each of the ep "
+                        f"ranks holds experts / ep of them); choose among "
+                        f"{choices(divisors(math.gcd(dp * cp, model.moe_experts)))}")
+    return dp
+
+
+def check_moe_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """A MoE model trains with every layout (experts replicated over dp, cp and tp, or --ep: moe.py,
+    any ZeRO, pp with any schedule, cp), and its plan counts every one of them."""
+    if tcfg.ep > 1 and not model_cfg.moe_experts:
+        raise UserError(f"--ep {tcfg.ep} spreads a mixture's experts over ranks; give --moe-experts too")
+
+
+def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """--cp N: the sequence splits into 2N equal chunks, Ulysses' heads into N.
+    When --nproc is not a multiple of tp x pp x cp this waits for check_layout, which says that first."""
+    cp = tcfg.cp
+    if tcfg.nproc > 1 and tcfg.nproc % (tcfg.tp * tcfg.pp * cp):
+        return
+    if tcfg.seq_len % (2 * cp):
+        raise UserError(f"--cp {cp} splits each sequence into 2 x {cp} = {2 * cp} equal chunks (zigzag): "
+                        f"--seq-len {tcfg.seq_len} is not a multiple of {2 * cp}")
+    heads, kv_heads = model_cfg.n_heads // tcfg.tp, model_cfg.kv_heads_per_rank(tcfg.tp)   # on one tp rank
+    if tcfg.cp_attention == "ulysses" and (heads % cp or kv_heads % cp):
+        raise UserError(f"--cp-attention ulysses gives each of the {cp} cp ranks 1/{cp} of a rank's heads: its "
+                        f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
+                        f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
+                        f"use --cp-attention allgather or ring, or another --cp")
