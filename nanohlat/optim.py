@@ -6,7 +6,7 @@ the buffer from the parameters and scatters it back, FlatGroup.load/store), one
 per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
 than tp: replicated kv heads), with fp32 gradients, Adam's moments and master
 weights (all, or this dp rank's 1/dp with --zero 1): the parameters themselves,
-unless bf16-mixed's fp32 copy (precision.py). tests/test_optim.py holds AdamW per
+unless bf16-mixed's fp32 copy (precision.py). tests/core/test_optim.py holds AdamW per
 parameter, textbook, and checks this one against it.
 
 The gradients never stay in `p.grad`: a hook on every parameter

@@ -167,7 +167,7 @@ class PipelineRunner:
         tensors of their own (never `tokens[i]` of one big tensor, which would
         bake i into the graph), so the graphs compiled do not grow in number or
         size with m: a tick's graph is set by its op's kind and by what crosses
-        (tests/test_schedule.py)."""
+        (tests/core/test_pipeline_schedule.py)."""
         self.inputs, self.grads_in = {}, {}   # received activations / gradients, by (micro-batch, chunk)
         self.in_flight = {}                   # (mb, chunk) -> (input, output), for its B
         self.peak_in_flight = 0

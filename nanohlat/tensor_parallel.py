@@ -191,7 +191,7 @@ class _GatherLinears(torch.autograd.Function):
     The backward does exactly F.linear's backward ops (an mm of the flattened (B*T, .)
     tensors each way), and adds the dx terms last linear first, the order autograd's
     engine adds them when `enter` and the linears are separate nodes: so losses and
-    gradients are bitwise those of --no-sp-regather (tests/test_tensor_parallel.py)."""
+    gradients are bitwise those of --no-sp-regather (tests/core/test_tensor_parallel.py)."""
 
     @staticmethod
     def forward(ctx, x, group, first, *weights):

@@ -45,8 +45,8 @@ moved cp2_ring's loss by 7.2e-5: beyond the tolerance below, and a new digest.
 
 The tolerance (TOLERANCE: a row's `!` mark, and exit code 1, whether the
 sample or the full matrix) is the tests' own: fp32 1e-5 relative per step, as
-tests/test_context_parallel_training.py (LOSS_REL) and tests/test_moe.py check
-their layouts (tests/test_parallel.py and test_zero.py allow 2e-5 absolute on
+tests/beyond/test_context_parallel_training.py (LOSS_REL) and tests/beyond/test_moe.py check
+their layouts (tests/core/test_layouts_equal_one_process.py and test_zero_stages.py allow 2e-5 absolute on
 losses near 6, ~3e-6 relative; all of them measured < 1e-6); bf16 in any form
 1e-3 relative, as test_moe.py's and test_context_parallel_training.py's bf16
 layouts (bf16 rounds sums of another order: the layouts really differ, here by
@@ -73,19 +73,19 @@ STEPS = 5
 FIXED = ["--steps", str(STEPS), "--warmup-steps", "2", "--threads", "1", "--eval-every", "0", "--no-progress",
          "--device", "cpu"]
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}   # max relative loss difference from the reference (docstring)
-BUCKETS = "--bucket-mb 0.05"   # ZeRO / dp rows: ~5 gradient buckets, not one (tiny is 1 MB), as test_zero.py
+BUCKETS = "--bucket-mb 0.05"   # ZeRO / dp rows: ~5 gradient buckets, not one (tiny is 1 MB), as test_zero_stages.py
 
 # (name, processes, flags). Flags without --preset train `tiny` (4 layers, 8 heads, 4 kv heads,
 # batch 8 x 32 tokens); a row's reference is one process with its model flags (REFERENCE_FLAGS),
 # or the row named in REFERENCE. What each group stands for is in tests/test_<group's file>.py.
 LAYOUTS = [
-    # -- one process, gradient accumulation; tensor parallelism, sequence parallelism (test_parallel.py)
+    # -- one process, gradient accumulation; tensor parallelism, sequence parallelism (test_layouts_equal_one_process.py)
     ("one_m4", 1, "--microbatches 4"),
     ("tp2", 2, "--tp 2"),
     ("tp2_sp", 2, "--tp 2 --sequence-parallel"),
     ("tp2_sp_noregather", 2, "--tp 2 --sequence-parallel --no-sp-regather"),
     ("tp4", 4, "--tp 4"),
-    # -- data parallelism, every ZeRO stage with and without overlapped reduction (test_zero.py)
+    # -- data parallelism, every ZeRO stage with and without overlapped reduction (test_zero_stages.py)
     ("dp2", 2, f"--dp 2 {BUCKETS}"),
     ("dp2_nooverlap", 2, f"--dp 2 {BUCKETS} --no-overlap-grad-reduce"),
     ("dp2_z1", 2, f"--dp 2 --zero 1 {BUCKETS} --microbatches 2"),
@@ -95,13 +95,13 @@ LAYOUTS = [
     ("dp2_z3", 2, f"--dp 2 --zero 3 {BUCKETS} --check-replicas 1"),
     ("dp2_z3_nooverlap", 2, f"--dp 2 --zero 3 {BUCKETS} --no-overlap-grad-reduce"),
     ("dp4", 4, f"--dp 4 {BUCKETS}"),
-    # -- pipeline parallelism, every schedule (test_parallel.py, test_schedule.py)
+    # -- pipeline parallelism, every schedule (test_layouts_equal_one_process.py, test_pipeline_schedule.py)
     ("pp2_afab_m2", 2, "--pp 2 --schedule afab --microbatches 2"),
     ("pp2_1f1b_m4", 2, "--pp 2 --schedule 1f1b --microbatches 4"),
     ("pp2_interleaved_m2", 2, "--pp 2 --schedule interleaved --virtual-stages 2 --microbatches 2"),
     ("pp2_zbh1_m4", 2, "--pp 2 --schedule zb-h1 --microbatches 4"),
     ("pp4_zbh1_m8", 4, "--pp 4 --schedule zb-h1 --microbatches 8"),
-    # -- combinations (test_parallel.py's world 4, test_zero.py's)
+    # -- combinations (test_layouts_equal_one_process.py's world 4, test_zero_stages.py's)
     ("tp2_pp2_interleaved_sp", 4, "--tp 2 --pp 2 --schedule interleaved --virtual-stages 2 --sequence-parallel "
                                   "--microbatches 2"),
     ("tp2_pp2_zbh1_sp", 4, "--tp 2 --pp 2 --schedule zb-h1 --sequence-parallel --microbatches 2"),

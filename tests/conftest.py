@@ -1,5 +1,11 @@
 """Shared fixtures: the repo root on sys.path, one warm data cache for the session,
-and `run_layouts`, which trains several layouts in one set of spawned gloo workers."""
+and `run_layouts`, which trains several layouts in one set of spawned gloo workers.
+
+The tests stand in folders that mirror nanohlat's floors (core/, beyond/, tools/,
+plan/, run/, commands/, serving/, classroom/, and repo/ for the repository's own
+checks). Every folder is put on sys.path here, so a test module imports the
+shared helpers beside this file (dist_utils, plan_utils) and another folder's
+test module by name, whichever files pytest was asked to run."""
 
 from __future__ import annotations
 
@@ -9,9 +15,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+for _folder in sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS) if not d.startswith((".", "_"))
+                      and os.path.isdir(os.path.join(TESTS, d))) + [TESTS, ROOT]:
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 

@@ -82,7 +82,7 @@ def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> 
 
 # The consolidated weights of a layout against one process's, per tensor: at most
 # 0.5% of its elements (or 3, if more) differ by more than 1e-6, none by more than
-# 1e-4. tests/test_parallel.py's docstring says why two numbers, and measured them.
+# 1e-4. tests/core/test_layouts_equal_one_process.py's docstring says why two numbers, and measured them.
 WEIGHT_TOL, WEIGHT_MAX, OUTLIER_SHARE, OUTLIERS_MIN = 1e-6, 1e-4, 5e-3, 3
 
 

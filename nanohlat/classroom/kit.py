@@ -78,7 +78,7 @@ class Exercise:
 
     @property
     def file(self) -> str:
-        """The file its region is in (FILES; tests/test_classroom.py holds it to the regions)."""
+        """The file its region is in (FILES; tests/classroom/test_exercise_checks.py holds it to the regions)."""
         return next(f for f, ids in FILES.items() if self.id in ids.split())
 
     @property

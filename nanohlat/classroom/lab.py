@@ -25,7 +25,7 @@ the lab starts itself (`evaluate`), and passes only when
 A hang ends: every collective of the lab's runs waits COLLECTIVE_S seconds at
 most, and the verdict names the rank and the line it waited at.
 
-The tests (tests/test_classroom_lab.py) plant every bug, see its instrument
+The tests (tests/classroom/test_debugging_lab.py) plant every bug, see its instrument
 reveal it, revert the patch (the reference fix) and see `check` pass, and see
 a symptom-hiding non-fix (`Bug.nonfix`) fail.
 """

@@ -43,7 +43,7 @@ tokens (the attention core is recomputed, its exchanges with it); with full
 checkpointing a block keeps its input only. Every mode adds, once per
 micro-batch, the rotary angles of this rank's t tokens (cos and sin, fp32,
 gathered at their zigzag places). Measured tensor by tensor against autograd
-on the CPU, fp32 (tests/test_plan_cp.py).
+on the CPU, fp32 (tests/plan/test_plan_cp.py).
 Checkpointing replays the forward's exchanges in backward: selective and full
 once each (ulysses with selective: only the first all-to-all, torch's
 checkpoint stops once the attention kernel has what it needs).

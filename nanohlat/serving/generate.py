@@ -25,7 +25,7 @@ positions and rows of different lengths share one batch:
   * in decode, row b feeds its newest token at its own position.
 
 So batched greedy decoding gives every row exactly the tokens it gets alone
-(tests/test_serving.py), and the serving scheduler (server.py) can put a new
+(tests/serving/test_serving.py), and the serving scheduler (server.py) can put a new
 request into any free row of a running batch.
 
 Tensor parallelism uses the training layers unchanged: a tp rank holds

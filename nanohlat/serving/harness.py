@@ -8,7 +8,7 @@
 this model registered first. Named harness tasks (hellaswag, arc_easy, ...)
 download their data sets from the Hugging Face Hub on first use; a task whose
 YAML or dict config points `dataset_path: json` at local files runs offline
-(tests/test_eval.py does exactly that). From Python:
+(tests/serving/test_eval.py does exactly that). From Python:
 
     from nanohlat.serving.harness import NanoHLATLM
     lm_eval.simple_evaluate(model=NanoHLATLM(path="out"), tasks=[...])

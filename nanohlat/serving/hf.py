@@ -50,7 +50,7 @@ E sum_e f_e P_e (f_e: the share of a sequence's T*k choices); transformers' is
 router_aux_loss_coef x E sum_e F_e P_e over one pool of all layers' and sequences'
 tokens, F_e = tokens choosing e / tokens (summing to k). Export writes coef x L / k
 (L layers, all sparse), import divides back: equal on one sequence of a one-layer
-model (tests/test_hf.py), else alike in magnitude only, as export says.
+model (tests/serving/test_hf.py), else alike in magnitude only, as export says.
 
 For both, one difference is the vocabulary padding (docs/design.md 5.3): nanohlat's embed
 and head have cfg.padded_vocab rows, Hugging Face's have exactly vocab_size.

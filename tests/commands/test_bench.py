@@ -40,7 +40,7 @@ def test_bench_ends_with_the_ratio_lines(capsys):
 
 def test_xla_engine_without_torch_xla_says_so(capsys):
     if importlib.util.find_spec("torch_xla") is not None:
-        pytest.skip("torch_xla is installed here: tests/test_xla.py runs the xla engine")
+        pytest.skip("torch_xla is installed here: tests/core/test_xla.py runs the xla engine")
     assert bench.main(TINY + ["--steps", "2", "--no-hf", "--engines", "xla"]) == 2
     out, err = capsys.readouterr()
     assert "torch_xla is not installed here" in out

@@ -795,7 +795,7 @@ def test_kill_9_of_the_launcher_during_a_save_leaves_one_writer(tmp_path, cache_
     notes.mkdir()
     argv = flags(cache_dir, out, "--nproc", 2, "--zero", 3, "--steps", 8, "--save-every", 4)
     code = ("import sys\n"
-            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}, {os.path.join(ROOT, 'tests')!r}]\n"
             "import test_robustness, train\n"
             "from nanohlat.run import preflight\n"
             "preflight.worker = test_robustness._slow_save_worker\n"
@@ -859,7 +859,7 @@ def test_a_second_ctrl_c_under_nproc_quits_at_once(to, tmp_path, cache_dir):
     out = tmp_path / "run"
     argv = flags(cache_dir, out, "--nproc", 2, "--dp", 2, "--steps", LONG, "--save-every", 2)
     code = ("import sys\n"
-            f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+            f"sys.path[:0] = [{ROOT!r}, {os.path.dirname(os.path.abspath(__file__))!r}, {os.path.join(ROOT, 'tests')!r}]\n"
             "import test_robustness, train\n"
             "from nanohlat.run import preflight\n"
             "preflight.worker = test_robustness._slow_step_worker\n"

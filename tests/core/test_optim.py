@@ -29,7 +29,7 @@ from nanohlat.model import Transformer, init_weights
 
 @torch.no_grad()
 def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
-    """AdamW per parameter in textbook ops, one process: what FlatAdamW computes (tests/test_optim.py).
+    """AdamW per parameter in textbook ops, one process: what FlatAdamW computes (tests/core/test_optim.py).
     Matrices are weight-decayed, vectors (norm gains) not. `state` starts as {}. Returns the norm."""
     b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
     norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm

@@ -6,7 +6,7 @@ real runs hold and send.
   the plan's to the byte, for each --cp-attention at cp 2 and cp 4, with checkpointing's
   replays, and at cp 2 x dp 2 (ZeRO-1) and cp 2 x tp 2 with SP.
 * The bytes autograd keeps after one micro-batch's forward, tensor by tensor, at cp 2 and
-  cp 4, each algorithm and checkpointing mode (tests/test_plan.py's LiveBytes); and for one
+  cp 4, each algorithm and checkpointing mode (tests/plan/test_plan.py's LiveBytes); and for one
   sequence of 1,024 tokens, at most 0.6x of one process's at cp 2 and 0.35x at cp 4 for
   every algorithm (issue 47: no mask, no repeated kv heads kept).
 * The causal balance: the (query, key) pairs each cp rank's queries attend to, counted
@@ -168,7 +168,7 @@ def unmasked_pairs(positions: torch.Tensor) -> list[int]:
     attends to p + 1 keys) and, the same work block by block, from the (query chunk, key chunk) pairs the
     ring computes (context_parallel._pairs: a full pair every one of its keys, a diagonal one the c(c+1)/2
     on and below the diagonal), each asserted equal. (The pairs each algorithm's code computes, counted
-    at its kernel calls: tests/test_context_parallel.py.)"""
+    at its kernel calls: tests/beyond/test_context_parallel.py.)"""
     n = positions.shape[0]
     out = []
     for r in range(n):

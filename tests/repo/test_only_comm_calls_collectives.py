@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
                "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
                "broadcast_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all",

@@ -1,9 +1,9 @@
 """The command lines a user types: train.py (one process, --nproc, torchrun), sample.py, and their errors.
 
 The full 3D layout through the launcher (`--nproc 8 --tp 2 --pp 2 --dp 2 --zero1
---sequence-parallel`) is tutorial chapter 6's runnable block (tests/test_tutorial.py
+--sequence-parallel`) is tutorial chapter 6's runnable block (tests/repo/test_tutorial.py
 checks what it prints); its equality with one process, to 2e-5, is
-tests/test_parallel.py's `tp2_pp2_dp2_zero1_sp`."""
+tests/core/test_layouts_equal_one_process.py's `tp2_pp2_dp2_zero1_sp`."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ server to one start each.
 
 All of them take minutes. To plant one chapter's (or some exercises') only, name
 them in NANOHLAT_PLANTS: `NANOHLAT_PLANTS=10 python -m pytest
-tests/test_classroom_mistakes.py` (chapter 10), or `NANOHLAT_PLANTS="10a 10b"`;
+tests/classroom/test_classroom_mistakes.py` (chapter 10), or `NANOHLAT_PLANTS="10a 10b"`;
 the count that docs/teaching.md states is still held to every plant.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BEGIN = re.compile(r"^(\s*)# exercise (\d+[a-z]): begin\s*$")
 END = re.compile(r"^\s*# exercise (\d+[a-z]): end\s*$")
 

@@ -20,7 +20,7 @@ from nanohlat.run import trainlog
 from nanohlat.run.trainlog import MetricsWriter
 from nanohlat.tools.metrics import PEAK_FLOPS, Throughput, flops_per_token, mfu, peak_flops, peak_memory
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from nanohlat.classroom import kit as classroom, checks as classroom_checks, needs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # exercise id -> (file, text in its region, the mistake a student typically makes)
 WRONG = {
@@ -164,7 +164,7 @@ def test_a_raised_verdict_points_at_the_students_code_not_the_checks():
         verdict = classroom_checks.explain(e)
     line = students_code.__code__.co_firstlineno + 1
     assert verdict.startswith("raised ValueError: shapes differ at "), verdict
-    assert verdict.endswith(f"test_classroom.py:{line}"), verdict
+    assert verdict.endswith(f"test_exercise_checks.py:{line}"), verdict
 
 
 def test_the_readme_reading_order_names_the_exercises_each_file_holds():

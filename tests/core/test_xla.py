@@ -7,7 +7,7 @@ placement, sync points, step closures, graph counts, checkpoints across
 devices, and sampling. Collectives across processes need a real xla backend
 (torch_xla on the CPU has none), so every test here is world=1.
 
-The training runs happen in two child processes (`python tests/test_xla.py
+The training runs happen in two child processes (`python tests/core/test_xla.py
 cpu|xla CACHE OUT`, the bottom of this file): torch_xla's compile counters and
 graph cache are per process, and a child starts them from zero. Each prints
 what it measured as JSON; the tests below read it.
@@ -23,7 +23,7 @@ within 5e-5 (3e-5 relative); we allow NORM_RTOL = 5e-4 relative. A real bug
 > 1e-2 and the grad norm by more than 1e-2 relative. Final weights: within
 1e-4 (measured 1.5e-5): Adam's update g / (sqrt(v) + eps) turns round-off in
 a near-zero gradient into a visible fraction of lr for a few elements (see
-test_parallel.py).
+test_layouts_equal_one_process.py).
 
 Graph counts. The first two steps compile (step 1 also creates the optimizer
 state; from step 2 on every input is device data). After that a training
@@ -45,7 +45,7 @@ import pytest
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 pytestmark = [pytest.mark.xla, pytest.mark.skipif(not HAS_TORCH_XLA, reason="needs torch_xla (run .ci/xla-lane)")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_TOL, NORM_RTOL = 1e-4, 5e-4
 STEPS, WARMUP = 6, 2        # WARMUP: steps that may compile
 BASE = ["--preset", "tiny", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--warmup-steps", "2",

@@ -12,7 +12,7 @@ Each stage's row has three phases, split by `|`:
 
 The last stage has no warm-up: its backward follows each forward at once.
 When each op runs (the ticks of the timetable, with the idle bubble) is
-checked through the tutorial's chapter 5 transcript (tests/test_tutorial.py).
+checked through the tutorial's chapter 5 transcript (tests/repo/test_tutorial.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ additions), so an interrupted-and-resumed run must log *bit-identical*
 losses: any drift means some state (optimizer step count, Adam moments, the
 lr schedule, the data position, an RNG) was not restored. A checkpoint loaded
 into a *different* layout adds the same numbers in another order, so it
-agrees to fp32 round-off only (the tolerance of test_parallel.py).
+agrees to fp32 round-off only (the tolerance of test_layouts_equal_one_process.py).
 
 How crashes are made deterministic, without a test-only user flag:
   * in-process: `saving._atomic_write` (nanohlat/run/checkpoint/saving.py:
@@ -42,7 +42,7 @@ import torch
 from conftest import read_metrics
 from dist_utils import run_layouts
 
-LOSS_TOL = 2e-5    # another layout: fp32 round-off, as in test_parallel.py
+LOSS_TOL = 2e-5    # another layout: fp32 round-off, as in test_layouts_equal_one_process.py
 STEPS, N = 6, 3    # runs of 2N steps, interrupted after step N
 BASE = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "0", "--batch-size", "8", "--seq-len", "32",
         "--warmup-steps", "2", "--no-progress", "--threads", "1"]

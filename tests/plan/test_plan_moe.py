@@ -2,7 +2,7 @@
 tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, --ep 2 with ZeRO-2, and cp 2
 (ring attention), alone and with --ep 2 drawn from dp x cp (dp 1: the two cp ranks share the experts).
 
-Held to the standards tests/test_plan.py holds a dense model's plan to: what one sparse block keeps
+Held to the standards tests/plan/test_plan.py holds a dense model's plan to: what one sparse block keeps
 for backward, counted tensor by tensor, to the byte; a run's comm ledger of its first step and its
 bytes per rank (weights, fp32 gradients, Adam state) to the byte; the allocator's peak bounded from
 above, at most PEAK_MARGIN below the plan's. Routing is forced balanced in the runs (what the plan

@@ -64,7 +64,7 @@ BF16["z3_bf16sr_overlap"] = ["--dp", "2", "--zero", "3", "--precision", "bf16-sr
 # continued with ZeRO-0, ZeRO-1's with ZeRO-3
 RESUMED = {"z0_from_z2": ["--dp", "2", "--zero", "0"], "z2_from_z0": ["--dp", "2", "--zero", "2"],
            "z0_from_z3": ["--dp", "2", "--zero", "0"], "z3_from_z1": ["--dp", "2", "--zero", "3"]}
-LOSS_TOL = 2e-5     # fp32 round-off through 5 steps (tests/test_parallel.py's tolerance)
+LOSS_TOL = 2e-5     # fp32 round-off through 5 steps (tests/core/test_layouts_equal_one_process.py's tolerance)
 
 
 def _flags(cache_dir, out_dir, extra):

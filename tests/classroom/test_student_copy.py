@@ -17,7 +17,7 @@ import pytest
 
 from nanohlat.classroom import kit as classroom, needs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = [e.id for e in classroom.EXERCISES]
 
 
@@ -140,9 +140,9 @@ def test_a_stubbed_loader_is_not_a_corrupt_checkpoint(student_copy, cache_dir, t
 # ---------------------------------------------------------------------------
 
 def test_the_needs_map_lists_every_tutorial_command_and_every_check():
-    """needs.json covers exactly tutorial.md's runnable commands (tests/test_tutorial.py
+    """needs.json covers exactly tutorial.md's runnable commands (tests/repo/test_tutorial.py
     checks, block by block, what each reaches) and every exercise's check
-    (tests/test_classroom.py checks what each reaches)."""
+    (tests/classroom/test_exercise_checks.py checks what each reaches)."""
     import test_tutorial
     assert [cmds for _, cmds in needs.tutorial_blocks(ROOT)] == [cmds for cmds, _ in test_tutorial.runnable_blocks()]
     data = needs.load()

@@ -1,7 +1,7 @@
 """A stopped rank ends the job (issue 25): --collective-timeout.
 
 `_stopping_worker` is preflight.worker with a test hook, planted through the
-environment as tests/test_checkpoint.py's `_fault_worker` does: rank 1 notes
+environment as tests/run/test_checkpoint.py's `_fault_worker` does: rank 1 notes
 the time and its pid in a file and SIGSTOPs itself at the optimizer step of
 step 3 (after the checkpoint of step 2), on the first start only.
 """
@@ -99,7 +99,7 @@ def test_a_rank_whose_collective_times_out_says_so_in_one_line_and_exits_1(tmp_p
         f"lock = runlock.acquire({str(tmp_path / 'run')!r})\n"
         "preflight.worker(train, None, recipe.TrainConfig(collective_timeout=7), None, None)\n"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=repo)
     env.pop("NANOHLAT_WORKER_ERRORS", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -2,15 +2,15 @@
 
 The mesh's cp dimension (between tp and dp) and its groups; this rank's share of a
 batch (shift first, then the zigzag chunks); the refusals of what cp does not do yet (a
-mixture of experts with cp: tests/test_moe.py);
+mixture of experts with cp: tests/beyond/test_moe.py);
 and, in gloo workers, the tiny preset over 10 steps at --cp 2 with each
 --cp-attention, with activation checkpointing, at cp 2 x dp 2 with ZeRO-1, 2 and 3,
 at cp 2 x tp 2 (with SP) and cp 2 x pp 2, at cp 4 with each --cp-attention,
 and from cp checkpoints resumed at cp 1,
 at cp 4 and with another algorithm: every step's loss equal to one process's to
 <= 1e-5 relative (fp32 round-off: the sums over the cp ranks add in another order;
-measured <= 8.5e-8, one fp32 step of the loss), the grad norm as test_parallel.py
-allows it, and the weights after step 10 as test_parallel.py compares them
+measured <= 8.5e-8, one fp32 step of the loss), the grad norm as test_layouts_equal_one_process.py
+allows it, and the weights after step 10 as test_layouts_equal_one_process.py compares them
 (dist_utils.assert_same_weights): every parameter's gradients did what one process's did. A negative control (rotary angles at each rank's local places 0..T/cp-1
 instead of its tokens' places in the whole sequence) and another (each rank attending
 to its own tokens only) must be off by ten times the tolerance: measured 2.9e-4 and
@@ -129,7 +129,7 @@ def _compare(ref: dict, got: list, first: int, name: str) -> float:
         r = ref[m["step"]]
         worst = max(worst, abs(m["loss"] - r["loss"]) / r["loss"])
         assert abs(m["loss"] - r["loss"]) <= LOSS_REL * r["loss"], (name, m, r)
-        rel = 1e-6 if m["step"] == 1 else 1e-4   # test_parallel.py: round-off Adam amplifies in tiny gradients
+        rel = 1e-6 if m["step"] == 1 else 1e-4   # test_layouts_equal_one_process.py: round-off Adam amplifies in tiny gradients
         assert abs(m["grad_norm"] - r["grad_norm"]) <= rel * r["grad_norm"], (name, m, r)
     return worst
 

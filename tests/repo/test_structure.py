@@ -27,7 +27,7 @@ import os
 import re
 import tokenize
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "nanohlat")
 
 MAX_CORE_MODULES = 14      # nanohlat/*.py besides __init__.py: the design card's core, one idea a file
@@ -419,7 +419,7 @@ def climbs(modules: dict[str, str], edges: list[Import]) -> list[str]:
 def test_every_subpackage_is_on_a_floor():
     lost = [f"nanohlat/{name}/" for name in subpackages()
             if not any(name in folders for _, folders in FLOORS)]
-    assert not lost, (f"{', '.join(lost)} on no floor: put each in tests/test_layout.py's FLOORS and say in "
+    assert not lost, (f"{', '.join(lost)} on no floor: put each in tests/repo/test_structure.py's FLOORS and say in "
                       f"docs/design.md 1 what lives there")
 
 
@@ -461,7 +461,7 @@ def test_design_notes_draw_the_floors_in_order():
         assert found, f"docs/design.md's floors table has no row for {', '.join(f + '/' for f in folders)}"
         order.append(min(found))
     assert order == sorted(order), ("docs/design.md's floors table draws the floors in another order than "
-                                    "tests/test_layout.py's FLOORS")
+                                    "tests/repo/test_structure.py's FLOORS")
 
 
 def test_no_import_cycles():

@@ -3,7 +3,7 @@
 The prose is README.md, tutorial.md, docs/*.md and the docstrings and comments of
 train.py, sample.py, eval.py and nanohlat/**/*.py. A code pointer is
 
-  * a file: `optim.py`, `run/checkpoint.py`, `nanohlat/plan.py`, `tests/test_xla.py`;
+  * a file: `optim.py`, `run/checkpoint.py`, `nanohlat/plan.py`, `tests/core/test_xla.py`;
   * a file and a top-level name in it: `optim.py:FlatAdamW`, `tools/fast_adamw.py:CPU_BLOCK`;
   * a file, a class and a method (or class attribute): `optim.py:FlatAdamW.update`.
 
@@ -26,7 +26,7 @@ import os
 import re
 import tokenize
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "nanohlat")
 
 # A path of word characters and slashes ending in .py, optionally `:Name` or `:Class.method`.
@@ -80,11 +80,13 @@ def pointers(path: str):
 
 
 def search_folders() -> list[str]:
-    """Where a bare file name is looked up: the root, nanohlat/, its subfolders, tests/, scripts/."""
-    folders = [ROOT, PACKAGE]
-    folders += sorted(os.path.join(PACKAGE, d) for d in os.listdir(PACKAGE)
-                      if os.path.isdir(os.path.join(PACKAGE, d)) and d != "__pycache__")
-    return folders + [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+    """Where a bare file name is looked up: the root, nanohlat/, its subfolders, tests/ and its
+    folders, scripts/."""
+    def below(folder):
+        return sorted(os.path.join(folder, d) for d in os.listdir(folder)
+                      if os.path.isdir(os.path.join(folder, d)) and d != "__pycache__")
+    tests = os.path.join(ROOT, "tests")
+    return [ROOT, PACKAGE] + below(PACKAGE) + [tests] + below(tests) + [os.path.join(ROOT, "scripts")]
 
 
 def resolve(file_part: str, near: str | None = None) -> tuple[str | None, str]:
@@ -182,7 +184,7 @@ def broken_pointers() -> list[str]:
 def test_every_code_pointer_in_the_prose_exists():
     broken = broken_pointers()
     assert not broken, (f"{len(broken)} code pointer(s) in the prose point at nothing "
-                        "(fix the prose, or add to ALLOWED in tests/test_docs.py with a reason):\n  "
+                        "(fix the prose, or add to ALLOWED in tests/repo/test_doc_pointers.py with a reason):\n  "
                         + "\n  ".join(broken))
 
 

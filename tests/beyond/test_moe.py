@@ -271,7 +271,7 @@ def test_moe_data_parallel_trains_like_one_process(cache_dir, tmp_path):
     dp 2 (ZeRO 0 to 3, 2 micro-batches, activation checkpointing, replicas checked
     bitwise every step) logs the same losses,
     grad norms and router figures as one process, to fp32 round-off
-    (test_parallel.py's docstring: its 2e-5 on the loss, 1e-6 on step 1's norm)."""
+    (test_layouts_equal_one_process.py's docstring: its 2e-5 on the loss, 1e-6 on step 1's norm)."""
     _train_here(_flags(cache_dir, tmp_path / "one"))
     layouts = {"dp2": ["--dp", "2", "--check-replicas", "1"],
                "dp2_zero1_m2": ["--dp", "2", "--zero", "1", "--microbatches", "2"],
@@ -414,7 +414,7 @@ def test_expert_parallel_training_equals_one_process_and_its_checkpoints_move(ca
         for m in got:
             r = ref[m["step"]]
             assert abs(m["loss"] - r["loss"]) <= 1e-5 * r["loss"], (name, m, r)
-            # the norm as test_parallel.py allows it: 1e-6 from identical weights, 1e-4 once Adam has amplified
+            # the norm as test_layouts_equal_one_process.py allows it: 1e-6 from identical weights, 1e-4 once Adam has amplified
             # round-off in near-zero gradients (measured here: <= 4.7e-6; the losses <= 1.6e-7)
             rel = 1e-6 if m["step"] == 1 else 1e-4
             assert abs(m["grad_norm"] - r["grad_norm"]) <= rel * r["grad_norm"], (name, m, r)
@@ -519,7 +519,7 @@ def _full_gradients(out) -> dict:
 
 
 def _assert_same_training(got_dir, ref_dir, name, loss_rel=1e-5):
-    """Losses <= loss_rel relative every step, grad norms as test_parallel.py allows them."""
+    """Losses <= loss_rel relative every step, grad norms as test_layouts_equal_one_process.py allows them."""
     ref = {m["step"]: m for m in read_metrics(str(ref_dir))}
     got = read_metrics(str(got_dir))
     assert [m["step"] for m in got] == list(range(1, 11)), name

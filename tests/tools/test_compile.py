@@ -3,7 +3,7 @@ the chapter-2 lessons count what the tutorial says they count.
 
 Tolerance: Inductor fuses operations and may add fp32 numbers in another order
 than the eager kernels, so losses differ by round-off, as between parallel
-layouts (tests/test_parallel.py: the same 2e-5 on losses ~6). Measured on the
+layouts (tests/core/test_layouts_equal_one_process.py: the same 2e-5 on losses ~6). Measured on the
 tiny preset: <= 5e-7 over 10 steps, one process, tp 2 and pp 2 alike. A real
 bug (a graph that drops a collective, a stale compiled constant) moves the
 first loss or the second by far more.

@@ -19,7 +19,7 @@ from nanohlat.run.data import prepare_data
 from nanohlat.model import Transformer, init_weights
 from nanohlat.run.build import decoder
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STDLIB = sysconfig.get_paths()["stdlib"]
 MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py",
            "calendar.py", "difflib.py", "fractions.py", "statistics.py", "argparse.py"]
