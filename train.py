@@ -60,19 +60,20 @@ def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, wo
     tokens_per_step = tcfg.batch_size * tcfg.seq_len
     for step in range(session.start_step, tcfg.steps):
         lr = optim.cosine_lr(step, tcfg.lr, tcfg.min_lr, tcfg.warmup_steps, tcfg.steps)
-        tokens, targets = split_batch(ds.batch(step, tcfg.batch_size, tcfg.seq_len, tcfg.seed), mesh, tcfg, dev)
+        batch = ds.batch(step, tcfg.batch_size, tcfg.seq_len, tcfg.seed)   # (B, T + 1) tokens, on every rank
+        tokens, targets = split_batch(batch, mesh, tcfg, dev)               # this rank's micro-batches
         opt.zero_grad()
         # forward + backward of every micro-batch; each loss is scaled by 1 / the GLOBAL token count,
         # so gradients summed over micro-batches and dp ranks are the gradient of the batch's mean loss
-        loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (+ all-reduces over pp, dp)
+        loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (all-reduces: pp, dp)
         # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
         # buffers: its hooks moved each p.grad there as autograd made it (data_parallel.py:accumulate_hook)
-        grads = opt.reduce_gradients()                  # DP: all-reduce; ZeRO-1: reduce-scatter (overlapped: waits)
-        norm = opt.global_grad_norm(grads)              # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
+        grads = opt.reduce_gradients()          # DP: all-reduce; ZeRO-1: reduce-scatter (overlapped: waits)
+        norm = opt.global_grad_norm(grads)      # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing
         opt.update(grads, lr, norm, finite)             # clip + AdamW on the master (ZeRO-1: its shard)
         opt.write_back()                                # ZeRO-1: all-gather the shards into the parameters
-        del grads                                       # (ZeRO-1's reduced shard: not kept through the next step)
+        del grads                                       # (ZeRO-1's reduced shard: not kept to the next step)
         # the end of the step, and what a run does between steps (run/session.py:Session.end_step)
         if session.end_step(step + 1, loss, norm, finite, lr):
             break

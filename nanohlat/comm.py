@@ -47,8 +47,9 @@ the number of calls, on this rank (tutorial.md chapter 3 works them through):
 
 The wire figure is what comm time depends on: ZeRO-1's reduce-scatter plus
 all-gather puts on the wire what one all-reduce does, and SP's all-gather plus
-reduce-scatter what one tp all-reduce does (--sp-regather adds an all-gather). `plan.comm_per_step` predicts all four figures from the
-model shape; the tests hold the two to the byte. (Wire bytes are rounded down
+reduce-scatter what one tp all-reduce does (--sp-regather adds an all-gather).
+`plan.comm_per_step` predicts all four figures from the model shape; the tests
+hold the two to the byte. (Wire bytes are rounded down
 to whole bytes per call; every tensor in nanohlat splits evenly anyway.)
 """
 
@@ -240,7 +241,8 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, what=No
     if group.ledger is not None:
         group.ledger.record(f"{group.name}.all_to_all", sum(send) * row, (sum(send) - send[group.rank]) * row)
     traced = _issued(group, "all_to_all", x, sum(send) * row, what)
-    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send), group=group.pg)
+    dist.all_to_all_single(out, x, output_split_sizes=list(recv), input_split_sizes=list(send),
+                           group=group.pg)
     if traced:
         traced.ended()
     return out
@@ -255,7 +257,8 @@ def start_ring_shift(x: torch.Tensor, group, step: int = 1, what=None):
     x = x.contiguous()
     out = torch.empty_like(x)
     n, me = group.size, group.rank
-    _record(group, "ring_shift", x.numel() * x.element_size())
+    nbytes = x.numel() * x.element_size()
+    _record(group, "ring_shift", nbytes)
     ops = [dist.P2POp(dist.isend, x, group.ranks[(me + step) % n], group.pg),
            dist.P2POp(dist.irecv, out, group.ranks[(me - step) % n], group.pg)]
-    return out, _issued(group, "ring_shift", x, x.numel() * x.element_size(), what, dist.batch_isend_irecv(ops))
+    return out, _issued(group, "ring_shift", x, nbytes, what, dist.batch_isend_irecv(ops))

@@ -1,12 +1,16 @@
 """The recipe: the model's shape, the training run, and the presets.
 
-Every command-line flag of train.py is a field of `TrainConfig` or
+Every command-line flag of train.py is a field of a `TrainConfig` or
 `ModelConfig` (the flag `--seq-len` is the field `seq_len`), and `--preset`
 picks the starting values. There are no hidden switches: what a run did is
 fully described by the config it writes next to its metrics. This file holds
-the dataclasses and the presets, each field's meaning beside it; reading the
-flags, checking them and their combinations happen before any of this code
-runs (nanohlat/recipe/).
+what the design card's training is made of: the model's shape, the batch,
+AdamW, the layout and the precision, and the presets, each field's meaning
+beside it. The machinery around the step (the data's files, checkpoints,
+logging and evaluation, the launcher, the tools) and the extensions beyond
+HLAT's recipe add their fields in nanohlat/recipe/configs.py, where reading
+the flags and checking them and their combinations happen, before any of
+this code runs.
 """
 
 from __future__ import annotations
@@ -68,14 +72,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """Everything about a run except the model shape."""
+    """The training run, but for the model's shape: its batch, AdamW, the layout and the precision."""
 
-    preset: str = "default"
-    # data
-    data: str = ""               # "" = the built-in corpus (Python's standard library sources)
-    tokenizer: str = ""          # path to an existing SentencePiece tokenizer.model
-    cache_dir: str = ""          # tokenizer + token shards cache ("" = ~/.cache/nanohlat)
-    out_dir: str = "out"
     # the batch: batch_size sequences of seq_len tokens per optimizer step (global,
     # over all data-parallel ranks), split on each dp rank into `microbatches`
     steps: int = 300
@@ -95,7 +93,6 @@ class TrainConfig:
     seed: int = 1337
     # devices and layout
     device: str = "auto"         # auto | cpu | cuda | xla
-    nproc: int = 1               # worker processes train.py starts itself
     tp: int = 1
     pp: int = 1
     dp: int = 0                  # 0 = world / (tp * pp)
@@ -103,37 +100,14 @@ class TrainConfig:
     sp_regather: bool = True     # SP: keep the 1/tp input shard, all-gather it again in backward (Megatron)
     schedule: str = "1f1b"       # the pipeline schedule: afab | 1f1b (pipeline.py)
     zero: int = 0                # ZeRO stage: 0 none, 1 the optimizer state sharded over dp (zero1.py)
-    zero1: bool = False          # the older spelling of --zero 1
     bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True   # start a bucket's dp collective in the backward (cpu, cuda)
     precision: str = "fp32"      # fp32 | bf16-mixed | bf16-sr | bf16
     moments: str = "fp32"        # fp32 | bf16 (Adam's moments, stochastically rounded; bf16-sr only)
     activation_checkpointing: str = "none"  # none | selective | full
     threads: int = 0             # CPU threads per worker (0 = cores / workers)
-    compile: bool = False        # torch.compile the model stage (nanohlat/tools/compile.py)
-    # logging, evaluation, checkpoints
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 1
-    save_every: int = 0          # 0 = only at the end
-    keep_last: int = 3           # 0 = keep every checkpoint
-    resume: str = "auto"         # auto | never | PATH
-    overwrite: bool = False      # with --resume never: replace an existing run
-    max_restarts: int = 0
-    max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops (0 = never stop)
-    check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
-    allow_tokenizer_change: bool = False   # resume a run whose tokenizer differs from this one's
     rendezvous_timeout: float = 300.0      # seconds to wait for every rank to join the job
     collective_timeout: float = 300.0      # seconds a collective may wait for a peer before the job ends
-    stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
-    timeline: bool = False
-    plan: bool = False
-    search: bool = False         # with --plan: rank every layout that fits by estimated step time
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.zero1:   # --zero1 is --zero 1 (resolve refuses --zero1 --zero 2), folded in once: a copy
-            self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +142,8 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         dict(batch_size=256, seq_len=2048, lr=6e-4, min_lr=6e-5, warmup_steps=2000, steps=60000),
     ),
     "1b": (
-        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
+        ModelConfig(n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632,
+                    vocab_size=32000, max_seq_len=2048),
         dict(batch_size=512, seq_len=2048, lr=4e-4, min_lr=4e-5, warmup_steps=2000, steps=100000),
     ),
     "hlat-7b": (
@@ -177,15 +152,17 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         # 1024 x 4096 tokens (~4.2M) per step; 1.8T tokens ~ 430k steps
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
              # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
-             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, stochastically rounded
-             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-sr", moments="bf16"),
+             tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
+             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, rounded stochastically
+             precision="bf16-sr", moments="bf16"),
     ),
     "hlat-70b": (
         ModelConfig(n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                     vocab_size=32000, max_seq_len=4096),
         dict(batch_size=1024, seq_len=4096, lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, steps=430000,
              # micro-batches of one sequence at 2048 ranks (dp 8): 1024 / 8 = 128 per rank
-             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True, activation_checkpointing="selective", precision="bf16-mixed"),
+             tp=32, pp=8, microbatches=128, zero=1, sequence_parallel=True,
+             activation_checkpointing="selective", precision="bf16-mixed"),
     ),
 }
 

@@ -99,7 +99,11 @@ class BucketWatch:
 
 class Reduction:
     """A DP strategy's own state for one flat group (FlatGroup.dp_state): its fp32 gradient buffer; with
-    overlap, which buckets are full (`watch`, else None), the collectives started, (ZeRO-1) the shard they fill."""
+    overlap, which buckets are full (`watch`, else None), the collectives started, (ZeRO-1) the shard
+    they fill."""
+
+    param_shard = None   # this rank's parameters kept apart from the flat buffer, by a strategy that
+                         # empties it (a seam: docs/design.md 1); None: they are the buffer's [start, stop)
 
     def __init__(self, g, watch=None):
         self.grad, self.watch, self.pending, self.reduced = g.grad, watch, [], None
@@ -108,8 +112,9 @@ class Reduction:
 def wait_all(r: Reduction) -> None:
     """Phase 1 with overlap: finish the collectives the backward started on a group's buckets."""
     if len(r.pending) != len(r.watch.buckets):   # else a bucket would go unsummed, silently
-        raise RuntimeError(f"overlapped gradient reduction: {len(r.pending)} of {len(r.watch.buckets)} buckets "
-                           f"started (a parameter got no gradient); run with --no-overlap-grad-reduce")
+        raise RuntimeError(f"overlapped gradient reduction: {len(r.pending)} of {len(r.watch.buckets)} "
+                           f"buckets started (a parameter got no gradient); run with "
+                           f"--no-overlap-grad-reduce")
     for work, *_ in r.pending:
         work.wait()
     r.pending.clear()

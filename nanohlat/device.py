@@ -56,6 +56,7 @@ class Device:
         self.name = name              # key into metrics.PEAK_FLOPS
         self.local_rank = local_rank
         self._torch_device = torch_device  # None on xla until first used
+        self._timeout = None          # a collective's timeout, once init_process_group is given one
 
     @property
     def torch_device(self) -> torch.device:
@@ -136,8 +137,9 @@ class Device:
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             got = (dist.get_rank(), dist.get_world_size())
             dist.destroy_process_group()
-            raise RuntimeError(f"{self.backend} process group gave rank {got[0]} of {got[1]}, expected rank {rank} "
-                               f"of {world_size}: start xla jobs with torchrun, or use --device cpu (gloo) to test")
+            raise RuntimeError(f"{self.backend} process group gave rank {got[0]} of {got[1]}, expected rank "
+                               f"{rank} of {world_size}: start xla jobs with torchrun, or use --device cpu "
+                               f"(gloo) to test")
 
     def new_group(self, ranks: list[int], partition: list[list[int]]):
         """Process group for `ranks`, one group of `partition` (all groups of
@@ -151,7 +153,7 @@ class Device:
             raise ValueError(f"groups in a partition must have equal sizes, got {partition}")
         if self.kind == "xla":
             return xla.new_group(ranks, partition)
-        return dist.new_group(ranks, timeout=getattr(self, "_timeout", None))
+        return dist.new_group(ranks, timeout=self._timeout)
 
     # -- randomness --------------------------------------------------------------
 

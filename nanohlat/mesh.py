@@ -58,7 +58,10 @@ class Mesh:
     ledger: object = None
     groups: dict = field(default_factory=dict)
     kv_replicas: int = 1        # tp ranks per kv head when tp > n_kv_heads (kv_replicas())
-    extra: dict = field(default_factory=dict)   # kind -> function(mesh) -> its groups: kinds given to this mesh
+    # kinds of group given to this mesh: kind -> function(mesh) -> its groups, drawn from the mesh it is
+    # given (a seam: docs/design.md 1)
+    extra: dict = field(default_factory=dict)
+    grad_kind = "dp"            # the kind of group a parameter's gradient is summed over (grad_group)
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)
@@ -102,7 +105,8 @@ class Mesh:
         """Create the process groups. Every rank calls this, in the same order."""
         if device is not None and self.world > 1:
             import torch.distributed as dist
-            self.groups["world"] = Group("world", list(range(self.world)), self.rank, dist.group.WORLD, self.ledger)
+            everyone = list(range(self.world))
+            self.groups["world"] = Group("world", everyone, self.rank, dist.group.WORLD, self.ledger)
         for kind in self.kinds():
             partition = self._all(kind)
             for ranks in partition:
@@ -138,8 +142,8 @@ class Mesh:
     @property
     def grad_group(self) -> Group:
         """The ranks over which a parameter's gradient is summed: those holding the same weights and
-        other tokens, the dp group."""
-        return self.dp_group
+        other tokens (grad_kind: the dp group)."""
+        return self.group(self.grad_kind)
 
     def stage_of(self, rank: int) -> int:
         """The pipeline stage of `rank`."""
@@ -193,8 +197,8 @@ def pair_groups(kind: str, tp: int, pp: int, dp: int) -> list[list[int]]:
     numbers a group's members (the wrap pair too: [first stage, last stage])."""
     parity = 0 if kind == "pair_even" else 1
     last = pp if pp > 2 and pp % 2 == 0 else pp - 1
-    return [sorted([rank_of(d, b, t, tp, dp), rank_of(d, (b + 1) % pp, t, tp, dp)]) for b in range(parity, last, 2)
-            for d in range(dp) for t in range(tp)]
+    return [sorted([rank_of(d, b, t, tp, dp), rank_of(d, (b + 1) % pp, t, tp, dp)])
+            for b in range(parity, last, 2) for d in range(dp) for t in range(tp)]
 
 
 def pair_key(ranks: list[int], rank: int, stage_of, pp: int) -> str:

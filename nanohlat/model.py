@@ -102,7 +102,8 @@ class Attention(nn.Module):
         assert replicas == max(tp // cfg.n_kv_heads, 1), \
             f"tp {tp} with {cfg.n_kv_heads} kv heads needs kv groups of {max(tp // cfg.n_kv_heads, 1)} ranks"
         self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, cfg.n_kv_heads * replicas // tp, cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads * replicas // tp   # on this rank
+        self.head_dim = cfg.head_dim
         self.wq = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_heads * cfg.head_dim, group)
         self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
@@ -118,7 +119,8 @@ class Attention(nn.Module):
         values and returns the keys and values the new tokens attend to, with
         the mask of which each may see."""
         # enter the tp region (full sequence T), then wq, wk, wv: (B, T, H*D), (B, T, K*D) x 2
-        q, k, v = tpl.enter_linears(x, self.group, self.sequence_parallel, (self.wq, self.wk, self.wv), self.regather)
+        qkv = (self.wq, self.wk, self.wv)
+        q, k, v = tpl.enter_linears(x, self.group, self.sequence_parallel, qkv, self.regather)
         B, T, _ = q.shape
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, K, T, D)
@@ -146,7 +148,8 @@ class MLP(nn.Module):
         self.down = tpl.RowParallelLinear(cfg.ffn_dim, cfg.d_model, group, sequence_parallel)
 
     def forward(self, x):
-        gate, up = tpl.enter_linears(x, self.group, self.sequence_parallel, (self.gate, self.up), self.regather)
+        gate, up = tpl.enter_linears(x, self.group, self.sequence_parallel, (self.gate, self.up),
+                                     self.regather)
         return self.down(F.silu(gate) * up)                              # (B, T(/tp), C)
 
 
@@ -172,8 +175,11 @@ class Transformer(nn.Module):
     them again there (--sp-regather; tensor_parallel.enter_linears).
 
     Every part is an ordinary attribute, so a layer can be given another one of
-    the same interface after construction, before init_weights: a block's `mlp`,
-    its attention's `core`, the stage's `rotary` angles of a training sequence."""
+    the same interface after construction, before init_weights: a block's `mlp`
+    and its linears, its attention's `core`; and two the stage declares unset:
+    `token_positions`, where a training sequence's T tokens on this rank sit in
+    it, and `step_figures`, what a part reports of each training step (each a
+    seam: docs/design.md 1)."""
 
     def __init__(self, cfg: ModelConfig, group: Group | None = None, sequence_parallel: bool = False,
                  layers: range | list[int] | None = None, first: bool = True, last: bool = True,
@@ -188,7 +194,8 @@ class Transformer(nn.Module):
         if first:
             self.embed = tpl.VocabParallelEmbedding(cfg.padded_vocab, cfg.d_model, group, sp)
         self.sp_regather = sp_regather
-        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, group, sp, kv_group, sp_regather)
+                                     for i in self.layer_ids})
         if last:
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, sp)
             self.head = tpl.ColumnParallelLinear(cfg.d_model, cfg.padded_vocab, group)
@@ -196,6 +203,10 @@ class Transformer(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.block_checkpoint = None  # full activation checkpointing: recompute whole blocks
+        # two seams (docs/design.md 1): T -> the positions (T,) of this rank's T tokens in a training
+        # sequence (None: 0..T-1); what a part reports of each training step to log beside the loss
+        self.token_positions = None
+        self.step_figures = None
 
     def set_activation_checkpointing(self, mode: str, checkpoint_fn) -> None:
         """none | selective (recompute the attention core, as HLAT did) | full (recompute blocks)."""
@@ -210,7 +221,7 @@ class Transformer(nn.Module):
         the residual stream (B, T or T/tp, C) for the next stage.
 
         positions (B, T): each token's position in its sequence (the rotary
-        angles); when not given (training), `rotary`'s: 0..T-1 in every row.
+        angles); when not given (training), `rotary`'s, the same in every row.
         cache (serving: serving/generate.py:CachePass, with the same positions):
         where each layer's attention keeps the new keys and values and finds
         the earlier ones; `cache.layer(i)` is layer i's part.
@@ -246,8 +257,12 @@ class Transformer(nn.Module):
         return tpl.vocab_parallel_cross_entropy(logits, targets, self.group, self.cfg.vocab_size)   # (B, T)
 
     def rotary(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary angles of a training sequence's T tokens, positions 0..T-1: (T, D) each."""
-        return self.cos[:T], self.sin[:T]
+        """The rotary angles of a training sequence's T tokens on this rank: (T, D) each, at positions
+        0..T-1, or where `token_positions` places them."""
+        if self.token_positions is None:
+            return self.cos[:T], self.sin[:T]
+        mine = self.token_positions(T).to(self.cos.device)
+        return self.cos[mine], self.sin[mine]
 
 
 # ---------------------------------------------------------------------------

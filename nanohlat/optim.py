@@ -6,8 +6,9 @@ the buffer from the parameters and scatters it back, FlatGroup.load/store), one
 per *group* (weight-decayed or not x tp-sharded, replicated, or in fewer parts
 than tp: replicated kv heads), with fp32 gradients, Adam's moments and master
 weights (all, or this dp rank's 1/dp with --zero 1): the parameters themselves,
-unless bf16-mixed's fp32 copy (precision.py). tests/core/test_optim.py holds AdamW per
-parameter, textbook, and checks this one against it.
+unless bf16-mixed's fp32 copy (precision.py). Read `reference_adamw_step` first:
+AdamW per parameter, textbook, what FlatAdamW computes (tests/core/test_optim.py
+checks the two against each other).
 
 The gradients never stay in `p.grad`: a hook on every parameter
 (data_parallel.accumulate_hook: the DP strategy's `grad_hook`)
@@ -63,6 +64,28 @@ def cosine_lr(step: int, lr: float, min_lr: float, warmup: int, total: int) -> f
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+@torch.no_grad()
+def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
+    """AdamW (Loshchilov & Hutter 2019) per parameter in textbook ops, one process: what FlatAdamW
+    computes over its flat buffers. Matrices are weight-decayed, vectors (norm gains) not. `state`
+    starts as {}. Returns the global grad norm."""
+    b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
+    norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm
+    clip = min(1.0, tcfg.grad_clip / (norm.item() + 1e-6)) if tcfg.grad_clip > 0 else 1.0
+    if not state:
+        state.update(step=0, m=[torch.zeros_like(p) for p in params], v=[torch.zeros_like(p) for p in params])
+    state["step"] += 1
+    bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]      # bias corrections
+    for p, g, m, v in zip(params, grads, state["m"], state["v"]):
+        g = clip * g                                                  # clip by the global norm
+        m.copy_(b1 * m + (1 - b1) * g)                                # first moment
+        v.copy_(b2 * v + (1 - b2) * g * g)                            # second moment
+        if p.ndim >= 2:
+            p.copy_(p * (1 - lr * wd))                                # decoupled weight decay
+        p.copy_(p - lr * (m / bc1) / (torch.sqrt(v / bc2) + eps))     # the Adam step
+    return norm
+
+
 def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> torch.Tensor:
     """sum(x^2) of a flat fp32 buffer, part of the grad-norm rule: the layouts' norms must agree
     as their gradients do (~1e-9 relative), and an fp32 sum of a million squares adds ~1e-5.
@@ -80,28 +103,33 @@ def sum_of_squares(x: torch.Tensor, exact: bool, chunk: int | None = None) -> to
 class FlatGroup:
     """One flat buffer of parameters and its (shard of) optimizer state."""
 
-    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device, tp_rank=0, tp=1):
+    def __init__(self, names, params, decay: bool, tp_replicated: bool, dp, mdtype, sdtype, device,
+                 tp_rank=0, tp=1):
         self.names, self.params, self.dp = names, params, dp    # dp: the strategy reducing these gradients
         self.decay, self.tp_replicated = decay, tp_replicated
         # tp ranks holding partial sums of these gradients, added over that group in phase 1: SP's
-        # norms saw only their rank's tokens, the kv heads' copies only their own query heads
-        whole = tp_replicated or params[0].shard.group != "tp"   # (cut over another group: whole on every tp rank)
+        # norms saw only their rank's tokens, the kv heads' copies only their own query heads. A
+        # parameter cut over another group of ranks than tp (a mixture's experts, spread over expert
+        # parallelism's ranks) is whole on every tp rank, as the norms are
+        whole = tp_replicated or params[0].shard.group != "tp"
         sp = tp > 1 and whole and any(p.shard.sequence_parallel for p in params)
         self.partial = "tp" if sp else "kv" if not whole and tp // params[0].shard.parts > 1 else None
         self.numel = sum(p.numel() for p in params)
         self.padded, self.start, self.stop = dp.layout(self.numel)
         self.offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
-        self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)   # (precision.py)
+        # each parameter's piece of this rank's [start, stop): what bf16-sr's noise is keyed by (precision.py)
+        self.pieces = shard_pieces(names, params, self.offsets, self.start, self.stop, tp_rank, tp)
         # the parameters in one flat buffer (zero-padded to a multiple of dp), each a view of it: cpu, cuda;
         # XLA keeps no view aliased across graphs (each one a new buffer, every graph new): see load, store
         self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
-        # fp32 gradients (dp.grad_length: all of them, or a strategy's shard), added in by the hooks (dp.grad_hook);
-        # later AdamW's scratch
+        # fp32 gradients (dp.grad_length: all of them, or a strategy's shard), added in by the hooks
+        # (dp.grad_hook); later AdamW's scratch
         self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
         self.dp_state = dp.track(self)                   # the DP strategy's own object for this group
         # this rank's (shard of the) parameters: a view of the flat buffer, or a copy the strategy keeps
-        mine = getattr(self.dp_state, "param_shard", self.flat[self.start:self.stop])
+        kept = self.dp_state.param_shard
+        mine = kept if kept is not None else self.flat[self.start:self.stop]
         self.master_is_params = mdtype == mine.dtype     # else bf16-mixed's separate fp32 master
         self.master = mine if self.master_is_params else mine.to(mdtype)
         self.exp_avg = torch.zeros(self.stop - self.start, dtype=sdtype, device=device)
@@ -113,7 +141,8 @@ class FlatGroup:
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
-        """The flat parameter buffer: kept (aliased), gathered from the parameters (xla), or as the DP strategy has it."""
+        """The flat parameter buffer: kept (aliased), gathered from the parameters (xla), or as the DP
+        strategy has it."""
         return self.dp.gathered(self)
 
     def load(self) -> None:
@@ -144,27 +173,34 @@ class FlatAdamW:
         self.mesh, self.tcfg, self.device = mesh, tcfg, device
         self.zero, self.precision = tcfg.zero >= 1, tcfg.precision
         self.exact = device.kind != "xla"      # the grad norm's squares summed in fp64 (trn1 has no fp64)
-        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards (`strategy`: another class
-        # with ReplicatedDP's methods); overlapped with the backward (not on XLA: its compiler schedules collectives)
+        # the one place data parallelism enters: all-reduce everything, or ZeRO-1's shards (`strategy`:
+        # another class with ReplicatedDP's methods, a seam: docs/design.md 1); overlapped with the
+        # backward (not on XLA: its compiler schedules collectives)
         strategy = strategy or (zero1.ZeroOneDP if self.zero else data_parallel.ReplicatedDP)
         overlap = tcfg.overlap_grad_reduce and device.kind != "xla"
         self.dp = strategy(mesh.grad_group, int(tcfg.bucket_mb * 2**20 / 4), tcfg.microbatches, overlap)
-        # a parameter cut over another group of ranks than tp (p.shard.group, carved out of dp) has its gradient
-        # summed over the ranks holding the same part, the mesh's group '<that group>_dp', the same way
+        # a parameter cut over another group of ranks than tp (p.shard.group: a mixture's experts, each
+        # held by some of the dp ranks under expert parallelism) has its gradient summed over the ranks
+        # holding the same part, the mesh's group '<that group>_dp', the same way
         by_kind, strategies = {}, {"tp": self.dp}
         for name, p in model.named_parameters():
             group = p.shard.group
             if group not in strategies:
-                strategies[group] = strategy(mesh.group(group + "_dp"), self.dp.bucket_elems, tcfg.microbatches, overlap)
-            key = (self.dp.unit_of(name), p.ndim >= 2, p.shard.dim is None, p.shard.parts, group)   # (the unit, decay,
-            by_kind.setdefault(key, ([], []))[0].append(name)                      # tp-replicated, parts, group)
+                strategies[group] = strategy(mesh.group(group + "_dp"), self.dp.bucket_elems,
+                                             tcfg.microbatches, overlap)
+            # a flat buffer per (the strategy's unit, decay, tp-replicated, parts, group)
+            key = (self.dp.unit_of(name), p.ndim >= 2, p.shard.dim is None, p.shard.parts, group)
+            by_kind.setdefault(key, ([], []))[0].append(name)
             by_kind[key][1].append(p)
-        self.groups = [FlatGroup(names, params, decay, repl, strategies[split],
-                                 master_dtype(tcfg.precision), moment_dtype(tcfg.moments), device.torch_device,
-                                 mesh.tp_rank, mesh.tp)
-                       for (_, decay, repl, _, split), (names, params) in sorted(by_kind.items(), reverse=True)]
+        kinds = sorted(by_kind.items(), reverse=True)   # (in the same order on every rank)
+        self.groups = [FlatGroup(names, params, decay, repl, strategies[split], master_dtype(tcfg.precision),
+                                 moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
+                       for (_, decay, repl, _, split), (names, params) in kinds]
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
+        # what else a step updates that is not a parameter: each hook(finite) runs after the update, on
+        # every rank (a seam: docs/design.md 1)
+        self.step_hooks = []
 
     def zero_grad(self) -> None:
         """Start a step's gradient accumulation: clear the fp32 buffers."""
@@ -202,16 +238,19 @@ class FlatAdamW:
         """Phase 2: the gradient norm of the whole model, each parameter counted once (module docstring)."""
         mesh, sq = self.mesh, torch.zeros((), dtype=torch.float64 if self.exact else torch.float32,
                                           device=self.device.torch_device)
-        spread: dict = {}                                # cut over another group than tp: its squares, by group
+        spread: dict = {}                                # cut over another group than tp (experts): by group
         for g, grad in zip(self.groups, grads):
-            s, spec, copies = self._sum_of_squares(grad), g.params[0].shard, mesh.tp // g.params[0].shard.parts
+            spec = g.params[0].shard
+            s, copies = self._sum_of_squares(grad), mesh.tp // spec.parts
             if spec.group != "tp":
                 spread[spec.group] = spread.get(spec.group, torch.zeros_like(sq)) + s
             else:                                        # (copies: tp ranks holding this group's elements)
                 sq = sq + (s / copies if copies > 1 else s)
         sq = sq.float()
-        for name, s in spread.items():   # each rank of that group holds other parts: add them up over it (ZeRO:
-            if not self.zero:            # the sum over dp below does, its ranks holding every part's shards once)
+        # each rank of such a group holds other parts (other experts): add them up over it (under ZeRO the sum
+        # over dp below does, its ranks holding every part's shards once)
+        for name, s in spread.items():
+            if not self.zero:
                 s = comm.all_reduce(s.float(), mesh.group(name))
             sq = sq + s.float() / mesh.tp                # (whole on every tp rank: counted once over tp)
         sq = comm.all_reduce(sq, mesh.tp_group)
@@ -234,7 +273,7 @@ class FlatAdamW:
         n = (self.step_count + 1).float()                # this step's number, if it is kept
         # bias corrections 1 - beta^n, as -expm1(n log beta): accurate in fp32 even for n = 1
         bc1, bc2 = -torch.expm1(n * math.log(b1)), -torch.expm1(n * math.log(b2))
-        clip = torch.clamp(tcfg.grad_clip / (norm + 1e-6), max=1.0) if tcfg.grad_clip > 0 else torch.ones_like(norm)
+        clip = torch.clamp(tcfg.grad_clip / (norm + 1e-6), max=1.0) if tcfg.grad_clip > 0 else 1.0
         c = {"clip": clip * keep,
              "w1": (1 - b1) * keep, "w2": (1 - b2) * keep,   # moment weights: m <- m + w1 (g - m)
              "step_size": lr_t * keep / bc1, "sqrt_bc2": bc2.sqrt(),
@@ -244,10 +283,13 @@ class FlatAdamW:
             w, m, v = g.master.float(), g.exp_avg.float(), g.exp_avg_sq.float()
             self._adamw(grad, m, v, w, c, g.decay and tcfg.weight_decay != 0)
             for stored, new, salt in ((g.master, w, 0), (g.exp_avg, m, 1), (g.exp_avg_sq, v, 2)):
-                if new is not stored:                  # bf16: round the fp32 result back (noise salted per buffer)
-                    round_into_master(stored, new, g.pieces, self.precision, tcfg.seed, self.step_count + 1, salt)
+                if new is not stored:   # bf16: round the fp32 result back (noise salted by buffer)
+                    round_into_master(stored, new, g.pieces, self.precision, tcfg.seed, self.step_count + 1,
+                                      salt)
             del w, m, v                                  # (free the fp32 copies before the next group)
         self.step_count += finite.long()                 # a skipped step is not a step
+        for hook in self.step_hooks:
+            hook(finite)
 
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
         """AdamW (Loshchilov & Hutter 2019) on flat buffers, in place (a full-size temporary

@@ -270,11 +270,13 @@ class PipelineRunner:
         total = torch.zeros((), dtype=torch.float32, device=self.device.torch_device)
         for i in range(self.m):
             for c, layers in enumerate(self.chunks):
-                x = tokens[i] if self._first(c) else comm.exchange(self._or_zeros(None), self._sender(), sends=False)
+                x = tokens[i] if self._first(c) else comm.exchange(self._or_zeros(None), self._sender(),
+                                                                   sends=False)
                 if self._last(c):
                     total = total + self.model(x, targets[i], layers=layers).sum() * loss_scale
                 else:
-                    comm.exchange(self._or_zeros(self.model(x, layers=layers)), self._receiver(), receives=False)
+                    y = self.model(x, layers=layers)
+                    comm.exchange(self._or_zeros(y), self._receiver(), receives=False)
                 if self.pp > 1:
                     self._cut_graph()
         return total

@@ -76,7 +76,8 @@ def moment_dtype(moments: str) -> torch.dtype:
     return torch.bfloat16 if moments == "bf16" else torch.float32
 
 
-def stochastic_round_to_bf16(x: torch.Tensor, generator=None, noise: torch.Tensor | None = None) -> torch.Tensor:
+def stochastic_round_to_bf16(x: torch.Tensor, generator=None,
+                             noise: torch.Tensor | None = None) -> torch.Tensor:
     """Round fp32 -> bf16 up or down at random, unbiased.
 
     A bf16 is the top 16 bits of an fp32. Adding a uniform random integer in
@@ -194,7 +195,9 @@ def shard_pieces(names, params, offsets, start: int, stop: int, tp_rank: int, tp
         if lo >= hi:
             continue
         chunks = 1 if p.shard.dim is None else p.shard.parts   # (shard_spec.ShardSpec)
-        chunk = p.shard.part if p.shard.group != "tp" else tp_rank * chunks // tp   # (cut over another group: its part)
+        # which chunk this rank holds: over tp, its tp rank's; a parameter cut over another group of ranks
+        # (a mixture's experts, spread over expert parallelism's ranks, whole on every tp rank) says its part
+        chunk = p.shard.part if p.shard.group != "tp" else tp_rank * chunks // tp
         pieces.append(Piece(name, name_key(name), lo - start, hi - start, lo - off, hi - off, tuple(p.shape),
                             p.shard.dim, chunk, chunks))   # tp ranks sharing a chunk hold copies
     return pieces
@@ -215,5 +218,6 @@ def round_into_master(master: torch.Tensor, w: torch.Tensor, pieces: list[Piece]
     key = step_key(seed, step) if not salt else mix64(step_key(seed, step) ^ salt)
     for p in pieces:
         local = torch.arange(p.local_start, p.local_stop, dtype=torch.int64, device=w.device)
-        noise = rounding_noise(mix64(key ^ p.name_key), full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks))
+        index = full_index(local, p.shape, p.tp_dim, p.chunk, p.chunks)   # each element's in the full tensor
+        noise = rounding_noise(mix64(key ^ p.name_key), index)
         master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))

@@ -203,7 +203,7 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> the forward's (B, T, C)
+        gather = functools.partial(comm.all_gather, group=ctx.group, dim=SEQ_DIM)   # x -> forward's (B, T, C)
         dws = ctx.first.weight_grads(weights, x, gather, grads)
         dx = None
         for g, w in zip(reversed(grads), reversed(weights)):
@@ -233,7 +233,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         # exercise 4b: begin
-        return self.linear(x, self.weight)                   # (B, T, out/tp), or out*replicas/tp (kv replicas)
+        return self.linear(x, self.weight)                   # (B, T, out/tp), or out*replicas/tp (kv)
         # exercise 4b: end
 
     def weight_grads(self, weights, x, gather, grads) -> list:

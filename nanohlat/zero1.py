@@ -62,7 +62,7 @@ def reduce_scatter_buckets(flat: torch.Tensor, group, bucket_elems: int) -> torc
     shard = torch.empty(rows.shape[1], dtype=flat.dtype, device=flat.device)
     for k, (a, b) in enumerate(bucket_ranges(rows.shape[1], bucket_elems // group.size)):
         piece = rows[:, a:b].contiguous().view(-1)         # (dp * (b-a),)
-        shard[a:b] = comm.reduce_scatter(piece, group, what=(flat, k))   # (what: bucket k of flat, --timeline)
+        shard[a:b] = comm.reduce_scatter(piece, group, what=(flat, k))   # (what: flat's bucket k)
     return shard
     # exercise 3b: end
 
@@ -93,12 +93,13 @@ class ZeroOneDP(ReplicatedDP):
     def buckets(self, padded: int) -> list:
         """reduce_scatter_buckets' buckets as flat ranges: columns [a, b) of every row."""
         n, cols = self.group.size, padded // self.group.size
-        return [[(r * cols + a, r * cols + b) for r in range(n)] for a, b in bucket_ranges(cols, self.bucket_elems // n)]
+        return [[(r * cols + a, r * cols + b) for r in range(n)]
+                for a, b in bucket_ranges(cols, self.bucket_elems // n)]
 
     def start(self, r: Reduction, k: int) -> tuple:
         """Overlap: reduce-scatter bucket k into its columns of this rank's shard (r.reduced)."""
         if not r.pending:
-            r.reduced = torch.empty(r.grad.numel() // self.group.size, dtype=r.grad.dtype, device=r.grad.device)
+            r.reduced = r.grad.new_empty(r.grad.numel() // self.group.size)
         (a, b), n = r.watch.buckets[k][0], self.group.size
         piece = r.grad.view(n, -1)[:, a:b].contiguous().view(-1)   # as reduce_scatter_buckets cuts it
         return comm.start_reduce_scatter(piece, r.reduced[a:b], self.group, what=(r.grad, k)), piece

@@ -107,9 +107,23 @@ def random_batch(model_cfg, tcfg, dev):
     return batch[:, :-1], batch[:, 1:]
 
 
+class Timed:
+    """A training step to time: calling it runs `run` (which returns its forward + backward seconds, or
+    None, and its loss) and returns the seconds; `first_loss` keeps the first step's loss (a tensor), for
+    the comparison of nanohlat's with Hugging Face's."""
+
+    def __init__(self, run):
+        self.run, self.first_loss = run, None
+
+    def __call__(self):
+        seconds, loss = self.run()
+        if self.first_loss is None:
+            self.first_loss = loss
+        return seconds
+
+
 def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
-    """nanohlat's single-process training step, as train.py runs it. Returns (step, model);
-    step.first_loss: the first step's loss (a tensor), for the comparison with Hugging Face's."""
+    """nanohlat's single-process training step, as train.py runs it. Returns (step, model): a Timed."""
     mesh = meshlib.Mesh(1, 1, 1, ledger=comm.CommLedger())
     model, runner, opt = build(model_cfg, tcfg, mesh, dev)   # what train.py builds
     B, T = tokens.shape
@@ -122,12 +136,9 @@ def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
         t1 = mark(dev)
         opt.step(tcfg.lr)
         dev.sync()
-        if step.first_loss is None:
-            step.first_loss = loss.detach()
-        return t1 - t0 if t1 else None
+        return (t1 - t0 if t1 else None), loss.detach()
 
-    step.first_loss = None
-    return step, model
+    return Timed(step), model
 
 
 def hf_step(model_cfg, tcfg, dev, tokens, targets):
@@ -285,7 +296,7 @@ def main(argv=None) -> int:
     hf = None
     if args.hf and model_cfg.moe_experts:
         try:
-            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark)
+            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, Timed)
         except UserError as e:
             print(f"(no Hugging Face model of this shape, timing nanohlat alone: {e})")
             args.hf = False

@@ -73,9 +73,9 @@ def hf_adamw(model, tcfg):
                              lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
 
 
-def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark):
-    """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model),
-    step.first_loss the first step's language-model loss; None without transformers.
+def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed):
+    """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model), the step
+    a `timed` (bench.Timed: its first_loss the first step's language-model loss); None without transformers.
     UserError for a mixture Mixtral cannot express (serving/hf.py's check_mixtral)."""
     try:
         from transformers import MixtralConfig, MixtralForCausalLM
@@ -103,12 +103,9 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark):
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         opt.step()
         dev.sync()
-        if step.first_loss is None:
-            step.first_loss = lm.detach()
-        return t1 - t0 if t1 else None
+        return (t1 - t0 if t1 else None), lm.detach()
 
-    step.first_loss = None
-    return step, model
+    return timed(step), model
 
 
 def experts_implementation(model) -> str:

@@ -95,10 +95,10 @@ class Context:
         """(cp, t): every rank's t tokens' places in the whole sequence of cp * t tokens."""
         return zigzag_positions(t * self.group.size, self.group.size)
 
-    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, t: int):
-        """The rotary angles of this rank's t tokens, at their places in the whole sequence: (t, D) each."""
-        mine = self.positions(t)[self.group.rank].to(cos.device)
-        return cos[mine], sin[mine]
+    def token_positions(self, t: int) -> torch.Tensor:
+        """This rank's t tokens' places in the whole sequence (t,), at which they are rotated
+        (model.Transformer.token_positions, set by `apply`)."""
+        return self.positions(t)[self.group.rank]
 
     def attention(self, q, k, v):
         """`attention` below with this rank's group, table and algorithm (--timeline: timed, tools/comm_trace.py)."""
@@ -113,11 +113,11 @@ class Context:
 def apply(model, group, algorithm: str) -> Context:
     """Context parallelism on this rank's stage `model` (model.py's seams): every layer's attention core
     across the cp ranks of `group` by `algorithm`, and the rotary angles of each of this rank's tokens at
-    its place in the whole sequence (Context.rotary)."""
+    its place in the whole sequence (Context.token_positions)."""
     ctx = Context(group, algorithm)
     for block in model.layers.values():
         block.attn.core = ctx
-    model.rotary = lambda t: ctx.rotary(model.cos, model.sin, t)   # (the tables as they are now: moved, cast)
+    model.token_positions = ctx.token_positions
     return ctx
 
 
@@ -165,11 +165,13 @@ def lift(base_rank: int, cp_rank: int, tp: int, cp: int) -> int:
 @dataclass
 class ContextMesh(Mesh):
     """mesh.Mesh with a cp dimension between tp and dp: the groups 'cp' (the ranks sharing each
-    sequence) and 'dp_cp' (those holding the same weights: the gradients' group), every other kind
-    lifted to each cp rank (but --ep's, carved out of dp x cp: moe.add_groups), and each rank's zigzag
-    part of its sequences."""
+    sequence) and 'dp_cp' (those holding the same weights: the gradients' group, grad_kind), every
+    other kind of mesh.py's lifted to each cp rank, and each rank's zigzag part of its sequences. A kind
+    given in `extra` draws its groups from this mesh itself (schedules.wrap_groups lifts nothing it has
+    not read from it; --ep carves dp x cp: moe.add_groups)."""
 
     cp: int = 1
+    grad_kind = "dp_cp"
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, inner = coords(self.rank, self.tp * self.cp, self.pp, self.dp)
@@ -190,15 +192,10 @@ class ContextMesh(Mesh):
         if kind == "dp_cp":
             return [[lift(rank_of(d, p, t, tp, dp), c, tp, cp) for d in range(dp) for c in range(cp)]
                     for p in range(pp) for t in range(tp)]
-        if getattr(self.extra.get(kind), "whole_mesh", False):   # a kind drawn from dp x cp (moe.add_groups)
+        if kind in self.extra:   # (drawn from this mesh: mesh.Mesh.extra)
             return self.extra[kind](self)
-        base = Mesh(tp, pp, dp, kv_replicas=self.kv_replicas, extra=self.extra)
+        base = Mesh(tp, pp, dp, kv_replicas=self.kv_replicas)
         return [[lift(b, c, tp, cp) for b in ranks] for c in range(cp) for ranks in base._all(kind)]
-
-    @property
-    def grad_group(self):
-        """dp x cp: each cp rank saw other tokens of the same sequences, with the same weights."""
-        return self.group("dp_cp")
 
     def stage_of(self, rank: int) -> int:
         return coords(rank, self.tp * self.cp, self.pp, self.dp)[1]

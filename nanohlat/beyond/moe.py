@@ -357,16 +357,15 @@ def carve(kind: str, grad_groups: list[list[int]], ep: int) -> list[list[int]]:
 
 def add_groups(mesh, ep: int):
     """Give `mesh` the kinds 'ep' and 'ep_dp' (before its groups are built). Returns it.
-    With --cp (context_parallel.ContextMesh) expert parallelism draws its ranks from dp x cp, the ranks
-    that hold the same weights and other tokens (as Megatron and torchtitan do): the ep groups are runs
-    of the mesh's 'dp_cp' groups (cp neighbours first), so --ep may be up to dp x cp. A kind marked
-    `whole_mesh` is drawn from the ContextMesh itself, not lifted from the cp = 1 mesh's."""
+    Expert parallelism draws its ranks from those that hold the same weights and other tokens, the
+    mesh's gradient groups (grad_kind): the dp groups (ep_groups), or with --cp the dp x cp groups
+    (context_parallel.ContextMesh; as Megatron and torchtitan do), whose runs of ep neighbours (cp
+    neighbours first) are `carve`d out, so --ep may be up to dp x cp."""
     for kind in ("ep", "ep_dp"):
         def groups(m, kind=kind):
-            if getattr(m, "cp", 1) > 1:
-                return carve(kind, m._all("dp_cp"), ep)
-            return ep_groups(kind, m.tp, m.pp, m.dp, ep)
-        groups.whole_mesh = True
+            if m.grad_kind == "dp":
+                return ep_groups(kind, m.tp, m.pp, m.dp, ep)
+            return carve(kind, m._all(m.grad_kind), ep)
         mesh.extra[kind] = groups
     return mesh
 
@@ -471,22 +470,22 @@ class MoE(nn.Module):
             self.shared_up = W(n_shared * ffn_dim, d_model)
             self.shared_down = W(d_model, n_shared * ffn_dim)
         self.losses = self.load = None
-        if bias_rate:   # balancing without a loss: state, not a parameter (no gradient, no optimizer; Figures.step)
-            self.register_buffer("expert_bias", torch.zeros(n_experts))
+        # balancing without a loss: state, not a parameter (no gradient, no optimizer; moved in the optimizer's
+        # step hook, Figures.move_biases); None without --moe-bias-rate
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if bias_rate else None)
 
     def _apply(self, fn, recurse=True):
         """module.to(device, dtype) moves the bias but keeps it fp32: its steps of --moe-bias-rate
         (1e-3) would round away in bf16 (8 bits: 1e-3 is under half an ulp of 0.25)."""
-        bias = self._buffers.pop("expert_bias", None)
+        bias = self._buffers.pop("expert_bias")
         out = super()._apply(fn, recurse)
-        if bias is not None:
-            self._buffers["expert_bias"] = bias.to(fn(bias).device, torch.float32)
+        self._buffers["expert_bias"] = None if bias is None else bias.to(fn(bias).device, torch.float32)
         return out
 
     def forward(self, x):
         B, T, C = x.shape
         experts, weights, balance, z = route(x, self.router.weight, self.k, self.seq_group,
-                                             getattr(self, "expert_bias", None))
+                                             self.expert_bias)
         flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
         params = (self.gate.weight, self.up.weight, self.down.weight)
         if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)

@@ -1,5 +1,5 @@
 """A mixture of experts' router figures in a step, what a run logs of them, and the bias that
-balances without a loss (--moe-bias-rate), moved by them after each step: moe.py's Figures,
+balances without a loss (--moe-bias-rate), moved by them in each optimizer step: moe.py's Figures,
 update_bias, tally and step_metrics, in a file of their own (moe.py imports them back).
 """
 
@@ -14,12 +14,14 @@ from nanohlat import comm
 
 class Figures:
     """A MoE model's router figures in one step, a row per sparse layer of the model: each training forward
-    of the stage (a micro-batch, or an interleaved chunk of it) adds its layers' `tally`; `step` sums them
-    over micro-batches, tp ranks (with SP each routed its share of the tokens; without, the same ones: the
-    figures are ratios), the ranks of the gradient group and the pipeline stages, and says what to log."""
+    of the stage (a micro-batch, or an interleaved chunk of it) adds its layers' `tally`; `summed` adds them
+    up over micro-batches, tp ranks (with SP each routed its share of the tokens; without, the same ones: the
+    figures are ratios), the ranks of the gradient group and the pipeline stages. With --moe-bias-rate the
+    optimizer step moves the biases by them (`move_biases`, its step hook: run/build.py); what a run logs
+    of them is `metrics` (the model's step_figures: run/session.py reads it, and changes nothing)."""
 
     def __init__(self, cfg, model=None):
-        self.cfg, self.total = cfg, None
+        self.cfg, self.total, self.reduced = cfg, None, None
         self.sparse = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]   # the model's sparse layers
         # (--moe-bias-rate) this stage's sparse blocks by row, whose biases `step` updates
         self.blocks = {self.sparse.index(int(i)): b.mlp for i, b in model.layers.items()
@@ -39,17 +41,28 @@ class Figures:
             t = t.new_zeros(len(self.sparse), t.shape[1]).index_copy(0, where, t)
         self.total = t if self.total is None else self.total + t
 
-    def step(self, mesh, device, finite=None) -> dict:
-        """The step's figures (step_metrics), summed over every rank; every rank takes part. Called
-        after the optimizer step: with --moe-bias-rate, this stage's biases are then moved by the load
-        of the whole global batch (`update_bias`), unless the step was not `finite` (skipped)."""
+    def summed(self, mesh, device) -> torch.Tensor:
+        """The figures of the step's forwards so far, summed over every rank (every rank takes part), and
+        a new sum begun."""
         total, self.total = self.total, None
         if total is None:   # a stage without sparse layers (--moe-every): zero rows, for the sum over pp
             total = torch.zeros(len(self.sparse), self.cfg.moe_experts + 4, device=device)
         for group in (mesh.tp_group, mesh.grad_group, mesh.pp_group):   # (no ledger: not the step's traffic)
             total = comm.all_reduce(total, dataclasses.replace(group, ledger=None))
+        return total
+
+    def move_biases(self, mesh, device, finite=None) -> None:
+        """The optimizer's step hook (--moe-bias-rate): this stage's biases moved by the load of the whole
+        global batch (`update_bias`), not when the step was not `finite` (skipped). The sum is kept for
+        the step's `metrics`."""
+        self.reduced = self.summed(mesh, device)
         for row, block in self.blocks.items():
-            update_bias(block.expert_bias, total[row, :self.cfg.moe_experts], self.cfg.moe_bias_rate, finite)
+            update_bias(block.expert_bias, self.reduced[row, :self.cfg.moe_experts], self.cfg.moe_bias_rate, finite)
+
+    def metrics(self, mesh, device) -> dict:
+        """What a run logs of the step (step_metrics), summed over every rank; every rank takes part.
+        After the step hook, its sum (the same figures, already summed)."""
+        total, self.reduced = (self.reduced if self.reduced is not None else self.summed(mesh, device)), None
         return step_metrics(total.cpu(), self.cfg.moe_aux_coef, self.cfg.moe_z_coef)
 
 

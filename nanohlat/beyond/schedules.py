@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from nanohlat import comm, pipeline
 from nanohlat.beyond import split_backward
-from nanohlat.mesh import rank_of
 from nanohlat.pipeline import PipelineRunner, stage_order
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")   # --schedule
@@ -198,7 +197,6 @@ class ZeroBubbleRunner(PipelineRunner):
 
 def wrap_groups(mesh) -> list[list[int]]:
     """The mesh's kind 'pair_wrap' with the interleaved schedule (build.py gives it): with an odd pp >= 3,
-    the last stage <-> first stage pairs, which mesh.py's odd pairs lack (an even pp has them there)."""
-    tp, pp, dp = mesh.tp, mesh.pp, mesh.dp
-    return [[rank_of(d, 0, t, tp, dp), rank_of(d, pp - 1, t, tp, dp)] for d in range(dp) for t in range(tp)
-            ] if pp > 2 and pp % 2 else []
+    the last stage <-> first stage pairs, which mesh.py's odd pairs lack (an even pp has them there):
+    the two ends of each of the mesh's pp groups (with --cp, each cp rank's)."""
+    return [[g[0], g[-1]] for g in mesh._all("pp")] if mesh.pp > 2 and mesh.pp % 2 else []

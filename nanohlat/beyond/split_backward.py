@@ -4,14 +4,16 @@ A linear's backward computes dx = g W, which the layer before waits for, and dW 
 which nothing needs before the step. B computes dx, stashing (W, x, g); W computes each dW
 with autograd's mm (the same bits) and hands it to autograd, whose AccumulateGrad runs the
 hooks (optim.py) as an unsplit backward does (in B they run with no gradient and add nothing).
-The norm gains and the embedding keep theirs in B. `apply` makes the model's tensor-parallel
-linears split ones (subclasses of tensor_parallel.py's, the same parameters), which defer only
-inside a `with` of the SplitBackward that the pipeline runner running the ticks owns.
+The norm gains and the embedding keep theirs in B. `apply` gives the model split linears in place
+of its tensor-parallel ones (subclasses of tensor_parallel.py's around the same parameters: a
+block's linears are ordinary attributes, model.py), which defer only inside a `with` of the
+SplitBackward that the pipeline runner running the ticks owns.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from nanohlat import tensor_parallel as tpl
@@ -70,7 +72,9 @@ def weight_grads(stash: list) -> None:
 class SplitColumnParallelLinear(tpl.ColumnParallelLinear):
     """A column-parallel linear whose weight gradients wait for W in a zb-h1 step (`split` set)."""
 
-    split = None
+    def __init__(self, m: tpl.ColumnParallelLinear):
+        nn.Module.__init__(self)   # (not the parent's, which would make a new weight: m's is kept)
+        self.weight, self.split = m.weight, None
 
     def linear(self, x, w):
         return linear(x, w, self.split)
@@ -86,7 +90,10 @@ class SplitColumnParallelLinear(tpl.ColumnParallelLinear):
 class SplitRowParallelLinear(tpl.RowParallelLinear):
     """A row-parallel linear whose weight gradient waits for W in a zb-h1 step (`split` set)."""
 
-    split = None
+    def __init__(self, m: tpl.RowParallelLinear):
+        nn.Module.__init__(self)   # (as SplitColumnParallelLinear's)
+        self.weight, self.split = m.weight, None
+        self.group, self.sequence_parallel = m.group, m.sequence_parallel
 
     def linear(self, x, w):
         return linear(x, w, self.split)
@@ -96,10 +103,11 @@ SPLIT = (SplitColumnParallelLinear, SplitRowParallelLinear)
 
 
 def apply(model) -> None:
-    """Every tensor-parallel linear of `model` becomes its split kind: the same module and parameters,
-    whose backward defers dW while a SplitBackward is entered."""
-    for m in model.modules():
-        if type(m) is tpl.ColumnParallelLinear:
-            m.__class__ = SplitColumnParallelLinear
-        elif type(m) is tpl.RowParallelLinear:
-            m.__class__ = SplitRowParallelLinear
+    """Every tensor-parallel linear of `model` gives way to its split kind around the same parameter (in
+    its place among its parent's modules, so the parameters keep their names and order), whose backward
+    defers dW while a SplitBackward is entered."""
+    kinds = {tpl.ColumnParallelLinear: SplitColumnParallelLinear, tpl.RowParallelLinear: SplitRowParallelLinear}
+    for parent in list(model.modules()):
+        for name, m in list(parent.named_children()):
+            if type(m) in kinds:
+                setattr(parent, name, kinds[type(m)](m))

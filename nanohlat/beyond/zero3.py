@@ -162,7 +162,7 @@ def unit_of(name: str) -> int:
 def attach(model, groups) -> list:
     """One Unit per layer (and one for the rest) over FlatAdamW's groups' Shards, hooked to its module.
     A layer's experts under --ep, sharded over their own ranks (ep_dp, optim.py), are a second Unit
-    of that layer, gathered and freed with it."""
+    of that layer, gathered and freed with it. Each Shard holds its Unit (Shard.unit)."""
     by_unit: dict = {}
     for g in groups:   # (each group's strategy: the dense parameters' over dp, the experts' over ep_dp)
         by_unit.setdefault((unit_of(g.names[0]), g.dp), []).append(g.dp_state)
@@ -177,7 +177,7 @@ def attach(model, groups) -> list:
 def whole(opt, quiet: bool = False):
     """Every unit whole (a checkpoint's load, --check-replicas), then each rank keeps its shard of the result.
     quiet: gathered off the comm ledger (not training's traffic)."""
-    units = getattr(opt, "units", [])
+    units = list(dict.fromkeys(g.dp_state.unit for g in opt.groups))   # (each once, in the groups' order)
     for u in units:
         u.gather(dataclasses.replace(u.dp.group, ledger=None) if quiet else None)
     try:

@@ -134,8 +134,8 @@ BUGS = [
         "weights. Row r of the gathered buffer is rank r's shard.",
         **REPLICA_CHECK_OFF),
     Bug(6, "cp-rotary", "CP", 2, "nanohlat/beyond/context_parallel.py",
-        "mine = self.positions(t)[self.group.rank].to(cos.device)",
-        "mine = torch.arange(t, device=cos.device)",
+        "return self.positions(t)[self.group.rank]",
+        "return torch.arange(t)",
         (["--nproc", "2", "--cp", "2", "--cp-attention", "allgather"],),
         "cp 2's loss of step 1 agrees with one process's to 1e-5, its gradient norm differs by about 1e-4 "
         "relative; the ledger equals the plan and the replicas agree.",

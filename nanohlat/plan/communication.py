@@ -8,14 +8,12 @@ import functools
 from types import SimpleNamespace
 
 from nanohlat import comm
-from nanohlat.beyond import moe
 from nanohlat.recipe import ModelConfig, TrainConfig
-from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas
 from nanohlat.pipeline import PipelineRunner
-from nanohlat.beyond.schedules import InterleavedRunner, timetable
 from nanohlat.plan.context import attention_collectives, local_tokens
-from nanohlat.plan.params import dtype_bytes, group_kinds, stage_sparse_layers
+from nanohlat.plan.params import dtype_bytes, group_kinds, mesh_at, stage_sparse_layers
+from nanohlat.tools.orders import timetable
 from nanohlat.zero1 import padded_size
 
 
@@ -50,6 +48,7 @@ def exchanges_per_boundary(schedule: str, pp: int, m: int, v: int = 1) -> tuple[
     moves = lambda pair: pair != (None, None)      # (activation, gradient) micro-batches, None where nothing moves
     out = [sum(moves(PipelineRunner._exchange_plan(runner, t, b)) for t in ticks) for b in range(pp - 1)]
     if v > 1:
+        from nanohlat.beyond.schedules import InterleavedRunner   # (interleaved only)
         out.append(sum(moves(InterleavedRunner._wrap_plan(runner, t)) for t in ticks))
     return tuple(out)
 
@@ -65,7 +64,7 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
     if whole_block_replay is None:
         whole_block_replay = tcfg.device == "xla"
     tp, pp, dp, cp = mesh.tp, mesh.pp, mesh.dp, tcfg.cp
-    stage = ContextMesh(tp, pp, dp, mesh.rank, cp=cp).pp_rank   # (cp 1: mesh.Mesh's coordinates)
+    stage = mesh_at(tp, pp, dp, mesh.rank, cp).pp_rank
     itemsize = dtype_bytes(tcfg.precision)
     m = tcfg.microbatches
     mb = tcfg.batch_size // (dp * m)
@@ -205,6 +204,7 @@ def _add_expert_parallel(out: dict, cfg: ModelConfig, tcfg: TrainConfig, mb: int
     sp = tcfg.sequence_parallel and tcfg.tp > 1   # (each tp rank routes its T/tp tokens)
     N, E, k = mb * local_tokens(tcfg) // (tcfg.tp if sp else 1), cfg.moe_experts, cfg.moe_top_k
     if cfg.moe_capacity_factor:   # static queues: E x C rows to and fro
+        from nanohlat.beyond import moe
         rows = E * moe.capacity(N, k, E, cfg.moe_capacity_factor)
     else:
         rows = N * k

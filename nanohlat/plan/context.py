@@ -58,8 +58,7 @@ t*i*t + t(t+1)/2, the last rank about 2n-1 times the first's.
 from __future__ import annotations
 
 from nanohlat.recipe import ModelConfig, TrainConfig
-
-ALGORITHMS = ("allgather", "ring", "ulysses")
+from nanohlat.recipe.configs import CP_ATTENTIONS as ALGORITHMS   # --cp-attention's values
 
 
 def local_tokens(tcfg: TrainConfig) -> int:

@@ -102,8 +102,7 @@ import functools
 import numpy as np
 
 from nanohlat.recipe import ModelConfig, TrainConfig
-from nanohlat.beyond.moe import capacity, grouped_by_shape
-from nanohlat.beyond.schedules import chunk_layers, stage_ops
+from nanohlat.tools.orders import chunk_layers, stage_ops
 from nanohlat.precision import master_dtype, moment_dtype, param_dtype
 from nanohlat.data_parallel import bucket_ranges
 from nanohlat.plan import context
@@ -179,6 +178,7 @@ def moe_layer_bytes(cfg: ModelConfig, N: int, B: int, itemsize: int, ep: int = 1
     weighted. Shared experts: a SwiGLU's four intermediates on every token, each. `grouped` (dropless, where
     moe.grouped multiplies every slice in one grouped matmul: moe_grouped) adds the gate and up weights side
     by side, (E/ep, 2F, C), and the slices' int32 ends."""
+    from nanohlat.beyond.moe import capacity   # (a mixture of experts only: a dense plan loads no beyond/)
     E, k, F, C, f = cfg.moe_experts, cfg.moe_top_k, cfg.ffn_dim, cfg.d_model, cfg.moe_capacity_factor
     Nk = N * k
     router = 4 * (2 * N * E + Nk + 2 * N + B * E + 2 * B + E + 1) + 8 * Nk + (4 * (N + E) * C if itemsize != 4 else 0)
@@ -206,6 +206,7 @@ def moe_activation_extra(cfg: ModelConfig, tcfg: TrainConfig, mb: int, T: int, t
 def moe_grouped(cfg: ModelConfig, tcfg: TrainConfig, N: int, itemsize: int) -> bool:
     """Whether a run's dropless experts take moe.grouped's path, by its rule on shapes (moe.grouped_by_shape):
     the rows per expert of a balanced routing of N tokens, N*k/E (--ep: the N*k rows received over E/ep)."""
+    from nanohlat.beyond.moe import grouped_by_shape   # (a mixture of experts only)
     E = cfg.moe_experts // tcfg.ep
     return not cfg.moe_capacity_factor and grouped_by_shape(tcfg.device, itemsize == 4, N * cfg.moe_top_k / E,
                                                             cfg.ffn_dim, cfg.d_model)

@@ -5,14 +5,24 @@ and with --ep its E/ep experts apart), which ZeRO pads to a multiple of dp."""
 
 from __future__ import annotations
 
+from nanohlat.mesh import Mesh
 from nanohlat.recipe import ModelConfig
 from nanohlat.precision import param_dtype
-from nanohlat.beyond.schedules import chunk_layers
+from nanohlat.tools.orders import chunk_layers
 from nanohlat.zero1 import padded_size
 
 
 def dtype_bytes(precision: str) -> int:
     return param_dtype(precision).itemsize
+
+
+def mesh_at(tp: int, pp: int, dp: int, rank: int, cp: int = 1) -> Mesh:
+    """The mesh of `rank`, its groups not built: mesh.Mesh, or with --cp context_parallel.ContextMesh
+    (imported only then: the plan of HLAT's recipe loads nothing of nanohlat/beyond/)."""
+    if cp == 1:
+        return Mesh(tp, pp, dp, rank)
+    from nanohlat.beyond.context_parallel import ContextMesh
+    return ContextMesh(tp, pp, dp, rank, cp=cp)
 
 
 def sparse_in(cfg: ModelConfig, layers: range) -> int:
@@ -22,7 +32,7 @@ def sparse_in(cfg: ModelConfig, layers: range) -> int:
 
 
 def stage_sparse_layers(cfg: ModelConfig, pp: int, stage: int, v: int = 1) -> int:
-    """How many of the layers stage `stage` holds (its v chunks: schedules.chunk_layers) are sparse."""
+    """How many of the layers stage `stage` holds (its v chunks: orders.chunk_layers) are sparse."""
     return sum(sparse_in(cfg, chunk_layers(cfg.n_layers, pp, stage, c, v)) for c in range(v))
 
 

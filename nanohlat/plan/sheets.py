@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from nanohlat import comm
-from nanohlat.beyond import moe
 from nanohlat.recipe import ModelConfig, TrainConfig, check_layout
-from nanohlat.beyond.context_parallel import ContextMesh, lift
 from nanohlat.mesh import coords, kv_replicas, rank_of
 from nanohlat.tools.metrics import active_params, flops_per_token
 from nanohlat.plan.communication import comm_per_step
@@ -18,7 +16,7 @@ from nanohlat.plan.context import (ALGORITHMS, attention_collectives, attention_
 from nanohlat.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
 from nanohlat.plan.kv_cache import kv_cache_section
-from nanohlat.plan.params import dtype_bytes
+from nanohlat.plan.params import dtype_bytes, mesh_at
 from nanohlat.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
                                         weight_grad_bytes)
 from nanohlat.plan.step_time import DEFAULT_MFU, estimate_step, recompute_flops_per_token
@@ -298,8 +296,8 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
     tp, pp = tcfg.tp, tcfg.pp
     cp = tcfg.cp
     lines = ["", "communication per step, bytes on one rank"] + COMM_LEGEND
-    first = {s: lift(rank_of(0, s, 0, tp, dp), 0, tp, cp) for s in range(pp)}   # (cp rank 0 of the stage)
-    by_stage = {s: comm_per_step(cfg, tcfg, ContextMesh(tp, pp, dp, first[s], cp=cp)) for s in range(pp)}
+    first = {s: rank_of(0, s, 0, tp, dp * cp) for s in range(pp)}   # (cp rank 0 of the stage: its tp 0, dp 0)
+    by_stage = {s: comm_per_step(cfg, tcfg, mesh_at(tp, pp, dp, first[s], cp)) for s in range(pp)}
     if not by_stage[0]:
         return lines + ["  none: one process"]
     for s in sorted({0, pp - 1}):
@@ -316,6 +314,7 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                      f"and z) added up over the cp ranks"
                      + ("; full checkpointing replays them" if tcfg.activation_checkpointing == "full" else ""))
     if tcfg.ep > 1 and cfg.moe_capacity_factor:
+        from nanohlat.beyond import moe   # (a mixture of experts only)
         E = cfg.moe_experts
         C = moe.capacity(N, cfg.moe_top_k, E, cfg.moe_capacity_factor)
         lines.append(f"  ep.all_to_all: per sparse layer and micro-batch 4 calls, each {E} experts' queues of "

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from nanohlat import comm
 from nanohlat.recipe import ModelConfig, TrainConfig
-from nanohlat.beyond.context_parallel import ContextMesh
 from nanohlat.mesh import kv_replicas, rank_of
 from nanohlat.tools.metrics import flops_per_token, peak_flops
 from nanohlat.plan.communication import comm_per_step
+from nanohlat.plan.params import mesh_at
 from nanohlat.plan.hardware import NETWORKS, Network, dp_ring, group_inside_node
 
 
@@ -62,7 +62,7 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     dp_wire, grad_s = 0, 0.0
     for stage in sorted({0, pp - 1}):
         per = dict.fromkeys(groups, 0.0)
-        entries = comm_per_step(cfg, tcfg, ContextMesh(tp, pp, dp, rank_of(0, stage, 0, tp, dp * cp), cp=cp))
+        entries = comm_per_step(cfg, tcfg, mesh_at(tp, pp, dp, rank_of(0, stage, 0, tp, dp * cp), cp))
         entries = {k.replace("dp_cp.", "dp."): v for k, v in entries.items()}   # (--cp: the gradients' dp x cp group)
         dp_wire = max(dp_wire, sum(entry["wire"] + entry["padding"] for k, entry in entries.items() if k.startswith("dp.")))
         for key, entry in entries.items():

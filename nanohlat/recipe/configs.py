@@ -16,9 +16,14 @@ from dataclasses import dataclass, fields
 
 from nanohlat import config
 from nanohlat.config import DEVICES, UserError
-from nanohlat.beyond.context_parallel import ALGORITHMS as CP_ATTENTIONS   # --cp-attention
 from nanohlat.precision import PRECISIONS
-from nanohlat.beyond.schedules import SCHEDULES   # --schedule
+
+# The values of --schedule and --cp-attention, named here so that reading the flags loads no extension
+# (a run of HLAT's recipe never imports nanohlat/beyond/): the core's two schedules (pipeline.py) and
+# beyond/schedules.py's two; beyond/context_parallel.py's three algorithms. tests/repo/test_structure.py
+# holds both tuples to those modules.
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
+CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
 MOST = 2**53            # any other count (sizes, steps, ranks): JSON's largest exact integer, as config.json
@@ -97,13 +102,46 @@ class ModelConfig(config.ModelConfig):
 
 @dataclass
 class TrainConfig(config.TrainConfig):
-    """config.TrainConfig, the run, and the layouts beyond the core's: the interleaved schedule's chunks,
-    expert parallelism, context parallelism (their modules in nanohlat/beyond/)."""
+    """config.TrainConfig (the batch, AdamW, the layout, the precision), the machinery around the step, and
+    the layouts beyond the core's: the interleaved schedule's chunks, expert parallelism, context
+    parallelism (their modules in nanohlat/beyond/)."""
 
+    preset: str = "default"
+    # data (run/data.py)
+    data: str = ""               # "" = the built-in corpus (Python's standard library sources)
+    tokenizer: str = ""          # path to an existing SentencePiece tokenizer.model
+    cache_dir: str = ""          # tokenizer + token shards cache ("" = ~/.cache/nanohlat)
+    out_dir: str = "out"
+    # starting the workers (run/launch.py)
+    nproc: int = 1               # worker processes train.py starts itself
+    max_restarts: int = 0
+    zero1: bool = False          # the older spelling of --zero 1
+    compile: bool = False        # torch.compile the model stage (nanohlat/tools/compile.py)
+    # logging, evaluation, checkpoints (run/session.py, run/trainlog.py, run/checkpoint/)
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 1
+    save_every: int = 0          # 0 = only at the end
+    keep_last: int = 3           # 0 = keep every checkpoint
+    resume: str = "auto"         # auto | never | PATH
+    overwrite: bool = False      # with --resume never: replace an existing run
+    max_bad_steps: int = 5       # NaN/inf steps in a row before the run stops (0 = never stop)
+    check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
+    allow_tokenizer_change: bool = False   # resume a run whose tokenizer differs from this one's
+    stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
+    timeline: bool = False
+    plan: bool = False
+    search: bool = False         # with --plan: rank every layout that fits by estimated step time
+    progress: bool = True
+    # beyond HLAT's recipe
     virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
     ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
     cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
     cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
+
+    def __post_init__(self) -> None:
+        if self.zero1:   # --zero1 is --zero 1 (resolve refuses --zero1 --zero 2), folded in once: a copy
+            self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
 
     def validate(self) -> None:
         check_counts(self)

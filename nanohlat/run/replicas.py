@@ -34,8 +34,8 @@ import dataclasses
 import torch
 
 from nanohlat import comm
-from nanohlat.beyond import zero3
 from nanohlat.config import UserError
+from nanohlat.run.build import whole_params
 
 _INT = {4: torch.int32, 2: torch.int16}
 
@@ -72,7 +72,7 @@ def check(model, mesh, step: int, every: int, opt=None) -> None:
     if not every or step % every:
         return
     quiet = lambda g: dataclasses.replace(g, ledger=None)    # noqa: E731  (not training's traffic)
-    with zero3.whole(opt, quiet=True):   # (each unit over its ZeRO ranks: dp, dp x cp, or the experts' ep_dp)
+    with whole_params(opt, quiet=True):   # (ZeRO-3: each unit over its ranks: dp, dp x cp, or the experts' ep_dp)
         _check(model, mesh, step, quiet)
 
 

@@ -59,7 +59,7 @@ class Session:
             self.log.comm(trainlog.comm_summary(mesh.ledger), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
         last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
-        figures = self.step_figures(finite)   # (a MoE model's router losses and expert load in the step)
+        figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
@@ -105,14 +105,12 @@ class Session:
                         f"the last good one: saved in {saved}. Lower --lr or check the data; --resume auto "
                         f"continues from there")
 
-    def step_figures(self, finite: torch.Tensor | None = None) -> dict:
+    def step_figures(self) -> dict:
         """Figures of the step that the model's parts keep besides the loss, to log beside it: the
         model's `step_figures` (run/build.py:decoder gives a mixture of experts one), {} if none.
-        Every rank takes part (they add up over the ranks). A part may also move its state by them
-        after the optimizer step (a mixture's expert biases, --moe-bias-rate), not when the step was
-        skipped (`finite` False, as the optimizer's update)."""
-        step_figures = getattr(self.model, "step_figures", None)
-        return step_figures(self.mesh, self.dev.torch_device, finite) if step_figures else {}
+        Every rank takes part (they add up over the ranks). Reading them changes nothing."""
+        figures = self.model.step_figures
+        return figures.metrics(self.mesh, self.dev.torch_device) if figures is not None else {}
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""

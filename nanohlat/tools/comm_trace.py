@@ -47,7 +47,6 @@ import time
 import torch
 
 from nanohlat import comm
-from nanohlat.beyond import context_parallel
 from nanohlat.tools.timeline import draw_rows, op_name
 
 
@@ -182,7 +181,7 @@ class CommTrace:
             if what is None and kind == "bucket" and _same_storage(x, g.grad):
                 at = x.storage_offset() - g.grad.storage_offset()     # plain dp: a view of the buffer
             elif what is None and kind == "params":
-                shard = getattr(g.dp_state, "param_shard", None)       # ZeRO-3's kept shard, else the master
+                shard = g.dp_state.param_shard                         # ZeRO-3's kept shard, else the master
                 shard = shard if shard is not None else g.master
                 if not _same_storage(x, shard):
                     continue
@@ -350,6 +349,7 @@ def _gather_text(text: str, group, dev) -> list[str]:
 def cp_report(trace, ops, mesh, dev) -> list[str]:
     """--cp: each cp rank's collectives on the cp group in the last step and its time in attention, as text
     lines for rank 0 of the cp group (collective over the cp group: each rank writes its own rows)."""
+    from nanohlat.beyond import context_parallel   # (only with --cp: a run without it never loads beyond/)
     group = dataclasses.replace(mesh.group("cp"), ledger=None, trace=None)   # the report's gathers: not the step's
     sections = _gather_text("\n".join(cp_rows(trace, ops, group.rank, mesh.rank)), group, dev)
     times = comm.all_gather(torch.tensor([attention_times(trace)], dtype=torch.float64, device=dev), group).cpu()

@@ -40,12 +40,13 @@ from __future__ import annotations
 import torch
 
 from nanohlat import comm
-from nanohlat.beyond import context_parallel, moe
 from nanohlat.config import UserError
 
 
-def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.Module:
-    """torch.compile this rank's model stage, in place; returns it.
+def compile_stage(model: torch.nn.Module, device_kind: str = "cpu", eager: tuple = ()) -> torch.nn.Module:
+    """torch.compile this rank's model stage, in place; returns it. `eager`: (class, method name) pairs
+    that run eagerly besides comm.py's collectives (what an extension applied to the stage asks for:
+    run/build.py).
 
     Compilation is lazy: nothing happens until the first forward, which then
     takes seconds to minutes (Inductor writes and compiles C++ on the CPU).
@@ -60,12 +61,7 @@ def compile_stage(model: torch.nn.Module, device_kind: str = "cpu") -> torch.nn.
     # traced, every such integer becomes a guard ("payload == 2101252") that the
     # next call fails, a recompilation per call until Dynamo gives up (its limit,
     # 8) and silently runs that code eagerly from then on.
-    # --cp: attention across the cp ranks (context_parallel.Context.attention: its collectives,
-    # the ring's started shifts and their waits, inside autograd Functions) runs eagerly too.
-    # A mixture of experts' feed-forward (moe.MoE.forward: routing, the dispatch whose shapes are
-    # the step's tokens per expert, --ep's all-to-alls) runs eagerly too.
-    for owner, name in ((comm, "all_reduce"), (comm, "all_gather"), (comm, "reduce_scatter"),
-                        (context_parallel.Context, "attention"), (moe.MoE, "forward")):
+    for owner, name in ((comm, "all_reduce"), (comm, "all_gather"), (comm, "reduce_scatter")) + tuple(eager):
         f = getattr(owner, name)
         if not hasattr(f, "__wrapped__"):   # (once per process)
             setattr(owner, name, torch.compiler.disable(f))

@@ -249,7 +249,7 @@ def optimizer_bytes(opt) -> int:
 def resident_bytes(opt) -> dict:
     """What this rank keeps between steps, by kind (summary.json; plan/memory.py predicts each):
     the parameters' flat buffers, the fp32 gradient buffers, the optimizer state."""
-    return {"param_bytes": sum(_nbytes(g.dp_state.param_shard) if hasattr(g.dp_state, "param_shard")   # ZeRO-3: kept
+    return {"param_bytes": sum(_nbytes(g.dp_state.param_shard) if g.dp_state.param_shard is not None   # ZeRO-3: kept
                                else _nbytes(g.flat) if g.aliased else sum(_nbytes(p) for p in g.params)
                                for g in opt.groups),   # (xla: no flat buffer kept, optim.FlatGroup)
             "grad_bytes": sum(_nbytes(g.grad) for g in opt.groups), "optimizer_bytes": optimizer_bytes(opt)}

@@ -3,7 +3,7 @@
 pipeline.py decides *what* each stage runs in each tick; this file times it
 and says how much of the step was idle, the **bubble**:
 
-1. ideal: the stage orders of schedules.stage_ops with a forward of a whole
+1. ideal: the stage orders of orders.stage_ops with a forward of a whole
    stage taking 1 unit and a backward 2 (it computes two gradients, for the
    input and for the weights; zb-h1 splits it into B and W, 1 unit each), no
    communication, each op starting as soon as its input exists; an
@@ -40,8 +40,8 @@ import time
 import torch
 
 from nanohlat import comm
-from nanohlat.beyond import schedules
 from nanohlat.system import files
+from nanohlat.tools import orders
 
 F_UNITS, B_UNITS = 1.0, 2.0     # the ideal timeline's forward and backward
 W_UNITS = 1.0                   # zb-h1: the backward's weight-gradient part W; its B takes B_UNITS - W_UNITS
@@ -144,16 +144,16 @@ def op_units(kind: str, v: int = 1, f: float = F_UNITS, b: float = B_UNITS, spli
 def ideal_timeline(schedule: str, pp: int, m: int, v: int = 1, f: float = F_UNITS, b: float = B_UNITS):
     """Each stage's ops as (kind, micro-batch, start, end, chunk) when a forward
     takes f/v and a backward b/v, with no communication: an op starts when the
-    stage is free and its input exists (schedules.depends_on). Returns (rows, makespan)."""
-    orders = [schedules.stage_ops(schedule, pp, m, s, v) for s in range(pp)]
+    stage is free and its input exists (orders.depends_on). Returns (rows, makespan)."""
+    ops = [orders.stage_ops(schedule, pp, m, s, v) for s in range(pp)]
     rows: list[list[tuple[str, int, float, float, int]]] = [[] for _ in range(pp)]
     done: dict = {}                          # (kind, stage, mb, chunk) -> end time
-    while any(len(rows[s]) < len(orders[s]) for s in range(pp)):
+    while any(len(rows[s]) < len(ops[s]) for s in range(pp)):
         for s in range(pp):
-            if len(rows[s]) == len(orders[s]):
+            if len(rows[s]) == len(ops[s]):
                 continue
-            kind, i, c = op = orders[s][len(rows[s])]
-            dep = schedules.depends_on(op, s, pp, v)
+            kind, i, c = op = ops[s][len(rows[s])]
+            dep = orders.depends_on(schedule, op, s, pp, v)
             if dep is not None and dep not in done:
                 continue                     # its input is not computed yet: try the next stage
             free = rows[s][-1][3] if rows[s] else 0.0
@@ -301,7 +301,7 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
               + ("; f, b on odd chunks" if v > 1 else "") + "):"]
     lines += draw_rows(rows, total)
     want = [in_flight_formula(schedule, pp, m, s, v)[0] for s in range(pp)]
-    ideal_held = [in_flight(schedules.stage_ops(schedule, pp, m, s, v)) for s in range(pp)]
+    ideal_held = [in_flight(orders.stage_ops(schedule, pp, m, s, v)) for s in range(pp)]
     what = "chunk activations" if v > 1 else "micro-batches"
     lines += [f"bubble: ideal {ideal_b:.2f} "
               f"= formula {FORMULAS[schedule]} = {formula_bubble(pp, m, schedule, v):.2f}; "

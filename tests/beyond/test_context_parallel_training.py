@@ -111,7 +111,7 @@ def _flags(cache_dir, out, *extra):
 def _local_rotary(rank: int) -> None:
     """The negative control: every cp rank rotates its tokens as if they were 0 .. T/cp - 1."""
     from nanohlat.beyond import context_parallel
-    context_parallel.Context.rotary = lambda self, cos, sin, t: (cos[:t], sin[:t])
+    context_parallel.Context.token_positions = lambda self, t: torch.arange(t)
 
 
 def _local_attention(rank: int) -> None:

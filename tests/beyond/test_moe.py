@@ -201,7 +201,7 @@ def test_the_router_losses_join_the_backward_where_they_are_made_and_not_the_los
                    for b in m.layers.values())
     with torch.no_grad():
         held_out = model(tokens, tokens)
-    figures = model.step_figures.__self__
+    figures = model.step_figures
     assert figures.total is None                                          # no gradients: nothing counted
     trained = model(tokens, tokens)
     assert torch.equal(trained, held_out)                                 # the loss is the language model's
@@ -215,7 +215,7 @@ def test_the_router_losses_join_the_backward_where_they_are_made_and_not_the_los
     assert not torch.allclose(wanted["layers.0.mlp.router.weight"].grad,
                               torch.autograd.grad(ref(tokens, tokens).sum(), wanted["layers.0.mlp.router.weight"])[0],
                               rtol=1e-3, atol=0)                          # (the router losses do move the router)
-    logged = model.step_figures(Mesh(1, 1, 1).build_groups(None), "cpu")
+    logged = model.step_figures.metrics(Mesh(1, 1, 1).build_groups(None), "cpu")
     assert logged["moe_router_loss"] == pytest.approx(float(router(model).mean().detach()), rel=1e-6)
 
 

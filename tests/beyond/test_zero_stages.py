@@ -462,6 +462,6 @@ def test_a_bucket_is_named_by_its_place_in_the_buffers_not_by_when_it_goes(zero)
         assert trace.name("dp.all_reduce", view, what) == label
         assert trace.name("dp.all_reduce", view.clone(), None) == "bucket ?"     # a copy: no place
         if zero:
-            shard = getattr(g.dp_state, "param_shard", g.master)
+            shard = g.dp_state.param_shard if g.dp_state.param_shard is not None else g.master
             assert trace.name("dp.all_gather", shard[lo:hi], None) == label.replace("bucket", "params")
     assert trace.name("dp.all_reduce", torch.zeros(()), "loss") == "loss"

@@ -1,5 +1,5 @@
 """FlatAdamW (optim.py) is AdamW: over its flat buffers it computes what the
-textbook per-parameter AdamW (`reference_adamw_step` below) computes, with
+textbook per-parameter AdamW (optim.py:reference_adamw_step) computes, with
 clipping by the global grad norm and decoupled weight decay.
 
 Tolerance. One process, fp32 everywhere, and both optimizers get the very
@@ -26,27 +26,6 @@ from nanohlat import mesh as meshlib
 from nanohlat.model import Transformer, init_weights
 
 
-
-@torch.no_grad()
-def reference_adamw_step(params, grads, state: dict, lr: float, tcfg) -> torch.Tensor:
-    """AdamW per parameter in textbook ops, one process: what FlatAdamW computes (tests/core/test_optim.py).
-    Matrices are weight-decayed, vectors (norm gains) not. `state` starts as {}. Returns the norm."""
-    b1, b2, eps, wd = tcfg.beta1, tcfg.beta2, tcfg.adam_eps, tcfg.weight_decay
-    norm = torch.sqrt(sum(g.double().square().sum() for g in grads)).float()   # global grad norm
-    clip = min(1.0, tcfg.grad_clip / (norm.item() + 1e-6)) if tcfg.grad_clip > 0 else 1.0
-    if not state:
-        state.update(step=0, m=[torch.zeros_like(p) for p in params], v=[torch.zeros_like(p) for p in params])
-    state["step"] += 1
-    bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]      # bias corrections
-    for p, g, m, v in zip(params, grads, state["m"], state["v"]):
-        g = clip * g                                                  # clip by the global norm
-        m.copy_(b1 * m + (1 - b1) * g)                                # first moment
-        v.copy_(b2 * v + (1 - b2) * g * g)                            # second moment
-        if p.ndim >= 2:
-            p.copy_(p * (1 - lr * wd))                                # decoupled weight decay
-        p.copy_(p - lr * (m / bc1) / (torch.sqrt(v / bc2) + eps))     # the Adam step
-    return norm
-
 def test_flat_adamw_matches_the_per_parameter_reference():
     model_cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--precision", "fp32", "--n-layers", "2",
                                          "--lr", "1e-2", "--grad-clip", "0.05", "--weight-decay", "0.1"])
@@ -69,7 +48,7 @@ def test_flat_adamw_matches_the_per_parameter_reference():
         opt.zero_grad()
         sum((p * g).sum() for p, g in zip(flat_model.parameters(), grads)).backward()
         norm, finite = opt.step(lr)
-        ref_norm = reference_adamw_step(params, grads, state, lr, tcfg)
+        ref_norm = optim.reference_adamw_step(params, grads, state, lr, tcfg)
         assert finite.item() and norm.item() > 2 * tcfg.grad_clip    # clipping is active every step
         assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
     for (name, p), q in zip(flat_model.named_parameters(), params):

@@ -17,10 +17,10 @@ import os
 import torch
 
 from nanohlat import comm
-from nanohlat.beyond import zero3
 from nanohlat.config import UserError
 from nanohlat.run.checkpoint.manifest import (check_files, check_model, corrupt_error, corrupt_files, damaged,
                                              read_manifest)
+from nanohlat.run.build import whole_params
 from nanohlat.run.checkpoint.optimizer_state import import_state, state_buffers
 from nanohlat.shard_spec import local_part
 
@@ -150,7 +150,7 @@ def load(path: str, model, opt, mesh, device) -> dict:
     shards = ShardSet(path, mesh, device)
     check_model(path, shards.manifest, model.cfg)
     params = dict(model.named_parameters())
-    with zero3.whole(opt):           # ZeRO-3: the parameters' storage back while they are written
+    with whole_params(opt):          # ZeRO-3: the parameters' storage back while they are written
         for name, p in params.items():   # one full tensor at a time, cut to this rank's part
             p.copy_(local_part(shards.tensor(name, p.shard.full_shape), p))
     load_buffers(shards, model)
