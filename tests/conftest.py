@@ -22,6 +22,10 @@ for _folder in sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS) if not d
     if _folder not in sys.path:
         sys.path.insert(0, _folder)
 
+# The helper modules beside the tests (not test_*.py) hold asserts too: pytest rewrites theirs as it
+# does a test module's, so that a failure inside one shows its values. (Before they are imported.)
+pytest.register_assert_rewrite("hostile")
+
 
 
 @pytest.fixture(scope="session")
