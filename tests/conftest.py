@@ -24,7 +24,7 @@ for _folder in sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS) if not d
 
 # The helper modules beside the tests (not test_*.py) hold asserts too: pytest rewrites theirs as it
 # does a test module's, so that a failure inside one shows its values. (Before they are imported.)
-pytest.register_assert_rewrite("hostile")
+pytest.register_assert_rewrite("hostile", "plan_utils")
 
 
 
