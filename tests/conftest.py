@@ -4,8 +4,9 @@ and `run_layouts`, which trains several layouts in one set of spawned gloo worke
 The tests stand in folders that mirror nanohlat's floors (core/, beyond/, tools/,
 plan/, run/, commands/, serving/, classroom/, and repo/ for the repository's own
 checks). Every folder is put on sys.path here, so a test module imports the
-shared helpers beside this file (dist_utils, plan_utils) and another folder's
-test module by name, whichever files pytest was asked to run."""
+shared helpers (dist_utils beside this file; hostile, plan_utils, moe_utils, plants
+in their folders) and another folder's test module by name, whichever files pytest
+was asked to run; so no two files under tests/ share a name (tests/repo/test_structure.py)."""
 
 from __future__ import annotations
 
