@@ -45,10 +45,10 @@ moved cp2_ring's loss by 7.2e-5: beyond the tolerance below, and a new digest.
 
 The tolerance (TOLERANCE: a row's `!` mark, and exit code 1, whether the
 sample or the full matrix) is the tests' own: fp32 1e-5 relative per step, as
-tests/beyond/test_context_parallel_training.py (LOSS_REL) and tests/beyond/test_moe.py check
+tests/beyond/test_context_parallel_training.py (LOSS_REL) and tests/beyond/test_moe_with_other_layouts.py check
 their layouts (tests/core/test_layouts_equal_one_process.py and test_zero_stages.py allow 2e-5 absolute on
 losses near 6, ~3e-6 relative; all of them measured < 1e-6); bf16 in any form
-1e-3 relative, as test_moe.py's and test_context_parallel_training.py's bf16
+1e-3 relative, as test_moe_with_other_layouts.py's and test_context_parallel_training.py's bf16
 layouts (bf16 rounds sums of another order: the layouts really differ, here by
 up to 6.8e-5). The sample (SAMPLE) is fp32 only.
 """
@@ -130,7 +130,8 @@ LAYOUTS = [
     ("cp2_dp2_z1_ring_m2", 4, f"--cp 2 --cp-attention ring --dp 2 --zero 1 {BUCKETS} --microbatches 2"),
     ("cp2_dp2_z3_ulysses", 4, f"--cp 2 --cp-attention ulysses --dp 2 --zero 3 {BUCKETS} --check-replicas 1"),
     ("cp2_ring_bf16sr", 2, "--cp 2 --cp-attention ring --precision bf16-sr"),
-    # -- mixture of experts: 4 experts, top-2, every layer (test_moe.py)
+    # -- mixture of experts: 4 experts, top-2, every layer (test_moe_training_and_expert_parallel.py,
+    #    test_moe_with_other_layouts.py)
     ("moe_dp2", 2, "--preset moe --dp 2"),
     ("moe_ep2", 2, "--preset moe --ep 2 --check-replicas 1"),
     ("moe_dp4_ep2_z1", 4, f"--preset moe --dp 4 --ep 2 --zero 1 {BUCKETS} --check-replicas 1"),
@@ -142,7 +143,7 @@ LAYOUTS = [
     ("moe_ep2_bf16sr", 2, "--preset moe --ep 2 --precision bf16-sr --moments bf16 --check-replicas 1"),
     ("moe_cap_dp2", 2, "--preset moe --dp 2 --moe-capacity-factor 1.25"),
     ("moe_cap_ep2", 2, "--preset moe --ep 2 --moe-capacity-factor 1.25 --check-replicas 1"),
-    # -- mixture of experts with context parallelism (test_moe.py): --ep from dp x cp
+    # -- mixture of experts with context parallelism (test_moe_with_other_layouts.py): --ep from dp x cp
     ("moe_cp2_ring", 2, "--preset moe --cp 2 --cp-attention ring"),
     ("moe_cp2_ep2", 2, "--preset moe --cp 2 --ep 2 --check-replicas 1"),
     ("moe_cp2_tp2_sp", 4, "--preset moe --cp 2 --tp 2 --sequence-parallel"),

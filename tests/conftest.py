@@ -4,8 +4,9 @@ and `run_layouts`, which trains several layouts in one set of spawned gloo worke
 The tests stand in folders that mirror nanohlat's floors (core/, beyond/, tools/,
 plan/, run/, commands/, serving/, classroom/, and repo/ for the repository's own
 checks). Every folder is put on sys.path here, so a test module imports the
-shared helpers beside this file (dist_utils, plan_utils) and another folder's
-test module by name, whichever files pytest was asked to run."""
+shared helpers (dist_utils beside this file; hostile, plan_utils, moe_utils, plants
+in their folders) and another folder's test module by name, whichever files pytest
+was asked to run; so no two files under tests/ share a name (tests/repo/test_structure.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ for _folder in sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS) if not d
                       and os.path.isdir(os.path.join(TESTS, d))) + [TESTS, ROOT]:
     if _folder not in sys.path:
         sys.path.insert(0, _folder)
+
+# The helper modules beside the tests (not test_*.py) hold asserts too: pytest rewrites theirs as it
+# does a test module's, so that a failure inside one shows its values. (Before they are imported.)
+pytest.register_assert_rewrite("hostile", "plan_utils")
 
 
 

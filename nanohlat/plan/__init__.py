@@ -3,7 +3,7 @@ should take (`train.py --plan`); which layouts fit and are fastest (`--search`).
 
 Everything here is arithmetic on the config: no devices, no tensors, so it
 answers for hlat-70b on 2048 ranks in a moment. The same formulas are checked
-against what small real runs measure (tests/plan/test_plan.py: the comm ledger,
+against what small real runs measure (tests/plan/test_plan_against_runs.py: the comm ledger,
 the optimizer's bytes, the bytes autograd keeps after a forward), so the plan
 is a prediction you can trust, not a guess.
 

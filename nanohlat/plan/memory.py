@@ -10,7 +10,7 @@ sequences of T tokens per micro-batch; V the padded vocabulary):
               ZeRO shards and gathers (+ temporaries))    optimizer step
 
 The peak is an upper bound of the allocator's peak on a rank, at most PEAK_MARGIN
-(10%) above it: tests/plan/test_plan.py measures it on the CPU with the allocator's own
+(10%) above it: tests/plan/test_plan_peak_memory.py measures it on the CPU with the allocator's own
 reports (one process, tp 2 with SP, ZeRO-1/2/3 at dp 2, cp 2 with each attention,
 pp 2 and 4 under every schedule, on every stage: 1.004 to 1.098; the moe preset, routing
 forced balanced, tests/plan/test_plan_moe.py: tp 2 with SP, pp 2 under 1F1B and ZB-H1, ZeRO-3,
@@ -115,7 +115,7 @@ from nanohlat.zero1 import padded_size
 
 
 # The peak is an upper bound of the allocator's peak on a rank, no more than this fraction
-# above it: tests/plan/test_plan.py measures it on the CPU (gloo) for one process, tp 2 with SP,
+# above it: tests/plan/test_plan_peak_memory.py measures it on the CPU (gloo) for one process, tp 2 with SP,
 # ZeRO-1/2/3 at dp 2, cp 2 with each attention, pp 2 and 4 under every schedule (and
 # tests/plan/test_plan_moe.py for a mixture of experts).
 PEAK_MARGIN = 0.10
@@ -504,7 +504,7 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
 # half an fp32 copy); pure bf16 works on an fp32 copy of its bf16 master (1.5
 # copies with the rounding); software stochastic rounding adds its int32 noise
 # and bit buffers (4.5 copies). Counted in fp32-sized copies of the largest
-# group's shard (measured on CUDA: tests/plan/test_plan.py). --moments bf16 adds the
+# group's shard (measured on CUDA: tests/plan/test_plan_peak_memory.py). --moments bf16 adds the
 # fp32 copies of the two moments, alive beside the master's while each is
 # rounded back: 2 more (derived from the above, not measured). XLA fuses the
 # update into one kernel and needs none of them.

@@ -162,7 +162,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
              + (", as each layer's activations are freed; not the columns' sum" if staging or gathered else "")
              + ") and (optimizer step: " + step_parts + ")")
     lines.append(f"  peak: an upper bound of the allocator's peak on a rank, at most {PEAK_MARGIN:.0%} above it "
-                 "(measured on the cpu for small layouts of every strategy, tests/plan/test_plan.py)"
+                 "(measured on the cpu for small layouts of every strategy, tests/plan/test_plan_peak_memory.py)"
                  if eager else "  peak: what the plan counts; on xla the compiler assigns the step's buffers, which the plan "
                  "does not model (the bound is measured on eager backends: --device cpu)")
     biggest = mems[largest]["peak"]

@@ -2,7 +2,7 @@
 
 The mesh's cp dimension (between tp and dp) and its groups; this rank's share of a
 batch (shift first, then the zigzag chunks); the refusals of what cp does not do yet (a
-mixture of experts with cp: tests/beyond/test_moe.py);
+mixture of experts with cp: tests/beyond/test_moe_with_other_layouts.py);
 and, in gloo workers, the tiny preset over 10 steps at --cp 2 with each
 --cp-attention, with activation checkpointing, at cp 2 x dp 2 with ZeRO-1, 2 and 3,
 at cp 2 x tp 2 (with SP) and cp 2 x pp 2, at cp 4 with each --cp-attention,

@@ -11,7 +11,7 @@ from conftest import read_metrics
 from dist_utils import run_layouts
 from nanohlat.beyond import moe
 from nanohlat.run import checkpoint
-from test_moe import _flags, _train_here
+from moe_utils import _flags, _train_here
 
 
 def test_the_bias_chooses_the_experts_but_never_weighs_them():

@@ -243,7 +243,7 @@ def _same(a, b) -> bool:
 
 
 def test_zero2_and_3_keep_half_the_bytes_and_the_plan_predicts_every_byte(stage_runs):
-    from test_plan import assert_run_matches_plan
+    from plan_utils import assert_run_matches_plan
     for name in ("z0_overlap", "z1_overlap", "z2_overlap", "z2_no-overlap", "z2_bf16sr_overlap", "z3_overlap",
                  "z3_no-overlap", "z3_bf16sr_overlap", "z3_full_overlap"):
         argv, out = stage_runs[name]
@@ -326,7 +326,7 @@ def test_zero2_3_with_tensor_sequence_or_pipeline_parallelism_trains_like_one_pr
     """Losses and grad norms of one process (fp32 round-off), replicas checked every step
     (--check-replicas 1), and the comm ledger and kept bytes of the plan: ZeRO-2's and 3's tp
     sums of the SP norm gains run on the 1/dp shard (ZeRO-3: one per layer, and the final norm's)."""
-    from test_plan import assert_run_matches_plan
+    from plan_utils import assert_run_matches_plan
     argv, out = four_rank_runs[name]
     for (s, loss, norm), (_, ref_loss, ref_norm) in zip(_metrics(out), _metrics(reference[1]), strict=True):
         assert abs(loss - ref_loss) < LOSS_TOL, (name, s, loss, ref_loss)

@@ -6,7 +6,7 @@ real runs hold and send.
   the plan's to the byte, for each --cp-attention at cp 2 and cp 4, with checkpointing's
   replays, and at cp 2 x dp 2 (ZeRO-1) and cp 2 x tp 2 with SP.
 * The bytes autograd keeps after one micro-batch's forward, tensor by tensor, at cp 2 and
-  cp 4, each algorithm and checkpointing mode (tests/plan/test_plan.py's LiveBytes); and for one
+  cp 4, each algorithm and checkpointing mode (tests/plan/plan_utils.py's LiveBytes); and for one
   sequence of 1,024 tokens, at most 0.6x of one process's at cp 2 and 0.35x at cp 4 for
   every algorithm (issue 47: no mask, no repeated kv heads kept).
 * The causal balance: the (query, key) pairs each cp rank's queries attend to, counted
@@ -56,7 +56,7 @@ LONG = 1024   # tokens of the sequence whose activations must fall with cp (issu
 def forward_bytes_cp(mesh, algorithm, mode, seq_len=32, batch=4) -> tuple[int, int]:
     """(measured, planned) bytes kept after one micro-batch's forward of the whole tiny model on
     this cp rank: its zigzag share of `batch` sequences of `seq_len` tokens (split_sequence)."""
-    from test_plan import LiveBytes
+    from plan_utils import LiveBytes
     from nanohlat.device import get_device
     from nanohlat.model import Transformer, init_weights
     argv = ["--preset", "tiny", "--batch-size", str(batch), "--seq-len", str(seq_len), "--max-seq-len",
@@ -144,7 +144,7 @@ def test_cp_divides_the_activations_of_a_long_sequence(ledgers):
     activation but allgather's whole-sequence K/V is of the rank's T/cp tokens), and the plan's
     figure equal to it; one process's plan within 5% of its measurement (it leaves out the loss's
     few bytes of bookkeeping: 8 here)."""
-    from test_plan import forward_bytes
+    from plan_utils import forward_bytes
     one, planned_one = forward_bytes(["--preset", "tiny", "--batch-size", "1", "--seq-len", str(LONG),
                                       "--max-seq-len", str(LONG)])
     mib = lambda b: f"{b / 2**20:.2f} MiB"

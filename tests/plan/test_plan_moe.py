@@ -2,11 +2,11 @@
 tp 2 with sequence parallelism, pp 2 under 1F1B and ZB-H1, ZeRO-3, --ep 2 with ZeRO-2, and cp 2
 (ring attention), alone and with --ep 2 drawn from dp x cp (dp 1: the two cp ranks share the experts).
 
-Held to the standards tests/plan/test_plan.py holds a dense model's plan to: what one sparse block keeps
+Held to the standards a dense model's plan is held to (tests/plan/plan_utils.py): what one sparse block keeps
 for backward, counted tensor by tensor, to the byte; a run's comm ledger of its first step and its
 bytes per rank (weights, fp32 gradients, Adam state) to the byte; the allocator's peak bounded from
 above, at most PEAK_MARGIN below the plan's. Routing is forced balanced in the runs (what the plan
-predicts the all-to-alls and the --ep dispatch for, test_plan._balanced_routing)."""
+predicts the all-to-alls and the --ep dispatch for, plan_utils._balanced_routing)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dist_utils import spawn_workers
 from nanohlat.beyond import moe
 from nanohlat import recipe
 from nanohlat import plan
-from test_plan import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
+from plan_utils import LiveBytes, _balanced_routing, _peak_worker, assert_run_matches_plan
 
 
 @pytest.mark.parametrize("factor, shared, dtype, B", [(0.0, 0, torch.float32, 16), (1.25, 0, torch.bfloat16, 8),
@@ -50,7 +50,7 @@ def test_a_sparse_block_keeps_what_the_plan_counts_to_the_byte(factor, shared, d
     assert kept == plan.moe_layer_bytes(cfg, B * 32, B, dtype.itemsize, grouped=grouped)
 
 
-# 2 gloo ranks, 3 steps each under the allocator's watch (test_plan.allocator_peak): name -> flags
+# 2 gloo ranks, 3 steps each under the allocator's watch (plan_utils.allocator_peak): name -> flags
 MOE_LAYOUTS = {"tp 2 SP": ["--tp", "2", "--sequence-parallel"],
                "tp 2 SP full": ["--tp", "2", "--sequence-parallel", "--activation-checkpointing", "full"],
                "pp 2 1f1b": ["--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],

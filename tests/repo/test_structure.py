@@ -6,6 +6,8 @@ core from outside. docs/design.md 1 states the rules; these tests keep them:
 
 - the top level holds at most MAX_CORE_MODULES modules (tests/repo/test_core_cap.py caps their code);
 - no module under nanohlat/, at any depth, is longer than MAX_MODULE_LINES lines;
+- no file under tests/ is longer than MAX_TEST_FILE_LINES lines, and no two .py files there
+  share a name (conftest.py puts every test folder on sys.path);
 - no top-level module imports from a subpackage, not even inside a function;
 - the subpackages stand in one strict order of floors (FLOORS, drawn in the same
   order in docs/design.md 1), and no module imports from a floor above its own;
@@ -334,6 +336,65 @@ def test_no_module_is_longer_than_max_module_lines():
     assert not too_long, (f"{len(too_long)} module(s) under nanohlat/ longer than {MAX_MODULE_LINES} lines (split "
                           f"each along its seam, one idea a file): "
                           + ", ".join(f"{name} {n} lines" for n, name in reversed(too_long)))
+
+
+MAX_TEST_FILE_LINES = 800  # any file under tests/, at any depth
+
+
+def files_under(root: str) -> list[str]:
+    """Every file under `root` (the tests: their modules, helpers and data), __pycache__ left out."""
+    return sorted(os.path.join(folder, name) for folder, dirs, names in os.walk(root)
+                  if "__pycache__" not in folder.split(os.sep) for name in names)
+
+
+def long_test_files(root: str) -> list[str]:
+    return [f"{os.path.relpath(path, root)} {count_lines(path)} lines" for path in files_under(root)
+            if count_lines(path) > MAX_TEST_FILE_LINES]
+
+
+def shared_module_names(root: str) -> list[str]:
+    """The .py file names that stand in more than one folder under `root`, with their folders."""
+    folders: dict[str, list[str]] = {}
+    for path in files_under(root):
+        if path.endswith(".py"):
+            folders.setdefault(os.path.basename(path), []).append(os.path.relpath(os.path.dirname(path), root))
+    return [f"{name} in {', '.join(where)}" for name, where in sorted(folders.items()) if len(where) > 1]
+
+
+def test_no_test_file_is_longer_than_max_test_file_lines():
+    """Every file under tests/ holds at most MAX_TEST_FILE_LINES lines (`wc -l`). The tests stand in
+    folders that mirror nanohlat's floors, each file named for what it tests, so that a reader
+    finds the test of a promise by its file's name and can read that file through. A file past
+    800 lines holds several subjects under one name (test_robustness.py had grown to 1,616
+    lines: flags, full disks, damaged files, signals and launchers); such a file is split along its
+    sections into files named for them, the helpers and fixtures they share in a plain module
+    beside them (tests/run/hostile.py, tests/plan/plan_utils.py: not a test_*.py, and not a second
+    conftest.py, which would clash with the first as a module named `conftest`)."""
+    too_long = long_test_files(os.path.join(ROOT, "tests"))
+    assert not too_long, (f"file(s) under tests/ longer than {MAX_TEST_FILE_LINES} lines (split each along its "
+                          f"sections, shared helpers in a plain module beside them): " + ", ".join(too_long))
+
+
+def test_no_two_test_modules_share_a_name():
+    """No two .py files under tests/ share a file name, whatever their folders. tests/conftest.py puts
+    every folder of tests/ on sys.path, and the tests import their helpers and each other by bare
+    module name (`from hostile import ...`, `from test_watchdog import _stopping_worker`, the
+    `python -c` launchers of test_signals_and_launchers.py, gloo workers unpickled by module name);
+    pytest's default import mode imports each test file by its bare name too. Two files of one name
+    would be one module: whichever is imported first stands for both (pytest stops the run with
+    "import file mismatch")."""
+    shared = shared_module_names(os.path.join(ROOT, "tests"))
+    assert not shared, "module names used twice under tests/ (rename one of each): " + "; ".join(shared)
+
+
+def test_the_test_file_checks_see_a_long_file_and_a_shared_name(tmp_path):
+    for folder in ("run", "plan", "plan/__pycache__"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "run" / "helpers.py").write_text("x = 1\n" * MAX_TEST_FILE_LINES)
+    (tmp_path / "plan" / "helpers.py").write_text("x = 1\n" * (MAX_TEST_FILE_LINES + 1))
+    (tmp_path / "plan" / "__pycache__" / "helpers.py").write_text("x = 1\n" * 10_000)   # not a test file
+    assert long_test_files(str(tmp_path)) == [f"plan/helpers.py {MAX_TEST_FILE_LINES + 1} lines"]
+    assert shared_module_names(str(tmp_path)) == ["helpers.py in plan, run"]
 
 
 def test_the_model_does_not_generate():
