@@ -10,10 +10,13 @@ pipeline stage and tensor slice (`pipeline.PipelineRunner.run`), the loss of
 the whole batch (`data_parallel.global_mean`), then the optimizer's four phases
 (`optim.FlatAdamW`; on the CPU and with --compile its subclass
 `tools/fast_adamw.py:FastFlatAdamW`, the same numbers sooner). `train()` below
-builds what a step needs (device, mesh, and `run/build.py:build` for the
-model, schedule and optimizer) and runs the steps. The rest lives elsewhere:
+builds what a step needs on the device it is given (the mesh, and
+`run/build.py:build` for the model, schedule and optimizer) and runs the
+steps. The rest lives elsewhere:
   * before `train()`, pre-flight, once (nanohlat/run/preflight.py, which
     `main()` calls): flags, checks, data, what to resume from, the workers;
+    and in each worker, its place in the job (`preflight.join`: its device,
+    cpu, cuda or xla (device.py), its seeds and threads, the process group);
   * around the steps, nanohlat/run/session.py: `Session(...)` resumes and
     opens the log; `end_step` ends each step (what that takes, in order: its
     body, a commented line each); `close` writes the summary.
@@ -21,33 +24,22 @@ model, schedule and optimizer) and runs the steps. The rest lives elsewhere:
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
-import torch.distributed
 
 from nanohlat import optim
-from nanohlat import device as devicelib
 from nanohlat.data_parallel import global_mean, split_batch
-from nanohlat.run import launch, preflight, runlock
+from nanohlat.run import preflight
 from nanohlat.run.build import build, mesh as build_mesh
 from nanohlat.run.session import Session
 
 
-def train(model_cfg, tcfg, ds, resume_from: str | None = None, rank: int = 0, world: int = 1,
-          local_rank: int = 0, local_world: int = 1) -> dict:
-    """Run (or resume from `resume_from`) training on this rank, on the prepared
-    dataset `ds` (preflight.py decides both). Returns a summary (rank 0's view)."""
-    # -- device and mesh (the layout was validated in pre-flight) ------------
-    dev = devicelib.get_device(tcfg.device, local_rank, tcfg.precision)   # precision: trn1's rounding mode
-    dev.manual_seed(tcfg.seed)   # torch's generators and, on xla, the device's own (a resume restores them)
-    if dev.kind == "cpu":
-        devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
-    if world > 1 and not torch.distributed.is_initialized():
-        with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
-            dev.init_process_group(rank, world, tcfg.collective_timeout)
-    mesh = build_mesh(model_cfg, tcfg, world, rank)   # rank <-> (dp, pp, tp): mesh.py (run/build.py:mesh)
+def train(model_cfg, tcfg, ds, resume_from: str | None, dev, rank: int = 0, world: int = 1) -> dict:
+    """Run (or resume from `resume_from`) training as rank `rank` of `world` on the device `dev`,
+    on the prepared dataset `ds` (preflight.py decides all of them). Returns a summary (rank 0's view)."""
+    # -- the mesh: rank <-> (dp, pp, tp), its process groups (the layout was validated in pre-flight) ----
+    mesh = build_mesh(model_cfg, tcfg, world, rank)   # (mesh.py; run/build.py:mesh)
     mesh.build_groups(dev if world > 1 else None)
 
     # -- model (this rank's stage and tensor slice), schedule, optimizer -----

@@ -153,7 +153,7 @@ PRESETS: dict[str, tuple[ModelConfig, dict]] = {
         dict(batch_size=1024, seq_len=4096, lr=3e-4, min_lr=3e-5, warmup_steps=2000, steps=430000,
              # HLAT's micro-batch of one sequence: 1024 / dp 256 = 4 per rank
              tp=8, microbatches=4, sequence_parallel=True, activation_checkpointing="selective",
-             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, rounded stochastically
+             # and pure bf16 as HLAT's stack ran it: weights and Adam's moments in bf16, rounded randomly
              precision="bf16-sr", moments="bf16"),
     ),
     "hlat-70b": (

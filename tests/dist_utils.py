@@ -71,7 +71,7 @@ def _train(rank: int, world: int, runs: list[list[str]], setup=None) -> None:
         setup(rank)
     for argv in runs:
         model_cfg, tcfg = recipe.parse_args(argv + ["--no-progress", "--threads", str(fixed_threads())])
-        train.train(*preflight.inputs(model_cfg, tcfg, world), rank, world, rank, world)
+        train.train(*preflight.inputs(model_cfg, tcfg, world, rank))
 
 
 def run_layouts(world: int, runs: list[list[str]], err_dir: str, setup=None) -> None:

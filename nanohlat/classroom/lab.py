@@ -291,7 +291,7 @@ def _run(job: dict, rank: int, world: int, out: str) -> dict:
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
                 cfg, tcfg = recipe.parse_args(argv + ["--out-dir", out])
-                train.train(*preflight.inputs(cfg, tcfg, w), rank, w, rank, w)
+                train.train(*preflight.inputs(cfg, tcfg, w, rank))
         except BaseException as e:   # a refusal (SystemExit), a replica mismatch, a collective timed out
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "timed out" in msg.lower() or "timeout" in msg.lower():

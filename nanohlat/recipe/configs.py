@@ -101,10 +101,9 @@ class ModelConfig(config.ModelConfig):
 
 
 @dataclass
-class TrainConfig(config.TrainConfig):
-    """config.TrainConfig (the batch, AdamW, the layout, the precision), the machinery around the step, and
-    the layouts beyond the core's: the interleaved schedule's chunks, expert parallelism, context
-    parallelism (their modules in nanohlat/beyond/)."""
+class RunConfig(config.TrainConfig):
+    """config.TrainConfig (the batch, AdamW, the layout, the precision) and the machinery around the step:
+    the data's files, the workers, logging, evaluation, checkpoints, the tools."""
 
     preset: str = "default"
     # data (run/data.py)
@@ -133,15 +132,21 @@ class TrainConfig(config.TrainConfig):
     plan: bool = False
     search: bool = False         # with --plan: rank every layout that fits by estimated step time
     progress: bool = True
-    # beyond HLAT's recipe
-    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
-    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
-    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
-    cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
 
     def __post_init__(self) -> None:
         if self.zero1:   # --zero1 is --zero 1 (resolve refuses --zero1 --zero 2), folded in once: a copy
             self.zero, self.zero1 = self.zero or 1, False   # (dataclasses.replace) must not fold it again
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """RunConfig, and the layouts beyond the core's: the interleaved schedule's chunks, expert parallelism,
+    context parallelism (their modules in nanohlat/beyond/). Every command takes this one."""
+
+    virtual_stages: int = 1      # interleaved: model chunks per pipeline stage (schedules.py:chunk_layers)
+    ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
+    cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
+    cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
 
     def validate(self) -> None:
         check_counts(self)

@@ -138,10 +138,10 @@ def optimizer(model, mesh, tcfg, dev):
         from nanohlat.beyond import zero3
         strategy = zero3.ZeroThreeDP
     opt = (FastFlatAdamW if dev.kind == "cpu" or tcfg.compile else optim.FlatAdamW)(model, mesh, tcfg, dev, strategy)
-    if tcfg.zero == 3:
-        zero3.attach(model, opt.groups)   # each layer's flat buffers gathered, freed together (Shard.unit)
     if tcfg.compile:
         opt.compile()   # and the optimizer's arithmetic (FastFlatAdamW.compile)
+    if tcfg.zero == 3:   # (never with --compile: the recipe refuses the pair)
+        zero3.attach(model, opt.groups)   # each layer's flat buffers gathered, freed together (Shard.unit)
     return opt
 
 

@@ -20,7 +20,7 @@ PyTorch's agent as SIGTERM: after a SIGINT, a SIGTERM is that second press.
 Agreeing on the step: ranks receive the signal at slightly different times,
 and a rank that stopped one step before the others would leave them waiting
 in a collective. So the flag is summed over the world group once per step
-(`stop_requested`): one 4-byte all-reduce, ~0.1 ms on gloo, negligible next
+(the session's vote, run/session.py:Session.vote_to_stop): one 4-byte all-reduce, ~0.1 ms on gloo, negligible next
 to a step. On CUDA the loop synchronises every step anyway. On XLA reading a
 device value stalls the host until the device catches up, so there the vote
 is taken every XLA_CHECK_EVERY steps only.
@@ -28,15 +28,10 @@ is taken every XLA_CHECK_EVERY steps only.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
 import time
-
-import torch
-
-from nanohlat import comm
 
 DOUBLE_DELIVERY_S = 1.0
 XLA_CHECK_EVERY = 10
@@ -79,16 +74,3 @@ class catch_signals:
 
 def requested() -> bool:
     return _received is not None
-
-
-def stop_requested(mesh, dev, step: int, also: bool = False) -> bool:
-    """Should every rank stop after `step`? The same answer on all ranks. `also`: this
-    rank asks to stop for a reason of its own (rank 0 could not write metrics.jsonl)."""
-    group = mesh.group("world")
-    if group.size == 1:
-        return requested() or also
-    if dev.kind == "xla" and step % XLA_CHECK_EVERY:
-        return False
-    flag = torch.tensor([1.0 if requested() or also else 0.0], device=dev.torch_device)
-    comm.all_reduce(flag, dataclasses.replace(group, ledger=None), inplace=True)   # (no ledger: not the step's traffic)
-    return bool(flag.item() > 0)

@@ -102,7 +102,7 @@ def main(train, argv: list[str]) -> int:
             return 0
         if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
             with preempt.catch_signals() as signals:
-                train(model_cfg, tcfg, ds, resume_from)
+                train(model_cfg, tcfg, ds, resume_from, join(tcfg))
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
         return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout,
                             progress=tcfg.progress)
@@ -222,7 +222,8 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
         if launch.restart_count() > restarts_seen:   # restarted after a failure: the newest checkpoint
             resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted=True)
         with preempt.catch_signals() as signals:   # SIGTERM / first Ctrl-C: finish the step, save, exit 143 / 130
-            summary = train(model_cfg, tcfg, ds, resume_from, rank, world, local_rank, launch.local_world_size())
+            dev = join(tcfg, rank, world, local_rank, launch.local_world_size())
+            summary = train(model_cfg, tcfg, ds, resume_from, dev, rank, world)
     except UserError as e:
         launch.report_error(str(e))
         sys.exit(2)
@@ -251,12 +252,28 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     return summary
 
 
-def inputs(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int = 1) -> tuple:
-    """(model_cfg, tcfg, ds, resume_from): train()'s inputs for a caller that has its
-    configuration already and calls train() itself (the tests, a notebook), in each
-    of its processes: the layout checked, the data opened (silently), what to resume
-    from. None of `main`'s other checks, and no run lock."""
+def join(tcfg, rank: int = 0, world: int = 1, local_rank: int = 0, local_world: int = 1) -> devicelib.Device:
+    """This process's place in the job, before train() runs on it: its device (cpu, cuda or xla:
+    device.py; with trn1's rounding mode for --precision), its seeds and CPU threads, and with
+    world > 1 the process group, joined within --rendezvous-timeout. Returns the device."""
+    dev = devicelib.get_device(tcfg.device, local_rank, tcfg.precision)   # precision: trn1's rounding mode
+    dev.manual_seed(tcfg.seed)   # torch's generators and, on xla, the device's own (a resume restores them)
+    if dev.kind == "cpu":
+        devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+    if world > 1 and not torch.distributed.is_initialized():
+        with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
+            dev.init_process_group(rank, world, tcfg.collective_timeout)
+    return dev
+
+
+def inputs(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int = 1, rank: int = 0) -> tuple:
+    """(model_cfg, tcfg, ds, resume_from, dev, rank, world): train()'s inputs for a caller that has its
+    configuration already and calls train() itself (the tests, a notebook), in each of its processes
+    (rank `rank` of `world`, all on this machine): the layout checked, the data opened (silently), what
+    to resume from, and this process joined to the job (`join`). None of `main`'s other checks, and
+    no run lock."""
     recipe.check_layout(model_cfg, tcfg, world)
     ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=lambda *a: None)
     restarted = launch.restart_count() > 0
-    return model_cfg, tcfg, ds, checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+    resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
+    return model_cfg, tcfg, ds, resume_from, join(tcfg, rank, world, rank, world), rank, world

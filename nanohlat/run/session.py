@@ -14,11 +14,12 @@ happens here, in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from nanohlat import recipe
+from nanohlat import comm, recipe
 from nanohlat.config import UserError
 from nanohlat.data_parallel import global_mean, split_batch
 from nanohlat.run import checkpoint, preempt, replicas, trainlog
@@ -58,7 +59,7 @@ class Session:
         if step == self.start_step + 1:   # what each collective moved, beside the plan's formula
             self.log.comm(trainlog.comm_summary(mesh.ledger), self.comm_report() if self.log.main else "")
         # SIGTERM / Ctrl-C, or metrics.jsonl that could not be written: all ranks stop here, saved below
-        last = last or preempt.stop_requested(mesh, dev, step, also=self.log.write_failed is not None)
+        last = last or self.vote_to_stop(step, also=self.log.write_failed is not None)
         figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
@@ -81,6 +82,20 @@ class Session:
         if self.log.stopped:   # --max-bad-steps: the last good step is saved first (every rank), then the line
             self.stop_itself(step)
         return last
+
+    def vote_to_stop(self, step: int, also: bool = False) -> bool:
+        """Should every rank stop after `step`? The same answer on all ranks (preempt.py says why it is a
+        vote): a SIGTERM or Ctrl-C any rank received, or `also`, this rank's own reason (rank 0 could not
+        write metrics.jsonl). One 4-byte all-reduce over the world a step; on XLA, where reading a device
+        value stalls the host, every preempt.XLA_CHECK_EVERY steps."""
+        group, dev = self.mesh.group("world"), self.dev
+        if group.size == 1:
+            return preempt.requested() or also
+        if dev.kind == "xla" and step % preempt.XLA_CHECK_EVERY:
+            return False
+        flag = torch.tensor([1.0 if preempt.requested() or also else 0.0], device=dev.torch_device)
+        comm.all_reduce(flag, dataclasses.replace(group, ledger=None), inplace=True)   # (not the step's traffic)
+        return bool(flag.item() > 0)
 
     def save(self, step: int, tokens: int, bad_steps: int) -> str:
         """checkpoint.save of the model and optimizer as they are, as step `step` (every rank)."""

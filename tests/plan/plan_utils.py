@@ -317,7 +317,7 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
     from nanohlat.run import session
     model_cfg, tcfg = recipe.parse_args(argv + ["--no-progress", "--threads", "1"])
-    inputs = preflight.inputs(model_cfg, tcfg, world)
+    inputs = preflight.inputs(model_cfg, tcfg, world, rank)
     split, end = train.split_batch, session.Session.end_step
 
     def marked_split(*a, **k):
@@ -333,7 +333,7 @@ def allocator_peak(argv, rank=0, world=1) -> tuple[int, int, int]:
     undo = _watch_collectives()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            train.train(*inputs, rank, world, rank, world)
+            train.train(*inputs)
     finally:
         train.split_batch, session.Session.end_step = split, end
         undo()

@@ -57,8 +57,7 @@ def _four_rank_worker(rank, world, train_runs, activation_runs, out_dir):
     from nanohlat import comm
     from nanohlat.device import get_device
     for argv in train_runs:
-        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
-                    rank, world, rank, world)
+        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world, rank))
     mesh = Mesh(2, 2, 1, rank, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     results = [forward_bytes(argv, mesh.tp_group, pp=2, stage=mesh.pp_rank) for argv in activation_runs]
     with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:

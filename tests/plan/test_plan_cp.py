@@ -83,8 +83,7 @@ def _train_worker(rank, world, runs, out_dir):
     from nanohlat.device import get_device
     from nanohlat.run import preflight
     for argv in runs:
-        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world),
-                    rank, world, rank, world)
+        train.train(*preflight.inputs(*recipe.parse_args(argv + ["--no-progress", "--threads", "1"]), world, rank))
     mesh = ContextMesh(1, 1, 1, rank, cp=world, ledger=comm.CommLedger()).build_groups(get_device("cpu"))
     with open(os.path.join(out_dir, f"activations{rank}.json"), "w") as f:
         json.dump([forward_bytes_cp(mesh, a, m) for a, m in MODES], f)

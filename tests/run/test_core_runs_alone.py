@@ -54,7 +54,7 @@ def _train_without_beyond(rank: int, world: int, runs: list[list[str]]) -> None:
     from nanohlat.run import preflight
     for argv in runs:
         model_cfg, tcfg = recipe.parse_args(argv + ["--no-progress", "--threads", str(fixed_threads())])
-        train.train(*preflight.inputs(model_cfg, tcfg, world), rank, world, rank, world)
+        train.train(*preflight.inputs(model_cfg, tcfg, world, rank))
     assert not _beyond_loaded(), _beyond_loaded()
 
 
