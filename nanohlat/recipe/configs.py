@@ -20,13 +20,16 @@ from nanohlat.precision import PRECISIONS
 
 # The values of --schedule and --cp-attention, named here so that reading the flags loads no extension
 # (a run of HLAT's recipe never imports nanohlat/beyond/): the core's two schedules (pipeline.py) and
-# beyond/schedules.py's two; beyond/context_parallel.py's three algorithms. tests/repo/test_structure.py
+# beyond/schedules.py's two; beyond/context_parallel.py's three algorithms. tests/run/test_core_runs_alone.py
 # holds both tuples to those modules.
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 CP_ATTENTIONS = ("allgather", "ring", "ulysses")
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
-MOST = 2**53            # any other count (sizes, steps, ranks): JSON's largest exact integer, as config.json
+MAX_SIZE = 2**24        # any size: a dimension, a batch, a degree, a world of ranks (16,777,216: far past any
+                        # cluster and model); the layouts' divisors are tried up to its square root, 4,096
+SIZES = ("batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "dp", "ep", "cp", "virtual_stages")
+MOST = 2**53            # any other count (steps, intervals): JSON's largest exact integer, as config.json
                         # and a checkpoint record it (checkpoint.read_manifest refuses more)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
 
@@ -222,12 +225,17 @@ class TrainConfig(RunConfig):
 
 
 def check_counts(cfg) -> None:
-    """Every whole-number field of `cfg` (a ModelConfig or TrainConfig) but --seed at most MOST: a
-    size, a step count or a world is checked by arithmetic (divisors, the memory pre-flight), and
-    nothing nanohlat records can hold more (a --nproc of 21 digits hung, counting its divisors)."""
+    """Every whole-number field of `cfg` (a ModelConfig or TrainConfig) but --seed in bounds: a size
+    (every field of the model's shape, SIZES of the run's) at most MAX_SIZE, any other count at most
+    MOST, the most nanohlat records exactly. (A --nproc of 21 digits once hung, counting its divisors.)"""
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if type(f.default) is int and f.name != "seed" and isinstance(value, int) and value > MOST:
+        if type(f.default) is not int or f.name == "seed" or not isinstance(value, int):
+            continue
+        if (isinstance(cfg, config.ModelConfig) or f.name in SIZES) and value > MAX_SIZE:
+            raise UserError(f"{_flag(f.name)} {value:,} is more than 2^24 = {MAX_SIZE:,}, the largest size "
+                            f"nanohlat takes; give a smaller one")
+        if value > MOST:
             raise UserError(f"{_flag(f.name)} {value} is more than 2^53 = {MOST:,}, the largest count nanohlat "
                             f"records exactly (config.json, checkpoints); give a smaller one")
 

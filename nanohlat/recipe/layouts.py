@@ -7,89 +7,17 @@ from __future__ import annotations
 import math
 
 from nanohlat.config import UserError
-from nanohlat.recipe.configs import MOST, ModelConfig, TrainConfig
+from nanohlat.recipe.configs import MAX_SIZE, ModelConfig, TrainConfig
 
 def divisors(n: int) -> list[int]:
-    """The divisors of n >= 1, ascending, from its prime factors (_factor): never by trying every
-    number up to n, which took forever at a world of 10^21 ranks (and up to its square root would
-    at 10^30). Sizes reach here checked to be at most MOST (2^53), where it takes milliseconds."""
-    out = [1]
-    for p, e in sorted(_factor(n).items()):
-        out = [d * p ** i for d in out for i in range(e + 1)]
-    return sorted(out)
-
-
-def _factor(n: int) -> dict[int, int]:
-    """{prime: exponent} of n: trial division by the small primes, then Pollard's rho (Brent's
-    cycle finding) for what is left, each part tested for primality by Miller-Rabin (exact for
-    every n below 3.3 x 10^24 with these bases)."""
-    found: dict[int, int] = {}
-    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        while n % p == 0:
-            found[p] = found.get(p, 0) + 1
-            n //= p
-    rest = [n] if n > 1 else []
-    while rest:
-        m = rest.pop()
-        if _is_prime(m):
-            found[m] = found.get(m, 0) + 1
-        else:
-            d = _rho(m)
-            rest += [d, m // d]
-    return found
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-    if n in bases:
-        return True
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in bases:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def _rho(n: int) -> int:
-    """A factor 1 < d < n of an odd composite n with no factor below 41 (Pollard-Brent)."""
-    for c in range(1, n):
-        y, m, g, r, q, x = 2, 128, 1, 1, 1, 2
-        while g == 1:
-            x = y
-            for _ in range(r):
-                y = (y * y + c) % n
-            k = 0
-            while k < r and g == 1:
-                ys = y
-                for _ in range(min(m, r - k)):
-                    y = (y * y + c) % n
-                    q = q * abs(x - y) % n
-                g = math.gcd(q, n)
-                k += m
-            r *= 2
-        if g == n:   # the batch overshot: step one at a time from its start
-            g = 1
-            while g == 1:
-                ys = (ys * ys + c) % n
-                g = math.gcd(abs(x - ys), n)
-        if g != n:
-            return g
-    raise AssertionError(f"no factor of {n}")
+    """The divisors of 1 <= n <= MAX_SIZE, ascending: each d up to the square root of n that divides it,
+    and n / d (at most 4,096 tries: every size is checked to be at most MAX_SIZE first)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def choices(xs) -> str:
-    """"1, 2 or 4"; a long list (the divisors of a world of 2^53 ranks: thousands) cut to its ends."""
+    """"1, 2 or 4"; a long list (the divisors of a large world: hundreds) cut to its ends."""
     xs = list(xs)
     if len(xs) > 12:
         return ", ".join(map(str, xs[:10])) + f", ... or {xs[-1]} ({len(xs):,} in all)"
@@ -102,9 +30,9 @@ def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
     it. One line each, naming what failed and what to choose. Returns dp."""
     tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp
     cp_text = f" x --cp {cp}" if cp > 1 else ""
-    if world > MOST:   # (WORLD_SIZE from a launcher: --nproc is checked with the other counts)
-        raise UserError(f"a world of {world} ranks is more than 2^53 = {MOST:,}, the largest count nanohlat "
-                        f"records exactly; no machine has as many")
+    if world > MAX_SIZE:   # (WORLD_SIZE from a launcher: --nproc is checked with the other sizes)
+        raise UserError(f"a world of {world:,} ranks is more than 2^24 = {MAX_SIZE:,}, the largest world "
+                        f"nanohlat takes; no machine has as many")
     if world % (tp * pp * cp):
         raise UserError(f"--tp {tp} x --pp {pp}{cp_text} = {tp * pp * cp} does not divide the world size {world}; "
                         f"choose tp*pp{'*cp' if cp > 1 else ''} among {choices(divisors(world))}")

@@ -256,9 +256,12 @@ def test_a_manifest_without_zero1_resumes_from_its_zero_stage(run_copy, cache_di
     assert code == 0, err
 
 
+HUGE_ROTARY = dict(max_seq_len=2**24, d_model=4096, n_heads=2, n_kv_heads=2)   # rotary tables of 256 GiB
 DAMAGED_CONFIGS = {   # manifest["config"] fields that pass read_manifest: refused before a model is built
+    "2^24 positions at head dim 2048": (lambda m: m["config"]["model"].update(**HUGE_ROTARY),
+                                        "this model does not fit: it needs about"),
     "max_seq_len 10^12": (lambda m: m["config"]["model"].update(max_seq_len=10**12),
-                          "this model does not fit: it needs about"),
+                          "config.model: --max-seq-len 1,000,000,000,000 is more than 2^24"),
     "seq_len 0": (lambda m: m["config"]["train"].update(seq_len=0), "config.train: --seq-len must be positive"),
     "seq_len abc": (lambda m: m["config"]["train"].update(seq_len="abc"), "config.train.seq_len is 'abc'"),
     "seq_len -5": (lambda m: m["config"]["train"].update(seq_len=-5), "--seq-len must be positive, got -5"),
@@ -270,8 +273,8 @@ DAMAGED_CONFIGS = {   # manifest["config"] fields that pass read_manifest: refus
 @pytest.mark.parametrize("case", sorted(DAMAGED_CONFIGS))
 def test_a_damaged_config_is_one_line_in_every_command_that_builds_its_model(case, run_copy, tmp_path, capsys):
     """sample.py, eval.py, the HF export and speculative decoding: one line naming the
-    checkpoint, exit 2, before the model is built (10^12 positions: 4 TB of rotary
-    tables), and no export folder left behind."""
+    checkpoint, exit 2, before the model is built (2^24 positions at head dim 2048: 256 GiB
+    of rotary tables), and no export folder left behind."""
     import eval as evalpy
     import sample
     from nanohlat.serving import server
@@ -290,7 +293,7 @@ def test_the_cheap_checks_come_before_the_shards_are_hashed(run_copy, capsys):
     """A model too big for this machine and a corrupt shard: the size, known from the
     manifest alone, is what sample.py says, before reading every shard's bytes for its sha256."""
     import sample
-    _edit_manifest(run_copy, 4, lambda m: m["config"]["model"].update(max_seq_len=10**12))
+    _edit_manifest(run_copy, 4, lambda m: m["config"]["model"].update(**HUGE_ROTARY))
     shard = os.path.join(ckpt(run_copy, 4), "shard_00000.pt")
     with open(shard, "r+b") as f:   # same size, other bytes: only the hash can tell
         f.seek(100)

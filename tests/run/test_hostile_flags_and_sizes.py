@@ -191,12 +191,14 @@ def test_binary_prompt_and_task_files_are_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, why", [
-    (["--max-seq-len", "10000000000"], "--max-seq-len 10,000,000,000"),   # the rotary tables alone
+    # the rotary tables: (2^24 positions x head dim 2048) x 2, 256 GiB in fp32
+    (["--max-seq-len", "16777216", "--d-model", "4096", "--n-heads", "2", "--n-kv-heads", "2"],
+     "--max-seq-len 16,777,216"),
     (["--d-model", "65536", "--n-heads", "4", "--n-kv-heads", "4"], "GiB"),   # weights and optimizer
 ])
 def test_a_model_that_cannot_fit_is_refused_before_allocating(tmp_path, capsys, args, why):
     """One line with the estimate and this machine's memory, exit 2, nothing written
-    (and no allocation: a 10^10-position rotary table would take 1 TiB)."""
+    (and no allocation: a 2^24-position rotary table of head dim 2048 would take 256 GiB)."""
     code, err = main_in_process([*TINY, "--device", "cpu", "--out-dir", str(tmp_path / "run"), *args], capsys)
     assert code == 2
     one_line_error(err, "this model does not fit: it needs about", "this machine has", why)
@@ -237,24 +239,29 @@ def test_a_full_disk_at_the_start_names_the_lock_and_leaves_nothing(tmp_path, ca
 # Every size answered at once: arithmetic, never counting (issue 50)
 # ---------------------------------------------------------------------------
 
-BIG = "9" * 21   # 999999999999999999999 ranks: divisors() counted up to it
+BIG = "9" * 21   # 999999999999999999999 ranks: divisors() once counted up to it
+BIG_COMMAS = f"{int(BIG):,}"
+ODD = "16777215"   # 2^24 - 1 = 3^2 x 5 x 7 x 13 x 17 x 241 ranks: the largest odd world nanohlat takes
 
 
 @pytest.mark.parametrize("args, message", [
     (["--plan", "--preset", "hlat-7b", "--nproc", BIG],
-     f"--nproc {BIG} is more than 2^53 = 9,007,199,254,740,992, the largest count nanohlat records exactly"),
-    (["--preset", "tiny", "--nproc", BIG], f"--nproc {BIG} is more than 2^53"),
-    (["--preset", "tiny", "--cp", "2", "--nproc", "1000000000001"],
-     "--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size 1000000000001; choose tp*pp*cp among 1, 73, 137, "
-     "10001, 99990001, 7299270073, 13698630137 or 1000000000001"),
-    (["--preset", "tiny", "--tp", "2", "--nproc", "1000000000001"],
-     "--tp 2 x --pp 1 = 2 does not divide the world size 1000000000001"),
+     f"--nproc {BIG_COMMAS} is more than 2^24 = 16,777,216, the largest size nanohlat takes"),
+    (["--preset", "tiny", "--nproc", BIG], f"--nproc {BIG_COMMAS} is more than 2^24"),
+    (["--preset", "tiny", "--n-heads", BIG], f"--n-heads {BIG_COMMAS} is more than 2^24"),
+    (["--preset", "tiny", "--batch-size", "16777217"], "--batch-size 16,777,217 is more than 2^24"),
+    (["--preset", "tiny", "--cp", "2", "--nproc", ODD],
+     f"--tp 1 x --pp 1 x --cp 2 = 2 does not divide the world size {ODD}; choose tp*pp*cp among 1, 3, 5, 7, 9, "
+     f"13, 15, 17, 21, 35, ... or {ODD} (96 in all)"),
+    (["--preset", "tiny", "--tp", "2", "--nproc", ODD], f"--tp 2 x --pp 1 = 2 does not divide the world size {ODD}"),
     (["--preset", "tiny", "--steps", BIG], f"--steps {BIG} is more than 2^53"),
-    (["--preset", "moe", "--n-layers", "1000000000000"], "this model does not fit"),   # (its sparse layers: counted)
+    (["--preset", "moe", "--n-layers", "16777216"], "this model does not fit"),   # (its sparse layers: counted)
 ])
 def test_every_size_is_answered_at_once(args, message, tmp_path, capsys):
     """A --nproc of 21 digits (and training at --cp 2 or --tp 2 with 10^12 + 1 ranks, a MoE of
-    10^12 layers) never answered: divisors and the sparse layers were counted one by one."""
+    10^12 layers) once never answered: divisors and the sparse layers were counted one by one. Now
+    every size is at most 2^24 (recipe.MAX_SIZE), whose divisors take 4,096 tries, and any other
+    count at most 2^53; the largest world and layer count allowed answer at once too."""
     import time
     start = time.perf_counter()
     code, err = main_in_process(args + ["--out-dir", str(tmp_path / "run")], capsys)
@@ -263,31 +270,33 @@ def test_every_size_is_answered_at_once(args, message, tmp_path, capsys):
     one_line_error(err, message)
 
 
-def test_a_launchers_world_of_21_digits_and_a_search_over_10_12_ranks_answer_at_once(tmp_path, capsys, monkeypatch):
+def test_a_launchers_world_beyond_the_largest_and_a_search_over_the_largest_answer_at_once(tmp_path, capsys,
+                                                                                         monkeypatch):
     import time
     start = time.perf_counter()
-    code, _ = main_in_process(["--plan", "--search", "--preset", "tiny", "--nproc", "1000000000000"], capsys)
+    code, _ = main_in_process(["--plan", "--search", "--preset", "tiny", "--nproc", "16777216"], capsys)
     assert code == 0 and time.perf_counter() - start < 5
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", BIG)
     start = time.perf_counter()
     code, err = main_in_process(["--preset", "tiny", "--out-dir", str(tmp_path / "run")], capsys)
     assert code == 2 and time.perf_counter() - start < 5
-    one_line_error(err, f"a world of {BIG} ranks is more than 2^53")
+    one_line_error(err, f"a world of {BIG_COMMAS} ranks is more than 2^24 = 16,777,216, the largest world")
 
 
-def test_divisors_come_from_the_factors():
+def test_divisors_are_tried_up_to_the_square_root():
+    """recipe.divisors against counting every number (to 2,000 and at random below 10^6), and at
+    the sizes' bound: primes, squares, 2^24 itself, each in well under a millisecond's worth of tries."""
     import random
-    from nanohlat.recipe import choices, divisors
+    from nanohlat.recipe import MAX_SIZE, choices, divisors
     rng = random.Random(0)
-    for n in list(range(1, 500)) + [rng.randrange(1, 10**6) for _ in range(50)]:
+    for n in list(range(1, 2000)) + [rng.randrange(1, 10**6) for _ in range(50)]:
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
-    # large primes, their products and squares, the largest count allowed: all at once
-    for n in (2**53, 2**53 - 111, (2**31 - 1) * (2**31 - 19), 4294967291**2, 999999999999999999999, 10**21):
+    for n in (MAX_SIZE, MAX_SIZE - 1, 16777213, 4093 ** 2, 4096 ** 2 - 1):   # (16777213 and 4093: primes)
         d = divisors(n)
         assert d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d) and d == sorted(set(d))
-    assert len(divisors(8086598962041600)) == 41472
-    assert choices(divisors(8086598962041600)) == "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, ... or 8086598962041600 (41,472 in all)"
+    assert divisors(16777213) == [1, 16777213] and divisors(4093 ** 2) == [1, 4093, 4093 ** 2]
+    assert choices(divisors(MAX_SIZE)) == "1, 2, 4, 8, 16, 32, 64, 128, 256, 512, ... or 16777216 (25 in all)"
 
 
 # ---------------------------------------------------------------------------
