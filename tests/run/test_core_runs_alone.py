@@ -91,3 +91,23 @@ def test_a_blocked_beyond_is_really_unimportable():
     finally:
         sys.meta_path.remove(finder)
         sys.modules.update(saved)
+
+
+def test_the_recipe_and_the_tools_answer_as_the_extensions_do():
+    """What lets a dense run skip beyond/ must not drift from it: the recipe's names for --schedule's
+    and --cp-attention's values are the extensions' own, and tools/orders.py (the core's AFAB and 1F1B,
+    beyond/schedules.py's only for its own schedules) gives every schedule's stage ops, dependencies,
+    timetable and layers as beyond/schedules.py does."""
+    from nanohlat.beyond import context_parallel, schedules
+    from nanohlat.recipe.configs import CP_ATTENTIONS, SCHEDULES
+    from nanohlat.tools import orders
+    assert SCHEDULES == schedules.SCHEDULES and CP_ATTENTIONS == context_parallel.ALGORITHMS
+    for schedule, pp, m, v in [("afab", 2, 3, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)]:
+        assert orders.timetable(schedule, pp, m, v) == schedules.timetable(schedule, pp, m, v)
+        for stage in range(pp):
+            ops = orders.stage_ops(schedule, pp, m, stage, v)
+            assert ops == schedules.stage_ops(schedule, pp, m, stage, v)
+            assert [orders.depends_on(schedule, op, stage, pp, v) for op in ops] == \
+                [schedules.depends_on(op, stage, pp, v) for op in ops]
+            for chunk in range(v):
+                assert orders.chunk_layers(8, pp, stage, chunk, v) == schedules.chunk_layers(8, pp, stage, chunk, v)
