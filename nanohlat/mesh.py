@@ -61,7 +61,7 @@ class Mesh:
     # kinds of group given to this mesh: kind -> function(mesh) -> its groups, drawn from the mesh it is
     # given (a seam: docs/design.md 1)
     extra: dict = field(default_factory=dict)
-    grad_kind = "dp"            # the kind of group a parameter's gradient is summed over (grad_group)
+    grad_kind = "dp"            # the kind of group a gradient is summed over (a seam: docs/design.md 1)
 
     def __post_init__(self):
         self.dp_rank, self.pp_rank, self.tp_rank = coords(self.rank, self.tp, self.pp, self.dp)

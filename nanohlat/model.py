@@ -108,7 +108,8 @@ class Attention(nn.Module):
         self.wk = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wv = tpl.ColumnParallelLinear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, group, kv_group)
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
-        self.core = causal_attention   # (q, k, v) -> y in training: any function computing the same
+        # (q, k, v) -> y in training: any function computing the same (a seam: docs/design.md 1)
+        self.core = causal_attention
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
     def forward(self, x, cos, sin, cache=None):
@@ -160,7 +161,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
         self.attn = Attention(cfg, group, sequence_parallel, kv_group, regather)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, sequence_parallel)
-        self.mlp = MLP(cfg, group, sequence_parallel, regather)
+        self.mlp = MLP(cfg, group, sequence_parallel, regather)   # or any module of its shape (a seam)
 
     def forward(self, x, cos, sin, cache=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, cache)

@@ -128,7 +128,9 @@ def timetable(orders: list[list[tuple[str, int, int]]], pp: int, v: int = 1,
 
 
 class PipelineRunner:
-    """Runs one optimizer step's forward/backward over micro-batches on this stage (--schedule afab, 1f1b)."""
+    """Runs one optimizer step's forward/backward over micro-batches on this stage (--schedule afab, 1f1b).
+    `timetable`, `_op`, `_exchange`, `_sender`/`_receiver` and `_held` are meant to be overridden by a
+    runner of another schedule (a seam: docs/design.md 1)."""
 
     def __init__(self, model, mesh, tcfg, act_shape, act_dtype, device, clock=None):
         self.model, self.mesh, self.device = model, mesh, device

@@ -27,7 +27,9 @@ class ShardSpec:
         group              "tp"; or the name of another group of the mesh over which
                            the parameter is cut instead (part = the rank in it),
                            replicated over tp: its gradient is summed over the
-                           ranks holding the same part, '<group>_dp' (optim.py)
+                           ranks holding the same part, '<group>_dp' (optim.py;
+                           a mixture's experts over expert parallelism's ranks:
+                           a seam, docs/design.md 1)
 
     Usually parts = tp and part = the tp rank. The one exception is kv-head replication
     (only when tp > n_kv_heads; the last section of tensor_parallel.py): wk and wv are cut

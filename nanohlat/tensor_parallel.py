@@ -224,7 +224,8 @@ class ColumnParallelLinear(nn.Module):
     `replicas`: the kv group when tp exceeds the kv heads (the section at the end
     of this file): W is cut into tp / replicas.size parts, one per kv group."""
 
-    linear = staticmethod(F.linear)   # x W^T (a subclass may compute the same product its own way)
+    # x W^T; a subclass may compute the same product its own way (a seam: docs/design.md 1)
+    linear = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, group, replicas=None):
         super().__init__()
