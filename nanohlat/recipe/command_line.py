@@ -109,6 +109,7 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
     model_cfg.validate()
     tcfg.validate()
+    check_features(model_cfg, tcfg)
     if model_cfg.moe_experts or tcfg.ep > 1:
         check_moe_layout(model_cfg, tcfg)
     if tcfg.cp > 1:
@@ -117,6 +118,31 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
         raise UserError(f"--seq-len {tcfg.seq_len} is above the model maximum {model_cfg.max_seq_len}; "
                         f"lower --seq-len or raise --max-seq-len")
     return model_cfg, tcfg
+
+
+# A flag that only one feature reads, with what turns the feature on and why it needs it: a run without the
+# feature refuses the flag at any value but its default (a dense run took --moe-bias-rate nan, saved it, and
+# every later reader called the checkpoint damaged). Presets set only what their features read.
+FEATURE_FLAGS = {
+    **{name: (lambda m, t: m.moe_experts > 0, "--moe-experts", "a dense model, --moe-experts 0, has no router "
+              "or experts for it") for name in ("moe_top_k", "moe_shared_experts", "moe_every", "moe_aux_coef",
+                                                "moe_z_coef", "moe_bias_rate", "moe_capacity_factor")},
+    "cp_attention": (lambda m, t: t.cp > 1, "--cp N (N >= 2)", "it chooses how attention crosses the cp ranks"),
+    "sp_regather": (lambda m, t: t.sequence_parallel, "--sequence-parallel", "it says what SP keeps for backward"),
+    "search": (lambda m, t: t.plan, "--plan", "it ranks the layouts in the plan; without --plan train.py trains"),
+}
+
+
+def check_features(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """Refuse, in one line, a flag given a value other than its default for a feature the run does
+    not use (FEATURE_FLAGS): `--moe-bias-rate 1e-3` without --moe-experts, `--search` without --plan."""
+    for name, (on, needs, why) in FEATURE_FLAGS.items():
+        cfg = model_cfg if hasattr(model_cfg, name) else tcfg
+        value, default = getattr(cfg, name), next(f.default for f in fields(cfg) if f.name == name)
+        if value != default and not on(model_cfg, tcfg):
+            given = _flag(name) if value is True else "--no-" + _flag(name)[2:] if value is False \
+                else f"{_flag(name)} {value:g}" if isinstance(value, float) else f"{_flag(name)} {value}"
+            raise UserError(f"{given} needs {needs} ({why}); give {needs} too, or drop {given.split()[0]}")
 
 
 def parse_args(argv=None, cls=argparse.ArgumentParser) -> tuple[ModelConfig, TrainConfig]:

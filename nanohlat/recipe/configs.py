@@ -32,6 +32,31 @@ SIZES = ("batch_size", "seq_len", "microbatches", "nproc", "tp", "pp", "dp", "ep
 MOST = 2**53            # any other count (steps, intervals): JSON's largest exact integer, as config.json
                         # and a checkpoint record it (checkpoint.read_manifest refuses more)
 THREADS_LIMIT = 1024    # --threads: far past any machine's cores (OpenMP crashes at 100,000)
+# --moe-aux-coef, --moe-z-coef: a router loss's weight beside the language model's loss (a few units). Past 10^6
+# the language model's share of the gradients they both reach is below fp32's round-off of the sum (~1e-7);
+# far past it the product overflows (1e308, 1e40: "cannot be converted to type float without overflow")
+COEF_MOST = 1e6
+FP32_MOST = 3.4028234663852886e38   # the largest fp32 (and bf16) number: a float flag the arithmetic uses stays below
+# the largest value of each float flag, and why (the smallest, and NaN and inf, are validate's _finite_in):
+HIGHEST = {
+    "lr": (FP32_MOST, "fp32's largest number; the arithmetic is fp32, or bf16 of the same range"),
+    "weight_decay": (FP32_MOST, "fp32's largest number"),
+    "grad_clip": (FP32_MOST, "fp32's largest number (0 turns clipping off)"),
+    "adam_eps": (1.0, "eps guards Adam's division by sqrt(v) against 0: from 1 up it outweighs sqrt(v) of every "
+                      "gradient below 1 and the update shrinks to m / eps (HLAT: 1e-8)"),
+    "bucket_mb": (1e9, "a petabyte, more than any model's gradients (one bucket then holds them all)"),
+    # RMSNorm divides by sqrt(mean square + eps): above 1, eps outweighs the mean square of any activation of unit
+    # scale and the norm stops normalising (at 1e308 every block's input was ~0 and the loss stayed at ln V)
+    "norm_eps": (1.0, "above 1 it outweighs the mean square RMSNorm divides by, which then normalises nothing"),
+    "moe_aux_coef": (COEF_MOST, "a router loss's weight beside the language model's loss (a few units): past 1e6 "
+                                "the language model's share of the gradients is below fp32's round-off"),
+    "moe_z_coef": (COEF_MOST, "a router loss's weight beside the language model's loss (a few units): past 1e6 "
+                              "the language model's share of the gradients is below fp32's round-off"),
+    # each step moves an expert's bias by this much, beside router probabilities in [0, 1]: a move of 1 already
+    # outweighs any of them (1e39 overflowed fp32 at the first step: every bias NaN, routing collapsed)
+    "moe_bias_rate": (1.0, "a bias's move per step beside router probabilities in [0, 1]: 1 already outweighs "
+                           "any of them (DeepSeek-V3: 1e-3)"),
+}
 
 
 @dataclass
@@ -82,6 +107,11 @@ class ModelConfig(config.ModelConfig):
             raise UserError(f"head dim {self.head_dim} (d_model / n_heads) must be even for rotary embeddings")
         for name in ("rope_theta", "norm_eps"):
             _finite_in(name, getattr(self, name), 0, math.inf, "> 0", low_open=True)
+        # a mixture's numbers are checked whether or not there are experts (a dense run saves them too; which
+        # flags a dense run may give at all is command_line.check_features's to say)
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor", "moe_bias_rate"):
+            _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
+        _highest(self)
         if self.moe_experts:
             self.validate_moe()
 
@@ -93,8 +123,6 @@ class ModelConfig(config.ModelConfig):
         if self.moe_shared_experts < 0 or not 1 <= self.moe_every <= self.n_layers:
             raise UserError(f"--moe-shared-experts must be >= 0 and --moe-every in [1, --n-layers {self.n_layers}], "
                             f"got {self.moe_shared_experts} and {self.moe_every}")
-        for name in ("moe_aux_coef", "moe_z_coef", "moe_capacity_factor", "moe_bias_rate"):
-            _finite_in(name, getattr(self, name), 0, math.inf, ">= 0")
         most = self.moe_experts / self.moe_top_k   # C = ceil(factor * N * k / E) reaches N there (moe.capacity)
         if self.moe_capacity_factor > most:
             raise UserError(f"--moe-capacity-factor {self.moe_capacity_factor:g} is above --moe-experts / --moe-top-k "
@@ -183,6 +211,7 @@ class TrainConfig(RunConfig):
         _finite_in("weight_decay", self.weight_decay, 0, math.inf, ">= 0")
         _finite_in("grad_clip", self.grad_clip, 0, math.inf, ">= 0 (0 = no clipping)")
         _finite_in("bucket_mb", self.bucket_mb, 0, math.inf, "> 0", low_open=True)
+        _highest(self)   # (each against its largest value, HIGHEST)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         if self.virtual_stages < 1:
@@ -244,6 +273,14 @@ def check_seed(seed: int) -> None:
     """--seed of every command (train, bench, sample, eval, serving)."""
     if not 0 <= seed < SEED_LIMIT:
         raise UserError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def _highest(cfg) -> None:
+    """Refuse a float field of `cfg` above its largest value (HIGHEST), naming the value and why."""
+    for name, (most, why) in HIGHEST.items():
+        value = getattr(cfg, name, None)
+        if value is not None and value > most:
+            raise UserError(f"{_flag(name)} {value:g} is above {most:.3g} ({why}); give at most {most:.3g}")
 
 
 def _finite_in(name: str, value: float, low: float, high: float, meaning: str,
