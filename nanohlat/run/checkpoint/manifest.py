@@ -22,7 +22,7 @@ import os
 import sys
 
 from nanohlat.config import UserError
-from nanohlat.recipe import ModelConfig, model_from_dict
+from nanohlat.recipe import HIGHEST, ModelConfig, model_from_dict
 from nanohlat.system.files import sha256_file
 
 # how to pick another checkpoint, in words true for every reader (train.py, sample.py, eval.py)
@@ -105,6 +105,7 @@ def _check_fields(mpath: str, m: dict) -> None:
     cfg = m["config"]
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict) or not isinstance(cfg.get("train", {}), dict):
         raise bad("config is not {'model': {...}, 'train': {...}}")
+    unused_fields(mpath, m)   # (a dense model's mixture fields, the router's training coefficients)
     try:   # each field of its type, then the model's ranges (recipe.ModelConfig.validate)
         model_from_dict(typed_fields(cfg["model"], ModelConfig, "config.model")).validate()
     except FieldError as e:
@@ -139,6 +140,52 @@ def _check_fields(mpath: str, m: dict) -> None:
         v = (m.get(k) or {}).get(f)
         if v is not None and not isinstance(v, str):
             raise bad(f"{k}.{f} is {v!r}, not a string")
+
+
+# What reading a checkpoint's model never uses: a dense model's mixture fields (it has no experts; before this
+# version train.py took them unchecked, e.g. --moe-bias-rate nan), and the router losses' coefficients of any
+# model (a training step reads them, and a resume takes its own flags). A mixture's --moe-bias-rate is read
+# only as "the model has expert biases" (nonzero): its checkpoint holds them, and they route its tokens.
+TRAINING_ONLY = ("moe_aux_coef", "moe_z_coef")
+_noted: set = set()   # the manifests whose unused values were noted (once each per process)
+
+
+def unused_fields(mpath: str, m: dict) -> None:
+    """Set aside the fields of a manifest's model that no reader uses, when a value there is one that
+    train.py's flags now refuse (NaN, inf, above its largest: recipe.HIGHEST; an older nanohlat took
+    them unchecked): named in a one-line note, never called damage. A dense model's moe_* fields are
+    all set aside (read as their defaults: it has no experts); a mixture's refused router-loss
+    coefficient is read as its default, a refused --moe-bias-rate as 1 (its largest: the biases the
+    checkpoint holds are loaded, and checked, as they are). What was set aside is in m["ignored"]
+    (note_model_changes names no change of it). A value of the wrong kind (a string, a bool) is left
+    for typed_fields to call damaged."""
+    model, ignored, refused = m["config"]["model"], {}, []
+    dense = model.get("moe_experts", 0) == 0 and not isinstance(model.get("moe_experts"), bool)
+    names = [f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_") and f.name != "moe_experts"]
+    for name in names if dense else TRAINING_ONLY + ("moe_bias_rate",):
+        value = model.get(name)
+        spelled = isinstance(value, str) and value in NON_FINITE      # (NaN as strict JSON writes it)
+        if not (spelled or isinstance(value, (int, float)) and not isinstance(value, bool)):
+            continue                                                  # (absent, or damage: typed_fields')
+        x = float(NON_FINITE[value] if spelled else value)
+        bad = (spelled or isinstance(value, float)) and not (math.isfinite(x) and 0 <= x <= HIGHEST.get(name, (x,))[0])
+        if bad:
+            refused.append(f"--{name.replace('_', '-')} {x:g}")
+        if dense or bad:
+            ignored[name] = model.pop(name)
+            if not dense and name == "moe_bias_rate":
+                model[name] = HIGHEST[name][0]
+    m["ignored"] = ignored
+    if refused and mpath not in _noted:
+        _noted.add(mpath)
+        what = ("a dense model has no experts and never uses it" if dense else
+                "reading the model does not use it (a nonzero --moe-bias-rate only says that it has expert biases)")
+        print(f"note: checkpoint manifest {mpath} records {', '.join(refused)}, which train.py refuses now (an older "
+              f"nanohlat took it unchecked); {what}, so it is set aside (a resume takes its own flags)",
+              file=sys.stderr)
+
+
+NON_FINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}   # (strict JSON's spelling: files.json_text)
 
 
 class FieldError(ValueError):
@@ -206,7 +253,7 @@ def note_model_changes(path: str, manifest: dict, cfg: ModelConfig) -> None:
     announced in one note (it was silent); a shape field is refused (check_model)."""
     saved, mine = dataclasses.asdict(model_from_dict(manifest["config"]["model"])), dataclasses.asdict(cfg)
     changed = [f"--{k.replace('_', '-')} {mine[k]!r} (it trained with {saved[k]!r})" for k in mine
-               if k not in SHAPE_FIELDS and saved[k] != mine[k]]
+               if k not in SHAPE_FIELDS and k not in manifest.get("ignored", {}) and saved[k] != mine[k]]
     if changed:
         print(f"note: resuming {path} with {', '.join(changed)}: the same weights, another model from here on",
               file=sys.stderr)

@@ -140,6 +140,11 @@ def load_buffers(shards: ShardSet, model) -> None:
             if list(t.shape) != list(b.shape):
                 raise UserError(f"checkpoint {shards.path}: {name!r} is {list(t.shape)}, this model's "
                                 f"{list(b.shape)}; the checkpoint is for another model")
+            if not bool(torch.isfinite(t).all()):   # (an older nanohlat took --moe-bias-rate 1e39: inf, then NaN)
+                raise UserError(f"checkpoint {shards.path} has non-finite expert biases (NaN or inf) in {name}: its "
+                                f"run moved them by a --moe-bias-rate so large that they overflowed (train.py refuses "
+                                f"one above 1 now) and its routing is lost; train it again with a --moe-bias-rate "
+                                f"of at most 1 (DeepSeek-V3: 1e-3), or use a checkpoint saved before they overflowed")
             b.copy_(t.to(b.dtype))
 
 
