@@ -188,3 +188,19 @@ def test_expert_biases_an_older_bias_rate_overflowed_are_named_as_such(tmp_path,
                             "--out-dir", run], capsys)
     assert code == 2
     one_line_error(err.strip().splitlines()[-1], want)
+
+
+# ---------------------------------------------------------------------------
+# The bench: a mixture Mixtral cannot express is timed alone, with a note
+# ---------------------------------------------------------------------------
+
+def test_the_bench_times_a_mixture_with_bias_balancing_alone_with_a_note(capsys):
+    """`python -m nanohlat.bench --preset moe --moe-bias-rate 1e-3` raised KeyError: 'mlp.expert_bias' in
+    serving/hf.py; shared experts and capacity got a one-line note, and so does it now."""
+    from nanohlat.bench import bench
+    assert bench.main(["--preset", "moe", "--n-layers", "1", "--moe-bias-rate", "1e-3", "--steps", "1",
+                       "--warmup", "0", "--threads", "1", "--engines", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert ("(no Hugging Face model of this shape, timing nanohlat alone: --moe-bias-rate 0.001 moves a bias per "
+            "expert after each step, which Mixtral's router has not") in out, out
+    assert "hf-mixtral" not in out

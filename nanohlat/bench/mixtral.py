@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from nanohlat.config import UserError
 from nanohlat.model import init_weights
 from nanohlat.precision import param_dtype
 from nanohlat.run.build import decoder
@@ -76,7 +77,10 @@ def hf_adamw(model, tcfg):
 def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed):
     """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model), the step
     a `timed` (bench.Timed: its first_loss the first step's language-model loss); None without transformers.
-    UserError for a mixture Mixtral cannot express (serving/hf.py's check_mixtral)."""
+    UserError for a mixture Mixtral cannot express (serving/hf.py's check_mixtral; --moe-bias-rate)."""
+    if model_cfg.moe_bias_rate:   # (it was a KeyError: 'mlp.expert_bias', in to_hf_state)
+        raise UserError(f"--moe-bias-rate {model_cfg.moe_bias_rate:g} moves a bias per expert after each step, "
+                        f"which Mixtral's router has not: from the second step the two would route tokens apart")
     try:
         from transformers import MixtralConfig, MixtralForCausalLM
     except ImportError:
