@@ -20,27 +20,47 @@ algorithm; the CPU time does not. A rank's figure is the slowest cp rank's (the
 others wait for it in the next layer), and the ratio is to one process's: the
 ideal is 1/cp (each rank computes 1/cp of the causal pairs).
 
-This is a benchmark, not a test: it asserts nothing about speed.
+This is a benchmark, not a test: it asserts nothing about speed. It refuses, in
+one line (exit 2), what it cannot measure: a size or a round count below 1, a
+--seq-len that 2 x cp chunks do not split. A worker that fails ends the run at
+once with that worker's one-line error (exit 1), and Ctrl-C with "interrupted"
+(exit 130), the workers stopped with it.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
+from queue import Empty
 
 import torch
 
 from nanohlat.beyond.context_parallel import kernel
-from nanohlat.config import PRESETS
+from nanohlat.config import PRESETS, UserError
+from nanohlat.system import cli, flags
 
 ALGORITHMS = ("allgather", "ring", "ulysses")
 ONE = "one process"
+POLL_S = 0.2   # how often the parent looks for a worker that died without a word
 
 
 def _worker(rank, world, port, args, queue):
+    """One cp rank: its timings, or its error as one line (launch.crash_line), on `queue`."""
+    from nanohlat.run.launch import crash_line
+    try:
+        queue.put((rank, _timings(rank, world, port, args), None))
+    except KeyboardInterrupt:   # Ctrl-C reaches the workers too: the parent says "interrupted"
+        os._exit(130)
+    except BaseException as e:  # (the parent ends the run with this line: no other rank waits for it)
+        queue.put((rank, None, crash_line(e)))
+        queue.close()
+        queue.join_thread()     # (the line is sent before the process ends: put only hands it to a thread)
+        os._exit(1)
+
+
+def _timings(rank, world, port, args) -> dict:
     import datetime
 
     import torch.distributed as dist
@@ -87,9 +107,9 @@ def _worker(rank, world, port, args, queue):
             steps[name]()
             if r:
                 times[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
-    queue.put((rank, times))
     barrier()
     dist.destroy_process_group()
+    return times
 
 
 def run(world: int, args: dict) -> dict:
@@ -103,9 +123,27 @@ def run(world: int, args: dict) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(queue.get(timeout=3600) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
+    got = {}
+    try:
+        while len(got) < world:   # each rank's timings; the first error (or a rank gone silent) ends the run
+            try:
+                rank, times, error = queue.get(timeout=POLL_S)
+            except Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead and queue.empty():
+                    raise RuntimeError(f"rank {dead[0]} of the cp {world} workers exited with code "
+                                       f"{procs[dead[0]].exitcode} and said nothing") from None
+                continue
+            if error is not None:
+                raise RuntimeError(f"rank {rank} of the cp {world} workers failed: {error}")
+            got[rank] = times
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:   # (a failure or Ctrl-C: the other ranks would wait for it in a collective)
+            if p.is_alive():
+                p.kill()
+                p.join()
     out = {}
     for rank in range(world):
         for name, ts in got[rank].items():
@@ -114,8 +152,25 @@ def run(world: int, args: dict) -> dict:
     return out
 
 
+def check(a) -> list[int]:
+    """The cp sizes of --cp, once every size is one the bench can measure (UserError, one line, otherwise)."""
+    for name in ("seq_len", "batch_size", "rounds"):
+        if getattr(a, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}: there would "
+                            f"be nothing to time")
+    sizes = [int(c) for c in a.cp.split(",") if c.strip().isdigit()]
+    if not sizes or len(sizes) != len(a.cp.split(",")) or min(sizes) < 2:
+        raise UserError(f"--cp {a.cp!r}: give comma-separated cp sizes of 2 or more, e.g. --cp 2,4")
+    for n in sizes:
+        if a.seq_len % (2 * n):
+            raise UserError(f"--seq-len {a.seq_len} does not split into 2 x cp = {2 * n} chunks: make it a "
+                            f"multiple of {2 * n}")
+    return sizes
+
+
+@cli.command
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanohlat.bench.cp_attention", description=__doc__.split("\n")[0])
+    p = flags.Parser(prog="python -m nanohlat.bench.cp_attention", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="the attention shape's model (tiny)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=2, help="sequences in the micro-batch (2)")
@@ -126,15 +181,7 @@ def main(argv=None) -> int:
     cfg = PRESETS[a.preset][0]
     args = dict(batch=a.batch_size, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                 seq_len=a.seq_len, rounds=a.rounds, dtype=torch.float32 if a.precision == "fp32" else torch.bfloat16)
-    sizes = [int(c) for c in a.cp.split(",") if c.strip().isdigit()]
-    if not sizes or len(sizes) != len(a.cp.split(",")) or min(sizes) < 2:
-        print(f"error: --cp {a.cp!r}: give comma-separated cp sizes of 2 or more, e.g. --cp 2,4", file=sys.stderr)
-        return 2
-    for n in sizes:
-        if a.seq_len % (2 * n):
-            print(f"error: --seq-len {a.seq_len} does not split into 2 x cp = {2 * n} chunks: make it a multiple "
-                  f"of {2 * n}", file=sys.stderr)
-            return 2
+    sizes = check(a)
     print(f"attention of {a.preset}: {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads of dim {cfg.head_dim}; "
           f"{a.batch_size} x {a.seq_len} tokens, {a.precision}; forward + backward of one layer, median of "
           f"{a.rounds} rounds, one thread a rank; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
@@ -142,7 +189,11 @@ def main(argv=None) -> int:
     print(f"  {'cp':>2}  {'algorithm':<11} {'cpu ms':>8} {'x one':>6} {'wall ms':>8} {'x one':>6}   "
           f"(the slowest cp rank; 'x one': over one process's, in the same run; ideal 1/cp)")
     for n in sizes:
-        res = run(n, args)
+        try:
+            res = run(n, args)
+        except RuntimeError as e:   # a worker's error (run): its one line, exit 1 (a failure, not bad input)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         one_cpu, one_wall = res[ONE][0]
         print(f"  {1:>2}  {ONE:<11} {1e3 * one_cpu:8.1f} {1:6.2f} {1e3 * one_wall:8.1f} {1:6.2f}")
         for name in (x for x in ALGORITHMS if x in res):
