@@ -5,6 +5,7 @@ that a refactor can be checked bit for bit after every step.
     python scripts/layout_matrix.py --sample            # the CI sample (~2-3 min on 2 cores), exit 1 if off
     python scripts/layout_matrix.py --out table.json --only tp2_sp,moe_ep2
     python scripts/layout_matrix.py --compare runs/layout_matrix.json   # after a change: which rows moved?
+                                                        # (the new table: runs/layout_matrix.new.json)
 
 Each layout (LAYOUTS below: name, processes, flags) is one run of exactly
 
@@ -55,7 +56,6 @@ up to 6.8e-5). The sample (SAMPLE) is fp32 only.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.metadata
 import json
@@ -185,7 +185,7 @@ def plan(names: list[str] | None) -> tuple[list[tuple[str, int, str]], dict[str,
     rows = {name: (name, nproc, flags) for name, nproc, flags in LAYOUTS}
     unknown = [n for n in names or [] if n not in rows]
     if unknown:
-        raise SystemExit(f"unknown layout(s) {', '.join(unknown)}; the names are: {', '.join(rows)}")
+        raise Refused(f"unknown layout(s) {', '.join(unknown)}; the names are: {', '.join(rows)}")
     chosen = [rows[n] for n in rows if names is None or n in names]
     # a reference that is a layout (capacity's dp 2) runs too, as a layout
     chosen += [rows[REFERENCE[n]] for n, _, _ in chosen if n in REFERENCE and rows[REFERENCE[n]] not in chosen]
@@ -256,10 +256,9 @@ def table(results: dict, refs: dict) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), bad
 
 
-def compare(results: dict, path: str) -> list[str]:
-    """The runs of this table whose losses or grad norms are not those of an earlier JSON (or that
-    it lacks). Only these runs: a --sample or --only table compares with its rows of the full one."""
-    old = json.load(open(path))["runs"]
+def compare(results: dict, old: dict) -> list[str]:
+    """The runs of this table whose losses or grad norms are not those of an earlier table's runs `old`
+    (or that it lacks). Only these runs: a --sample or --only table compares with its rows of the full one."""
     numbers = lambda r: (r.get("loss"), r.get("grad_norm"))
     return [n for n in results if n not in old or numbers(old[n]) != numbers(results[n]) or "loss" not in results[n]]
 
@@ -274,17 +273,95 @@ def machine() -> dict:
     return {"torch": importlib.metadata.version("torch"), "python": platform.python_version(), "cpu": cpu}
 
 
+DEFAULT_OUT = os.path.join(ROOT, "runs", "layout_matrix.json")
+
+
+class Refused(Exception):
+    """A path or a name the script cannot use: one line, exit 2, before any run."""
+
+
+def same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b) or (os.path.exists(a) and os.path.exists(b)
+                                                          and os.path.samefile(a, b))
+
+
+def read_baseline(path: str) -> dict:
+    """The --compare table, read whole before any run (a run never writes over what it compares with)."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise Refused(f"--compare {path!r} cannot be read as a layout matrix JSON ({type(e).__name__}: "
+                      f"{e.strerror if isinstance(e, OSError) else e}); give the JSON an earlier run wrote") from None
+    if not isinstance(table, dict) or not isinstance(table.get("runs"), dict):
+        raise Refused(f"--compare {path!r} is JSON but not a layout matrix table (no 'runs'); give the JSON an "
+                      f"earlier run wrote")
+    return table
+
+
+def out_path(out: str | None, baseline: str) -> str:
+    """Where the table goes: --out, checked now (a folder, a FIFO, a folder that cannot be made there
+    refused before ~25 minutes of runs); never the --compare baseline. Without --out the default,
+    unless that is the baseline: then its sibling NAME.new.json."""
+    if out is None:
+        out = DEFAULT_OUT
+        if baseline and same_file(out, baseline):
+            out = os.path.splitext(out)[0] + ".new.json"
+    elif baseline and same_file(out, baseline):
+        raise Refused(f"--out {out!r} is the --compare baseline: the new table would replace the one it is "
+                      f"compared with; give another --out (or leave it out: {DEFAULT_OUT} or, when that is the "
+                      f"baseline, its .new.json sibling)")
+    from nanohlat.config import UserError
+    from nanohlat.system import files
+    try:
+        files.refuse_unless_file(out, "another --out")
+    except UserError as e:
+        raise Refused(str(e)) from None
+    folder = os.path.dirname(os.path.abspath(out))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise Refused(f"--out {out!r}: {existing!r} is {'not a folder' if not os.path.isdir(existing) else 'not writable'}"
+                      f"; choose another --out")
+    return out
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The command line: one line and exit code 2 for what it cannot use (before any run), 130 after Ctrl-C."""
+    try:
+        return _main(argv)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # (the train.py run in flight gets it too, and stops)
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
+    sys.path.insert(0, ROOT)
+    from nanohlat.system.flags import Parser   # (a flag it cannot read: one line, exit 2)
+    p = Parser(prog="scripts/layout_matrix.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sample", action="store_true", help=f"only {', '.join(SAMPLE)} (and their references)")
     p.add_argument("--only", default="", help="comma-separated layout names (and their references)")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "layout_matrix.json"), help="the JSON to write")
+    p.add_argument("--out", default=None, help=f"the JSON to write (default {os.path.relpath(DEFAULT_OUT)}; with "
+                                              f"--compare of that file, its .new.json sibling)")
     p.add_argument("--cache-dir", default="", help="train.py's --cache-dir for every run (default: its own, "
-                                                   "~/.cache/nanohlat; the tests pass theirs)")
-    p.add_argument("--compare", default="", help="an earlier JSON: list the runs whose numbers differ, exit 1 if any")
+                                                   "~/.cache/nanohlat; the tests pass theirs); relative to this "
+                                                   "folder")
+    p.add_argument("--compare", default="", help="an earlier JSON, never written: list the runs whose numbers "
+                                                 "differ, exit 1 if any")
     args = p.parse_args(argv)
     names = SAMPLE if args.sample else [n for n in args.only.split(",") if n] or None
     runs, refs = plan(names)
+    # every path before the first run: the baseline read whole, --out checked, --cache-dir made absolute
+    # (the runs start in the repository's root: a relative one meant a folder there, not here)
+    baseline = read_baseline(args.compare) if args.compare else None
+    out = out_path(args.out, args.compare)
+    cache = os.path.abspath(args.cache_dir) if args.cache_dir else ""
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+        raise Refused(f"--cache-dir {args.cache_dir!r} is not a folder; give a folder (it is made if missing)")
     where = machine()
     print(f"torch {where['torch']}, python {where['python']}, {where['cpu']}")
     print(f"{len(runs)} runs ({len(refs)} layouts, {len(runs) - len(refs)} references) of {STEPS} steps; "
@@ -293,7 +370,7 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="layout-matrix-") as tmp:
         for run in runs:
-            r = results[run[0]] = train(*run, tmp, ["--cache-dir", args.cache_dir] if args.cache_dir else [])
+            r = results[run[0]] = train(*run, tmp, ["--cache-dir", cache] if cache else [])
             print(f"  {r['name']:<28} {r['seconds']:6.1f} s" + ("  FAILED" if "error" in r else ""), flush=True)
     seconds = time.perf_counter() - t0
     text, bad = table(results, refs)
@@ -302,14 +379,13 @@ def main(argv=None) -> int:
           f"the reference): fp32 {TOLERANCE['fp32']:g}, bf16 {TOLERANCE['bf16']:g}")
     for name, why in bad.items():
         print(f"{name}: {why}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    sys.path.insert(0, ROOT)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     from nanohlat.system import files   # (whole or absent, and never written through a link)
-    files.write_text(args.out, json.dumps({"digest": digest, "machine": where, "steps": STEPS, "fixed_flags": FIXED,
-                                           "tolerance": TOLERANCE, "seconds": round(seconds), "references": refs,
-                                           "runs": results}, indent=1))
-    print(f"wrote {args.out}")
-    changed = compare(results, args.compare) if args.compare else []
+    files.write_text(out, json.dumps({"digest": digest, "machine": where, "steps": STEPS, "fixed_flags": FIXED,
+                                      "tolerance": TOLERANCE, "seconds": round(seconds), "references": refs,
+                                      "runs": results}, indent=1))
+    print(f"wrote {out}" + (f" (the baseline {args.compare} is left as it was)" if args.compare else ""))
+    changed = compare(results, baseline["runs"]) if args.compare else []
     if args.compare:
         print(f"against {args.compare}: " + (f"{len(changed)} run(s) differ: {', '.join(changed)}" if changed
                                              else "every run's losses and grad norms bit for bit the same"))
