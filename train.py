@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import sys
 
+if __name__ in ("__main__", "__mp_main__"):   # (each worker of --nproc N runs these lines too)
+    from nanohlat.run import startup
+    startup.guard()   # Ctrl-C or SIGTERM before training: one line, 130 / 143, even mid-import (run/startup.py)
+
 import torch
 
 from nanohlat import optim

@@ -45,6 +45,7 @@ import time
 import uuid
 
 from nanohlat.config import UserError
+from nanohlat.run import startup
 from nanohlat.system import files
 from nanohlat.system.cli import not_done
 
@@ -121,7 +122,8 @@ def rendezvous_deadline(seconds: float, rank: int, world: int, on_timeout=None):
 
     threading.Thread(target=watchdog, daemon=True, name="rendezvous-watchdog").start()
     try:
-        yield
+        with startup.at_once():   # a signal while joining: nothing trained yet, end now (run/startup.py)
+            yield
     except (RuntimeError, ValueError) as e:   # torch.distributed's errors (DistNetworkError, ...) are RuntimeErrors
         first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
         raise UserError(f"rank {rank} of {world} could not join the process group ({first}); check "
@@ -186,10 +188,14 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
     os.environ[PIDS_ENV] = pids      # workers note their pids here (note_worker_pid), for the watch
     watch = StuckRankWatch(pids, collective_timeout) if collective_timeout else None
     logging.disable(logging.ERROR)   # torch's launcher logs each failure as a traceback: we say it in one line
+    # from the workers' start the agent's signal handlers (it forwards the signal, then waits for the
+    # checkpoint); before them, and after, this process's own (train.py's: at once, run/startup.py)
+    handlers = {sig: signal.getsignal(sig) for sig in startup.SIGNALS}
     try:
         if watch:
             watch.start()
-        elastic_launch(config, _worker_main)(entry, *args)
+        with startup.workers_start_blocked():   # (until each worker's guard: run/startup.py)
+            elastic_launch(config, _worker_main)(entry, *args)
         return 0
     except SignalException as e:   # we were signalled: the workers got it too, saved, and stopped
         print(f"{NEW_LINE if progress else ''}stopped by {e.sigval.name}{stop_hint}", file=sys.stderr)
@@ -201,6 +207,8 @@ def spawn(entry, args: tuple, nproc: int, max_restarts: int = 0, collective_time
             return watch.report()
         return _report_failures(e.failures, errors, stop_hint)
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if watch:
             watch.stop()
         logging.disable(logging.NOTSET)
@@ -380,9 +388,9 @@ def crash_line(e: BaseException) -> str:
 
 
 _OWN_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-ERRORS_ENV = "NANOHLAT_WORKER_ERRORS"
+ERRORS_ENV = startup.ERRORS_ENV         # workers leave their one-line errors there (report_error)
 PIDS_ENV = "NANOHLAT_WORKER_PIDS"
-LAUNCHER_ENV = "NANOHLAT_LAUNCHER_PID"   # set by `spawn` for its workers (follow_launcher)
+LAUNCHER_ENV = startup.LAUNCHER_ENV     # set by `spawn` for its workers (follow_launcher)
 LOCKS_ENV = "NANOHLAT_RUN_LOCKS"         # the run locks they hold with it
 POLL_PARENT_S = 0.2
 _PR_SET_PDEATHSIG = 1                    # <linux/prctl.h>

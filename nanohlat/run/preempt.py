@@ -55,21 +55,44 @@ class catch_signals:
     """`with catch_signals() as signals: train(...)`: SIGTERM and SIGINT set the
     stop flag inside; on exit the previous handlers return, and
     `signals.exit_code` is 128 + the signal that stopped the run (143 SIGTERM,
-    130 SIGINT), or 0."""
+    130 SIGINT), or 0. `until_training`: only from `training_begins()` on (the
+    Session, once the run is built and resumed): before it, in its start-up, a
+    rank has nothing of the run to save, and the handlers in place (train.py's:
+    end at once, run/startup.py) stay."""
+
+    def __init__(self, until_training: bool = False):
+        self.until_training = until_training
 
     def __enter__(self):
-        global _received
+        global _received, _waiting
         _received, self.exit_code = None, 0
-        self.previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        _waiting = self.until_training
+        if not _waiting:
+            training_begins(now=True)
         return self
 
     def __exit__(self, *exc):
-        global _received
+        global _received, _waiting
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:   # (None: a handler not set from Python, which stays)
+                signal.signal(sig, handler)
         self.exit_code = 128 + _received if _received is not None else 0
-        _received = None
+        _received, _waiting = None, False
         return False
+
+
+_waiting = False   # a catch_signals(until_training=True) waits for training_begins
+
+
+def training_begins(now: bool = False) -> None:
+    """(Session, its run built and resumed) From here a signal asks the run to stop after its step,
+    when a catch_signals(until_training=True) is waiting for this (or `now`)."""
+    global _waiting
+    if _waiting or now:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _handler)
+        _waiting = False
 
 
 def requested() -> bool:

@@ -101,7 +101,7 @@ def main(train, argv: list[str]) -> int:
             worker(*args, restarts_seen=launch.restart_count())   # (this process decided, restarts and all)
             return 0
         if tcfg.nproc == 1 and not tcfg.max_restarts:   # with restarts, a launcher process supervises
-            with preempt.catch_signals() as signals:
+            with preempt.catch_signals(until_training=True) as signals:   # (before: at once, run/startup.py)
                 train(model_cfg, tcfg, ds, resume_from, join(tcfg))
             return signals.exit_code   # 0, or 143 / 130 after a SIGTERM / Ctrl-C (checkpoint saved)
         return launch.spawn(worker, args, tcfg.nproc, tcfg.max_restarts, tcfg.collective_timeout,
@@ -221,7 +221,8 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
     try:
         if launch.restart_count() > restarts_seen:   # restarted after a failure: the newest checkpoint
             resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted=True)
-        with preempt.catch_signals() as signals:   # SIGTERM / first Ctrl-C: finish the step, save, exit 143 / 130
+        # SIGTERM / first Ctrl-C once training: finish the step, save, exit 143 / 130 (before: at once, run/startup.py)
+        with preempt.catch_signals(until_training=True) as signals:
             dev = join(tcfg, rank, world, local_rank, launch.local_world_size())
             summary = train(model_cfg, tcfg, ds, resume_from, dev, rank, world)
     except UserError as e:

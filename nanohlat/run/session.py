@@ -45,6 +45,7 @@ class Session:
         self.log = trainlog.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
                                      bad_steps, resumed_from=resume_from)
         mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
+        preempt.training_begins()   # a signal from here: finish the step, save (before it: end at once, startup.py)
 
     def end_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor, lr: float) -> bool:
         """After the optimizer step of step `step` (counted from 1). True: the run stops here."""
