@@ -27,8 +27,8 @@ from __future__ import annotations
 import sys
 
 if __name__ in ("__main__", "__mp_main__"):   # (each worker of --nproc N runs these lines too)
-    from nanohlat.run import startup
-    startup.guard()   # Ctrl-C or SIGTERM before training: one line, 130 / 143, even mid-import (run/startup.py)
+    from nanohlat.run import startup   # Ctrl-C or SIGTERM before training: one line and 130 / 143,
+    startup.guard()                    # even in the middle of an import (run/startup.py)
 
 import torch
 

@@ -71,7 +71,7 @@ def _quiet_peak(rank: int) -> None:
 def test_moe_at_cp2_takes_one_processs_step_from_the_same_weights(cache_dir, tmp_path, monkeypatch):
     import train
     from nanohlat.run import preflight
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     from nanohlat.tools import metrics
     monkeypatch.setattr(metrics, "measure_cpu_peak", lambda *args, **kwargs: 1e12)
     runs = []

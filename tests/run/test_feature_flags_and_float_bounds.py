@@ -1,7 +1,8 @@
-"""Hostile input, round six (issue 63): every flag checked whether or not its feature is
-on, a manifest called damaged only when it is, and the benches' and the bench's
-refusals. (Start-up signals: test_interrupt_startup.py; the layout matrix's
---compare: test_layout_matrix_compare.py; the MoE x cp gradient norms: test_moe_cp_grad_norm.py.)
+"""Hostile input, round six (issue 63; docs/robustness.md): every flag checked whether or not its
+feature is on, every float flag in a finite, sane range, and a manifest called damaged only when it
+is. (Start-up signals: test_interrupt_startup.py; the benches' refusals: commands/test_bench_refusals.py;
+the layout matrix's paths: repo/test_layout_matrix_compare.py; a mixture at cp 2 by the grad norm:
+beyond/test_moe_cp_grad_norm.py.)
 """
 
 from __future__ import annotations
@@ -9,21 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from hostile import one_line_error
 
 TINY = ["--preset", "tiny", "--steps", "2", "--eval-every", "0", "--no-progress", "--threads", "1"]
-
-
-def one_line_error(err: str, *needles: str) -> None:
-    err = err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, (n, err)
 
 
 def train_main(argv, capsys) -> tuple[int, str]:
@@ -76,12 +68,12 @@ def test_a_flag_out_of_its_feature_or_range_is_refused_before_anything(args, mes
     ["--cp", "2", "--cp-attention", "ring"], ["--tp", "2", "--sequence-parallel", "--no-sp-regather"],
 ])
 def test_a_feature_flag_at_its_default_or_with_its_feature_passes(args):
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     recipe.parse_args(args)
 
 
 def test_every_preset_still_parses():
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     for name in recipe.PRESETS:
         recipe.parse_args(["--preset", name])
 
@@ -91,7 +83,7 @@ def test_every_float_flag_has_a_largest_value_or_needs_none():
     one whose any finite value computes: --rope-theta (1e308 trains), --min-lr (at most --lr), the
     timeouts (at most a week: preflight.check_values)."""
     import dataclasses
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     floats = {f.name for cls in (recipe.ModelConfig, recipe.TrainConfig) for f in dataclasses.fields(cls)
               if type(f.default) is float}
     bounded_elsewhere = {"rope_theta", "min_lr", "beta1", "beta2", "moe_capacity_factor", "rendezvous_timeout",
@@ -169,7 +161,7 @@ def test_expert_biases_an_older_bias_rate_overflowed_are_named_as_such(tmp_path,
     bound lifted), the checkpoint is refused by every reader and by a resume, in one line saying why."""
     import eval as evalpy
     import train
-    from nanohlat.system import recipe
+    from nanohlat import recipe
     monkeypatch.setitem(recipe.HIGHEST, "moe_bias_rate", (math.inf, ""))
     run = tmp_path / "run"
     assert train.main(["--preset", "moe", "--moe-bias-rate", "1e39", "--steps", "1", "--batch-size", "4",
@@ -188,55 +180,3 @@ def test_expert_biases_an_older_bias_rate_overflowed_are_named_as_such(tmp_path,
                             "--out-dir", run], capsys)
     assert code == 2
     one_line_error(err.strip().splitlines()[-1], want)
-
-
-# ---------------------------------------------------------------------------
-# The bench: a mixture Mixtral cannot express is timed alone, with a note
-# ---------------------------------------------------------------------------
-
-def test_the_bench_times_a_mixture_with_bias_balancing_alone_with_a_note(capsys):
-    """`python -m nanohlat.bench --preset moe --moe-bias-rate 1e-3` raised KeyError: 'mlp.expert_bias' in
-    serving/hf.py; shared experts and capacity got a one-line note, and so does it now."""
-    from nanohlat.bench import bench
-    assert bench.main(["--preset", "moe", "--n-layers", "1", "--moe-bias-rate", "1e-3", "--steps", "1",
-                       "--warmup", "0", "--threads", "1", "--engines", "eager"]) == 0
-    out = capsys.readouterr().out
-    assert ("(no Hugging Face model of this shape, timing nanohlat alone: --moe-bias-rate 0.001 moves a bias per "
-            "expert after each step, which Mixtral's router has not") in out, out
-    assert "hf-mixtral" not in out
-
-
-# ---------------------------------------------------------------------------
-# The cp attention bench: what it cannot measure is refused; a worker's error ends it at once
-# ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("args, message", [
-    (["--seq-len", "0", "--cp", "2", "--rounds", "1"], "--seq-len must be at least 1, got 0: there would be nothing "
-                                                       "to time"),   # both workers raised IndexError; an hour's wait
-    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),   # a table for 0 sequences, exit 0
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),           # KeyError: 'one process'
-    (["--seq-len", "30", "--cp", "2,4"], "--seq-len 30 does not split into 2 x cp = 4 chunks"),
-    (["--cp", "1"], "--cp '1': give comma-separated cp sizes of 2 or more"),
-    (["--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
-])
-def test_the_cp_attention_bench_refuses_what_it_cannot_measure(args, message, capsys):
-    from nanohlat.bench import cp_attention
-    try:
-        code = cp_attention.main(args)
-    except SystemExit as e:   # (the parser's refusal)
-        code = e.code
-    assert code == 2
-    one_line_error(capsys.readouterr().err, message)
-
-
-def test_a_cp_attention_workers_error_ends_the_bench_at_once_with_its_line():
-    """A worker that raises (here the IndexError that --seq-len 0 caused) ends `run` within seconds with
-    that worker's line; the parent waited an hour on its queue while the other worker waited for it."""
-    import time
-    import torch
-    from nanohlat.bench import cp_attention
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"^rank \d of the cp 2 workers failed: IndexError: index 0 is out of "
-                                           r"bounds for dimension 1 with size 0$"):
-        cp_attention.run(2, dict(batch=1, heads=8, kv_heads=4, head_dim=8, seq_len=0, rounds=1, dtype=torch.float32))
-    assert time.monotonic() - t0 < 60
