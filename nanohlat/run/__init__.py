@@ -7,7 +7,8 @@ everything around the step (session.py), what a run prints and writes
 (trainlog.py), checkpoints (checkpoint/), a checkpoint's configuration and
 this machine's memory checked before a command builds its model
 (runconfig.py), one run per out-dir (runlock.py), stopping on a signal
-(preempt.py) and replica checks (replicas.py).
+(startup.py before training, at once; preempt.py once training, after the
+step) and replica checks (replicas.py).
 
 train.py calls into these. They stand on the core, system/ and tools/
 (docs/design.md 1); serving/, the classroom and the commands stand on them,

@@ -1,5 +1,10 @@
 """Preemption-safe stopping: SIGTERM or Ctrl-C finish the step, save, exit.
 
+(Before a rank trains, while it imports, checks, joins the job and builds its
+model, there is nothing of the run to save: there a signal ends the process at
+once, run/startup.py. This module's handler takes over from the Session on:
+`catch_signals(until_training=True)` and `training_begins`.)
+
 A cluster scheduler or a spot reclaim announces the end with SIGTERM and
 kills a little later; a person presses Ctrl-C. Either way the step in flight
 is the only work at risk, so a worker does not die at once: the first signal
