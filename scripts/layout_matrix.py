@@ -77,7 +77,7 @@ BUCKETS = "--bucket-mb 0.05"   # ZeRO / dp rows: ~5 gradient buckets, not one (t
 
 # (name, processes, flags). Flags without --preset train `tiny` (4 layers, 8 heads, 4 kv heads,
 # batch 8 x 32 tokens); a row's reference is one process with its model flags (REFERENCE_FLAGS),
-# or the row named in REFERENCE. What each group stands for is in tests/test_<group's file>.py.
+# or the row named in REFERENCE. What each group stands for is in the test file its comment names (tests/<floor>/).
 LAYOUTS = [
     # -- one process, gradient accumulation; tensor parallelism, sequence parallelism (test_layouts_equal_one_process.py)
     ("one_m4", 1, "--microbatches 4"),
