@@ -14,12 +14,34 @@ so every element gets the same bits as from whole-buffer passes. GPUs stream
 memory fast and pay per kernel launch, and XLA fuses the passes itself: both
 take whole buffers (`block_size`).
 
+torch's fused AdamW kernel (CPU, eager: `fused_adamw`). Where torch has one for
+the device (`torch._fused_adamw_`, which `torch.optim.AdamW(fused=True)` calls;
+the CPU's since torch 2.4, in 2.9 and 2.13 alike), the update is that kernel,
+one call a group: one pass that reads the gradient, the weights and both
+moments once and writes them back, where the blocked passes above make about
+a dozen. It computes AdamW in another order than FlatAdamW's lines (v as
+b2 v + (1 - b2) g^2 rather than a lerp, the step size lr / bc1 in fp64, then
+the product before the division), so its numbers are FlatAdamW's to a bound,
+not bit for bit: tests/test_fast_adamw.py derives the bound (`fused_bound`:
+a few fp32 roundings of the weight and of the update) and checks both against
+AdamW in fp64 within it. What stays exact: the clipped gradient
+(FlatAdamW's own multiply), a skipped step (it changes nothing, as
+FlatAdamW's), and the same bits in every layout: the kernel's vector loop
+handles each element alike, its scalar loop the few past a multiple of the
+vector width, so each buffer's last `ALIGN` or fewer elements go through the
+kernel padded to `ALIGN` (a shard's tail in one layout is mid-buffer in
+another). `NANOHLAT_FUSED_ADAMW=0` turns the kernel off (the blocked passes,
+FlatAdamW's bits).
+
 --compile (`FastFlatAdamW.compile`): torch.compile the step's arithmetic, not
 its collectives: the grad norm's fp64 sum of squares and the AdamW update,
-each fused by Inductor into one loop over a whole buffer (so no cache blocks).
+each fused by Inductor into one loop over a whole buffer (so no cache blocks,
+and not torch's kernel: Inductor's loop is FlatAdamW's lines in order).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,6 +55,19 @@ CPU_BLOCK = 1 << 19
 # against 22.5 ms with 2^16 (2-core CPU, 40 paired rounds); back to back the two were level. The
 # chunks' sums add in another order than whole-buffer passes would: at most a last-bit difference in fp64.
 CPU_NORM_CHUNK = 1 << 16
+
+
+# Elements that torch's CPU AdamW kernel hands to its vector loop as a unit: it splits a tensor among
+# threads in cache lines (64 bytes: 16 fp32), and its vectors are 8 (AVX2) or 16 (AVX-512) fp32 wide;
+# so a length that is a multiple of 16 goes through the vector loop alone.
+ALIGN = 16
+
+
+def fused_adamw(device_kind: str) -> bool:
+    """Whether the update runs torch's fused AdamW kernel here: eager on the CPU, where torch has
+    one (torch._fused_adamw_), unless NANOHLAT_FUSED_ADAMW=0."""
+    return (device_kind == "cpu" and hasattr(torch, "_fused_adamw_")
+            and os.environ.get("NANOHLAT_FUSED_ADAMW", "1") != "0")
 
 
 def norm_chunk(device_kind: str) -> int:
@@ -59,7 +94,8 @@ def fused_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
 
 
 class FastFlatAdamW(FlatAdamW):
-    """FlatAdamW whose passes run a cache-sized block at a time on the CPU (or compiled)."""
+    """FlatAdamW whose update is torch's fused kernel on the CPU (else its passes a cache-sized
+    block at a time), or compiled."""
 
     def __init__(self, model, mesh, tcfg, device, strategy=None):
         super().__init__(model, mesh, tcfg, device, strategy)
@@ -67,12 +103,15 @@ class FastFlatAdamW(FlatAdamW):
         self.chunk = norm_chunk(device.kind)
         self.kernel = super()._adamw      # FlatAdamW's AdamW, run on one block at a time
         self.squares = None               # --compile: the compiled fused_sum_of_squares
+        self.fused = fused_adamw(device.kind)
+        self.now = None                   # (lr as fp32, whether the step is kept): set by update()
+        self.step_number = torch.zeros((), dtype=torch.float32)   # the fused kernel's step n (it reads it)
 
     def compile(self) -> None:
         """--compile: one fused loop per buffer for the sum of squares and for
         AdamW (so no cache blocks). One graph per buffer size (dynamic=False).
         build.py calls it (compile.py says what stays eager)."""
-        self.block = None
+        self.block, self.fused = None, False
         self.squares = torch.compile(fused_sum_of_squares, dynamic=False)
         self.kernel = torch.compile(self.kernel, dynamic=False)
 
@@ -80,6 +119,39 @@ class FastFlatAdamW(FlatAdamW):
         # the same fp64 rule; on the CPU in chunks of CPU_NORM_CHUNK (FlatAdamW's are NORM_CHUNK)
         return self.squares(grad) if self.squares else sum_of_squares(grad, self.exact, self.chunk)
 
+    def update(self, grads, lr: float, norm: torch.Tensor, finite: torch.Tensor) -> None:
+        if self.fused:   # what the kernel takes as numbers (on the CPU reading them costs no wait)
+            self.now = (torch.tensor(float(lr), dtype=torch.float32).item(), bool(finite))
+            self.step_number.fill_(int(self.step_count) + 1)
+        super().update(grads, lr, norm, finite)
+
     def _adamw(self, grad, m, v, w, c: dict, decay: bool) -> None:
+        if self.fused:
+            self._fused(grad, m, v, w, c, decay)
+            return
         for sl in blocks(w.numel(), self.block):
             self.kernel(grad[sl], m[sl], v[sl], w[sl], c, decay)
+
+    def _fused(self, grad, m, v, w, c: dict, decay: bool) -> None:
+        """The group's update in one call of torch's fused AdamW (module docstring)."""
+        lr, kept = self.now
+        if not kept:        # FlatAdamW's skipped step (keep = 0) leaves w, m and v as they were
+            return
+        if c["clip"].item() != 1.0:
+            grad.mul_(c["clip"])                            # g <- clip g: FlatAdamW's multiply, its bits
+        n = w.numel() - w.numel() % ALIGN
+        ws, gs, ms, vs = [w[:n]], [grad[:n]], [m[:n]], [v[:n]]
+        tail = slice(n, w.numel())
+        if n < w.numel():   # the last few elements, zero-padded to ALIGN: the kernel's vector loop too
+            padded = [torch.zeros(ALIGN, dtype=t.dtype) for t in (w, grad, m, v)]
+            for p, t in zip(padded, (w, grad, m, v)):
+                p[:w.numel() - n] = t[tail]
+            for lst, p in zip((ws, gs, ms, vs), padded):
+                lst.append(p)
+        tcfg = self.tcfg
+        torch._fused_adamw_(ws, gs, ms, vs, [], [self.step_number] * len(ws), lr=lr, beta1=tcfg.beta1,
+                            beta2=tcfg.beta2, weight_decay=tcfg.weight_decay if decay else 0.0,
+                            eps=tcfg.adam_eps, amsgrad=False, maximize=False)
+        if n < w.numel():
+            for t, p in zip((w, m, v), (ws[1], ms[1], vs[1])):
+                t[tail] = p[:w.numel() - n]
