@@ -11,17 +11,29 @@
 What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
 (through `pipeline.PipelineRunner`, as train.py runs it; FlatAdamW's hooks add
-the gradients into flat fp32 buffers) and `optim.FlatAdamW.step` (global grad
-norm, clip, AdamW, copy back). Beside it, when `transformers` is installed,
-the same step of Hugging Face's `LlamaForCausalLM` of identical shape (same
-parameter count, checked) with `torch.optim.AdamW` and `clip_grad_norm_`, on
-the same batch. The two alternate step by step (and swap who goes first every
-round), so that load from anything else on the machine hits both alike; we
-report the median step. How much to trust a ratio of medians: the bench also
-prints, per engine, the ratio of its step and Hugging Face's in each round
-(run back to back for the first two engines), as a median and a middle half
-(`spread`). On a shared or throttling machine that
-middle half can be +-5% wide; a difference inside it is not a measured one.
+the gradients into flat fp32 buffers) and the optimizer step (global grad
+norm, clip, AdamW, copy back: tools/fast_adamw.py's FastFlatAdamW on the CPU).
+Beside it, when `transformers` is installed, the same step of Hugging Face's
+`LlamaForCausalLM` of identical shape (same parameter count, checked) with
+`clip_grad_norm_` and `torch.optim.AdamW` as fast as torch makes it for the
+device and dtype: `fused=True` where torch has the kernel (the CPU's and
+CUDA's), else `foreach` (mixtral.hf_adamw; the bench prints which). That is
+the baseline a user would pick instead of nanohlat; torch's default on the
+CPU, a Python loop over the tensors, would flatter nanohlat's optimizer.
+With --compile the reference runs a second time with its model through
+torch.compile (`hf-llama-compile`), the baseline of nanohlat-compile.
+
+The steps alternate step by step (and who goes first every round), each
+engine next to its reference, so that load from anything else on the machine
+hits both alike. The ratio the last lines print is the median, over the
+rounds, of each round's two steps' ratio, with the middle half of those
+ratios (`spread`): on a shared or throttling machine that middle half can be
++-5% wide, and a difference inside it is not a measured one. The table gives
+each row's median step and its two phases, forward + backward and the
+optimizer, for both sides. Beside the ratios the bench prints the machine's
+1-minute load average (os.getloadavg) before and after the timing: where it
+is above the core count, other work shared the cores, and the bench says the
+figures are not a result.
 
 tokens/s = batch_size * seq_len / median step time, and MFU is
 metrics.flops_per_token * tokens/s / metrics.device_peak (the same FLOP count
@@ -33,10 +45,12 @@ Engines (--engines, default eager): the same nanohlat step run eagerly
 the optimizer's arithmetic compiled, what train.py --compile runs; --compile alone means
 --engines eager,compile) and on an XLA device (`nanohlat-xla`, where
 torch_xla is installed: PJRT's CPU client on a laptop). All of them and
-Hugging Face's eager step alternate in one loop. Per engine the table shows
+the references alternate in one loop. Per row the table shows
 the first step (where the compilers compile), the median steady step,
 tokens/s, MFU, the graphs compiled during warm-up and any compiled after it
-(recompilations: there should be none), and tokens/s relative to Hugging Face.
+(recompilations: there should be none), tokens/s relative to its reference
+(`vs ref`: the compiled reference for nanohlat-compile, else the eager one),
+and the two phases.
 
 This is a benchmark, not a test: it asserts nothing about speed. Every flag of
 train.py that shapes one process's step works (the model shape, a mixture of
@@ -141,9 +155,10 @@ def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
     return Timed(step), model
 
 
-def hf_step(model_cfg, tcfg, dev, tokens, targets):
-    """The same step for transformers' LlamaForCausalLM + torch.optim.AdamW, or
-    None when transformers is not installed."""
+def hf_step(model_cfg, tcfg, dev, tokens, targets, compile: bool = False):
+    """The same step for transformers' LlamaForCausalLM + torch.optim.AdamW (fused:
+    mixtral.hf_adamw), its forward through torch.compile with `compile`: (step, model),
+    step.opt the optimizer; or None when transformers is not installed."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -159,11 +174,12 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets):
     model.train()
     opt = mixtral.hf_adamw(model, tcfg)                 # (weight decay on matrices only, as nanohlat)
     V = model_cfg.padded_vocab
+    forward = torch.compile(model) if compile else model
 
     def step():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=tokens).logits                              # (B, T, V)
+        logits = forward(input_ids=tokens).logits                            # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1))
         loss.backward()
         t1 = mark(dev)
@@ -172,12 +188,27 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets):
         dev.sync()
         return t1 - t0 if t1 else None
 
+    step.opt = opt
     return step, model
 
 
-def warm_up(steps: dict, devs: dict, n: int) -> dict:
+class GraphTally:
+    """torch.compile's graphs by the row that compiled them: Dynamo counts one total for the
+    process (compile.stats), and nanohlat and the compiled reference both compile; called with a
+    row's name right after its step (untimed), it gives that row the graphs made since the last call."""
+
+    def __init__(self):
+        self.by, self.last = {}, compilelib.stats()["graphs"]
+
+    def __call__(self, name: str) -> None:
+        now = compilelib.stats()["graphs"]
+        self.by[name], self.last = self.by.get(name, 0) + now - self.last, now
+
+
+def warm_up(steps: dict, devs: dict, n: int, after=None) -> dict:
     """Run n untimed steps of each step function (at least one); returns
-    {name: seconds of its first step}: where torch.compile and XLA compile."""
+    {name: seconds of its first step}: where torch.compile and XLA compile.
+    `after(name)`, if given, runs after each step, untimed."""
     first = {}
     for i in range(max(n, 1)):
         for name, step in steps.items():
@@ -187,13 +218,15 @@ def warm_up(steps: dict, devs: dict, n: int) -> dict:
             wait(devs[name])
             if i == 0:
                 first[name] = time.perf_counter() - t0
+            if after is not None:
+                after(name)
     return first
 
 
-def time_interleaved(steps: dict, n: int, devs: dict, between=None) -> tuple[dict, dict]:
+def time_interleaved(steps: dict, n: int, devs: dict, between=None, after=None) -> tuple[dict, dict]:
     """Seconds per step of each named step function, alternating them step by
     step (and who goes first, every round) so machine load falls on all alike;
-    `between()`, if given, runs after each round, untimed.
+    `between()`, if given, runs after each round, `after(name)` after each step, untimed.
     Returns ({name: [step seconds]}, {name: [forward + backward seconds]})."""
     names = list(steps)
     times = {name: [] for name in names}
@@ -207,6 +240,8 @@ def time_interleaved(steps: dict, n: int, devs: dict, between=None) -> tuple[dic
             times[name].append(time.perf_counter() - t0)
             if fb is not None:
                 fwd_bwd[name].append(fb)
+            if after is not None:
+                after(name)
         if between is not None:
             between()
     return times, fwd_bwd
@@ -290,35 +325,40 @@ def main(argv=None) -> int:
     if not steps:
         print("error: none of --engines can run here", file=sys.stderr)
         return 2
-    # the reference: Hugging Face's Llama of the same shape, or for a mixture of experts its Mixtral
-    # (from nanohlat's initial weights: mixtral.py), unless the mixture is one Mixtral cannot express
+    # the references: Hugging Face's Llama of the same shape, or for a mixture of experts its Mixtral
+    # (from nanohlat's initial weights: mixtral.py), unless the mixture is one Mixtral cannot express;
+    # each with torch's fastest AdamW for the device (mixtral.hf_adamw). The compiled engine is timed
+    # beside the reference through torch.compile, the others beside the eager reference (`pairs`)
     ref = mixtral.NAME if model_cfg.moe_experts else "hf-llama"
-    hf = None
-    if args.hf and model_cfg.moe_experts:
-        try:
-            hf = mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, Timed)
-        except UserError as e:
-            print(f"(no Hugging Face model of this shape, timing nanohlat alone: {e})")
-            args.hf = False
-    elif args.hf:
-        hf = hf_step(model_cfg, tcfg, dev, tokens, targets)
-    if hf is not None:
-        steps[ref], models[ref] = hf
-        devs[ref] = dev
-        n_ours, n_hf = (sum(p.numel() for p in models[name].parameters()) for name in (next(iter(models)), ref))
+    pairs = {name: ref + "-compile" if name == ENGINES["compile"] else ref for name in steps}
+    refs = {}
+    if args.hf:
+        refs = references(sorted(set(pairs.values())), model_cfg, tcfg, dev, tokens, targets)
+        if refs is None:
+            print("(transformers is not installed: timing nanohlat alone; pip install transformers)")
+            refs = {}
+    for name, (step, model) in refs.items():
+        n_ours, n_hf = (sum(p.numel() for p in m.parameters()) for m in (next(iter(models.values())), model))
         if ref == mixtral.NAME:   # (Mixtral's embedding and head have vocab_size rows, nanohlat's padded_vocab)
             n_hf += 2 * (model_cfg.padded_vocab - model_cfg.vocab_size) * model_cfg.d_model
         assert n_ours == n_hf, f"shape mismatch: nanohlat {n_ours:,} vs Hugging Face {n_hf:,} parameters"
+        models[name], devs[name] = model, dev
+    if refs:
+        any_ref = next(iter(refs.values()))
         if ref == mixtral.NAME:
             print(f"{ref}: Hugging Face's MixtralForCausalLM, experts computed by its "
-                  f"'{mixtral.experts_implementation(models[ref])}' implementation")
-        # Hugging Face's step runs second in each round (the order reverses every
-        # round), so it runs right next to each of the first two engines: the
-        # pairs of `spread` are then two back-to-back steps
-        names = [n for n in steps if n != ref]
-        steps = {n: steps[n] for n in names[:1] + [ref] + names[1:]}
-    elif args.hf:
-        print("(transformers is not installed: timing nanohlat alone; pip install transformers)")
+                  f"'{mixtral.experts_implementation(any_ref[1])}' implementation")
+        print(f"{ref}: torch.optim.AdamW({mixtral.adamw_kind(any_ref[0].opt)}=True), torch's fastest for "
+              f"{dev.kind} {tcfg.precision}, and clip_grad_norm_" + ("; its forward compiled for the compiled "
+                                                                      "engine" if ref + "-compile" in refs else ""))
+        # each engine and its reference run back to back in every round (the order reverses every
+        # round): the pairs of `spread` are two neighbouring steps
+        steps = ordered(steps, {n: s for n, (s, _) in refs.items()}, pairs)
+    pairs = {n: r for n, r in pairs.items() if r in steps}
+    tally = GraphTally()   # torch.compile's graphs, by the row whose step compiled them
+    for name in steps:
+        if name.endswith("-compile"):
+            graphs[name] = lambda name=name: tally.by.get(name, 0)
 
     tok_per_step = tcfg.batch_size * tcfg.seq_len
     flops_tok = metrics.flops_per_token(model_cfg, tcfg.seq_len)
@@ -330,38 +370,71 @@ def main(argv=None) -> int:
           f"on {where}")
     print(f"timing {tcfg.steps} steps per model after {max(args.warmup, 1)} warm-up, interleaved ...", flush=True)
 
-    first = warm_up(steps, devs, args.warmup)              # the compilers compile here
+    load_before = os.getloadavg()[0]
+    first = warm_up(steps, devs, args.warmup, tally)       # the compilers compile here
     compiled = {name: count() for name, count in graphs.items()}
     # on the CPU the peak is measured again after every round (the best counts): see metrics.resample_cpu_peak
     times, fwd_bwd = time_interleaved(steps, tcfg.steps, devs,
-                                      metrics.resample_cpu_peak if dev.kind == "cpu" else None)
+                                      metrics.resample_cpu_peak if dev.kind == "cpu" else None, tally)
+    load = (load_before, os.getloadavg()[0])
     recompiled = {name: count() - compiled[name] for name, count in graphs.items()}
     peak = metrics.device_peak(dev, tcfg.precision)   # the definition train.py uses
     print(metrics.describe_peak(dev, tcfg.precision) + ("; sampled again after every round, the best kept" if dev.kind == "cpu" else ""))
     print()
-    print(report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak))
-    if "nanohlat-compile" in steps:
+    print(report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak, pairs))
+    if any(name.endswith("-compile") for name in steps):
         st = compilelib.stats()
-        print(f"\nnanohlat-compile: {st['graphs']} graph(s), {st['graph_breaks']} graph break(s)"
-              + "".join(f"\n  break: {r}" for r in st["break_reasons"]))
+        print("\n" + ", ".join(f"{n}: {tally.by.get(n, 0)} graph(s)" for n in steps if n.endswith("-compile"))
+              + f"; {st['graph_breaks']} graph break(s) in all" + "".join(f"\n  break: {r}" for r in st["break_reasons"]))
     if args.profile:
         print(profile(steps, devs))
-    if ref in steps:   # eager and compile last, as the README quotes them
-        rate = {name: tok_per_step / statistics.median(ts) for name, ts in times.items()}
-        ours = sorted((n for n in steps if n != ref), key=lambda n: n != "nanohlat-xla")
+    if pairs:   # eager and compile last, as the README quotes them
+        ours = sorted(pairs, key=lambda n: n != "nanohlat-xla")
         print()
         if ref == mixtral.NAME:   # the same weights, the same batch: the same first loss, or no comparison
-            line, same = mixtral.first_losses(steps[ours[-1]].first_loss, steps[ref].first_loss,
+            line, same = mixtral.first_losses(steps[ours[-1]].first_loss, steps[pairs[ours[-1]]].first_loss,
                                               tcfg.precision)
             print(line)
             if not same:
                 print(f"error: {line}", file=sys.stderr)
                 return 1
-        print(spread(times, ours))
+        print(spread(times, ours, pairs))
         print()
+        print(load_line(load, os.cpu_count() or 1, threads))
         for name in ours:
-            print(f"{name} / {ref} tokens/s: {rate[name] / rate[ref]:.3f}x")
+            print(ratio_line(times, name, pairs[name]))
     return 0
+
+
+def references(names, model_cfg, tcfg, dev, tokens, targets) -> dict | None:
+    """{row name: (step, model)} of each Hugging Face reference asked for (hf-llama, hf-mixtral,
+    `-compile`: its forward through torch.compile); None without transformers. UserError (from
+    mixtral.py) for a mixture Mixtral cannot express: printed, and {} returned."""
+    out = {}
+    for name in names:
+        compile = name.endswith("-compile")
+        try:
+            hf = (mixtral.hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, Timed, compile)
+                  if model_cfg.moe_experts else hf_step(model_cfg, tcfg, dev, tokens, targets, compile))
+        except UserError as e:
+            print(f"(no Hugging Face model of this shape, timing nanohlat alone: {e})")
+            return {}
+        if hf is None:
+            return None
+        out[name] = hf
+    return out
+
+
+def ordered(ours: dict, refs: dict, pairs: dict) -> dict:
+    """nanohlat's engines and the references in the order of a round: each engine next to its
+    reference (the eager pair, then the compiled pair: reference first, so it sits in the middle of
+    the round), then the others."""
+    order = []
+    for name in ours:
+        partner = pairs[name] if pairs[name] in refs and pairs[name] not in order else None
+        order += [name, partner] if name == ENGINES["eager"] else [partner, name]
+    steps = ours | refs
+    return {n: steps[n] for n in order if n is not None}
 
 
 def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
@@ -387,58 +460,89 @@ def build_engines(engines, model_cfg, tcfg, dev, tokens, targets):
     return steps, models, devs, graphs
 
 
-def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak) -> str:
-    """The table: one row per engine (and Hugging Face), ratios against Hugging Face's eager step."""
-    ref = reference(times)
-    hf = tok_per_step / statistics.median(times[ref]) if ref else None
+def report(times, fwd_bwd, first, compiled, recompiled, tok_per_step, flops_tok, peak, pairs=None) -> str:
+    """The table: one row per engine, then the references; `vs ref`: tokens/s relative to the row's
+    reference (`pairs`: the compiled engine's is the compiled reference), from the medians."""
+    pairs = pairs or {}
     # fwd+bwd and optimizer: medians of each phase (they need not add up to the step's median)
-    lines = [f"{'':<16} {'first step':>10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>9} "
-             f"{'MFU':>6} {'vs hf':>6} {'graphs':>6} {'recompiled':>10} {'fwd+bwd':>10} {'optimizer':>10}"]
-    for name in sorted(times, key=lambda n: n == ref):   # nanohlat's engines, then Hugging Face's
+    lines = [f"{'':<18} {'first step':>10} {'median step':>12} {'min':>9} {'max':>9} {'tokens/s':>9} "
+             f"{'MFU':>6} {'vs ref':>6} {'graphs':>6} {'recompiled':>10} {'fwd+bwd':>10} {'optimizer':>10}"]
+    refs = set(pairs.values())
+    for name in sorted(times, key=lambda n: n in refs):   # nanohlat's engines, then Hugging Face's
         ts = times[name]
         med = statistics.median(ts)
         rate = tok_per_step / med
         m = metrics.mfu(rate, flops_tok, peak)
         mfu_text = f"{m * 100:5.1f}%" if m is not None else "   n/a"
-        ratio = f"{rate / hf:5.3f}x" if hf else "   n/a"
+        partner = pairs.get(name, name if name in refs else None)
+        ratio = f"{statistics.median(times[partner]) / med:5.3f}x" if partner in times else "   n/a"
         g = f"{compiled[name]:>6} {recompiled[name]:>10}" if name in compiled else f"{'-':>6} {'-':>10}"
         phases = ""
         if fwd_bwd[name]:
             fb = statistics.median(fwd_bwd[name])
             op = statistics.median([t - f for t, f in zip(ts, fwd_bwd[name])])
             phases = f" {fb * 1e3:>7.1f} ms {op * 1e3:>7.1f} ms"
-        lines.append(f"{name:<16} {first[name]:>8.2f} s {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms "
+        lines.append(f"{name:<18} {first[name]:>8.2f} s {med * 1e3:>9.1f} ms {min(ts) * 1e3:>6.1f} ms "
                      f"{max(ts) * 1e3:>6.1f} ms {rate:>9,.0f} {mfu_text} {ratio} {g}{phases}")
     return "\n".join(lines)
 
 
-def paired_ratios(times: dict, name: str) -> list[float]:
-    """Round by round, Hugging Face's step time over `name`'s: its tokens/s
-    relative to Hugging Face's, from the two steps of one round (back to back
-    for the first two engines, which main() places on either side of
-    Hugging Face's step)."""
-    return [hf / ours for hf, ours in zip(times[reference(times)], times[name])]
+def paired_ratios(times: dict, name: str, ref: str | None = None) -> list[float]:
+    """Round by round, the reference's step time over `name`'s: its tokens/s relative to the
+    reference's, from the two steps of one round (back to back: main() places each engine next to
+    its reference). `ref`: the reference row (default: the eager one)."""
+    return [hf / ours for hf, ours in zip(times[ref or reference(times)], times[name])]
 
 
 def reference(times: dict) -> str | None:
-    """The Hugging Face row among `times`: hf-llama, or hf-mixtral for a mixture of experts."""
+    """The eager Hugging Face row among `times`: hf-llama, or hf-mixtral for a mixture of experts."""
     return next((n for n in ("hf-llama", mixtral.NAME) if n in times), None)
 
 
-def spread(times: dict, names: list) -> str:
+def quartiles(r: list[float]) -> tuple[float, float, float] | None:
+    """(25th, 50th, 75th percentile) of the ratios; None for fewer than 4."""
+    return tuple(statistics.quantiles(r, n=4)) if len(r) >= 4 else None
+
+
+def spread(times: dict, names: list, pairs: dict | None = None) -> str:
     """How far the ratio moves from round to round: the median and the middle
-    half (25th to 75th percentile) of each engine's paired ratios. The last
-    lines' ratios compare medians; when the middle half here spans a
-    difference (say 1.00x), this run cannot tell the two steps apart."""
-    lines = ["per-round ratio (each round's step of the engine over Hugging Face's): median, middle half"]
+    half (25th to 75th percentile) of each engine's paired ratios. When the
+    middle half spans a difference (say 1.00x), this run cannot tell the two
+    steps apart."""
+    pairs = pairs or {}
+    lines = ["per-round ratio (each round's step of the reference over the engine's): median, middle half"]
     for name in names:
-        r = paired_ratios(times, name)
-        if len(r) < 4:
+        r = paired_ratios(times, name, pairs.get(name))
+        q = quartiles(r)
+        if q is None:
             lines.append(f"  {name:<16} {statistics.median(r):.3f}x   (middle half: needs --steps 4 or more)")
             continue
-        q1, q2, q3 = statistics.quantiles(r, n=4)
-        lines.append(f"  {name:<16} {q2:.3f}x   {q1:.3f}x - {q3:.3f}x")
+        lines.append(f"  {name:<16} {q[1]:.3f}x   {q[0]:.3f}x - {q[2]:.3f}x")
     return "\n".join(lines)
+
+
+def loaded(load: tuple[float, float], cores: int) -> bool:
+    """Whether the machine was busier than its cores during the timing: the 1-minute load average
+    (os.getloadavg: runnable threads, this bench's own included), before or after, above the core count."""
+    return max(load) > cores
+
+
+def load_line(load: tuple[float, float], cores: int, threads: int | None) -> str:
+    """The machine's load around the timing, and whether the ratios below are a result."""
+    line = (f"load average (1 min): {load[0]:.2f} before, {load[1]:.2f} after the timing; {cores} cores"
+            + (f", this bench's {threads} thread(s)" if threads else ""))
+    if loaded(load, cores):
+        line += (f"\nnot a result: the load was above the {cores} cores, so other work shared them with the "
+                 f"steps; measure again when the machine is quiet")
+    return line
+
+
+def ratio_line(times: dict, name: str, ref: str) -> str:
+    """`name / ref tokens/s`: the median of the rounds' paired ratios, its middle half, the rounds."""
+    r = paired_ratios(times, name, ref)
+    q = quartiles(r)
+    middle = f"middle half {q[0]:.3f}x - {q[2]:.3f}x" if q else "middle half: needs --steps 4 or more"
+    return f"{name} / {ref} tokens/s: {statistics.median(r):.3f}x (median of {len(r)} rounds, {middle})"
 
 
 # ---------------------------------------------------------------------------

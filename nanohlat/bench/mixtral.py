@@ -15,7 +15,8 @@ Each step: forward, cross-entropy over the real vocabulary, plus Mixtral's
 load-balancing loss times --moe-aux-coef (its router_aux_loss_coef, over the
 whole batch; nanohlat's is per sequence and adds a small z-loss: router work of
 a few (N, E) tensors either way), backward, clip_grad_norm_ and
-torch.optim.AdamW, as for Llama. Hugging Face computes the experts the way it
+torch.optim.AdamW, fused (`hf_adamw`), as for Llama; with `compile`, the model
+through torch.compile. Hugging Face computes the experts the way it
 chooses by default (config._experts_implementation, printed; in transformers 5
 one grouped matmul over the tokens sorted by expert where torch has one).
 """
@@ -64,19 +65,46 @@ def loadable(hf_state: dict, wanted: dict) -> dict:
     return out
 
 
+def fastest_adamw(device: torch.device, dtype: torch.dtype) -> str:
+    """'fused' where torch has a fused AdamW kernel for this device and dtype (the CPU's since torch
+    2.4, CUDA's), else 'foreach' (one kernel per op over all tensors, not one per tensor): what a user
+    who wants the fastest torch.optim.AdamW picks. Asked of torch itself, by one step of a
+    one-element parameter: which devices have the kernel is private to torch and moves between
+    versions."""
+    p = torch.nn.Parameter(torch.zeros(1, device=device, dtype=dtype))
+    p.grad = torch.zeros_like(p)
+    try:
+        torch.optim.AdamW([p], fused=True).step()
+    except RuntimeError:
+        return "foreach"
+    return "fused"
+
+
 def hf_adamw(model, tcfg):
     """torch.optim.AdamW for a Hugging Face reference model, set as nanohlat's: weight decay on
-    matrices only (as nanohlat, and HF's Trainer, do), the recipe's lr, betas and eps."""
+    matrices only (as nanohlat, and HF's Trainer, do), the recipe's lr, betas and eps; and the
+    fastest implementation torch has for the model's device and dtype (`fastest_adamw`: fused on
+    the CPU and CUDA), not torch's default (on the CPU, a loop over the tensors). Its kind is
+    `adamw_kind(opt)`."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
+    p0 = next(model.parameters())
+    kind = fastest_adamw(p0.device, p0.dtype)
     return torch.optim.AdamW([{"params": decay, "weight_decay": tcfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps)
+                             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.adam_eps,
+                             **{kind: True})
 
 
-def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed):
+def adamw_kind(opt) -> str:
+    """'fused', 'foreach' or 'for-loop': which implementation a torch.optim.AdamW runs."""
+    return "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "for-loop"
+
+
+def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed, compile: bool = False):
     """Hugging Face's MixtralForCausalLM step from nanohlat's initial weights: (step, model), the step
-    a `timed` (bench.Timed: its first_loss the first step's language-model loss); None without transformers.
+    a `timed` (bench.Timed: its first_loss the first step's language-model loss; its `opt` the
+    optimizer); the model's forward through torch.compile with `compile`; None without transformers.
     UserError for a mixture Mixtral cannot express (serving/hf.py's check_mixtral; --moe-bias-rate)."""
     if model_cfg.moe_bias_rate:   # (it was a KeyError: 'mlp.expert_bias', in to_hf_state)
         raise UserError(f"--moe-bias-rate {model_cfg.moe_bias_rate:g} moves a bias per expert after each step, "
@@ -96,11 +124,12 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed):
     model.train()
     opt = hf_adamw(model, tcfg)
     V, coef = model_cfg.vocab_size, config.router_aux_loss_coef   # (mark: bench.mark, the end of fwd + bwd)
+    forward = torch.compile(model) if compile else model
 
     def step():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        out = model(input_ids=tokens)
+        out = forward(input_ids=tokens)
         lm = F.cross_entropy(out.logits.float().view(-1, V), targets.reshape(-1))
         (lm + coef * out.aux_loss).backward()
         t1 = mark(dev)
@@ -109,7 +138,9 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed):
         dev.sync()
         return (t1 - t0 if t1 else None), lm.detach()
 
-    return timed(step), model
+    t = timed(step)
+    t.opt = opt
+    return t, model
 
 
 def experts_implementation(model) -> str:

@@ -5,8 +5,9 @@ import importlib.util
 import re
 
 import pytest
+import torch
 
-from nanohlat.bench import bench
+from nanohlat.bench import bench, mixtral
 
 TINY = ["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2", "--ffn-dim", "128",
         "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2", "--warmup", "1", "--threads", "1"]
@@ -33,9 +34,63 @@ def test_bench_ends_with_the_ratio_lines(capsys):
     rc = bench.main(TINY + ["--steps", "4"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert re.fullmatch(r"nanohlat / hf-llama tokens/s: \d+\.\d{3}x", out[-1])
-    assert re.fullmatch(r"  nanohlat +\d+\.\d{3}x +\d+\.\d{3}x - \d+\.\d{3}x", out[-3])
+    assert "hf-llama: torch.optim.AdamW(fused=True), torch's fastest for cpu fp32, and clip_grad_norm_" in out
+    assert re.fullmatch(r"nanohlat / hf-llama tokens/s: \d+\.\d{3}x \(median of 4 rounds, middle half "
+                        r"\d+\.\d{3}x - \d+\.\d{3}x\)", out[-1])
+    load = next(i for i, line in enumerate(out) if line.startswith("load average (1 min): "))
+    assert re.fullmatch(r"load average \(1 min\): \d+\.\d\d before, \d+\.\d\d after the timing; \d+ cores, "
+                        r"this bench's 1 thread\(s\)", out[load])
+    assert re.fullmatch(r"  nanohlat +\d+\.\d{3}x +\d+\.\d{3}x - \d+\.\d{3}x", out[load - 2])
+    row = next(line for line in out if line.startswith("hf-llama "))      # both phases of the reference
+    assert re.search(r"\d+\.\d ms +\d+\.\d ms$", row), row
 
+
+def test_the_references_train_with_torchs_fastest_adamw(monkeypatch):
+    """The Hugging Face references' AdamW is the fused one where torch has it for the device and dtype
+    (the CPU's, fp32 and bf16), else foreach; never torch's default per-tensor loop. Same hyperparameters
+    as nanohlat's, weight decay on matrices only."""
+    model_cfg, tcfg = bench.parse(["--preset", "tiny", "--no-hf"])[:2]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for dtype in (torch.float32, torch.bfloat16):
+        opt = mixtral.hf_adamw(model.to(dtype), tcfg)
+        assert mixtral.adamw_kind(opt) == "fused" and opt.defaults["fused"] and not opt.defaults["foreach"]
+        assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [
+            (tcfg.lr, (tcfg.beta1, tcfg.beta2), tcfg.adam_eps, tcfg.weight_decay, 1),
+            (tcfg.lr, (tcfg.beta1, tcfg.beta2), tcfg.adam_eps, 0.0, 3)]
+    # where torch has no fused kernel for the device (it raises when the step finds out), foreach
+    real = torch.optim.AdamW
+
+    def no_fused(params, *args, fused=None, **kwargs):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        return real(params, *args, fused=fused, **kwargs)
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    assert mixtral.fastest_adamw(torch.device("cpu"), torch.float32) == "foreach"
+    assert mixtral.adamw_kind(mixtral.hf_adamw(model, tcfg)) == "foreach"
+
+
+def test_a_loaded_machine_is_said_to_give_no_result():
+    """The load line: above the core count (before or after the timing), the ratios are not a result."""
+    quiet = bench.load_line((0.4, 1.9), 2, 2)
+    assert quiet == "load average (1 min): 0.40 before, 1.90 after the timing; 2 cores, this bench's 2 thread(s)"
+    busy = bench.load_line((2.6, 1.9), 2, 1)
+    assert busy.splitlines()[1].startswith("not a result: the load was above the 2 cores")
+    assert bench.loaded((0.1, 2.01), 2) and not bench.loaded((2.0, 2.0), 2)
+    times = {"hf-llama": [1.0, 1.0, 1.0, 1.0, 1.0], "nanohlat": [0.5, 1.0, 0.8, 1.25, 1.0]}
+    assert bench.ratio_line(times, "nanohlat", "hf-llama") == (
+        "nanohlat / hf-llama tokens/s: 1.000x (median of 5 rounds, middle half 0.900x - 1.625x)")
+
+
+def test_each_engine_runs_next_to_its_own_reference():
+    """The compiled engine beside the compiled reference, the eager one beside the eager reference, in
+    every round's order (the order reverses every round, so each pair stays neighbours)."""
+    ours = {"nanohlat": 1, "nanohlat-compile": 2, "nanohlat-xla": 3}
+    refs = {"hf-llama": 4, "hf-llama-compile": 5}
+    pairs = {"nanohlat": "hf-llama", "nanohlat-compile": "hf-llama-compile", "nanohlat-xla": "hf-llama"}
+    assert list(bench.ordered(ours, refs, pairs)) == ["nanohlat", "hf-llama", "hf-llama-compile",
+                                                      "nanohlat-compile", "nanohlat-xla"]
+    assert list(bench.ordered({"nanohlat-compile": 2}, {"hf-llama-compile": 5}, pairs)) == [
+        "hf-llama-compile", "nanohlat-compile"]
 
 
 def test_xla_engine_without_torch_xla_says_so(capsys):
