@@ -11,10 +11,12 @@ rank 0 while the others wait. Rounds alternate the four, in a rotating order, so
 that load from anything else on the machine hits them alike; the figure is the
 median over rounds.
 
-Two clocks: the rank's CPU time (its main thread's, which runs the arithmetic:
-torch runs one thread here, and gloo moves the bytes on threads of its own, so
-this is the rank's arithmetic and its Python, not the time it waited for a
-peer), and wall time. On a machine with fewer free cores than cp ranks the
+Two clocks: the rank's CPU time, and wall time. CPU time is the whole worker
+process's (time.process_time: every thread of it), not its main thread's alone:
+torch runs one thread here for the arithmetic, but gloo moves the bytes and
+adds them up (allgather's backward reduce-scatters K/V's gradients) on threads
+of its own, and that work is the algorithm's too. It leaves out the time a
+rank waited for a peer (blocked, not running). On a machine with fewer free cores than cp ranks the
 ranks take turns and wall time says more about the machine than about the
 algorithm; the CPU time does not. A rank's figure is the slowest cp rank's (the
 others wait for it in the next layer), and the ratio is to one process's: the
@@ -103,10 +105,10 @@ def _timings(rank, world, port, args) -> dict:
             barrier()
             if name == ONE and rank != 0:
                 continue
-            cpu, wall = time.thread_time(), time.perf_counter()
+            cpu, wall = time.process_time(), time.perf_counter()     # (every thread's CPU time: gloo's too)
             steps[name]()
             if r:
-                times[name].append((time.thread_time() - cpu, time.perf_counter() - wall))
+                times[name].append((time.process_time() - cpu, time.perf_counter() - wall))
     barrier()
     dist.destroy_process_group()
     return times
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
           f"{a.rounds} rounds, one thread a rank; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     print(f"each rank's pairs: {kernel('cpu')}; one process: model.causal_attention")
     print(f"  {'cp':>2}  {'algorithm':<11} {'cpu ms':>8} {'x one':>6} {'wall ms':>8} {'x one':>6}   "
-          f"(the slowest cp rank; 'x one': over one process's, in the same run; ideal 1/cp)")
+          f"(the slowest cp rank; cpu: all its threads, gloo's too; 'x one': over one process's, in the same "
+          f"run; ideal 1/cp)")
     for n in sizes:
         try:
             res = run(n, args)
