@@ -33,8 +33,18 @@ every optimizer step b_e moves by r towards balance (+r if e got fewer than its
 share of the global batch's routing choices, -r if more: `update_bias`). The
 language model's gradient never sees it, so balance costs it nothing but the
 routing; the loads are summed over every rank that saw other tokens (tp with SP,
-dp x cp, pp's stages; `Figures.step`), so every layout moves b alike, bit for
-bit. It is saved in checkpoints with the weights (run/checkpoint) and Mixtral,
+dp x cp, pp's stages; `Figures.move_biases`), so every layout moves b by the same
+counts as one process, bit for bit, for as long as its routing is one
+process's: tests/beyond/test_moe_bias.py holds dp 2 and ep 2 to one process's biases
+bit for bit over 6 steps. Not for ever: a layout's weights differ from one
+process's by round-off, and a token whose two likeliest experts are that close
+can go to the other one, which moves two counts by one and can turn a bias's
+step. Measured at cp 2 x ep 2 (moe preset, r 1e-3, no balance loss, 60 steps):
+the logged loads first differ at step 36, the biases are equal at steps 20 and
+40 and at step 60 two of 16 differ, by one and two steps of r. The scale: b is
+added to softmax probabilities (mean 1/E), where DeepSeek-V3 adds its bias to
+sigmoid scores (about 0.5), so its rate of 1e-3 corresponds to about 2e-3 / E
+here. It is saved in checkpoints with the weights (run/checkpoint) and Mixtral,
 whose router has none, refuses it on export (serving/hf.py).
 
 Both losses are computed per *sequence* (f_e, P_e over one sequence's T tokens; as

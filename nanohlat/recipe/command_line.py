@@ -64,9 +64,11 @@ HELP = {
     "moe_z_coef": "coefficient of the router z-loss (ST-MoE: the mean of logsumexp(router "
                   "logits)^2), logged (without it) as moe_z",
     "moe_bias_rate": "balancing without a loss (DeepSeek-V3): a bias per expert, added to the router's "
-                     "probabilities to choose the top-k (never to weigh them), moved by this much after each "
-                     "step towards the experts the global batch gave less than their share (0 = off; "
-                     "DeepSeek-V3: 1e-3; with --moe-aux-coef 0 the only balancing)",
+                     "softmax probabilities (mean 1/E) to choose the top-k (never to weigh them), moved by this "
+                     "much after each step towards the experts the global batch gave less than their share "
+                     "(0 = off; with --moe-aux-coef 0 the only balancing). DeepSeek-V3's 1e-3 moves a bias on "
+                     "sigmoid scores (about 0.5): the same share of a score here is about 2e-3 / E (5e-4 at "
+                     "E = 4, 3e-5 at E = 64)",
     "ep": "expert parallelism: ranks of each dp group (with --cp: dp x cp) sharing a mixture's experts, E/ep each "
           "(divides dp, or dp x cp; moe.py)",
     "moe_every": "layer i is sparse when (i + 1) %% moe_every == 0 (1: every layer, 2: every other one)",
