@@ -9,7 +9,8 @@ batch (`data_parallel.split_batch`), forward and backward through this rank's
 pipeline stage and tensor slice (`pipeline.PipelineRunner.run`), the loss of
 the whole batch (`data_parallel.global_mean`), then the optimizer's four phases
 (`optim.FlatAdamW`; on the CPU and with --compile its subclass
-`tools/fast_adamw.py:FastFlatAdamW`, the same numbers sooner). `train()` below
+`tools/fast_adamw.py:FastFlatAdamW`, its numbers sooner: torch's fused AdamW
+kernel on the CPU, within a bound its test derives). `train()` below
 builds what a step needs on the device it is given (the mesh, and
 `run/build.py:build` for the model, schedule and optimizer) and runs the
 steps. The rest lives elsewhere:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from nanohlat.bench import bench
+from nanohlat.bench import ratios
 
 SCRIPT = os.path.join(ROOT, "scripts", "device_check.py")
 
@@ -55,8 +55,8 @@ def test_it_reads_the_benchs_own_lines():
     times = {"nanohlat": [0.10, 0.11, 0.10, 0.12], "hf-llama": [0.11, 0.11, 0.12, 0.12]}
     fwd = {"nanohlat": [0.08] * 4, "hf-llama": [0.09] * 4}
     first = {"nanohlat": 1.0, "hf-llama": 1.0}
-    out = "\n".join([bench.report(times, fwd, first, {}, {}, 2048, 6e9, 989e12, {"nanohlat": "hf-llama"}),
-                     bench.load_line((0.5, 1.0), 16, None), bench.ratio_line(times, "nanohlat", "hf-llama")])
+    out = "\n".join([ratios.report(times, fwd, first, {}, {}, 2048, 6e9, 989e12, {"nanohlat": "hf-llama"}),
+                     ratios.load_line((0.5, 1.0), 16, None), ratios.ratio_line(times, "nanohlat", "hf-llama")])
     got = dc.parse_bench(out)
     assert got["rounds"] == 4 and got["ratio"] == pytest.approx(1.0, abs=0.11)
     assert got["mfu_nanohlat"] > got["mfu_hf-llama"] > 0

@@ -56,7 +56,7 @@ def build(model_cfg, tcfg, mesh, dev):
     runner: the micro-batch schedule (--schedule) that runs forward/backward
             (timed op by op with --timeline: tools/timeline.py:StepClock);
     opt:    AdamW over this rank's parameters (ZeRO-1, 2, 3 with --zero; its
-            passes cache-blocked on the CPU, compiled with --compile).
+            update torch's fused kernel on the CPU, compiled with --compile elsewhere).
     """
     # the stage's layers: one contiguous run (pipeline.py), or --virtual-stages chunks (schedules.chunk_layers)
     runner_class, layers = pipeline.PipelineRunner, pipeline.stage_layers(model_cfg.n_layers, mesh.pp, mesh.pp_rank)
@@ -129,7 +129,8 @@ def decoder(model_cfg, group=None, sequence_parallel: bool = False, layers=None,
 def optimizer(model, mesh, tcfg, dev):
     """AdamW over this rank's parameters, with --zero's strategy: 0 and 1 the core's (optim.py), 2 and 3
     ZeRO-2's and ZeRO-3's (zero2.py, zero3.py: ZeRO-3's units then hooked to the model's layers); its passes
-    cache-blocked on the CPU or compiled with --compile (tools/fast_adamw.py), the same numbers."""
+    torch's fused AdamW kernel on the CPU or compiled with --compile (tools/fast_adamw.py: FlatAdamW's
+    numbers, to a bound its test derives)."""
     strategy = None
     if tcfg.zero == 2:
         from nanohlat.beyond import zero2

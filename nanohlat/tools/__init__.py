@@ -2,8 +2,8 @@
 what measures and predicts a step.
 
 Inside the step, when asked for: torch.compile of the stage (compile.py,
-`--compile`), the optimizer's faster passes (fast_adamw.py: cache-blocked on
-the CPU, compiled with --compile), the step clock that times every forward
+`--compile`), the optimizer's faster update (fast_adamw.py: torch's fused
+AdamW kernel on the CPU, compiled with --compile elsewhere), the step clock that times every forward
 and backward (timeline.py, `--timeline`) and the comm trace that times and
 names every collective of the step (comm_trace.py). Beside it: the
 timeline's report and its bubble (timeline.py), the collectives' report

@@ -26,9 +26,10 @@ stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 
 The optimizer is compiled in part (tools/fast_adamw.py:FastFlatAdamW.compile, called by build.py):
-the arithmetic of its step, the fp64 sum of squares of the grad norm and the
-AdamW update, each a few memory-bound passes over a large flat buffer that
-Inductor fuses into one loop (eagerly, every pass streams the buffer again).
+the arithmetic of its step, the fp64 sum of squares of the grad norm and (where
+torch has no fused AdamW kernel for the device: not the CPU) the AdamW update,
+each a few memory-bound passes over a large flat buffer that Inductor fuses
+into one loop (eagerly, every pass streams the buffer again).
 Its collectives (the dp reduction, the grad norm's all-reduces, ZeRO-1's
 all-gather) and the Python between the phases stay eager. So do the pipeline
 schedule and the evaluation loop (the model stage inside them is compiled;

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from nanohlat.bench import bench, mixtral
+from nanohlat.bench import bench, mixtral, ratios
 
 TINY = ["--n-layers", "1", "--d-model", "64", "--n-heads", "2", "--n-kv-heads", "2", "--ffn-dim", "128",
         "--vocab-size", "256", "--seq-len", "32", "--batch-size", "2", "--warmup", "1", "--threads", "1"]
@@ -17,15 +17,15 @@ def test_spread_pairs_the_steps_of_one_round():
     # the machine slows down every other round; each round's two steps slow
     # together, so every paired ratio is the same 1/1.1
     times = {"hf-llama": [1.0, 2.0, 1.0, 2.0, 1.0], "nanohlat": [1.1, 2.2, 1.1, 2.2, 1.1]}
-    assert bench.paired_ratios(times, "nanohlat") == pytest.approx([1 / 1.1] * 5)
-    assert "nanohlat         0.909x   0.909x - 0.909x" in bench.spread(times, ["nanohlat"])
+    assert ratios.paired_ratios(times, "nanohlat") == pytest.approx([1 / 1.1] * 5)
+    assert "nanohlat         0.909x   0.909x - 0.909x" in ratios.spread(times, ["nanohlat"])
     # a step that is faster in some rounds and slower in others: the middle half spans 1.00x
     times = {"hf-llama": [1.0] * 8, "nanohlat": [0.8, 0.9, 0.95, 1.0, 1.0, 1.05, 1.1, 1.25]}
-    text = bench.spread(times, ["nanohlat"])
+    text = ratios.spread(times, ["nanohlat"])
     q1, q3 = (float(x) for x in re.search(r"(\d\.\d+)x - (\d\.\d+)x", text).groups())
     assert q1 < 1.0 < q3
     # too few rounds for quartiles: the median alone, and why
-    assert "needs --steps 4" in bench.spread({"hf-llama": [1.0, 1.0], "nanohlat": [1.0, 2.0]}, ["nanohlat"])
+    assert "needs --steps 4" in ratios.spread({"hf-llama": [1.0, 1.0], "nanohlat": [1.0, 2.0]}, ["nanohlat"])
 
 
 @pytest.mark.slow
@@ -71,13 +71,13 @@ def test_the_references_train_with_torchs_fastest_adamw(monkeypatch):
 
 def test_a_loaded_machine_is_said_to_give_no_result():
     """The load line: above the core count (before or after the timing), the ratios are not a result."""
-    quiet = bench.load_line((0.4, 1.9), 2, 2)
+    quiet = ratios.load_line((0.4, 1.9), 2, 2)
     assert quiet == "load average (1 min): 0.40 before, 1.90 after the timing; 2 cores, this bench's 2 thread(s)"
-    busy = bench.load_line((2.6, 1.9), 2, 1)
+    busy = ratios.load_line((2.6, 1.9), 2, 1)
     assert busy.splitlines()[1].startswith("not a result: the load was above the 2 cores")
-    assert bench.loaded((0.1, 2.01), 2) and not bench.loaded((2.0, 2.0), 2)
+    assert ratios.loaded((0.1, 2.01), 2) and not ratios.loaded((2.0, 2.0), 2)
     times = {"hf-llama": [1.0, 1.0, 1.0, 1.0, 1.0], "nanohlat": [0.5, 1.0, 0.8, 1.25, 1.0]}
-    assert bench.ratio_line(times, "nanohlat", "hf-llama") == (
+    assert ratios.ratio_line(times, "nanohlat", "hf-llama") == (
         "nanohlat / hf-llama tokens/s: 1.000x (median of 5 rounds, middle half 0.900x - 1.625x)")
 
 

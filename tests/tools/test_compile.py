@@ -25,6 +25,7 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import run_layouts
+from nanohlat.tools import fast_adamw
 
 LOSS_TOL = 2e-5
 BASE = ["--preset", "tiny", "--steps", "10", "--warmup-steps", "2"]
@@ -67,9 +68,11 @@ def test_compile_one_process_matches_eager(eager, cache_dir, tmp_path, capsys):
     st = compilelib.stats()
     # one graph for the training forward (+ its backward), one for evaluation's no_grad forward, and
     # per optimizer buffer (the tiny model's two: matrices, norm gains) one for its grad norm's sum of
-    # squares and one for its AdamW update (FastFlatAdamW.compile: a graph per buffer size)
-    assert st["graphs"] == 2 + 2 * 2 and st["graph_breaks"] == 0, st
-    assert "torch.compile on rank 0: 6 graphs compiled, 0 graph breaks" in capsys.readouterr().out
+    # squares and, where torch has no fused AdamW kernel (not the CPU), one for its AdamW update
+    # (FastFlatAdamW.compile: a graph per buffer size)
+    graphs = 2 + 2 * (1 if fast_adamw.fused_adamw("cpu") else 2)
+    assert st["graphs"] == graphs and st["graph_breaks"] == 0, st
+    assert f"torch.compile on rank 0: {graphs} graphs compiled, 0 graph breaks" in capsys.readouterr().out
 
 
 def _recompile_limit_is_an_error(rank: int) -> None:
