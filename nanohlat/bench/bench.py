@@ -33,7 +33,10 @@ each row's median step and its two phases, forward + backward and the
 optimizer, for both sides. Beside the ratios the bench prints the machine's
 1-minute load average (os.getloadavg) before and after the timing: where it
 is above the core count, other work shared the cores, and the bench says the
-figures are not a result.
+figures are not a result. At --threads 1 it also prints the same ratio of CPU
+times (time.process_time per step): a core taken away by other work is not
+in it, so on a busy machine it says more about the two steps than wall time
+does (not all: they still share caches and memory with that work).
 
 tokens/s = batch_size * seq_len / median step time, and MFU is
 metrics.flops_per_token * tokens/s / metrics.device_peak (the same FLOP count
@@ -227,24 +230,27 @@ def time_interleaved(steps: dict, n: int, devs: dict, between=None, after=None) 
     """Seconds per step of each named step function, alternating them step by
     step (and who goes first, every round) so machine load falls on all alike;
     `between()`, if given, runs after each round, `after(name)` after each step, untimed.
-    Returns ({name: [step seconds]}, {name: [forward + backward seconds]})."""
+    Returns ({name: [step seconds]}, {name: [forward + backward seconds]},
+    {name: [CPU seconds of this process per step, every thread's]})."""
     names = list(steps)
     times = {name: [] for name in names}
     fwd_bwd = {name: [] for name in names}
+    cpu = {name: [] for name in names}
     for i in range(n):
         for name in (names if i % 2 == 0 else names[::-1]):
             wait(devs[name])
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fb = steps[name]()
             wait(devs[name])
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             if fb is not None:
                 fwd_bwd[name].append(fb)
             if after is not None:
                 after(name)
         if between is not None:
             between()
-    return times, fwd_bwd
+    return times, fwd_bwd, cpu
 
 
 def profile(steps: dict, devs: dict, n: int = 3, rows: int = 25) -> str:
@@ -374,7 +380,7 @@ def main(argv=None) -> int:
     first = warm_up(steps, devs, args.warmup, tally)       # the compilers compile here
     compiled = {name: count() for name, count in graphs.items()}
     # on the CPU the peak is measured again after every round (the best counts): see metrics.resample_cpu_peak
-    times, fwd_bwd = time_interleaved(steps, tcfg.steps, devs,
+    times, fwd_bwd, cpu = time_interleaved(steps, tcfg.steps, devs,
                                       metrics.resample_cpu_peak if dev.kind == "cpu" else None, tally)
     load = (load_before, os.getloadavg()[0])
     recompiled = {name: count() - compiled[name] for name, count in graphs.items()}
@@ -403,6 +409,10 @@ def main(argv=None) -> int:
         print(load_line(load, os.cpu_count() or 1, threads))
         for name in ours:
             print(ratio_line(times, name, pairs[name]))
+        if threads == 1:   # one thread: its CPU time is the step's work, whatever else shares the cores
+            print("CPU time per step (one thread: the time other work took the core away is not in it):")
+            for name in ours:
+                print("  " + ratio_line(cpu, name, pairs[name], "CPU time"))
     return 0
 
 

@@ -87,9 +87,12 @@ def load_line(load: tuple[float, float], cores: int, threads: int | None) -> str
     return line
 
 
-def ratio_line(times: dict, name: str, ref: str) -> str:
-    """`name / ref tokens/s`: the median of the rounds' paired ratios, its middle half, the rounds."""
+def ratio_line(times: dict, name: str, ref: str, what: str = "tokens/s") -> str:
+    """`name / ref tokens/s`: the median of the rounds' paired ratios (the reference's time over
+    `name`'s: above 1, `name` is faster), its middle half, the rounds. `what`: tokens/s from wall
+    times, or (the bench at one thread) the same ratio of CPU times."""
     r = paired_ratios(times, name, ref)
     q = quartiles(r)
     middle = f"middle half {q[0]:.3f}x - {q[2]:.3f}x" if q else "middle half: needs --steps 4 or more"
-    return f"{name} / {ref} tokens/s: {statistics.median(r):.3f}x (median of {len(r)} rounds, {middle})"
+    label = f"{name} / {ref} {what}" if what == "tokens/s" else f"{ref} / {name} {what}"
+    return f"{label}: {statistics.median(r):.3f}x (median of {len(r)} rounds, {middle})"

@@ -36,6 +36,10 @@ def test_bench_ends_with_the_ratio_lines(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert "hf-llama: torch.optim.AdamW(fused=True), torch's fastest for cpu fp32, and clip_grad_norm_" in out
     assert re.fullmatch(r"nanohlat / hf-llama tokens/s: \d+\.\d{3}x \(median of 4 rounds, middle half "
+                        r"\d+\.\d{3}x - \d+\.\d{3}x\)", out[-3])
+    # at one thread, the same ratio of CPU times: what the load's preemption leaves out
+    assert out[-2].startswith("CPU time per step (one thread")
+    assert re.fullmatch(r"  hf-llama / nanohlat CPU time: \d+\.\d{3}x \(median of 4 rounds, middle half "
                         r"\d+\.\d{3}x - \d+\.\d{3}x\)", out[-1])
     load = next(i for i, line in enumerate(out) if line.startswith("load average (1 min): "))
     assert re.fullmatch(r"load average \(1 min\): \d+\.\d\d before, \d+\.\d\d after the timing; \d+ cores, "
