@@ -8,8 +8,9 @@ What is timed is one layer's attention core, forward + backward, on each rank:
 thread each), and beside it, in the same workers, one process's causal attention
 over the whole sequence (model.causal_attention, what a cp-1 run calls), run by
 rank 0 while the others wait. Rounds alternate the four, in a rotating order, so
-that load from anything else on the machine hits them alike; the figure is the
-median over rounds.
+that load from anything else on the machine hits them alike; a figure is the
+median over rounds, and a ratio the median of each round's ratio (the slowest
+cp rank's over one process's in the same round) with its range.
 
 Two clocks: the rank's CPU time, and wall time. CPU time is the whole worker
 process's (time.process_time: every thread of it), not its main thread's alone:
@@ -115,7 +116,7 @@ def _timings(rank, world, port, args) -> dict:
 
 
 def run(world: int, args: dict) -> dict:
-    """{name: [(cpu, wall) medians of each rank]} for cp `world` (the one process: rank 0's only)."""
+    """{name: [each rank's [(cpu, wall) of each round]]} for cp `world` (the one process: rank 0's only)."""
     import torch.multiprocessing as mp
 
     from nanohlat.run.launch import free_port, start_method
@@ -150,8 +151,25 @@ def run(world: int, args: dict) -> dict:
     for rank in range(world):
         for name, ts in got[rank].items():
             if ts:
-                out.setdefault(name, []).append(tuple(statistics.median(x[i] for x in ts) for i in (0, 1)))
+                out.setdefault(name, []).append(ts)
     return out
+
+
+def slowest(ranks: list) -> list[tuple[float, float]]:
+    """Round by round, the slowest rank's (cpu, wall): the others wait for it in the next layer."""
+    return [tuple(max(r[i][j] for r in ranks) for j in (0, 1)) for i in range(len(ranks[0]))]
+
+
+def figures(rounds: list, one: list) -> tuple:
+    """(median cpu, median wall, [cpu ratio to one process per round], [wall ratio per round]): each
+    round's ratio against one process's of the same round."""
+    return (statistics.median(c for c, _ in rounds), statistics.median(w for _, w in rounds),
+            [c / o for (c, _), (o, _) in zip(rounds, one)], [w / o for (_, w), (_, o) in zip(rounds, one)])
+
+
+def ratio_text(r: list) -> str:
+    """A ratio's median over the rounds and its range: '0.54 (0.52-0.57)'."""
+    return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
 
 
 def check(a) -> list[int]:
@@ -188,20 +206,21 @@ def main(argv=None) -> int:
           f"{a.batch_size} x {a.seq_len} tokens, {a.precision}; forward + backward of one layer, median of "
           f"{a.rounds} rounds, one thread a rank; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     print(f"each rank's pairs: {kernel('cpu')}; one process: model.causal_attention")
-    print(f"  {'cp':>2}  {'algorithm':<11} {'cpu ms':>8} {'x one':>6} {'wall ms':>8} {'x one':>6}   "
-          f"(the slowest cp rank; cpu: all its threads, gloo's too; 'x one': over one process's, in the same "
-          f"run; ideal 1/cp)")
+    print(f"  {'cp':>2}  {'algorithm':<11} {'cpu ms':>8} {'x one':>17} {'wall ms':>8} {'x one':>17}   "
+          f"(the slowest cp rank; cpu: all its threads, gloo's too; 'x one': over one process's in the same "
+          f"round, the median over rounds and their range; ideal 1/cp)")
     for n in sizes:
         try:
             res = run(n, args)
         except RuntimeError as e:   # a worker's error (run): its one line, exit 1 (a failure, not bad input)
             print(f"error: {e}", file=sys.stderr)
             return 1
-        one_cpu, one_wall = res[ONE][0]
-        print(f"  {1:>2}  {ONE:<11} {1e3 * one_cpu:8.1f} {1:6.2f} {1e3 * one_wall:8.1f} {1:6.2f}")
+        one = res[ONE][0]
+        one_cpu, one_wall = statistics.median(c for c, _ in one), statistics.median(w for _, w in one)
+        print(f"  {1:>2}  {ONE:<11} {1e3 * one_cpu:8.1f} {'1':>17} {1e3 * one_wall:8.1f} {'1':>17}")
         for name in (x for x in ALGORITHMS if x in res):
-            cpu, wall = max(c for c, _ in res[name]), max(w for _, w in res[name])
-            print(f"  {n:>2}  {name:<11} {1e3 * cpu:8.1f} {cpu / one_cpu:6.2f} {1e3 * wall:8.1f} {wall / one_wall:6.2f}")
+            cpu, wall, rc, rw = figures(slowest(res[name]), one)
+            print(f"  {n:>2}  {name:<11} {1e3 * cpu:8.1f} {ratio_text(rc):>17} {1e3 * wall:8.1f} {ratio_text(rw):>17}")
     print(f"  (load {os.getloadavg()[0]:.1f} at the end)")
     return 0
 

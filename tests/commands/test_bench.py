@@ -152,3 +152,15 @@ def test_a_mixtral_whose_first_loss_differs_voids_the_comparison():
     assert mixtral.first_losses(2.0, 2.0 + 4e-6, "fp32")[1]
     line, same = mixtral.first_losses(2.0, 2.0 + 2e-5, "fp32")
     assert not same and "not the same model, the comparison is void" in line
+
+
+def test_cp_attention_figures_are_per_round_ratios_of_the_slowest_rank():
+    """nanohlat/bench/cp_attention.py: each round's slowest cp rank over one process's in the same round;
+    the median of those ratios and their range (made-up seconds)."""
+    from nanohlat.bench import cp_attention
+    ranks = [[(1.0, 2.0), (3.0, 2.0), (1.0, 1.0)], [(2.0, 1.0), (1.0, 4.0), (1.0, 3.0)]]   # 2 ranks x 3 rounds
+    assert cp_attention.slowest(ranks) == [(2.0, 2.0), (3.0, 4.0), (1.0, 3.0)]
+    one = [(4.0, 4.0), (6.0, 8.0), (4.0, 4.0)]
+    cpu, wall, rc, rw = cp_attention.figures(cp_attention.slowest(ranks), one)
+    assert (cpu, wall, rc, rw) == (2.0, 3.0, [0.5, 0.5, 0.25], [0.5, 0.5, 0.75])
+    assert cp_attention.ratio_text(rc) == "0.50 (0.25-0.50)"
