@@ -16,7 +16,7 @@ tests already hold them to one process):
            process, so it is one fixed reference). fp32 on both, where the two
            differ only by the order of their sums: every step's loss within
            FP32_REL relative (see beside it).
-  memory   the plan's peak for the run (`tools/plan`: peak_memory_per_rank, the
+  memory   the plan's peak for the run (`nanohlat/plan`: peak_memory_per_rank, the
            figure train.py's preflight checks against the device) against
            torch.cuda.max_memory_allocated after the eager runs (summary.json's
            peak_memory): the plan must bound it from above, by at most
@@ -51,7 +51,7 @@ if ROOT not in sys.path:
 STEPS = 10
 # fp32 on a GPU and on the CPU sum in other orders (cuBLAS, the fused attention kernels), each op
 # ~1e-7 relative apart. On the CPU, eager against --compile over ten steps stays within 2e-5 of a
-# loss near 6 (3e-6 relative: tests/test_compile.py); 1e-4 leaves 30x that for the GPU's kernels
+# loss near 6 (3e-6 relative: tests/tools/test_compile.py); 1e-4 leaves 30x that for the GPU's kernels
 # and is still 10x below what a wrong gradient moves a loss by in ten steps (the layout tests'
 # planted bugs: 1e-3 and more). To be revisited with the first measured figures.
 FP32_REL = 1e-4
@@ -125,8 +125,8 @@ def losses(out_dir: str) -> list[float]:
 
 def train_rows(out_root: str, deadline: float) -> list[dict]:
     """The losses rows (and the memory rows of the eager runs)."""
-    from nanohlat.system import recipe
-    from nanohlat.tools import plan
+    from nanohlat import recipe
+    from nanohlat import plan
     rows = []
     for case, flags in CASES.items():
         cpu_dir = os.path.join(out_root, f"{case}-cpu")

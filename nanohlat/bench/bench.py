@@ -127,10 +127,10 @@ def random_batch(model_cfg, tcfg, dev):
 class Timed:
     """A training step to time: calling it runs `run` (which returns its forward + backward seconds, or
     None, and its loss) and returns the seconds; `first_loss` keeps the first step's loss (a tensor), for
-    the comparison of nanohlat's with Hugging Face's."""
+    the comparison of nanohlat's with Hugging Face's; `opt`: a reference's optimizer (which AdamW it is)."""
 
-    def __init__(self, run):
-        self.run, self.first_loss = run, None
+    def __init__(self, run, opt=None):
+        self.run, self.first_loss, self.opt = run, None, opt
 
     def __call__(self):
         seconds, loss = self.run()
@@ -160,8 +160,8 @@ def nanohlat_step(model_cfg, tcfg, dev, tokens, targets):
 
 def hf_step(model_cfg, tcfg, dev, tokens, targets, compile: bool = False):
     """The same step for transformers' LlamaForCausalLM + torch.optim.AdamW (fused:
-    mixtral.hf_adamw), its forward through torch.compile with `compile`: (step, model),
-    step.opt the optimizer; or None when transformers is not installed."""
+    mixtral.hf_adamw), its forward through torch.compile with `compile`: (step, model), the step a
+    Timed with its optimizer; or None when transformers is not installed."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -189,10 +189,9 @@ def hf_step(model_cfg, tcfg, dev, tokens, targets, compile: bool = False):
         torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         opt.step()
         dev.sync()
-        return t1 - t0 if t1 else None
+        return (t1 - t0 if t1 else None), loss.detach()
 
-    step.opt = opt
-    return step, model
+    return Timed(step, opt), model
 
 
 class GraphTally:

@@ -138,9 +138,7 @@ def hf_mixtral_step(model_cfg, tcfg, dev, tokens, targets, mark, timed, compile:
         dev.sync()
         return (t1 - t0 if t1 else None), lm.detach()
 
-    t = timed(step)
-    t.opt = opt
-    return t, model
+    return timed(step, opt), model
 
 
 def experts_implementation(model) -> str:

@@ -22,7 +22,7 @@ moments once and writes them back, where the blocked passes above make about
 a dozen. It computes AdamW in another order than FlatAdamW's lines (v as
 b2 v + (1 - b2) g^2 rather than a lerp, the step size lr / bc1 in fp64, then
 the product before the division), so its numbers are FlatAdamW's to a bound,
-not bit for bit: tests/test_fast_adamw.py derives the bound (`fused_bound`:
+not bit for bit: tests/tools/test_fast_adamw.py derives the bound (`fused_bound`:
 a few fp32 roundings of the weight and of the update) and checks both against
 AdamW in fp64 within it. What stays exact: the clipped gradient
 (FlatAdamW's own multiply), a skipped step (it changes nothing, as

@@ -30,7 +30,7 @@ from nanohlat import device as devicelib
 from nanohlat import mesh as meshlib
 from nanohlat.model import init_weights
 from nanohlat.run.build import decoder
-from nanohlat.system import recipe
+from nanohlat import recipe
 from nanohlat.tools import fast_adamw
 
 U = 2.0 ** -24
