@@ -30,8 +30,8 @@ FlatAdamW's), and the same bits in every layout: the kernel's vector loop
 handles each element alike, its scalar loop the few past a multiple of the
 vector width, so each buffer's last `ALIGN` or fewer elements go through the
 kernel padded to `ALIGN` (a shard's tail in one layout is mid-buffer in
-another). `NANOHLAT_FUSED_ADAMW=0` turns the kernel off (the blocked passes,
-FlatAdamW's bits).
+another). Where torch has no such kernel the blocked passes above run
+(FlatAdamW's bits); no flag or variable switches between the two.
 
 --compile (`FastFlatAdamW.compile`): torch.compile the step's arithmetic, not
 its collectives: the grad norm's fp64 sum of squares, fused by Inductor into
@@ -44,8 +44,6 @@ about 5 on 2 cores: indicative, not a quiet figure).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -68,10 +66,9 @@ ALIGN = 16
 
 
 def fused_adamw(device_kind: str) -> bool:
-    """Whether the update runs torch's fused AdamW kernel here: eager on the CPU, where torch has
-    one (torch._fused_adamw_), unless NANOHLAT_FUSED_ADAMW=0."""
-    return (device_kind == "cpu" and hasattr(torch, "_fused_adamw_")
-            and os.environ.get("NANOHLAT_FUSED_ADAMW", "1") != "0")
+    """Whether the update runs torch's fused AdamW kernel here: on the CPU, where torch has one
+    (torch._fused_adamw_)."""
+    return device_kind == "cpu" and hasattr(torch, "_fused_adamw_")
 
 
 def norm_chunk(device_kind: str) -> int:

@@ -222,7 +222,7 @@ def test_cp_in_bf16_is_as_close_to_one_process_as_tp_is(cache_dir, tmp_path):
     own tokens) outside it. Measured as this test runs them (one thread per rank, 2-core CPU,
     torch 2.13, the largest over the 10 steps; the optimizer's fused update, tools/fast_adamw.py):
     tp 2 1.5e-4, allgather 1.6e-4, ring 7.1e-5, ulysses 5.7e-5, the control 3.2e-3 (with the
-    blocked update, NANOHLAT_FUSED_ADAMW=0: 1.4e-4, 9.4e-5, 4.1e-5, 3.3e-5, 3.2e-3). So the
+    blocked update, FlatAdamW's bits, before the fused kernel: 1.4e-4, 9.4e-5, 4.1e-5, 3.3e-5, 3.2e-3). So the
     tolerance sits 6.4x above the worst layout here and 3.2x below the control; an outside review
     measured up to 4.2e-4 for tp 2, ring and ulysses on an earlier tree, 2.4x below the tolerance:
     the margin is that, not more. (Over 20 steps tp 2, ring and ulysses reached 2.9-4.1e-4 and
