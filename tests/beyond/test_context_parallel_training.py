@@ -192,7 +192,7 @@ def test_cp_2_trains_like_one_process_and_its_checkpoints_move(cache_dir, tmp_pa
     # step 6's batch is the loss the uninterrupted one-process run logged at step 6
     from nanohlat.run import preflight
     model, _ = load_model(ckpt("allgather"), devicelib.get_device("cpu"))
-    _, tcfg, ds, _ = preflight.inputs(*recipe.parse_args(_flags(cache_dir, tmp_path / "serve")))
+    _, tcfg, ds, *_ = preflight.inputs(*recipe.parse_args(_flags(cache_dir, tmp_path / "serve")))
     batch = ds.batch(5, tcfg.batch_size, tcfg.seq_len, tcfg.seed)
     with torch.no_grad():
         served = float(model(batch[:, :-1], batch[:, 1:]).mean())
