@@ -409,7 +409,9 @@ def hand_off(name: str, copy: str) -> int:
         print(f"error: the nanohlat installed is this copy ({copy}): the lab grades a copy with another nanohlat; "
               f"install the repository the copy came from (`pip install -e PATH`)", file=sys.stderr)
         return 2
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # (Ctrl-C: the grader's one line, not ours too)
+    # Ctrl-C reaches both: the grader says its one line, this process nothing (a handler, not SIG_IGN,
+    # which the grader would inherit: an ignored signal stays ignored across exec)
+    old = signal.signal(signal.SIGINT, lambda *_: None)
     try:
         return subprocess.run([sys.executable, "-m", "nanohlat.classroom", "check", name, "--copy", copy],
                               cwd=tempfile.gettempdir(), env=env).returncode

@@ -351,17 +351,48 @@ def test_a_hang_ends_naming_on_every_rank_the_collective_and_its_line(tmp_path, 
         assert "in world.all_reduce" in lines[0] and "in pp.all_reduce" in lines[1]
 
 
+def lab_workers_of(pid: int) -> list[int]:
+    """The lab's worker processes descending from `pid` (they run in sessions of their own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"lab_workers.serve" not in f.read():
+                    continue
+            up = int(entry)
+            while up > 1:
+                with open(f"/proc/{up}/stat") as f:
+                    up = int(f.read().rsplit(")", 1)[1].split()[1])
+                if up == pid:
+                    found.append(int(entry))
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 def test_ctrl_c_during_a_lab_check_says_one_line(tmp_path):
     """issue 63: Ctrl-C during a lab check printed a gloo worker's traceback before "interrupted". In the
     copy: its kit hands the work to the installed one, both see the signal, one line is said."""
     copy = copy_with(tmp_path, 3)
-    p = subprocess.Popen([sys.executable, "-m", "nanohlat.classroom", "check", "bug3"], cwd=copy,
+    shutil.copyfile(os.path.join(ROOT, lab_bugs.BY_N[3].file), os.path.join(copy, lab_bugs.BY_N[3].file))   # (fixed:
+    p = subprocess.Popen([sys.executable, "-m", "nanohlat.classroom", "check", "bug3"], cwd=copy,   # every case runs)
                          env=PY_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(8)                                        # the workers are up and training
+    deadline = time.monotonic() + 240
+    while not lab_workers_of(p.pid) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    time.sleep(3)                                        # the workers are up and training
+    assert p.poll() is None and lab_workers_of(p.pid), "the check ended before its workers could be interrupted"
     os.killpg(p.pid, signal.SIGINT)                      # as the terminal sends it: to the whole group
+    workers = lab_workers_of(p.pid)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "interrupted\n" and out == "", (p.returncode, err, out)
+    for pid in workers:                                  # and none is left behind
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
 
 @pytest.mark.slow
