@@ -256,6 +256,10 @@ def one_nproc(flags) -> list:
     return [a for i, a in enumerate(flags) if a != "--nproc" and (i == 0 or flags[i - 1] != "--nproc")]
 
 
+def _steps_said(steps: list) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
 def _close(a: float, b: float, tol: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)   # (a step both made non-finite)
@@ -301,11 +305,11 @@ def judge(bug, case, run: dict, ref: dict, refs_weights) -> str | None:
     want = [r["step"] for r in one]
     if not mine:
         return (f"{name}: no step was logged (metrics.jsonl {'holds none' if mine == [] else 'is missing'}); "
-                f"{against} run logs steps {', '.join(map(str, want))}")
+                f"{against} run logs {_steps_said(want)}")
     steps = [r["step"] for r in mine]
     if steps != want:
-        return (f"{name}: steps {', '.join(map(str, steps))} logged, {against} run {', '.join(map(str, want))}: "
-                f"a run that stops early, or logs steps it did not take, trains like no one process")
+        return (f"{name}: it logged {_steps_said(steps)}, {against} run {_steps_said(want)}: a run that stops "
+                f"early, or logs steps it did not take, trains like no one process")
     for a, b in zip(mine, one):
         for f in ("loss", "grad_norm"):
             if not _close(a[f], b[f], REL_TOL):

@@ -220,7 +220,7 @@ def test_a_run_with_fewer_steps_or_none_fails_in_one_line(tmp_path):
     ref = {"out": metrics(tmp_path / "ref", [row(1, 6.2), row(2, 6.1)])}
     bug = lab_bugs.BY_N[1]
     for rows, said in (([], "no step was logged (metrics.jsonl holds none); one process's run logs steps 1, 2"),
-                       ([row(1, 6.2)], "steps 1 logged, one process's run 1, 2: a run that stops early"),
+                       ([row(1, 6.2)], "it logged step 1, one process's run steps 1, 2: a run that stops early"),
                        ([row(1, 6.2), row(2, float("nan"))], "step 2 loss nan, one process's 6.100000")):
         run = {"out": metrics(tmp_path / f"run{len(rows)}", rows)}
         verdict = lab.judge(bug, _Case(), run, ref, lambda out: (None, {}))
