@@ -38,7 +38,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from nanohlat.classroom import lab_workers
 from nanohlat.classroom.lab_workers import Job

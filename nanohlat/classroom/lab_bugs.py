@@ -33,7 +33,8 @@ TP2 = ("--nproc", "2", "--tp", "2")
 SP2 = TP2 + ("--sequence-parallel",)
 Z2, Z4 = DP2 + ("--zero", "1"), DP4 + ("--zero", "1")
 PP2 = ("--nproc", "2", "--pp", "2")
-CP2, CP4 = ("--nproc", "2", "--cp", "2", "--cp-attention", "allgather"), ("--nproc", "4", "--cp", "4", "--cp-attention", "allgather")
+CP2 = ("--nproc", "2", "--cp", "2", "--cp-attention", "allgather")
+CP4 = ("--nproc", "4", "--cp", "4", "--cp-attention", "allgather")
 EP2, EP4 = DP2 + ("--ep", "2"), DP4 + ("--ep", "2")
 MOE = ("--moe-experts", "4", "--moe-top-k", "2")
 REPLICAS = ("--check-replicas", "1")
@@ -145,8 +146,10 @@ BUGS = [
         "are about equal), so where a key sits hardly changes what a query takes; the gradient with respect to the "
         "angles is what differs."),
     Bug(7, "--ep 2 stopped by the replica check", "MoE/EP", 2, "nanohlat/beyond/moe.py",
-        "    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]\n",
-        "    return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]\n",
+        "    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) "
+        "for j in range(ep)]\n",
+        "    return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) "
+        "for i in range(0, dp, ep)]\n",
         "A mixture at dp 2 trains like one process; at dp 2 with --ep 2, --check-replicas 1 stops the run after "
         "step 1: a weight of the mixture differs between the ranks it calls ep_dp replicas.",
         (Case(EP2 + REPLICAS, True), Case(DP2 + REPLICAS, False), Case(EP4 + REPLICAS, True)),
@@ -161,7 +164,8 @@ BUGS = [
         "--resume auto) does not continue like the run never stopped: step 3 agrees (the loss of the weights it "
         "saved), step 4 does not, 5.920 against 5.968.",
         (Case(ONE, False), Case(ONE, True, legs=STOP_RESUME, say=RESUMED),
-         Case(ONE, True, legs=STOP_RESUME, nan_step=1, say=RESUMED + "; its step 1 made non-finite by the lab (a NaN loss: the update skipped)")),
+         Case(ONE, True, legs=STOP_RESUME, nan_step=1,
+              say=RESUMED + "; its step 1 made non-finite by the lab (a NaN loss: the update skipped)")),
         "The optimizer's step count was not restored on resume (the manifest's key misspelt, so its default, 0): "
         "Adam's bias correction started over, so the first update after a resume was far larger. Restore "
         "schedule.optimizer_step, the count of the updates taken (a skipped non-finite step is none)."),
@@ -171,7 +175,8 @@ BUGS = [
         "--precision bf16-sr trains and its replicas agree, but at --lr 1e-5 its loss falls about half as far as "
         "it should: over 40 steps 0.012, where fp32 falls 0.021. Measure how far the stored weights move.",
         (Case(("--precision", "bf16-sr") + LOW_LR, True),
-         Case(TP2 + ("--precision", "bf16-sr") + LOW_LR + REPLICAS, True, same=True, say="against the reference's tp 2"),
+         Case(TP2 + ("--precision", "bf16-sr") + LOW_LR + REPLICAS, True, same=True,
+              say="against the reference's tp 2"),
          Case(("--precision", "fp32") + LOW_LR, False)),
         "bf16-sr's update was stored with round-to-nearest: an update under half a bf16 gap rounds back to the "
         "old weight, so small updates vanish (HLAT's lesson). Round stochastically, with the counter noise of each "
@@ -191,7 +196,8 @@ BUGS = [
         "piece = r.grad[a * n:b * n]",
         "--zero 1 at dp 2 trains like one process with the default --bucket-mb; with --bucket-mb 0.01 step 1 "
         "agrees and step 2's loss is 6.267 against 6.214; without overlap (--no-overlap-grad-reduce) it agrees again.",
-        (Case(Z2 + SMALL_BUCKETS, True), Case(Z2, False), Case(Z2 + SMALL_BUCKETS + ("--no-overlap-grad-reduce",), False)),
+        (Case(Z2 + SMALL_BUCKETS, True), Case(Z2, False),
+         Case(Z2 + SMALL_BUCKETS + ("--no-overlap-grad-reduce",), False)),
         "With overlap, a bucket's reduce-scatter (ZeroOneDP.start) took a contiguous run of the flat buffer, not the "
         "bucket's columns of every dp rank's row: with one bucket the two are the same, with several each rank's "
         "shard received other elements' sums. Cut the bucket as reduce_scatter_buckets does: columns [a, b) of "
@@ -237,4 +243,5 @@ def left_out(path: str) -> bool:
     if os.path.isfile(os.path.join(REPOSITORY, path, "LAB.md")):   # a lab copy made inside the repository
         return True
     return path.replace(os.sep, "/") == "nanohlat/classroom/lab_bugs.py" or (
-        path.replace(os.sep, "/").startswith("tests/") and (name.startswith("test_debugging_lab") or name == "lab_grading.py"))
+        path.replace(os.sep, "/").startswith("tests/")
+        and (name.startswith("test_debugging_lab") or name == "lab_grading.py"))

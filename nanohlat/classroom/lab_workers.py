@@ -186,14 +186,12 @@ def _train(job: dict, rank: int) -> dict:
     _no_peak()
     if job["nan_step"]:
         _nan_at(train, job["nan_step"])
-    from nanohlat.run import preflight
-    from nanohlat import recipe
     for k, argv in enumerate(job["legs"]):
         if k == 1 and job["nan_step"]:
             train = load(job["root"], job["texts"])   # (the fault is the first leg's only)
             _no_peak()
-            from nanohlat.run import preflight
-            from nanohlat import recipe
+        from nanohlat import recipe                   # (the job's code, as loaded)
+        from nanohlat.run import preflight
         log = io.StringIO()
         try:
             with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -258,8 +256,9 @@ class Pool:
             env = dict(os.environ, **{ENV: f"{r},{world},{port},{write}"})
             env.pop("PYTHONPATH", None)   # (the grader's path is BOOT's; a copy on it would lend its modules)
             log = open(os.path.join(scratch, f"worker-{world}-{r}-{port}.log"), "wb")
-            self.procs.append(subprocess.Popen([sys.executable, "-c", BOOT], cwd=scratch, env=env, stdin=subprocess.PIPE,
-                                               stdout=log, stderr=log, pass_fds=(write,), start_new_session=True))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", BOOT], cwd=scratch, env=env,
+                                               stdin=subprocess.PIPE, stdout=log, stderr=log, pass_fds=(write,),
+                                               start_new_session=True))
             log.close()
             os.close(write)
             self.pipes.append(read)
@@ -406,4 +405,5 @@ class Pools:
         for r, e in sorted(errors.items()):
             said.setdefault(e, []).append(r)
         return {"out": j.out, "took": time.monotonic() - t0, "ranks": errors,
-                "error": "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}" for e, rs in said.items())}
+                "error": "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {e}"
+                                   for e, rs in said.items())}

@@ -24,7 +24,6 @@ The wrong fixes are tests/classroom/test_debugging_lab_wrong_fixes.py's.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
