@@ -264,10 +264,13 @@ class Pool:
             self.pipes.append(read)
             self.buffers.append(b"")
         self.busy = [None] * world
-        for r in range(world):
-            if self.next(r, time.monotonic() + START_LIMIT_S) is None:
-                self.close()
-                raise RuntimeError(f"the lab's workers did not start within {START_LIMIT_S:.0f} s")
+        try:
+            for r in range(world):
+                if self.next(r, time.monotonic() + START_LIMIT_S) is None:
+                    raise RuntimeError(f"the lab's workers did not start within {START_LIMIT_S:.0f} s")
+        except BaseException:   # (Ctrl-C while they start, too: none is left behind)
+            self.close()
+            raise
 
     def send(self, r: int, job: Job) -> None:
         self.busy[r] = job.key

@@ -390,8 +390,18 @@ def test_ctrl_c_during_a_lab_check_says_one_line(tmp_path):
     workers = lab_workers_of(p.pid)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "interrupted\n" and out == "", (p.returncode, err, out)
-    for pid in workers:                                  # and none is left behind
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+    deadline = time.monotonic() + 5                      # and none is left behind
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)], workers
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
