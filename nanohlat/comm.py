@@ -55,6 +55,7 @@ to whole bytes per call; every tensor in nanohlat splits evenly anyway.)
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -101,12 +102,19 @@ def wire_bytes(op: str, n: int, payload: int) -> int:
 
 class CommLedger:
     """Per 'group.op' key (e.g. 'tp.all_reduce'): payload, wire and padding bytes
-    and calls on this rank, summed since the last `reset`."""
+    and calls on this rank, summed since the last `reset`; and `open`, the last call
+    issued: (key, file, line, function) of the code outside this file that issued
+    it, what a collective that times out was waiting in (run/launch.py names it)."""
 
     def __init__(self):
         self.entries: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIGURES, 0))
+        self.open = None
 
     def record(self, key: str, payload: int, wire: int, padding: int = 0) -> None:
+        caller = sys._getframe(1)
+        while caller.f_code.co_filename == __file__:   # (the first frame outside comm.py)
+            caller = caller.f_back
+        self.open = (key, caller.f_code.co_filename, caller.f_lineno, caller.f_code.co_name)
         e = self.entries[key]
         e["payload"] += payload
         e["wire"] += wire

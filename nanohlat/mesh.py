@@ -2,20 +2,12 @@
 
 World = dp x pp x tp. Tensor-parallel ranks are neighbours (they talk inside
 every layer, so they get the fastest links: the NeuronCores of one trn1 chip,
-the GPUs of one NVLink island), then data-parallel, then pipeline (docs/design.md section 4):
-
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
-
-Example, tp=2, pp=2, dp=2 (8 ranks):
-
-    rank  0  1  2  3  4  5  6  7
-    dp    0  0  1  1  0  0  1  1
-    pp    0  0  0  0  1  1  1  1
-    tp    0  1  0  1  0  1  0  1
-
-    tp groups  [0 1] [2 3] [4 5] [6 7]   (split every layer's matrices)
-    dp groups  [0 2] [1 3] [4 6] [5 7]   (same weights, different data)
-    pp groups  [0 4] [1 5] [2 6] [3 7]   (stage 0 -> stage 1)
+the GPUs of one NVLink island), then data-parallel, then pipeline (docs/design.md
+section 4): `coords` and `rank_of` number the ranks so, and a group of each kind
+holds the ranks that differ in that coordinate only. A tp group splits every
+layer's matrices, a dp group holds the same weights and sees different data, a
+pp group runs one stage each (tutorial.md chapter 6 numbers the ranks of an
+example).
 
 Every rank creates every group in the same order (collective libraries require
 it), and a group of size 1 is never created: collectives on it are no-ops.

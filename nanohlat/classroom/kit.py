@@ -66,6 +66,7 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "out", "runs", ".cache", "d
              "class-copy", "build", "dist"}
 SKIP_PREFIXES = (".venv", "venv", ".tox", ".eggs")
 
+LAB_ID = re.compile(r"bug\d+")   # the lab's bugs (lab.py; which exist, the installed nanohlat's lab_bugs.py knows)
 BEGIN = re.compile(r"^(\s*)# exercise (\d+[a-z]): begin\s*$")
 END = re.compile(r"^\s*# exercise (\d+[a-z]): end\s*$")
 
@@ -216,8 +217,10 @@ def copy_readme(ids: list[str]) -> str:
     return "\n".join(lines)
 
 
-def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
-    """Copy the repository to `dest` with the regions of `ids` stubbed. Returns the files changed."""
+def make_copy(dest: str, ids: list[str], root: str = ROOT, leave_out=None) -> list[str]:
+    """Copy the repository to `dest` with the regions of `ids` stubbed, without the files for which
+    `leave_out(path relative to root)` is true (a bug's copy leaves out the lab's answers). Returns the
+    files changed."""
     regions = find_regions(root)
     missing = [i for i in ids if i not in regions]
     if missing:   # the registry and the code disagree: a bug of the kit, not of the student
@@ -225,7 +228,8 @@ def make_copy(dest: str, ids: list[str], root: str = ROOT) -> list[str]:
 
     def ignore(directory, names):
         return [n for n in names if n in SKIP_DIRS or n.startswith(SKIP_PREFIXES) or n.endswith(".egg-info")
-                or os.path.abspath(os.path.join(directory, n)) == os.path.abspath(dest)]
+                or os.path.abspath(os.path.join(directory, n)) == os.path.abspath(dest)
+                or leave_out is not None and leave_out(os.path.relpath(os.path.join(directory, n), root))]
 
     shutil.copytree(root, dest, ignore=ignore)
     changed = sorted({r[0] for i in ids for r in regions[i]})
@@ -265,8 +269,7 @@ def select(args) -> list[str]:
                         f"{', '.join(sorted({str(e.chapter) for e in EXERCISES}, key=int))}")
         return ids
     ids = args.ids or []
-    from nanohlat.classroom import lab
-    unknown = [i for i in ids if i not in BY_ID and i not in lab.BY_NAME]
+    unknown = [i for i in ids if i not in BY_ID and not LAB_ID.fullmatch(i)]
     if unknown:
         usage_error(f"unknown exercise {', '.join(unknown)}; `python -m nanohlat.classroom list` shows them all (and the lab's bugs, bugN)")
     return ids
@@ -328,17 +331,38 @@ def cmd_new(args) -> int:
 
 
 def cmd_bug(args) -> int:
-    from nanohlat.classroom import lab
-    if args.n not in lab.BY_N:
-        usage_error(f"no bug {args.n}; the lab's bugs are {', '.join(str(b.n) for b in lab.BUGS)} "
+    """`bug N DIR`: a whole copy of the repository (no exercise stubbed, without the lab's answers)
+    with bug N planted, and its LAB.md. Refused before anything is written where this nanohlat is
+    itself a copy (a bug's, or a student's), whose code is not the reference."""
+    if not os.path.isfile(os.path.join(ROOT, "nanohlat", "classroom", "lab_bugs.py")) \
+            or os.path.isfile(os.path.join(ROOT, "LAB.md")) or stubbed():
+        usage_error(f"the nanohlat running is a copy ({ROOT}), not the repository: `bug` plants into the reference "
+                    f"code; run it with the nanohlat you installed, outside any copy")
+    from nanohlat.classroom import lab, lab_bugs
+    if args.n not in lab_bugs.BY_N:
+        usage_error(f"no bug {args.n}; the lab's bugs are {', '.join(str(b.n) for b in lab_bugs.LAB)} "
                     f"(`python -m nanohlat.classroom list`)")
     dest = os.path.abspath(args.dir)
+    if os.path.islink(dest):
+        target = os.path.realpath(dest)
+        what = ("an empty folder" if os.path.isdir(target) and not os.listdir(target) else
+                "a folder" if os.path.isdir(target) else "a file" if os.path.exists(target) else "nothing (broken)")
+        usage_error(f"{args.dir} is a link (to {what}): the copy is written only into a new folder, never through "
+                    f"a link; give the folder itself or a new path")
     if os.path.lexists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)):
         usage_error(f"{args.dir} exists and is not an empty folder; choose a new folder")
     if os.path.isdir(dest):
         os.rmdir(dest)
-    make_copy(dest, [])   # the whole repository, no exercise stubbed; then the bug's patch
-    lab.plant(args.n, dest)
+    bug = lab_bugs.BY_N[args.n]
+    try:
+        planted = lab.planted(bug)   # (before any file is written)
+    except RuntimeError as e:        # a patch that no longer applies: the lab's error, not the user's
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    make_copy(dest, [], leave_out=lab_bugs.left_out)   # the whole repository, no exercise stubbed
+    for rel, text in {**planted, **lab.without_answers(dest)}.items():
+        files.write_text(os.path.join(dest, rel), text)
+    files.write_text(os.path.join(dest, "LAB.md"), lab.brief(bug))
     print(f"wrote a copy with bug {args.n} planted to {args.dir}; what you see: {args.dir}/LAB.md")
     print(f"then: cd {args.dir} && python -m nanohlat.classroom check bug{args.n}")
     return 0
@@ -372,23 +396,18 @@ def cmd_check(args) -> int:
     if not ids:
         print("error: name an exercise (e.g. `check 4b`), --chapter N or --all", file=sys.stderr)
         return 2
+    bugs = [i for i in ids if LAB_ID.fullmatch(i)]
+    if bugs:
+        return check_lab(bugs, args.copy) if len(bugs) == len(ids) else \
+            usage_error("check the lab's bugs on their own: `check bugN` (exercises and bugs live in different copies)")
+    if args.copy:
+        usage_error("--copy is the lab's (`check bugN --copy DIR`); an exercise is checked in its copy's folder")
     check_here()
-    from nanohlat.classroom import isolate, lab, needs
+    from nanohlat.classroom import isolate, needs
     failed = []
     child = isolate.Child(ROOT)   # the student's code runs there: its exit or endless loop is a FAIL
     try:
         for i in ids:
-            if i in lab.BY_NAME:   # the debugging lab: its own gloo workers run the copy's training
-                start = time.perf_counter()
-                verdict = lab.check(i, ROOT)
-                bug = lab.BY_NAME[i]
-                print(f"{i:>13}  {'pass' if verdict is None else 'FAIL'}  ({time.perf_counter() - start:.1f} s)  "
-                      f"{bug.area}: trains like one process on {'; '.join(' '.join(l) for l in bug.layouts) or 'one process'}",
-                      flush=True)
-                if verdict is not None:
-                    failed.append(i)
-                    print(f"              {verdict}", flush=True)
-                continue
             ex = BY_ID[i]
             start = time.perf_counter()
             needs.set_label(f"check {i}")      # (only while needs.py traces the checks)
@@ -408,6 +427,30 @@ def cmd_check(args) -> int:
     return 1 if failed else 0
 
 
+def check_lab(names: list[str], copy: str | None) -> int:
+    """`check bugN [--copy DIR]`: the installed nanohlat grades the lab copy (this folder, or DIR). Run
+    by a copy's own nanohlat, it hands the work over (lab.hand_off): a copy's code never grades itself."""
+    from nanohlat.classroom import lab
+    where = os.path.abspath(copy or os.getcwd())
+    if not os.path.isdir(where):
+        usage_error(f"{copy} is not a folder: give the lab copy's folder (`bug N DIR` wrote it)")
+    if not os.path.isfile(os.path.join(where, "LAB.md")):
+        usage_error(f"{where} is not a lab copy (no LAB.md): `python -m nanohlat.classroom bug N DIR` writes one; "
+                    f"run check there, or give it with --copy DIR")
+    if len(names) > 1:
+        usage_error(f"a lab copy holds one bug: check one of {', '.join(names)}")
+    if os.path.realpath(where) == os.path.realpath(ROOT):   # this nanohlat IS the copy
+        return lab.hand_off(names[0], where)
+    start = time.perf_counter()
+    verdict = lab.check(names[0], where)
+    print(f"{names[0]:>13}  {'pass' if verdict is None else 'FAIL'}  ({time.perf_counter() - start:.1f} s)  graded by "
+          f"the nanohlat in {lab.GRADER}: trains like one process on every layout of {where}/LAB.md", flush=True)
+    if verdict is not None:
+        print(f"              {verdict}", flush=True)
+    print(f"{int(verdict is None)} passed, {int(verdict is not None)} failed")
+    return 0 if verdict is None else 1
+
+
 @cli.command
 def main(argv=None) -> int:
     p = flags.Parser(prog="python -m nanohlat.classroom", description=__doc__.split("\n\n")[0])
@@ -421,6 +464,7 @@ def main(argv=None) -> int:
     c.add_argument("ids", nargs="*")
     c.add_argument("--chapter", type=int, default=None)
     c.add_argument("--all", action="store_true")
+    c.add_argument("--copy", default=None, help="(the lab: check bugN) the lab copy to grade; default: this folder")
     b = sub.add_parser("bug", help="the debugging lab: write a copy of the repository with bug N planted")
     b.add_argument("n", type=int)
     b.add_argument("dir")

@@ -1,511 +1,493 @@
-"""The debugging lab (tutorial.md chapter 12): real distributed-training bugs, planted into a copy.
+"""The debugging lab (tutorial.md chapter 12): bugs planted into a copy, and the grader that is not the copy's.
 
-    python -m nanohlat.classroom list                 # the exercises, then the lab's bugs
-    python -m nanohlat.classroom bug N DIR            # a copy of the repository with bug N in it
-    python -m nanohlat.classroom check bugN           # (inside that copy) does it train like one process?
+    python -m nanohlat.classroom list                     # the exercises, then the lab's bugs
+    python -m nanohlat.classroom bug N DIR                # a copy of the repository with bug N in it
+    python -m nanohlat.classroom check bugN [--copy DIR]  # grade that copy: does it train like one process?
 
-A bug is a patch: an exact piece of the reference code and what replaces it.
-The patches live here, outside the reference code, which stays correct; `bug`
-copies the repository (kit.make_copy, no exercise stubbed) and applies one.
-What a student gets is what a practitioner would see: the symptom and which
-instrument shows it (`Bug.symptom`), never where the defect is.
+The bugs, their patches and how each is graded are lab_bugs.py's: the lab's
+answer key, which a bug's copy never holds. A copy holds the repository with
+one patch applied and a LAB.md saying what a user sees and on which layouts,
+ending with an opaque id (`lab_id`) from which the installed grader knows
+which bug the copy holds, and that it is this version's.
 
-`check bugN` trains, in the copy it is run in, one process and every layout
-the bug affects, at the tiny preset for a few steps, on gloo workers that
-the lab starts itself (`evaluate`), and passes only when
-  * every layout runs (a layout the copy now refuses is a failure: skipping
-    the layout hides the bug, it does not fix it);
-  * every layout's per-step losses and gradient norms equal one process's to
-    fp32 round-off (REL_TOL, the lab's own figure: a tolerance loosened in
-    the code changes nothing here);
-  * every row of the comm ledger equals the plan's (where the plan predicts
-    it: not for a mixture of experts, whose all-to-alls follow the routing);
-  * the bug's targeted check passes: exact resume (`resume`), or that the
-    stored weights move by what the fp32 update says (`rounding`).
-A hang ends: every collective of the lab's runs waits COLLECTIVE_S seconds at
-most, and the verdict names the rank and the line it waited at.
-
-The tests (tests/classroom/test_debugging_lab.py) plant every bug, see its instrument
-reveal it, revert the patch (the reference fix) and see `check` pass, and see
-a symptom-hiding non-fix (`Bug.nonfix`) fail.
+`check bugN` grades with the installed nanohlat (this file, lab_bugs.py and
+the reference code beside them), never with code of the copy: run in a copy,
+the copy's own `check` hands the work to the installed one (`hand_off`), and
+`check bugN --copy DIR` grades a copy from anywhere, even one whose
+nanohlat/classroom/ is gone. The copy's code (its train.py and nanohlat/) runs
+only in the lab's worker processes (lab_workers.py). For each of the bug's
+cases (lab_bugs.Case: the layouts that show it, their neighbours, the bug's
+own probe) it passes only when the copy's run
+  * runs (a refusal, a crash or a collective that waits lab_workers.COLLECTIVE_S seconds
+    is a failure, named);
+  * logs the same steps as the reference's one process with the same flags,
+    each loss and grad norm within REL_TOL of it;
+  * leaves every parameter within WEIGHT_* of the reference's after the last
+    step (the updates themselves, which a printed figure can hide);
+  * counts, in its comm ledger, what the reference's plan predicts for its
+    first step (multi-process runs without a mixture of experts).
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import io
+import hashlib
 import json
+import math
 import os
-import shutil
+import signal
+import subprocess
 import sys
 import tempfile
-import time
-import traceback
-from dataclasses import dataclass
 
-REL_TOL = 1e-5          # per-step loss and grad norm against one process (fp32 round-off is ~1e-7)
-COLLECTIVE_S = 6.0      # a collective waits this long for its peer, then the run ends naming where
+from nanohlat.classroom import lab_workers
+from nanohlat.classroom.lab_workers import Job
+
+REL_TOL = 1e-5         # per-step loss and grad norm against one process (fp32 layouts agree to ~1e-7)
+# Weights after the last step, per parameter, against one process: at most WEIGHT_SHARE of its elements (and
+# WEIGHT_FEW at least) further apart than WEIGHT_TOL, none further than WEIGHT_MAX. fp32 layouts agree to
+# ~1e-7, but for a gradient element near 0 (|g| ~ Adam's eps) round-off can move Adam's step of lr x g / (|g| +
+# eps) by up to 2 lr: a few such elements (one of 32,768 at dp 4) differ by ~1e-4.
+WEIGHT_TOL, WEIGHT_MAX, WEIGHT_SHARE, WEIGHT_FEW = 1e-6, 1e-2, 5e-3, 3
 STEPS = 2
 BASE = ["--preset", "tiny", "--steps", str(STEPS), "--eval-every", "0", "--no-progress", "--threads", "1",
-        "--check-replicas", "1", "--warmup-steps", "1"]
-MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
+        "--warmup-steps", "1"]
+ID_PREFIX = "lab copy id: "
+GRADER = lab_workers.GRADER
+# flags that choose a layout, not the model or the run: one process's reference leaves them out
+LAYOUT_FLAGS = {"--nproc": 1, "--dp": 1, "--tp": 1, "--pp": 1, "--cp": 1, "--ep": 1, "--zero": 1,
+                "--sequence-parallel": 0, "--cp-attention": 1, "--microbatches": 1, "--bucket-mb": 1,
+                "--no-overlap-grad-reduce": 0, "--stop-after": 1, "--resume": 1}
 
 
-@dataclass(frozen=True)
-class Bug:
-    n: int
-    name: str
-    area: str
-    level: int                 # 1 easy .. 3 hard: the order chapter 12 takes them in
-    file: str
-    old: str                   # the reference's text (exactly once in `file`)
-    new: str                   # what the bug puts there
-    layouts: tuple             # the flags of each layout it affects (beside one process)
-    symptom: str               # what a practitioner would see, and which instrument to try
-    solution: str              # what was wrong (tutorial.md's solutions; never printed by `bug`)
-    base: tuple = ()           # flags every run of it takes, one process included
-    targeted: str = ""         # "resume", "rounding" or "" (the comparison with one process is all)
-    nonfix: tuple = ()         # (file, old, new): a change that hides the symptom (the tests)
-    nonfix_what: str = ""
+# ---------------------------------------------------------------------------
+# Which bug a copy holds
+# ---------------------------------------------------------------------------
+
+def lab_id(bug) -> str:
+    """The copy's opaque id of `bug`: a hash of its number and patch. It says nothing without the
+    answer key, and a copy made by another version of the lab (another patch) matches no bug here."""
+    return hashlib.sha256(f"nanohlat lab|{bug.n}|{bug.file}|{bug.old}|{bug.new}".encode()).hexdigest()[:16]
 
 
-# The non-fixes a check must fail (they hide a symptom, and the bug stays): the replica check turned
-# off, or the layout that shows the bug refused.
-REPLICA_CHECK_OFF = dict(nonfix=("nanohlat/run/replicas.py", "    if not every or step % every:\n", "    if True:\n"),
-                         nonfix_what="turn the replica check off")
+def brief(bug) -> str:
+    """The copy's LAB.md: what a user sees, the layouts that show it and those that do not, the id."""
+    lines = [f"# The debugging lab, bug {bug.n}: {bug.title}", "",
+             "This copy of nanohlat has one bug planted in it (tutorial.md chapter 12). What you see:", "",
+             bug.symptom, "", f"Every run here is `python train.py {' '.join(BASE)}` with these flags"
+             + (f" and `{' '.join(bug.base)}`" if bug.base else "") + ":", "",
+             "* it shows with: " + "; ".join(c.words() for c in bug.cases if c.shows),
+             "* and these train like one process, bug and all: "
+             + ("; ".join(c.words() for c in bug.cases if not c.shows) or "none"), "",
+             f"`python -m nanohlat.classroom check bug{bug.n}` (in this folder) grades it with the nanohlat you "
+             f"installed, not with this copy's code: it passes when every run above trains like one process.",
+             "", f"{ID_PREFIX}{lab_id(bug)}", ""]
+    return "\n".join(lines)
 
 
-def refuse(condition: str, what: str) -> dict:
-    line = "    tp, pp, cp = tcfg.tp, tcfg.pp, tcfg.cp\n"
-    return dict(nonfix=("nanohlat/recipe/layouts.py", line,
-                        line + f"    if {condition}:\n        raise UserError(\"this layout is not supported\")\n"),
-                nonfix_what=what)
-
-
-BUGS = [
-    Bug(1, "dp-mean", "DP", 1, "train.py",
-        "runner.run(tokens, targets, 1.0 / tokens_per_step)",
-        "runner.run(tokens, targets, 1.0 / (tokens_per_step // mesh.dp))",
-        (["--nproc", "2", "--dp", "2"],),
-        "At dp 2 the printed loss is about twice one process's, from step 1, and so is the gradient norm "
-        "(metrics.jsonl). Compare the first step's loss and grad norm with one process's.",
-        "train.py scaled each rank's loss by 1 / its own tokens (tokens_per_step // dp), then global_mean and the "
-        "gradient all-reduce summed over dp: dp times the mean. Scale by 1 / the global batch's tokens. (A kindred "
-        "public report: verl-project/verl issue 5625, a loss divided by the local token count.)",
-        nonfix=("nanohlat/data_parallel.py", 'return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss")',
-                'return comm.all_reduce(comm.all_reduce(x, mesh.pp_group), mesh.grad_group, what="loss") / mesh.dp'),
-        nonfix_what="divide the printed loss by dp (the gradients stay dp times too large)"),
-    Bug(2, "vocab-pad", "TP", 1, "nanohlat/tensor_parallel.py",
-        '    logits = logits.masked_fill(ids >= vocab_size, float("-inf"))\n', "",
-        (["--nproc", "2", "--tp", "2"],),
-        "With a vocabulary that does not fill its padded size (--vocab-size 500: 512 rows, 256 a tp rank), tp 2's "
-        "loss at step 1 is higher than one process's; at --vocab-size 512 the two agree. Compare step 1.",
-        "The vocab-parallel cross-entropy did not mask the padded vocabulary rows (ids >= vocab_size) to -inf: "
-        "they took probability mass in the softmax's sum. Mask them before the max and the sum.",
-        base=("--vocab-size", "500"),
-        **refuse("tcfg.tp > 1 and model.vocab_size % 128", "refuse tp 2 with a padded vocabulary (skip the layout)")),
-    Bug(3, "zero-norm", "DP/ZeRO", 1, "nanohlat/zero1.py",
-        '        return comm.all_reduce(sq, self.group, what="grad norm")', "        return sq",
-        (["--nproc", "2", "--dp", "2", "--zero", "1"],),
-        "At dp 2 with --zero 1 the loss of step 1 agrees with one process's, its gradient norm does not "
-        "(metrics.jsonl's grad_norm). Read the ledger against the plan too.",
-        "ZeRO-1's sum of squares was not added up over dp: each rank held a different shard and took its own "
-        "shard's norm for the whole model's, so clipping used the wrong norm. All-reduce it over dp.",
-        **REPLICA_CHECK_OFF),
-    Bug(4, "sp-norm", "TP/SP", 2, "nanohlat/model.py",
-        "self.weight = shard_spec._param((dim,), None, 1, sequence_parallel=sequence_parallel)",
-        "self.weight = shard_spec._param((dim,), None, 1)",
-        (["--nproc", "2", "--tp", "2", "--sequence-parallel"],),
-        "tp 2 trains like one process; tp 2 with --sequence-parallel stops after step 1: --check-replicas says a "
-        "parameter differs between its tp replicas. Compare the two layouts, then the replica check's verdict.",
-        "The RMSNorm gain was not marked sequence-parallel, so its gradient (each tp rank saw only its own tokens) "
-        "was never summed over tp: every rank stepped its own partial gradient. Mark it (shard_spec). (The same "
-        "defect, reported: NVIDIA/Megatron-LM issue 1446, final_layernorm's gradient differing over tp ranks with "
-        "sequence parallelism.)",
-        **REPLICA_CHECK_OFF),
-    Bug(5, "zero-gather", "DP/ZeRO", 2, "nanohlat/zero1.py",
-        "comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a)",
-        "comm.all_gather(shard[a:b].contiguous(), group).view(group.size, b - a).flip(0)",
-        (["--nproc", "2", "--dp", "2", "--zero", "1"],),
-        "--zero 1 at dp 2: step 1's loss and grad norm equal one process's, step 2's loss is far off (and the "
-        "replica check still passes). The weights after the first update are wrong: bisect the optimizer's phases.",
-        "ZeRO-1's all-gather put the shards back in the reverse rank order: every rank got the same, wrong, "
-        "weights. Row r of the gathered buffer is rank r's shard.",
-        **REPLICA_CHECK_OFF),
-    Bug(6, "cp-rotary", "CP", 2, "nanohlat/beyond/context_parallel.py",
-        "return self.positions(t)[self.group.rank]",
-        "return torch.arange(t)",
-        (["--nproc", "2", "--cp", "2", "--cp-attention", "allgather"],),
-        "cp 2's loss of step 1 agrees with one process's to 1e-5, its gradient norm differs by about 1e-4 "
-        "relative; the ledger equals the plan and the replicas agree.",
-        "Under cp the rotary angles used each rank's local positions 0..t-1, not its tokens' places in the "
-        "whole sequence (zigzag_positions): rank 1's queries and keys were rotated as if they began the sequence.",
-        **refuse("tcfg.cp > 1", "refuse --cp (skip the layout)")),
-    Bug(7, "ep-grad", "MoE/EP", 2, "nanohlat/beyond/moe.py",
-        "    return [[r(d, p, t) for d in range(j, dp, ep)] for p in range(pp) for t in range(tp) for j in range(ep)]\n",
-        "    return [[r(d, p, t) for d in range(i, i + ep)] for p in range(pp) for t in range(tp) for i in range(0, dp, ep)]\n",
-        (["--nproc", "2", "--dp", "2", "--ep", "2"],),
-        "A mixture at dp 2 trains like one process; at dp 2 with --ep 2 the replica check stops the run after "
-        "step 1: an expert's weight differs between ranks it calls ep_dp replicas. Ask which ranks hold which "
-        "experts (the ledger has no plan column for a mixture).",
-        "The experts' gradients were summed over the ranks of an ep group, which hold DIFFERENT experts, instead "
-        "of over ep_dp, the ranks holding the same ones: each expert stepped with another's gradient added.",
-        base=tuple(MOE),
-        **REPLICA_CHECK_OFF),
-    Bug(8, "resume-step", "checkpoints", 2, "nanohlat/run/checkpoint/reshard.py",
-        "import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), step_count)",
-        "import_state(opt, lambda n, k: local_flat(n, k).to(device.torch_device), 0)",
-        (["--nproc", "2", "--tp", "2"],),
-        "Every layout trains like one process, but a run stopped after step 2 and resumed does not continue like "
-        "the run that was never stopped: its step 4 differs (step 3 is the saved weights' loss). Try exact resume "
-        "(--stop-after 2, then --resume auto).",
-        "The optimizer's step count was not restored on resume: Adam's bias correction started over, so the "
-        "first update after a resume was far larger. Restore schedule.optimizer_step.",
-        targeted="resume",
-        **REPLICA_CHECK_OFF),
-    Bug(9, "bf16-rne", "precision", 3, "nanohlat/precision.py",
-        "master[p.start:p.stop].copy_(stochastic_round_to_bf16(w[p.start:p.stop], noise=noise))",
-        "master[p.start:p.stop].copy_(w[p.start:p.stop].to(master.dtype))",
-        (),
-        "--precision bf16-sr trains and its replicas agree; but at a small learning rate the loss does not move. "
-        "Measure how far the stored weights move in two steps against how far fp32's move: about a quarter as far.",
-        "bf16-sr's update was stored with round-to-nearest: an update under half a bf16 gap rounds back to the "
-        "old weight, so small updates vanish (HLAT's lesson). Round stochastically: E[round(x)] = x.",
-        targeted="rounding",
-        **REPLICA_CHECK_OFF),
-    Bug(10, "pp-idle", "PP", 3, "nanohlat/pipeline.py",
-        "            if act_in is not None or grad_out is not None:\n",
-        "            if act_in is not None:\n",
-        (["--nproc", "2", "--pp", "2", "--microbatches", "2"],),
-        "pp 2 with 2 micro-batches never finishes step 1: no error, no progress, until the collective timeout "
-        "ends it. Run it with a short --collective-timeout and read which line each rank waited at.",
-        "The last stage skipped the left boundary's exchange in the ticks where it only SENT a gradient: the "
-        "exchange is a collective both stages must call, so stage 0 waited for a partner that never came.",
-        **refuse("tcfg.pp > 1", "refuse --pp (skip the layout)")),
-]
-BY_N = {b.n: b for b in BUGS}
-BY_NAME = {f"bug{b.n}": b for b in BUGS}
-
-def patched(text: str, old: str, new: str, where: str) -> str:
-    """`text` with its one `old` replaced by `new` (the kit's error when it is not there exactly once)."""
-    if text.count(old) != 1:
-        raise SystemExit(f"error: the lab's patch for {where} found its text {text.count(old)} times, not once: "
-                         f"the reference changed; update nanohlat/classroom/lab.py")
-    return text.replace(old, new)
-
-
-def patches_of(bug: Bug, nonfix: bool = False) -> list[tuple[str, str, str]]:
-    """(file, old, new) changes that plant `bug` (and its non-fix on top)."""
-    return [(bug.file, bug.old, bug.new)] + ([bug.nonfix] if nonfix else [])
-
-
-def apply(root: str, changes: list) -> dict:
-    """{file: new text}: `changes` applied to the files under root."""
+def patched(root: str, changes) -> dict:
+    """{file: text}: each (file, old, new) of `changes` applied to the files under root, `old` found
+    exactly once (else the lab and the reference disagree: an error naming the file)."""
     texts: dict = {}
     for f, old, new in changes:
-        text = texts.get(f) or open(os.path.join(root, f), encoding="utf-8").read()
-        texts[f] = patched(text, old, new, f)
+        if f not in texts:
+            with open(os.path.join(root, f), encoding="utf-8") as fh:
+                texts[f] = fh.read()
+        text = texts[f]
+        if text.count(old) != 1:
+            raise RuntimeError(f"the lab's patch of {f} found its text {text.count(old)} times, not once: the "
+                               f"reference changed; update nanohlat/classroom/lab_bugs.py")
+        texts[f] = text.replace(old, new)
     return texts
 
 
-def plant(n: int, dest: str) -> str:
-    """Plant bug n in the copy at dest (kit.cmd_bug made it) and write its LAB.md. Returns its file."""
-    from nanohlat.system import files
-    bug = BY_N[n]
-    for f, text in apply(dest, patches_of(bug)).items():
-        files.write_text(os.path.join(dest, f), text)
-    files.write_text(os.path.join(dest, "LAB.md"), brief(bug))
-    return bug.file
+def planted(bug, root: str = GRADER) -> dict:
+    """{file: text} of the code at root with `bug` planted."""
+    return patched(root, [(bug.file, bug.old, bug.new)])
 
 
-def brief(bug: Bug) -> str:
-    return (f"# The debugging lab, bug {bug.n}: {bug.name} ({bug.area})\n\nThis copy has one bug planted in it "
-            f"(tutorial.md chapter 12). What you see:\n\n{bug.symptom}\n\nLayouts it affects, beside one process: "
-            f"{'; '.join(' '.join(list(bug.base) + l) for l in bug.layouts) or 'none (one process shows it)'}.\n\n`python -m nanohlat.classroom "
-            f"check bug{bug.n}` passes when this copy trains like one process again.\n")
+ANSWERS = ("tutorial.md", "<summary>12, the lab's bugs</summary>\n", "</details>")   # where its solutions are
+
+
+def without_answers(dest: str) -> dict:
+    """{file: text}: the files of the copy at `dest` that hold the lab's solutions, with them taken out
+    (a bug's copy: tutorial.md's end says what each bug was)."""
+    name, begin, end = ANSWERS
+    path = os.path.join(dest, name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if begin not in text:
+        return {}
+    a = text.index(begin) + len(begin)
+    b = text.index(end, a)
+    return {name: text[:a] + "\nNot in a bug's copy: the lab's solutions are in the tutorial.md of the nanohlat that "
+                  "wrote it (your teacher's).\n" + text[b:]}
+
+
+def held_bug(copy: str):
+    """The bug the copy at `copy` holds (its LAB.md's id), or a UserError saying why none."""
+    from nanohlat.classroom import lab_bugs
+    from nanohlat.config import UserError
+    path = os.path.join(copy, "LAB.md")
+    if not os.path.isfile(path):
+        raise UserError(f"{copy} is not a lab copy (no LAB.md): `python -m nanohlat.classroom bug N DIR` writes one")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        ids = [line.strip()[len(ID_PREFIX):] for line in f if line.strip().startswith(ID_PREFIX)]
+    found = [b for b in lab_bugs.BUGS if ids and lab_id(b) == ids[-1]]
+    if not found:
+        raise UserError(f"{path} names no bug of this lab ({'its id line is gone' if not ids else 'its id is unknown'}"
+                        f"): the copy was made by another version of nanohlat or its LAB.md was edited; make a "
+                        f"fresh copy with `python -m nanohlat.classroom bug N DIR`")
+    return found[0]
 
 
 # ---------------------------------------------------------------------------
-# Running the copy's training: gloo workers the lab starts (a job = one run)
+# The runs of a bug's cases
 # ---------------------------------------------------------------------------
 
-class _Patched:
-    """A finder serving nanohlat's modules (and train.py) from `root`, with `texts` in place of the files."""
-
-    def __init__(self, root, texts):
-        self.root, self.texts = root, {os.path.join(root, f): t for f, t in texts.items()}
-
-    def find_spec(self, name, path=None, target=None):
-        import importlib.machinery
-        import importlib.util
-        if name != "train" and name != "nanohlat" and not name.startswith("nanohlat."):   # (train: _command)
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path if path is not None else [self.root])
-        if spec is None or spec.origin not in self.texts:
-            return spec
-        text = self.texts[spec.origin]
-        loader = type("L", (importlib.machinery.SourceFileLoader,), {"get_data": lambda s, p: text.encode()})
-        return importlib.util.spec_from_file_location(name, spec.origin, loader=loader(name, spec.origin))
+def without(flags, drop: dict) -> list:
+    """`flags` without each flag of `drop` and the values it takes ({flag: how many})."""
+    out, skip = [], 0
+    for a in flags:
+        if skip:
+            skip -= 1
+        elif a in drop:
+            skip = drop[a]
+        else:
+            out.append(a)
+    return out
 
 
-def _load(root: str, texts: dict) -> None:
-    """Forget nanohlat and train; import them anew from root, with `texts` (patched files) in place."""
-    for m in [m for m in sys.modules if m == "train" or m == "nanohlat" or m.startswith("nanohlat.")]:
-        del sys.modules[m]
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Patched)]
-    sys.meta_path.insert(0, _Patched(root, texts))
+def one_process(flags) -> list:
+    """`flags` without those that choose a layout (LAYOUT_FLAGS), a stop and a resume among them."""
+    return without(flags, LAYOUT_FLAGS)
 
 
-def _where(e: BaseException) -> str:
-    tb = [f for f in traceback.extract_tb(e.__traceback__) if "/nanohlat/" in f.filename and "classroom" not in f.filename]
-    if not tb:
-        return ""
-    at = " at " + ", called from ".join(f"{os.path.relpath(f.filename)}:{f.lineno} ({f.name})" for f in (
-        [tb[-1]] + [next((f for f in reversed(tb) if not f.filename.endswith("comm.py")), tb[-1])]
-        if tb[-1].filename.endswith("comm.py") else [tb[-1]]))   # a collective: and the line that called it
-    return at
+def world_of(flags) -> int:
+    return int(flags[flags.index("--nproc") + 1]) if "--nproc" in flags else 1
 
 
-def _command(root: str):
-    """The copy's train.py, the command the lab runs (as needs.py runs the tutorial's): loaded from its
-    file through the finder _load installed (a planted bug there included), not imported from a floor
-    above the classroom's (docs/design.md 1)."""
-    import importlib.util
-    finder = next(f for f in sys.meta_path if isinstance(f, _Patched))
-    spec = finder.find_spec("train", [root])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def case_job(bug, case, root: str, texts: dict, key: str) -> Job:
+    """The run of `case` in the code at root (texts in place)."""
+    flags = BASE + list(bug.base) + list(case.flags)
+    legs = [flags + list(leg) for leg in case.legs] or [flags]
+    return Job(key, root, legs, world_of(flags), dict(texts), case.nan_step)
 
 
-def _run(job: dict, rank: int, world: int, out: str) -> dict:
-    train = _command(os.getcwd())
-    from nanohlat.run import preflight
-    from nanohlat import recipe
-    res = {"steps": []}
-    for k, argv in enumerate(job["argvs"]):
-        w = 1 if "--nproc" not in argv else int(argv[argv.index("--nproc") + 1])
-        argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
-        log = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                cfg, tcfg = recipe.parse_args(argv + ["--out-dir", out])
-                train.train(*preflight.inputs(cfg, tcfg, w, rank))
-        except BaseException as e:   # a refusal (SystemExit), a replica mismatch, a collective timed out
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "timed out" in msg.lower() or "timeout" in msg.lower():
-                msg = f"a collective waited {COLLECTIVE_S:.0f} s for its peer{_where(e)}"
-            res["error"] = f"{msg}{'' if msg.startswith('a collective') else _where(e)}"
-            lines = log.getvalue().strip().splitlines()
-            if isinstance(e, SystemExit) and lines:
-                res["error"] = lines[-1]
-            return res
-        if k == 0:
-            res["ledger"] = [l.strip() for l in log.getvalue().splitlines() if "predicted:" in l]
-    if rank == 0:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            res["steps"] = [json.loads(l) for l in f if '"loss"' in l]
-        res["weights"] = _weights(out) if job.get("weights") else None
-    return res
+def baseline_job(bug, case) -> Job:
+    """The reference's run for `case`: one process (or, case.same, the case's own layout), straight to
+    its last step."""
+    flags = BASE + list(bug.base) + list(case.flags) + (list(case.legs[-1]) if case.legs else [])
+    flags = without(flags, {"--stop-after": 1, "--resume": 1}) if case.same else one_process(flags)
+    return Job(f"ref:{json.dumps([flags, case.nan_step])}", GRADER, [flags], world_of(flags), {}, case.nan_step)
 
 
-def _weights(out: str):
-    """The last checkpoint's model weights, as one fp32 vector (rank 0's files; one process)."""
-    import glob
-    import torch
-    tensors = []
-    for path in sorted(glob.glob(os.path.join(out, "checkpoints", "step_*", "shard_*.pt"))):
-        model = torch.load(path, map_location="cpu", weights_only=False)["model"]
-        tensors += [v.float().flatten() for k, v in sorted(model.items())]
-    return torch.cat(tensors) if tensors else None
-
-
-def _worker(rank, world, port, root, jobs, q, scratch):
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-    os.chdir(root)
-    sys.path.insert(0, root)
-    torch.set_num_threads(1)
-    c10d.default_pg_timeout = datetime.timedelta(seconds=COLLECTIVE_S)   # (new_group's, when none is given)
-    # the default group's store waits long (rank 1 waits there while rank 0 runs one process alone);
-    # the groups each run makes (mesh.py, through new_group) wait COLLECTIVE_S in a collective
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    from nanohlat import comm   # (no bug plants comm.py: the module held here is the one every job loads)
-    everyone = comm.Group("world", list(range(world)), rank, dist.group.WORLD)
-    ones = 0
-    for job in jobs:
-        if job["world"] == 1:   # one process: the workers take turns (two run at once)
-            ones += 1
-            if (ones - 1) % world != rank:
-                continue
-        else:   # both ranks start the run's groups together: a one-number all-reduce on the default group
-            comm.all_reduce(torch.zeros(1), everyone)
-        _load(root, job["texts"])
-        out = os.path.join(scratch, job["key"].replace(":", "-"))   # (shared by the job's ranks)
-        mine = rank if job["world"] > 1 else 0                      # this worker's rank in the run
-        res = _run(job, mine, world, out)
-        q.put((mine, job["key"], res))
-        if res.get("error", "").startswith("a collective waited") and job["world"] > 1:
-            break    # (a rank stuck in a collective: the group is out of step now, the rest is not run)
-    dist.destroy_process_group()
-
-
-def evaluate(root: str, jobs: list, world: int = 2, limit_s: float = 120.0) -> dict:
-    """Run `jobs` ({key, world, argvs, texts}) on `world` gloo workers in `root`: {key: result}.
-    A result: {"steps": metrics.jsonl's rows (rank 0), "ledger": its rows unlike the plan, "error": ...}."""
-    import hashlib
-    import queue as queue_mod
-    import torch.multiprocessing as mp
-    sign = lambda j: hashlib.sha256(json.dumps([j["world"], j["argvs"], sorted(j["texts"].items()),   # noqa: E731
-                                                bool(j.get("weights"))]).encode()).hexdigest()
-    first: dict = {}   # a job's signature -> the key of the first job that runs the same code the same way
-    same = {j["key"]: first.setdefault(sign(j), j["key"]) for j in jobs}   # (each is run once)
-    every = jobs   # (one-process runs first: two at a time, one on each worker)
-    jobs = sorted([j for j in jobs if same[j["key"]] == j["key"]], key=lambda j: j["world"])
-    sys.path.insert(0, root)
-    from nanohlat.run.launch import free_port, start_method
-    ctx = mp.get_context(start_method())
-    q = ctx.Queue()
-    port = free_port()
-    scratch = tempfile.mkdtemp(prefix="nanohlat-lab-")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, root, jobs, q, scratch), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict = {}
-    deadline = time.monotonic() + limit_s
-    want = sum(1 if j["world"] == 1 else world for j in jobs)
-    n = 0
-    try:
-        while n < want and time.monotonic() < deadline and any(p.is_alive() for p in procs) or not q.empty():
+def read_steps(out: str) -> list[dict] | None:
+    """metrics.jsonl's step rows (NaN losses as float NaN); None when there is no such file."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
             try:
-                rank, key, res = q.get(timeout=0.3)
-            except queue_mod.Empty:
+                row = json.loads(line)
+            except ValueError:
                 continue
-            n += 1
-            if rank == 0 or "error" in res:
-                cur = got.setdefault(key, {})
-                if "error" in res:   # every rank's, on one line (a hang: where each one waited)
-                    cur["error"] = "; ".join(filter(None, [cur.get("error"), f"rank {rank}: {res['error']}"]))
-                cur.update({k: v for k, v in res.items() if k != "error"})
-    finally:
-        for p in procs:
-            p.join(timeout=2)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(scratch, ignore_errors=True)
-    late = time.monotonic() >= deadline
-    for j in jobs:
-        got.setdefault(j["key"], {"error": f"did not finish within {limit_s:.0f} s" if late else
-                                  "not run: a run before it failed"})
-    return {j["key"]: got[same[j["key"]]] for j in every}
+            if isinstance(row, dict) and "loss" in row and "step" in row:
+                rows.append({**row, **{k: _number(row.get(k)) for k in ("loss", "grad_norm")}})
+    return rows
 
 
-# ---------------------------------------------------------------------------
-# The verdict
-# ---------------------------------------------------------------------------
-
-def jobs_for(bug: Bug, texts: dict, tag: str = "") -> list:
-    """The runs that grade `bug`: one process, each affected layout; the targeted check's."""
-    base = BASE + list(bug.base)
-    jobs = [dict(key=f"{tag}{bug.n}:1", world=1, argvs=[base], texts=texts)]
-    for k, lay in enumerate(bug.layouts):
-        jobs.append(dict(key=f"{tag}{bug.n}:L{k}", world=2, argvs=[base + lay], texts=texts))
-    if bug.targeted == "resume":   # 4 steps straight, and stopped after 2 then resumed (step 4: resumed weights)
-        lay = base + bug.layouts[0] + ["--steps", "4"]
-        jobs.append(dict(key=f"{tag}{bug.n}:R4", world=2, texts=texts, argvs=[lay]))
-        jobs.append(dict(key=f"{tag}{bug.n}:R", world=2, texts=texts,
-                         argvs=[lay + ["--stop-after", "2"], lay + ["--resume", "auto"]]))
-    if bug.targeted == "rounding":
-        small = ["--lr", "1e-5", "--min-lr", "1e-5", "--steps", "2", "--warmup-steps", "0"]
-        still = ["--lr", "1e-30", "--min-lr", "1e-30"]   # (far under any gap: the weights as initialised)
-        for name, prec in (("fp32", ["--precision", "fp32"]), ("sr", ["--precision", "bf16-sr"]),
-                           ("fp32-0", ["--precision", "fp32"] + still), ("sr-0", ["--precision", "bf16-sr"] + still)):
-            jobs.append(dict(key=f"{tag}{bug.n}:{name}", world=1, weights=True, texts=texts,
-                             argvs=[BASE + small + prec]))
-    return jobs
+def _number(v) -> float:
+    """A figure of metrics.jsonl as a float ("NaN", "Infinity" as written for non-finite ones; NaN for
+    what is no number at all)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
-def verdict(bug: Bug, got: dict, tag: str = "") -> str | None:
-    """None (the copy trains like one process, and the targeted check passes), else what differs."""
-    one = got[f"{tag}{bug.n}:1"]
-    if "error" in one:
-        return f"one process: {one['error']}"
-    for k, lay in enumerate(bug.layouts):
-        name = " ".join(lay)
-        r = got[f"{tag}{bug.n}:L{k}"]
-        if "error" in r:
-            return f"{name}: {r['error']}"
-        if len(r["steps"]) != len(one["steps"]):
-            return f"{name}: {len(r['steps'])} steps logged, one process {len(one['steps'])}"
-        for a, b in zip(r["steps"], one["steps"]):
-            for f in ("loss", "grad_norm"):
-                if abs(a[f] - b[f]) > REL_TOL * abs(b[f]):
-                    return (f"{name}: step {a['step']} {f} {a[f]:.6f}, one process {b[f]:.6f} "
-                            f"(relative difference {abs(a[f] - b[f]) / abs(b[f]):.1e} > {REL_TOL:g})")
-        if r.get("ledger"):
-            return f"{name}: the comm ledger differs from the plan: {r['ledger'][0]}"
-    if bug.targeted == "resume":
-        r, whole = got[f"{tag}{bug.n}:R"], got[f"{tag}{bug.n}:R4"]
-        if "error" in r or "error" in whole:
-            return f"resume: {r.get('error') or whole['error']}"
-        a, b = r["steps"][-1], whole["steps"][-1]
-        if a["step"] != b["step"] or abs(a["loss"] - b["loss"]) > REL_TOL * abs(b["loss"]):
-            return (f"exact resume: stopped after step 2 and resumed, step {a['step']} loss {a['loss']:.6f}; "
-                    f"never stopped {b['loss']:.6f}")
-    if bug.targeted == "rounding":
-        w = {k: got[f"{tag}{bug.n}:{k}"] for k in ("fp32", "sr", "fp32-0", "sr-0")}
-        for k, r in w.items():
-            if "error" in r or r.get("weights") is None:
-                return f"rounding ({k}): {r.get('error', 'no checkpoint written')}"
-        moved_sr = (w["sr"]["weights"] - w["sr-0"]["weights"]).abs().mean().item()
-        moved_fp = (w["fp32"]["weights"] - w["fp32-0"]["weights"]).abs().mean().item()
-        if not 0.8 < moved_sr / moved_fp < 1.25:
-            return (f"rounding: 2 steps at lr 1e-5 moved the bf16-sr weights by {moved_sr:.3g} on average, the fp32 "
-                    f"ones by {moved_fp:.3g} (ratio {moved_sr / moved_fp:.2f}; unbiased rounding gives ~1)")
+def read_weights(out: str) -> tuple[int | None, dict]:
+    """(step, {name: fp32 tensor}) of the run's newest checkpoint, whole (its shards put together by the
+    grader's own checkpoint reader); (None, {}) when it saved none that can be read."""
+    from nanohlat.config import UserError
+    from nanohlat.run import checkpoint
+    try:
+        shards = checkpoint.ShardSet(checkpoint.resolve(out))
+        names = sorted({n for sh in shards.shards.values() for n in sh["model"]})
+        return shards.manifest["step"], {n: shards.full(n) for n in names}
+    except (UserError, OSError, KeyError, TypeError):
+        return None, {}
+
+
+def ledger_differs(bug, case, out: str) -> str | None:
+    """The first row of the run's comm ledger (rank 0, first step) unlike the grader's plan for it."""
+    from nanohlat import comm
+    from nanohlat.run.build import mesh as build_mesh
+    from nanohlat import recipe
+    from nanohlat.plan.communication import comm_per_step
+    flags = BASE + list(bug.base) + list(case.flags) + (list(case.legs[0]) if case.legs else [])
+    world = world_of(flags)
+    try:
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return "its summary.json is missing or unreadable"
+    cfg, tcfg = recipe.parse_args(one_nproc(flags))
+    if world == 1 or cfg.moe_experts:   # (a mixture's all-to-alls follow the routing: no plan to hold them to)
+        return None
+    names = {"payload": "comm_bytes", "wire": "comm_wire_bytes", "padding": "comm_padding_bytes", "calls": "comm_calls"}
+    keys = set().union(*(summary.get(v, {}) for v in names.values()))
+    measured = {k: {f: summary.get(v, {}).get(k, 0) for f, v in names.items()} for k in keys}
+    predicted = comm_per_step(cfg, tcfg, build_mesh(cfg, tcfg, world, 0))
+    for k in sorted(set(measured) | set(predicted)):
+        m, p = measured.get(k, dict.fromkeys(comm.FIGURES, 0)), predicted.get(k, dict.fromkeys(comm.FIGURES, 0))
+        if m != p:
+            return (f"the comm ledger's {k} of step 1 on rank 0: " + ", ".join(f"{f} {m[f]:,}" for f in comm.FIGURES)
+                    + "; the plan's: " + ", ".join(f"{f} {p[f]:,}" for f in comm.FIGURES))
     return None
 
 
-def check(name: str, root: str) -> str | None:
-    """`check bugN` in the copy at root: the verdict on the code as it is there."""
-    bug = BY_NAME[name]
-    jobs = jobs_for(bug, {})
-    return verdict(bug, evaluate(root, jobs))
+def one_nproc(flags) -> list:
+    """flags without --nproc N (a worker's own flags)."""
+    return [a for i, a in enumerate(flags) if a != "--nproc" and (i == 0 or flags[i - 1] != "--nproc")]
 
+
+def _steps_said(steps: list) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
+def _close(a: float, b: float, tol: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)   # (a step both made non-finite)
+    return abs(a - b) <= tol * abs(b)
+
+
+def weights_differ(saved: tuple, ref: tuple, against: str = "one process's") -> str | None:
+    """The first parameter whose values after the last step differ from the reference's by more than
+    WEIGHT_* allow (saved, ref: read_weights' (step, weights))."""
+    import torch
+    (step, mine), (last, ref) = saved, ref
+    if step != last or not mine:
+        return (f"the run saved no readable checkpoint of its last step, step {last} (its newest: "
+                f"{'none' if step is None else f'step {step}'}), so its weights cannot be compared")
+    for name in sorted(ref):
+        if name not in mine:
+            return f"its checkpoint lacks parameter {name}"
+        a, b = mine[name], ref[name]
+        if a.shape != b.shape:
+            return f"parameter {name} is {list(a.shape)}, one process's {list(b.shape)}"
+        if not bool(torch.isfinite(a).all()):
+            return f"parameter {name} holds NaN or inf"
+        diff = (a - b).abs()
+        n_far = int((diff > WEIGHT_TOL).sum())
+        if bool((diff > WEIGHT_MAX).any()) or n_far > max(WEIGHT_FEW, WEIGHT_SHARE * diff.numel()):
+            return (f"after the last step parameter {name} differs from {against} by up to {diff.max().item():.2g} "
+                    f"({n_far:,} of {diff.numel():,} elements beyond {WEIGHT_TOL:g})")
+    return None
+
+
+def judge(bug, case, run: dict, ref: dict, refs_weights) -> str | None:
+    """None: the copy's run of `case` trains like the reference's (one process, or case.same its own
+    layout); else what differs, first: the run failed, its steps, a loss or grad norm, the comm
+    ledger, the weights after the last step."""
+    name, against = case.words(), "the reference's" if case.same else "one process's"
+    if "error" in ref:
+        return f"the reference's run for {name} failed ({ref['error']}): the installed nanohlat cannot grade this"
+    if "error" in run:
+        return f"{name}: {run['error']}"
+    mine, one = read_steps(run["out"]), read_steps(ref["out"])
+    if case.nan_step and not (len(one) >= case.nan_step and math.isnan(one[case.nan_step - 1]["loss"])):
+        return f"the lab could not make step {case.nan_step} of the reference's run non-finite: a bug of the lab"
+    want = [r["step"] for r in one]
+    if not mine:
+        return (f"{name}: no step was logged (metrics.jsonl {'holds none' if mine == [] else 'is missing'}); "
+                f"{against} run logs {_steps_said(want)}")
+    steps = [r["step"] for r in mine]
+    if steps != want:
+        return (f"{name}: it logged {_steps_said(steps)}, {against} run {_steps_said(want)}: a run that stops "
+                f"early, or logs steps it did not take, trains like no one process")
+    for a, b in zip(mine, one):
+        for f in ("loss", "grad_norm"):
+            if not _close(a[f], b[f], REL_TOL):
+                rel = abs(a[f] - b[f]) / abs(b[f]) if b[f] and not math.isnan(a[f] - b[f]) else float("nan")
+                return (f"{name}: step {a['step']} {f} {a[f]:.6f}, {against} {b[f]:.6f} "
+                        f"(relative difference {rel:.1e} > {REL_TOL:g})")
+    ledger = ledger_differs(bug, case, run["out"])
+    if ledger:
+        return f"{name}: {ledger}"
+    differs = weights_differ(read_weights(run["out"]), refs_weights(ref["out"]), against)
+    if differs:
+        return f"{name}: {differs}, though every step's loss and grad norm agree: the update is not {against}"
+    return None
+
+
+def grade(variants: dict, every=frozenset(), pools=None) -> dict:
+    """{tag: verdict (None: passed)} and {(tag, "cases"): [verdict of each case run]} for each
+    tag -> (bug, root, texts) of `variants`: the code at root (texts in place) graded for `bug`,
+    all in one set of worker pools, the reference's one-process runs first (each run once). A
+    tag's later cases are not run once one fails, unless the tag is in `every`."""
+    own = pools is None
+    pools = pools or lab_workers.Pools()
+    weights: dict = {}
+    ref_weights = lambda out: weights.setdefault(out, read_weights(out))   # noqa: E731
+    try:
+        base = {}
+        for bug, _, _ in variants.values():
+            for case in bug.cases:
+                job = baseline_job(bug, case)
+                base[job.key] = job
+        refs = pools.run(list(base.values()))
+        # in rounds: every tag's next case together (the one-process ones side by side)
+        pending = {tag: list(bug.cases) for tag, (bug, _, _) in variants.items()}
+        verdicts: dict = {tag: [] for tag in variants}
+        runs: dict = {}
+        while any(pending.values()):
+            jobs, which = [], []
+            for tag, cases in pending.items():
+                if cases:
+                    bug, root, texts = variants[tag]
+                    case = cases.pop(0)
+                    jobs.append(case_job(bug, case, root, texts, f"{tag}:{len(verdicts[tag])}"))
+                    which.append((tag, bug, case))
+            got = pools.run(jobs)
+            for job, (tag, bug, case) in zip(jobs, which):
+                v = judge(bug, case, got[job.key], refs[baseline_job(bug, case).key], ref_weights)
+                verdicts[tag].append(v)
+                runs.setdefault(tag, []).append((got[job.key], refs[baseline_job(bug, case).key]))
+                if v is not None and tag not in every:
+                    pending[tag] = []
+        out: dict = {}
+        for tag, vs in verdicts.items():
+            out[tag] = next((v for v in vs if v is not None), None)
+            out[(tag, "cases")] = vs
+            out[(tag, "runs")] = runs.get(tag, [])   # (the copy's run, the reference's) of each case run
+        return out
+    finally:
+        if own:
+            pools.__exit__(None, None, None)
+
+
+def check(name: str, copy: str) -> str | None:
+    """`check bugN` of the copy at `copy` (graded by this nanohlat): None, or what fails."""
+    from nanohlat.classroom import lab_bugs
+    from nanohlat.config import UserError
+    held = held_bug(copy)
+    n = int(name[3:])
+    if n not in lab_bugs.BY_N:
+        raise UserError(f"there is no {name}; the lab's bugs are {', '.join(f'bug{b.n}' for b in lab_bugs.LAB)}")
+    if held.n != n:
+        raise UserError(f"{copy} holds bug {held.n} (its LAB.md), not bug {n}: `check bug{held.n}` grades it")
+    if os.path.realpath(copy) == os.path.realpath(GRADER):
+        raise UserError(f"{copy} is the nanohlat grading it: grade a copy with the installed nanohlat, not "
+                        f"with the copy itself")
+    return grade({name: (held, copy, {})})[name]
+
+
+# ---------------------------------------------------------------------------
+# In a copy: the installed nanohlat grades it
+# ---------------------------------------------------------------------------
+
+def hand_off(name: str, copy: str) -> int:
+    """`check bugN` run by a copy's own kit: the installed nanohlat grades the copy, in a process
+    started outside the copy (so that Python imports the installed package, not the copy's).
+    Returns its exit code; Ctrl-C reaches it, which says the one line."""
+    env = dict(os.environ)
+    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.realpath(p) != os.path.realpath(copy)]
+    env["PYTHONPATH"] = os.pathsep.join(keep)
+    probe = subprocess.run([sys.executable, "-c", "import nanohlat, os; print(os.path.dirname(os.path.dirname("
+                            "os.path.abspath(nanohlat.__file__))))"], cwd=tempfile.gettempdir(), env=env,
+                           capture_output=True, text=True)
+    installed = probe.stdout.strip()
+    if probe.returncode != 0 or not installed:
+        print(f"error: no installed nanohlat to grade with: the lab grades a copy with the nanohlat you installed, "
+              f"never with the copy's code; install the repository the copy came from (`pip install -e PATH`) or "
+              f"run `python -m nanohlat.classroom check {name} --copy {copy}` in that repository's folder",
+              file=sys.stderr)
+        return 2
+    if os.path.realpath(installed) == os.path.realpath(copy):
+        print(f"error: the nanohlat installed is this copy ({copy}): the lab grades a copy with another nanohlat; "
+              f"install the repository the copy came from (`pip install -e PATH`)", file=sys.stderr)
+        return 2
+    # Ctrl-C reaches both: the grader says its one line, this process nothing (a handler, not SIG_IGN,
+    # which the grader would inherit: an ignored signal stays ignored across exec)
+    old = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        return subprocess.run([sys.executable, "-m", "nanohlat.classroom", "check", name, "--copy", copy],
+                              cwd=tempfile.gettempdir(), env=env).returncode
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+# ---------------------------------------------------------------------------
+# compare RUN RUN
+# ---------------------------------------------------------------------------
 
 def compare(a: str, b: str) -> int:
     """`compare RUN RUN`: two runs' per-step losses and gradient norms side by side (their
-    metrics.jsonl), and the first step where they differ by more than REL_TOL. 0: they agree."""
+    metrics.jsonl), and the first step where they differ by more than REL_TOL (a NaN is a
+    difference). 0: the same steps, agreeing; 1: they differ; 2: they cannot be compared."""
+    from nanohlat.config import UserError
     rows = []
     for run in (a, b):
         path = os.path.join(run, "metrics.jsonl")
         if not os.path.isfile(path):
-            print(f"error: {path} is not there; give two runs' --out-dir folders", file=sys.stderr)
-            return 2
-        with open(path, encoding="utf-8") as f:
-            rows.append({r["step"]: r for r in map(json.loads, f) if "loss" in r})
+            raise UserError(f"{path} is not there; give two runs' --out-dir folders")
+        got = {}
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise UserError(f"{path}:{i} is not a metrics record (not JSON): the file is damaged; "
+                                    f"compare runs that train.py wrote") from None
+                if isinstance(row, dict) and "loss" in row and "step" in row:
+                    try:
+                        got[int(row["step"])] = {f: float(row[f]) for f in ("loss", "grad_norm")}
+                    except (KeyError, TypeError, ValueError):
+                        raise UserError(f"{path}:{i} is not a metrics record (its step, loss or grad_norm is "
+                                        f"not a number): the file is damaged") from None
+        if not got:
+            raise UserError(f"{path} holds no step: the run logged none (did it train?); nothing to compare")
+        rows.append(got)
+    if sorted(rows[0]) != sorted(rows[1]):
+        raise UserError(f"the runs logged different steps ({_steps(rows[0])} in {a}, {_steps(rows[1])} in {b}): "
+                        f"compare runs of the same --steps (and --resume'd runs by the steps both have)")
     print(f"A: {a}, B: {b}")
     print("step      loss A      loss B   grad norm A   grad norm B")
     first = None
-    for step in sorted(set(rows[0]) & set(rows[1])):
+    for step in sorted(rows[0]):
         x, y = rows[0][step], rows[1][step]
-        bad = [f for f in ("loss", "grad_norm") if abs(x[f] - y[f]) > REL_TOL * abs(y[f])]
+        bad = [f for f in ("loss", "grad_norm") if not (abs(x[f] - y[f]) <= REL_TOL * abs(y[f]))]   # (NaN: bad)
         first = first or (bad and (step, bad))
         print(f"{step:>4}  {x['loss']:>10.6f}  {y['loss']:>10.6f}  {x['grad_norm']:>12.6f}  {y['grad_norm']:>12.6f}"
               + ("  <- differs" if bad else ""))
     if first:
-        print(f"first difference: step {first[0]}, {' and '.join(first[1])} (more than {REL_TOL:g} relative)")
+        print(f"first difference: step {first[0]}, {' and '.join(first[1])} (more than {REL_TOL:g} relative, or NaN)")
         return 1
     print(f"the same at every step, to {REL_TOL:g} relative")
     return 0
 
 
+def _steps(rows: dict) -> str:
+    s = sorted(rows)
+    return f"steps {s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) and len(s) > 1 else \
+        "step " + ", ".join(map(str, s)) if len(s) == 1 else "steps " + ", ".join(map(str, s))
+
+
 def list_lines() -> list[str]:
+    """`list`'s lab section: each bug by what a user sees (where it is, never)."""
+    try:
+        from nanohlat.classroom import lab_bugs
+    except ImportError:   # (a bug's copy: the lab's bugs are the installed nanohlat's)
+        return ["", "The debugging lab: this is a bug's copy (LAB.md); the installed nanohlat lists the bugs"]
     out = ["", "The debugging lab (tutorial.md chapter 12): `python -m nanohlat.classroom bug N DIR` plants bug N "
            "in a copy; `check bugN` there grades it"]
-    for b in sorted(BUGS, key=lambda b: (b.level, b.n)):
-        out.append(f"  bug{b.n:<3} {b.area:<12} level {b.level}  {b.name:<12} {b.symptom.split('. ')[0].rstrip('.')}.")
+    for b in sorted(lab_bugs.LAB, key=lambda b: (b.level, b.n)):
+        out.append(f"  bug{b.n:<3} {b.area:<12} level {b.level}  {b.title}")
     return out

@@ -21,7 +21,9 @@ every `# exercise Nx: begin` marker line turned into a call that records
 process appends what it reached to FOLDER/hits-PID.txt, tagged with the
 label in FOLDER/label at that moment (the command or check running).
 Regions in a function that torch.compile traces would break its graph; none
-of the traced commands compiles one.
+of the traced commands compiles one. What runs in a debugging-lab copy (a
+LAB.md beside its nanohlat/: chapter 12's worked example) is not traced: such
+a copy stubs no exercise, so its commands need none.
 
 The result is kept in needs.json beside this file, written by
 `python -m nanohlat.classroom needs --update` (it runs the tutorial's
@@ -82,13 +84,19 @@ class _Loader(importlib.machinery.SourceFileLoader):
         return compile(source, self.path, "exec", dont_inherit=True)
 
 
+def _in_lab_copy(path):   # a bug's copy (LAB.md beside its nanohlat/) stubs no exercise: it needs none
+    at = path.rfind(os.sep + "nanohlat" + os.sep)
+    return at >= 0 and os.path.isfile(os.path.join(path[:at], "LAB.md"))
+
+
 class _Finder:
     @classmethod
     def find_spec(cls, name, path=None, target=None):
         if name != "nanohlat" and not name.startswith("nanohlat."):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and type(spec.loader) is importlib.machinery.SourceFileLoader:
+        if spec is not None and type(spec.loader) is importlib.machinery.SourceFileLoader \
+                and not _in_lab_copy(spec.loader.path):
             spec.loader = _Loader(spec.loader.name, spec.loader.path)
         return spec
 

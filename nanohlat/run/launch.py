@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 
 from nanohlat.config import UserError
@@ -436,8 +437,38 @@ def is_collective_timeout(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("Timed out waiting" in text or "before timing out" in text)
 
 
-def collective_timeout_message(rank: int, world: int, seconds: float) -> str:
-    return (f"rank {rank} of {world} waited {seconds:g}s (--collective-timeout) in a collective for a peer "
+def code_path(path: str) -> str:
+    """A file of the repository as its README names it: nanohlat/pipeline.py, train.py."""
+    at = path.rfind(f"{os.sep}nanohlat{os.sep}")
+    return path[at + 1:] if at >= 0 else os.path.basename(path)
+
+
+def open_collective(e: BaseException | None) -> str:
+    """'in pp.exchange, issued at nanohlat/pipeline.py:253 (_exchange),': the collective a rank timed
+    out in and the line of code that issued it. A blocking call is in `e`'s traceback: the innermost
+    frame of comm.py names the operation and its group, the frame that called it the line. A
+    started collective waited on elsewhere (the overlapped gradient buckets) is the comm ledger's
+    open call, the last one this rank issued (comm.CommLedger.open, held by the mesh or group of a
+    frame). 'in a collective' when neither is there."""
+    frames = [f for f, _ in traceback.walk_tb(e.__traceback__ if e is not None else None)]
+    inside = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(f"{os.sep}nanohlat{os.sep}comm.py")]
+    if inside and inside[0] > 0:
+        op, caller = frames[inside[-1]], frames[inside[0] - 1]
+        group = op.f_locals.get("group", op.f_locals.get("pair"))
+        return (f"in {getattr(group, 'name', '?')}.{op.f_code.co_name}, issued at "
+                f"{code_path(caller.f_code.co_filename)}:{caller.f_lineno} ({caller.f_code.co_name}),")
+    for frame in reversed(frames):
+        for value in list(frame.f_locals.values()):
+            call = getattr(getattr(value, "ledger", None), "open", None)
+            if isinstance(call, tuple) and len(call) == 4:
+                key, path, line, function = call
+                return f"waiting on {key}, the last collective it issued, at {code_path(path)}:{line} ({function}),"
+    return "in a collective"
+
+
+def collective_timeout_message(rank: int, world: int, seconds: float, e: BaseException | None = None) -> str:
+    """The one line of a rank whose collective timed out (`e`, gloo's or nccl's error): where it waited."""
+    return (f"rank {rank} of {world} waited {seconds:g}s (--collective-timeout) {open_collective(e)} for a peer "
             f"rank that made no progress (stopped, hung, or stuck outside the collectives); the job ends; "
             f"--resume auto continues from the last complete checkpoint")
 

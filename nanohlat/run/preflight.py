@@ -239,7 +239,7 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
             # a peer made no progress for --collective-timeout seconds: one line, exit 1 (a run-time
             # failure; 2 is for inputs the user can fix). hard_exit: tearing down a process group that
             # is still waiting on a stuck peer can hang or abort, and there is nothing left to save.
-            launch.report_error(launch.collective_timeout_message(rank, world, tcfg.collective_timeout))
+            launch.report_error(launch.collective_timeout_message(rank, world, tcfg.collective_timeout, e))
             launch.hard_exit(1)
         # a crash (a bug): its one-line cause for the launcher, then its traceback, exit 1
         launch.report_error(launch.crash_line(e))
