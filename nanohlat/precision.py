@@ -78,16 +78,18 @@ def moment_dtype(moments: str) -> torch.dtype:
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator=None,
                              noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Round fp32 -> bf16 up or down at random, unbiased.
-
-    A bf16 is the top 16 bits of an fp32. Adding a uniform random integer in
-    [0, 2^16) to the low 16 bits and then truncating them carries into the
-    kept bits with probability (low bits) / 2^16: exactly the distance to the
-    next bf16 value. Works for negative numbers too (sign-magnitude format).
-    `noise`: those integers (int32, x's shape; the optimizer's
-    `round_into_master` passes `rounding_noise`), else drawn from `generator`.
+    """Round fp32 -> bf16 up or down at random, unbiased: each value goes to one of
+    its two bf16 neighbours, the farther one the less likely, so that on average it
+    is the value itself (tutorial chapter 7 says how, and why it matters).
+    `noise`: the random integers in [0, 2^16) to use (int32, x's shape; the
+    optimizer's `round_into_master` passes `rounding_noise`), else drawn from
+    `generator`. NaN stays NaN.
     """
     # exercise 7a: begin
+    # A bf16 is the top 16 bits of an fp32. Adding a uniform random integer in
+    # [0, 2^16) to the low 16 bits and then truncating them carries into the
+    # kept bits with probability (low bits) / 2^16: exactly the distance to the
+    # next bf16 value. Works for negative numbers too (sign-magnitude format).
     x = x.float().contiguous()
     bits = x.view(torch.int32)
     if noise is None:

@@ -289,18 +289,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     """Per-token cross-entropy from vocab-sharded logits, never gathering them.
 
     logits: (B, T, V/tp) this rank's slice of the vocabulary; targets: (B, T).
-    Returns (B, T) losses, identical on every tp rank. Moves three (B, T)
-    tensors instead of the (B, T, V) logits:
-
-        m   = max over all ranks of the local maxima     (all-gather of (B, T))
-        S   = sum_r sum_v exp(logit - m)                  (all-reduce of (B, T))
-        z_t = the target's logit, from the rank owning it (all-reduce of (B, T))
-        loss = log S + m - z_t
-
-    Padded vocabulary entries (ids >= vocab_size, docs/design.md 5.3) are set to -inf
-    so they never take probability mass. Backward needs no custom code: the
-    all-reduces' backward is identity, so each rank differentiates its own
-    slice: softmax - onehot.
+    Returns (B, T) losses, identical on every tp rank, moving three (B, T)
+    tensors between the ranks instead of the (B, T, V) logits (tutorial chapter 4
+    derives which three). Padded vocabulary entries (ids >= vocab_size,
+    docs/design.md 5.3) never take probability mass. Backward needs no custom
+    code: each rank differentiates its own slice.
     """
     logits = logits.float()
     if group.size == 1:
@@ -311,6 +304,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
         logits = logits[..., :vocab_size]
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     # exercise 4c: begin
+    #   m   = max over all ranks of the local maxima     (all-gather of (B, T))
+    #   S   = sum_r sum_v exp(logit - m)                  (all-reduce of (B, T))
+    #   z_t = the target's logit, from the rank owning it (all-reduce of (B, T))
+    #   loss = log S + m - z_t; the padded entries at -inf; the all-reduces' backward is identity,
+    #   so each rank's gradient is its slice's softmax - onehot
     per_rank = logits.shape[-1]
     start = group.rank * per_rank
     ids = torch.arange(start, start + per_rank, device=logits.device)
