@@ -15,6 +15,7 @@ One idea a file, in the order they build on each other:
     communication.py  every collective per step, counted like the comm ledger
     hardware.py       device memory, the interconnects, the dp ring hop by hop
     step_time.py      compute + communication + bubble: an estimated step
+    failures.py       a checkpoint's bytes and save time, the cluster's MTBF, the interval that loses least
     kv_cache.py       the KV cache when serving
     fmt.py            human units and aligned tables
     sheets.py         the printed plan (`--plan`), and the comm table a run prints
@@ -29,6 +30,8 @@ The names below are what the rest of nanohlat and the tests use
 """
 
 from nanohlat.plan.communication import comm_bytes_per_step, comm_per_step, exchanges_per_boundary
+from nanohlat.plan.failures import (checkpoint_bytes, interval_plan, lost_fraction, optimal_interval, rank_bytes,
+                                   resolve_save_every, snapshot_bytes)
 from nanohlat.plan.fmt import GiB
 from nanohlat.plan.hardware import NETWORKS, Network, dp_ring, ring_hops
 from nanohlat.plan.kv_cache import kv_cache_bytes

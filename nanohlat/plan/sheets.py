@@ -15,6 +15,7 @@ from nanohlat.plan.context import (ALGORITHMS, attention_collectives, attention_
                                          attention_pairs, local_tokens, ulysses_fits)
 from nanohlat.plan.fmt import fmt_bytes, fmt_count, fmt_flop, fmt_seconds, table
 from nanohlat.plan.hardware import DEVICE_MEMORY, NETWORKS, PLAN_DEVICES, dp_groups
+from nanohlat.plan.failures import failures_section
 from nanohlat.plan.kv_cache import kv_cache_section
 from nanohlat.plan.params import dtype_bytes, mesh_at
 from nanohlat.plan.memory import (PEAK_MARGIN, activation_bytes, bytes_per_param_line, memory_per_rank, micro_batch_size,
@@ -94,6 +95,7 @@ def report(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> str:
     lines += _comm_section(cfg, tcfg, dp)
     lines += cp_section(cfg, tcfg, dp)
     lines += _time_section(cfg, tcfg, world)
+    lines += failures_section(cfg, tcfg, world)
     lines += kv_cache_section(cfg, tcfg)
     return "\n".join(lines)
 

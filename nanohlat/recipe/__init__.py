@@ -12,6 +12,7 @@ nanohlat and the tests use (`from nanohlat import recipe; recipe.parse_args(...)
 """
 
 from nanohlat.recipe.command_line import HELP, build_parser, parse_args, resolve
-from nanohlat.recipe.configs import (HIGHEST, MAX_SIZE, MOST, PRESETS, SEED_LIMIT, THREADS_LIMIT, ModelConfig, TrainConfig, check_counts,
+from nanohlat.recipe.configs import (HIGHEST, MAX_SIZE, MOST, MTBF_HOURS_PER_NODE, PRESETS, SAVE_EVERY_AUTO, SEED_LIMIT,
+                                     THREADS_LIMIT, ModelConfig, TrainConfig, check_counts,
                                      check_seed, model_from_dict, to_dict)
 from nanohlat.recipe.layouts import check_cp_layout, check_layout, check_moe_layout, choices, divisors

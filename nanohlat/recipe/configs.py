@@ -57,6 +57,11 @@ HIGHEST = {
     "moe_bias_rate": (1.0, "a bias's move per step beside router probabilities in [0, 1]: 1 already outweighs "
                            "any of them (DeepSeek-V3: 1e-3)"),
 }
+SAVE_EVERY_AUTO = -1    # --save-every auto, until the pre-flight makes it Young/Daly's interval (plan/failures.py)
+# One node's mean time between failures, from the Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd of
+# Models", section 3.3.4): 419 unexpected interruptions in a 54-day snapshot of pre-training on 16,384 H100s,
+# 2,048 servers of 8: 54 x 24 h x 2,048 / 419 = 6,335 hours per node (a cluster of 2,048: one every 3.1 h).
+MTBF_HOURS_PER_NODE = 6335.0
 
 
 @dataclass
@@ -151,7 +156,9 @@ class RunConfig(config.TrainConfig):
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 1
-    save_every: int = 0          # 0 = only at the end
+    save_every: int = 0          # 0 = only at the end; SAVE_EVERY_AUTO (--save-every auto): Young/Daly's
+                                 # interval, made a number by the pre-flight (plan/failures.py:resolve_save_every)
+    async_save: bool = False     # checkpoints written by a background thread (run/checkpoint/background.py)
     keep_last: int = 3           # 0 = keep every checkpoint
     resume: str = "auto"         # auto | never | PATH
     overwrite: bool = False      # with --resume never: replace an existing run
@@ -159,6 +166,11 @@ class RunConfig(config.TrainConfig):
     check_replicas: int = 0      # every N steps compare the replicas of every parameter (0 = never)
     allow_tokenizer_change: bool = False   # resume a run whose tokenizer differs from this one's
     stop_after: int = 0          # stop (as if interrupted) after this step; 0 = never
+    # failures at scale: the plan's checkpoint interval (plan/failures.py), the straggler watch (run/stragglers.py)
+    mtbf_hours: float = MTBF_HOURS_PER_NODE   # one node's mean time between failures, in hours
+    storage_gb_s: float = 1.0    # GB/s one node writes a checkpoint at (Llama 3's storage: 2 TB/s over 2,048 nodes)
+    straggler_every: int = 100   # every N steps, name a rank much slower than the others (0 = never)
+    straggler_factor: float = 1.5   # ... slower than the median rank by more than this factor
     timeline: bool = False
     plan: bool = False
     search: bool = False         # with --plan: rank every layout that fits by estimated step time
@@ -185,8 +197,8 @@ class TrainConfig(RunConfig):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("save_every", "keep_last", "max_bad_steps", "check_replicas", "eval_every", "eval_batches",
-                     "max_restarts", "stop_after", "threads"):
-            if getattr(self, name) < 0:
+                     "max_restarts", "stop_after", "threads", "straggler_every"):
+            if getattr(self, name) < 0 and not (name == "save_every" and self.save_every == SAVE_EVERY_AUTO):
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.log_every <= 0:
             raise UserError(f"--log-every must be positive, got {self.log_every}")
@@ -214,6 +226,9 @@ class TrainConfig(RunConfig):
         _highest(self)   # (each against its largest value, HIGHEST)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
+        _finite_in("mtbf_hours", self.mtbf_hours, 0, 1e9, "> 0 hours (at most 1e9)", low_open=True)
+        _finite_in("storage_gb_s", self.storage_gb_s, 0, 1e9, "> 0 GB/s (at most 1e9)", low_open=True)
+        _finite_in("straggler_factor", self.straggler_factor, 1, 1e9, "> 1 (at most 1e9)", low_open=True)
         if self.virtual_stages < 1:
             raise UserError(f"--virtual-stages must be positive, got {self.virtual_stages}")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):

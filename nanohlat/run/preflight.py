@@ -61,6 +61,7 @@ def main(train, argv: list[str]) -> int:
             return 0
         recipe.check_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         check_values(model_cfg, tcfg)
+        tcfg = save_every_auto(model_cfg, tcfg, world, say=not env or env[0] == 0)   # --save-every auto: a number
         if tcfg.zero == 3 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError("--zero 3 is not supported on xla: a step is one traced graph, in which freeing a "
                             "layer's parameters between uses means nothing to the compiler; use --zero 2 (or 1)")
@@ -144,6 +145,16 @@ def check_values(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig) -> Non
                             f"longer one overflows the runtime's timers")
 
 
+def save_every_auto(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int,
+                    say: bool = False) -> recipe.TrainConfig:
+    """--save-every auto made Young/Daly's interval in steps for this device (plan/failures.py), said in a note."""
+    from nanohlat import plan
+    tcfg, note = plan.resolve_save_every(model_cfg, tcfg, world, devicelib.resolve_kind(tcfg.device))
+    if note and say:
+        print(f"note: {note}", file=sys.stderr)
+    return tcfg
+
+
 def rotary_bytes(model_cfg: recipe.ModelConfig) -> int:
     """model.rotary_tables's peak: cos, sin and the angles they come from, (max_seq_len,
     head_dim) fp32 each, about four copies; every rank builds its own."""
@@ -154,7 +165,8 @@ def check_memory(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world:
                  spawns: bool) -> None:
     """Refuse, before anything is allocated, a model or sequence that cannot fit:
     the plan's peak per rank (plan/memory.py: weights, optimizer, gradient buffers,
-    activations) plus the rotary tables, against this machine's memory (cpu: all
+    activations) plus the rotary tables (and on the cpu --async-save's snapshot of a
+    shard in host memory: plan/failures.py), against this machine's memory (cpu: all
     `local` ranks share the RAM) or one GPU's (cuda). Only what truly cannot fit is
     refused (the estimate is of what must be held at once, not an upper bound).
     Not checked: xla (memory is the compiler's to plan; --plan shows it), and a cuda
@@ -165,7 +177,7 @@ def check_memory(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world:
     if kind == "xla" or (kind == "cuda" and spawns and tcfg.nproc > 1):
         return
     per_rank = plan.peak_memory_per_rank(model_cfg, dataclasses.replace(tcfg, device=kind), world) \
-        + rotary_bytes(model_cfg)
+        + rotary_bytes(model_cfg) + (plan.snapshot_bytes(model_cfg, tcfg, world) if kind == "cpu" else 0)
     ranks = 1 if kind == "cuda" else max(1, min(local, world))
     refuse_if_too_big(ranks * per_rank, memory_of(kind), f"weights, optimizer, activations and the rotary tables "
                       f"of --max-seq-len {model_cfg.max_seq_len:,}",
@@ -274,6 +286,7 @@ def inputs(model_cfg: recipe.ModelConfig, tcfg: recipe.TrainConfig, world: int =
     to resume from, and this process joined to the job (`join`). None of `main`'s other checks, and
     no run lock."""
     recipe.check_layout(model_cfg, tcfg, world)
+    tcfg = save_every_auto(model_cfg, tcfg, world)
     ds = data.prepare_data(tcfg.data, tcfg.tokenizer, model_cfg.vocab_size, tcfg.cache_dir, log=lambda *a: None)
     restarted = launch.restart_count() > 0
     resume_from = checkpoint.find_resume(tcfg.out_dir, tcfg.resume, tcfg.overwrite, restarted)
