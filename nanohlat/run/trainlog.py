@@ -248,6 +248,10 @@ class TrainLog:
         self.summary["val_losses"].append(float(val_loss))
         self._write({"step": step, "val_loss": float(val_loss)})
 
+    def record(self, record: dict) -> None:
+        """A row of metrics.jsonl that is no step's figures (run/restarts.py's: a restart, its cost)."""
+        self._write(record)
+
     def _write(self, record: dict) -> None:
         """A row of metrics.jsonl (rank 0). A write that fails (a full disk) does not end
         the run at once: the row is lost, but the steps trained are not. The failure is
@@ -270,7 +274,8 @@ class TrainLog:
         self.summary.update(measured, step=self.last_step)
         if self.main:   # what the plan predicted, as measured on rank 0 (tests compare the two)
             keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "param_bytes",
-                    "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step")
+                    "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step",
+                    "checkpoints", "stragglers", "failures")   # (session.py: saves, stragglers, restarts)
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
                              files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
         if self.writer:

@@ -36,6 +36,7 @@ from nanohlat.run.checkpoint.history import (ckpt_root, incomplete_checkpoints, 
 from nanohlat.run.checkpoint.io_errors import io_error, state_bytes
 from nanohlat.run.checkpoint.manifest import FORMAT, RNG, TOKENIZER_COPY, identity
 from nanohlat.run.checkpoint.optimizer_state import export_state, export_weights, fetch_buffers, state_buffers
+from nanohlat.run import faults
 from nanohlat.system.files import atomic_write as _atomic_write   # module-level name: tests swap it to simulate crashes
 from nanohlat.system.files import fsync_dir, sha256_file
 from nanohlat.xla import extract_graphs_only
@@ -111,21 +112,43 @@ def _copy_tokenizer(tokenizer_path: str, ckpt_dir: str) -> dict:
     return {"file": TOKENIZER_COPY, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
 
 
-def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
-         tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> str:
-    """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
+@dataclasses.dataclass
+class Snapshot:
+    """One rank's part of the checkpoint of `step`, taken at the step's end (`snapshot`): its shard's
+    tensors, copies in host memory that training may go on updating the originals of, and on rank 0
+    the manifest's fields (all but the files' sizes and checksums, the tokenizer's copy and the time)."""
+    out_dir: str
+    step: int
+    rank: int
+    shard: dict
+    manifest: dict | None
+    tokenizer_path: str
+    keep_last: int
 
-    keep_last > 0 keeps only that many newest checkpoints; bad_steps is the
-    current run of non-finite steps (restored on resume); data_fingerprint
-    identifies the token shards (data.Dataset.fingerprint).
-    """
-    tmp = os.path.join(ckpt_root(out_dir), f".tmp_step_{step:08d}")
-    final = os.path.join(ckpt_root(out_dir), f"step_{step:08d}")
+    @property
+    def tmp(self) -> str:
+        return os.path.join(ckpt_root(self.out_dir), f".tmp_step_{self.step:08d}")
+
+    @property
+    def final(self) -> str:
+        return os.path.join(ckpt_root(self.out_dir), f"step_{self.step:08d}")
+
+    def nbytes(self) -> int:
+        return state_bytes(self.shard)
+
+
+def begin(out_dir: str, step: int, mesh, device) -> None:
+    """Every rank: rank 0 makes `.tmp_step_N` (removing a crashed save's debris), then all wait for it."""
     if mesh.rank == 0:
         _begin(out_dir, step)
     _barrier(mesh, device)
 
-    # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt (each element once, module docstring)
+
+def snapshot(out_dir: str, step: int, tokens: int, model, opt, mesh, config: dict, tokenizer_path: str,
+             keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> Snapshot | None:
+    """This rank's shard of the checkpoint of `step` copied to host memory, with what its manifest says
+    (rank 0). None while neuron_parallel_compile extracts graphs (its tensors hold zeros, not weights)."""
+    # every rank: its shard (each element once, module docstring)
     params = dict(model.named_parameters())
     mine = {n for n, p in params.items() if _first_copy(p, mesh)}
     shard_state = {
@@ -151,61 +174,102 @@ def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config:
         # transfer above has been traced (so its graph is pre-compiled too); writing
         # it would leave a `latest` that a later --resume auto starts from, at zero.
         if mesh.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return final
-    shard_path = os.path.join(tmp, f"shard_{mesh.rank:05d}.pt")
-    failed = None    # a full disk or an I/O error: said by every rank after the all-gather below
-    try:
-        _atomic_write(shard_path, lambda f: torch.save(shard_state, f))
-        digest = torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64)
-    except (OSError, RuntimeError) as e:
-        failed = io_error(e, shard_path, state_bytes(shard_state))
-        digest = torch.zeros(4, dtype=torch.int64)
+            shutil.rmtree(os.path.join(ckpt_root(out_dir), f".tmp_step_{step:08d}"), ignore_errors=True)
+        return None
+    manifest = None
+    if mesh.rank == 0:
+        manifest = {
+            "format": FORMAT, "step": step, "tokens": tokens,
+            "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": opt.tcfg.cp,   # world = tp*pp*dp*cp
+                       "zero": opt.tcfg.zero,                             # the ZeRO stage, 0-3
+                       "zero1": bool(opt.zero), "world": mesh.world,      # (zero1: any stage >= 1; older readers)
+                       "virtual_stages": opt.tcfg.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
+            # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
+            "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
+            # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
+            "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
+            # what each shard's "rng" holds; stochastic rounding has no generator (precision.py)
+            "rng": RNG,
+            "optimizer": True, "config": config, "tokenizer": tokenizer_path,
+            "identity": identity(tokenizer_path, data_fingerprint),
+        }
+    return Snapshot(out_dir, step, mesh.rank, shard_state, manifest, tokenizer_path, keep_last)
 
-    # 2. rank 0 learns that every shard is on disk, and its checksum: one all-gather
-    #    of each rank's sha256 (32 bytes as 4 int64) and a failure flag doubles as the barrier
+
+def write_shard(snap: Snapshot) -> tuple[torch.Tensor, UserError | None]:
+    """This rank's shard -> .tmp_step_N/shard_<rank>.pt (temporary name, fsync, rename: files.atomic_write).
+    Returns its sha256 as 4 int64, or zeros and the failure (a full disk, an I/O error) as one line.
+    Touches no process group: --async-save runs it in its writer thread."""
+    shard_path = os.path.join(snap.tmp, f"shard_{snap.rank:05d}.pt")
+    try:
+        # (the fault lab's full disk or kill -9 half-way through: faults.writer, run/faults.py)
+        _atomic_write(shard_path, lambda f: torch.save(snap.shard, faults.writer(f, snap.step, snap.rank,
+                                                                                 snap.nbytes())))
+        return torch.frombuffer(bytearray.fromhex(sha256_file(shard_path)), dtype=torch.int64), None
+    except (OSError, RuntimeError) as e:
+        return torch.zeros(4, dtype=torch.int64), io_error(e, shard_path, snap.nbytes())
+
+
+def gather_shards(snap: Snapshot, digest: torch.Tensor, failed: UserError | None, mesh, device) -> torch.Tensor:
+    """Every rank (a collective): rank 0 learns that every shard is on disk, and its checksum: one
+    all-gather of each rank's sha256 (32 bytes as 4 int64) and a failure flag; it doubles as the
+    barrier. Returns the rows, (world, 5): a row's last element 1 where that rank could not write."""
     row = torch.cat([digest, torch.tensor([int(failed is not None)])])
-    rows = comm.all_gather(row.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 5)
-    digests = rows[:, :4]
+    return comm.all_gather(row.to(device.torch_device), mesh.group("world")).cpu().view(mesh.world, 5)
+
+
+def publish(snap: Snapshot, rows: torch.Tensor) -> UserError | None:
+    """(Rank 0, every shard complete: `rows` from gather_shards) the tokenizer's copy, the manifest, the
+    rename into place, `latest`, then --keep-last's pruning. Returns the failure as one line, or None."""
+    tmp = snap.tmp
+    try:
+        tokenizer_copy = _copy_tokenizer(snap.tokenizer_path, tmp)
+        files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
+                                       "sha256": rows[r, :4].numpy().tobytes().hex()} for r in range(rows.shape[0])}
+        _publish(snap.out_dir, tmp, {**snap.manifest, "time": time.time(), "files": files,
+                                     "tokenizer_copy": tokenizer_copy})
+    except (OSError, RuntimeError) as e:
+        return io_error(e, tmp, 0)
+    if snap.keep_last > 0:
+        for old in list_checkpoints(snap.out_dir)[:-snap.keep_last]:
+            remove_checkpoint(old)
+    return None
+
+
+def save(out_dir: str, step: int, tokens: int, model, opt, mesh, device, config: dict,
+         tokenizer_path: str, keep_last: int = 0, bad_steps: int = 0, data_fingerprint: str | None = None) -> str:
+    """Every rank calls this after `step` optimizer steps. Returns the checkpoint directory.
+
+    keep_last > 0 keeps only that many newest checkpoints; bad_steps is the
+    current run of non-finite steps (restored on resume); data_fingerprint
+    identifies the token shards (data.Dataset.fingerprint). The steps in
+    order: begin, snapshot, write_shard, gather_shards, publish (rank 0), and
+    an all-reduce that tells every rank the checkpoint is visible (or not).
+    """
+    begin(out_dir, step, mesh, device)
+    snap = snapshot(out_dir, step, tokens, model, opt, mesh, config, tokenizer_path, keep_last, bad_steps,
+                    data_fingerprint)
+    final = os.path.join(ckpt_root(out_dir), f"step_{step:08d}")
+    if snap is None:
+        return final
+    # 1. every rank: its shard -> .tmp_step_N/shard_<rank>.pt; a full disk or an I/O error is said by
+    #    every rank after the all-gather below
+    digest, failed = write_shard(snap)
+    # 2. rank 0 learns that every shard is on disk, and its checksum
+    rows = gather_shards(snap, digest, failed, mesh, device)
     if failed is not None or rows[:, 4].any():   # every rank leaves: no rank waits for a checkpoint that is not coming
-        _abandon(tmp, mesh)
+        _abandon(snap.tmp, mesh)
         raise failed or UserError(f"checkpoint step {step} not saved: another rank could not write its shard "
                                   f"(its line says why); {final} was not written, the previous checkpoint is intact")
-
     # 3. rank 0: the tokenizer's copy, manifest, rename into place, update `latest`, prune
-    failed = None
-    if mesh.rank == 0:
-        try:
-            tokenizer_copy = _copy_tokenizer(tokenizer_path, tmp)
-            files = {f"shard_{r:05d}.pt": {"bytes": os.path.getsize(os.path.join(tmp, f"shard_{r:05d}.pt")),
-                                           "sha256": digests[r].numpy().tobytes().hex()} for r in range(mesh.world)}
-            _publish(out_dir, tmp, {
-                "format": FORMAT, "step": step, "tokens": tokens, "time": time.time(),
-                "layout": {"tp": mesh.tp, "pp": mesh.pp, "dp": mesh.dp, "cp": opt.tcfg.cp,   # world = tp*pp*dp*cp
-                           "zero": opt.tcfg.zero,                             # the ZeRO stage, 0-3
-                           "zero1": bool(opt.zero), "world": mesh.world,      # (zero1: any stage >= 1; older readers)
-                           "virtual_stages": opt.tcfg.virtual_stages},   # interleaved: stage s held chunks s, s+pp, ...
-                # the lr of step k is optim.cosine_lr(k, lr, min_lr, warmup_steps, steps) of the config below
-                "schedule": {"optimizer_step": int(opt.step_count), "bad_steps": int(bad_steps)},
-                # the global batch of step k is Dataset.batch(k, ...) with this seed: the next one is `step`
-                "data": {"next_step": step, "seed": config.get("train", {}).get("seed")},
-                # what each shard's "rng" holds; stochastic rounding has no generator (precision.py)
-                "rng": RNG,
-                "optimizer": True, "config": config, "tokenizer": tokenizer_path, "files": files,
-                "tokenizer_copy": tokenizer_copy, "identity": identity(tokenizer_path, data_fingerprint),
-            })
-        except (OSError, RuntimeError) as e:
-            failed = io_error(e, tmp, 0)
-        if failed is None and keep_last > 0:
-            for old in list_checkpoints(out_dir)[:-keep_last]:
-                remove_checkpoint(old)
+    failed = publish(snap, rows) if mesh.rank == 0 else None
     # no rank goes on (or reports success) before the checkpoint is visible; a failure reaches every rank
     flag = torch.tensor([float(failed is not None)], device=device.torch_device)
     if mesh.group("world").size > 1:
         comm.all_reduce(flag, mesh.group("world"))
         device.sync()
     if flag.item():
-        _abandon(tmp, mesh)
+        _abandon(snap.tmp, mesh)
         raise failed or UserError(f"checkpoint step {step} not saved: rank 0 could not write it (its line says "
                                   f"why); {final} was not written, the previous checkpoint is intact")
     return final
