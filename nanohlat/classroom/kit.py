@@ -7,6 +7,7 @@
     python -m nanohlat.classroom bug N DIR                   # the debugging lab: a copy with bug N (lab.py)
     python -m nanohlat.classroom check bugN                  # (in that copy) does it train like one process?
     python -m nanohlat.classroom compare RUN RUN             # two runs' losses and grad norms, step by step
+    python -m nanohlat.classroom fault OUT --kills N -- FLAGS # the fault lab: kill a run N times (fault_lab.py)
 
 How it works. The reference code carries *exercise regions*, comment-marked:
 
@@ -470,8 +471,18 @@ def main(argv=None) -> int:
     b.add_argument("dir")
     cmp_ = sub.add_parser("compare", help="two runs' per-step losses and grad norms, and where they first differ")
     cmp_.add_argument("runs", nargs=2)
+    f = sub.add_parser("fault", help="the fault lab: kill a run again and again, lost work against Young/Daly's")
+    f.add_argument("out", help="a folder for the lab's two runs (reference/, faulted/)")
+    f.add_argument("--kills", type=int, default=20, help="kill -9s of a random rank at random steps (default 20)")
+    f.add_argument("--gap", type=float, default=6.0, help="the mean gap between kills, in steps (exponential)")
+    f.add_argument("--seed", type=int, default=0, help="the seed of the kills' steps and ranks")
+    f.add_argument("--fault", action="append", default=[], help="another fault after the kills (run/faults.py's "
+                   "kinds: hang:rank=R:step=S, slow:rank=R:seconds=X, disk-full:rank=R:step=S, ...)")
     u = sub.add_parser("needs", help="re-trace which exercises each tutorial command and check needs (minutes)")
     u.add_argument("--update", action="store_true", required=True, help="rewrite nanohlat/classroom/needs.json")
+    argv, train = list(sys.argv[1:] if argv is None else argv), []
+    if argv[:1] == ["fault"] and "--" in argv:   # the fault lab: train.py's flags follow --
+        argv, train = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = p.parse_args(argv)
     if args.cmd == "list":
         return cmd_list()
@@ -485,6 +496,9 @@ def main(argv=None) -> int:
     if args.cmd == "compare":
         from nanohlat.classroom import lab
         return lab.compare(*args.runs)
+    if args.cmd == "fault":
+        from nanohlat.classroom import fault_lab
+        return fault_lab.run(args.out, args.kills, args.gap, args.seed, args.fault, train, ROOT)
     return cmd_check(args)
 
 

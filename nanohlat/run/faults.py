@@ -6,10 +6,10 @@ lab; classroom/fault_lab.py). Unset, every function here does nothing. Its
 value is a list of faults separated by `;`, each a kind and its `key=value`
 fields separated by `:`:
 
-    kill:rank=1:step=5           kill -9 of rank 1 at the end of step 5 (after its update, before any
-                                 save of that step): the launcher sees a worker die
-    hang:rank=1:step=5           rank 1 stops taking part at the end of step 5: it sleeps, and the
-                                 others wait in their next collective until --collective-timeout
+    kill:rank=1:step=5           kill -9 of rank 1 at the end of step 5 (once it is logged, before any
+                                 evaluation or save of that step): the launcher sees a worker die
+    hang:rank=1:step=5           rank 1 stops taking part at the same point of step 5: it sleeps, and
+                                 the others wait in their next collective until --collective-timeout
     slow:rank=1:seconds=0.2      rank 1 sleeps 0.2 s before each of its steps (from=S: from step S on;
                                  until=S: up to step S), a straggler the others wait for
     kill-saving:rank=0:step=4    kill -9 of rank 0 half-way through writing its shard of step 4

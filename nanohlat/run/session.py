@@ -62,12 +62,11 @@ class Session:
         self.stragglers = stragglers.Stragglers(mesh, tcfg, dev, runner, self.log.print)
         mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
         preempt.training_begins()   # a signal from here: finish the step, save (before it: end at once, startup.py)
-        self.stragglers.start(self.start_step + 1)   # (--straggler-every: the first step's own time)
+        self.stragglers.start(self.start_step + 1, warmup=True)   # (--straggler-every: not the first step)
 
     def end_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor, lr: float) -> bool:
         """After the optimizer step of step `step` (counted from 1). True: the run stops here."""
         tcfg, mesh, dev = self.tcfg, self.mesh, self.dev
-        faults.at_step_end(step, mesh.rank)   # the fault lab's kill -9 or hang of this rank (unset: nothing)
         self.stragglers.stop()   # --straggler-every: this rank's own time in the step ends here
         last = step == tcfg.steps or 0 < tcfg.stop_after <= step   # --stop-after: as if interrupted
         if self.runner.clock:
@@ -88,6 +87,7 @@ class Session:
             self.saver.finish()   # every rank's shard written: gather their checksums; rank 0 publishes
         figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
+        faults.at_step_end(step, mesh.rank)   # the fault lab's kill -9 or hang of this rank (unset: nothing)
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
             self.log.val(step, self.evaluate_loss())
             dev.sync()   # XLA: evaluation runs as its own graph, not fused into the next step's (a third big graph)
@@ -110,8 +110,8 @@ class Session:
         if self.log.stopped:   # --max-bad-steps: the last good step is saved first (every rank), then the line
             self.stop_itself(step)
         self.restarts.at(step)   # after a restart: back at the failed attempt's last step, what it cost
+        self.stragglers.start(step + 1)   # (--straggler-every: the next step's own time, from here)
         faults.before_step(step + 1, mesh.rank)   # the fault lab's slow rank (unset: nothing)
-        self.stragglers.start(step + 1)
         return last
 
     def vote(self, step: int, also: bool = False, writing: bool = False) -> tuple[bool, bool]:

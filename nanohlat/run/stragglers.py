@@ -9,7 +9,8 @@ wall time less the time the rank waited in collectives. The rank the others
 wait for waits least and has the largest own time.
 
 Each rank measures it with the host's clock: from the end of one step's
-session work (Session.end_step) to the start of the next end_step, minus the
+session work (Session.end_step) to the start of the next end_step (the first
+step of a run, which warms up, is not timed), minus the
 seconds its host was blocked in a collective. A `WaitClock` on each of the
 mesh's process groups (comm.py's `trace` seam, which --timeline's CommTrace
 uses too: it is kept, and told everything as before) times every blocking
@@ -119,9 +120,11 @@ class Stragglers:
     def _clocks(self):
         return [g.trace for g in self.mesh.groups.values() if isinstance(g.trace, WaitClock)] + [self.clock]
 
-    def start(self, step: int) -> None:
-        """Step `step` begins: the clocks open."""
-        if not self.on:
+    def start(self, step: int, warmup: bool = False) -> None:
+        """Step `step` begins: the clocks open. Not for a `warmup` step, the first of a run (or a resumed
+        one): it does once what no later step does (the allocator's first blocks, the process groups'
+        first connections), seconds on some ranks and not on others, none of it a rank's pace."""
+        if not self.on or warmup:
             return
         for c in self._clocks():
             c.open, c.blocked = True, 0.0
