@@ -145,7 +145,8 @@ def measure_cpu_peak() -> float:
     """
     threads = torch.get_num_threads()
     if threads not in _cpu_peaks:
-        _cpu_peaks[threads] = _best_matmul_rate()
+        with torch.random.fork_rng(devices=[]):   # (its random matrices: not from the run's CPU generator, which
+            _cpu_peaks[threads] = _best_matmul_rate()   # a checkpoint saves; once drawn in a process's first run)
     return _cpu_peaks[threads]
 
 
