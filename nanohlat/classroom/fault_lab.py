@@ -95,6 +95,7 @@ def run(out: str, kills: int, gap: float, seed: int, extra: list[str], argv: lis
     env.pop(faults.ENV, None)
     print(f"fault lab: {kills} kill(s) of a random rank at random steps (gaps from an exponential of mean {gap:g} "
           f"steps, seed {seed}), --save-every {k}, {world} process(es), {steps} steps; runs in {out}", flush=True)
+    out = os.path.abspath(out)   # (train.py runs in the repository's root)
     ref_dir, bad_dir = os.path.join(out, "reference"), os.path.join(out, "faulted")
     _train(root, argv, ref_dir, env)
     restarts = kills + sum(1 for e in extra if not e.startswith("slow"))

@@ -111,6 +111,8 @@ EXERCISES = [
     Exercise("6b", "the process groups: every tp, dp and pp group of the mesh", "6"),
     Exercise("7a", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
     Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
+    Exercise("8b", "--async-save at a step's end: finish the save in flight, begin, snapshot, then hand the snapshot "
+                   "to a writer thread", "8"),
     Exercise("10a", "top-k routing: each token's k likeliest experts, their probabilities renormalised over the k; "
                     "per sequence the load-balancing loss E sum f_e P_e (f_e counts, no gradient) and the z-loss", "10"),
     Exercise("10b", "the sorted dispatch: sort the choices by expert, each expert's SwiGLU on its slice (swiglu_slices), "
@@ -131,7 +133,7 @@ FILES = {"nanohlat/model.py": "1a 1b", "nanohlat/serving/generate.py": "1c", "na
          "nanohlat/zero1.py": "3b 3c", "nanohlat/beyond/zero2.py": "3d", "nanohlat/beyond/zero3.py": "3e",
          "nanohlat/tensor_parallel.py": "4a 4b 4c", "nanohlat/pipeline.py": "5a 5b",
          "nanohlat/beyond/schedules.py": "5c", "nanohlat/mesh.py": "6a 6b", "nanohlat/precision.py": "7a",
-         "nanohlat/run/checkpoint/reshard.py": "8a", "nanohlat/beyond/moe.py": "10a 10b 10c",
+         "nanohlat/run/checkpoint/reshard.py": "8a", "nanohlat/run/checkpoint/background.py": "8b", "nanohlat/beyond/moe.py": "10a 10b 10c",
          "nanohlat/beyond/context_parallel.py": "11a 11b 11c"}
 
 

@@ -67,15 +67,13 @@ SOURCE = ("Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interrupti
 
 
 # ---------------------------------------------------------------------------
-# The formula (exercise 8b)
+# The formula
 # ---------------------------------------------------------------------------
 
 def optimal_interval(save_s: float, mtbf_s: float) -> float:
     """Young's interval: the seconds of training between two saves that lose the least time, for a
     save that stalls `save_s` seconds and a cluster failing every `mtbf_s` seconds on average."""
-    # exercise 8b: begin
     return math.sqrt(2 * save_s * mtbf_s)
-    # exercise 8b: end
 
 
 def lost_fraction(interval_s: float, save_s: float, mtbf_s: float, durable_after_s: float = 0.0) -> float:
@@ -210,7 +208,8 @@ def failures_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[st
     for dev in PLAN_DEVICES[tcfg.device]:
         p = interval_plan(cfg, tcfg, world, dev)
         rows.append([dev, f"{p['nodes']:,}", f"{p['mtbf'] / 3600:,.1f} h",
-                     f"{fmt_bytes(p['node_bytes'])} ({p['writers']} rank{'s' if p['writers'] > 1 else ''})", fmt_seconds(p["save"])]
+                     f"{fmt_bytes(p['node_bytes'])} ({p['writers']} rank{'s' if p['writers'] > 1 else ''})",
+                     fmt_seconds(p["save"])]
                     + ([fmt_seconds(p["stall"])] if tcfg.async_save else [])
                     + [fmt_seconds(p["step"]), f"{fmt_seconds(p['optimal_s'])} = {p['optimal_steps']:,} steps",
                        _pct(p["lost_chosen"]) if tcfg.save_every else "-", _pct(p["lost_optimal"])])

@@ -234,8 +234,8 @@ def background_line(saves: dict) -> str:
         return ""
     ms = lambda xs: f"{statistics.median(xs) * 1e3:.1f} ms" if xs else "-"   # noqa: E731
     waited = saves["waited_s"]
-    return (f"checkpoints: {n} saved in the background (--async-save): each stopped the steps for {ms(saves['stall_s'])} "
-            f"(median), its shard written in {ms(saves['write_s'])} beside them"
+    return (f"checkpoints: {n} saved in the background (--async-save): each stopped the steps for "
+            f"{ms(saves['stall_s'])} (median), its shard written in {ms(saves['write_s'])} beside them"
             + (f"; {len(waited)} waited for the one before, {sum(waited):.2f} s in all" if waited else "")
             + (f"; {saves['failed']} failed (said above)" if saves["failed"] else "")
             + (f"; the last step's, saved at the end: {ms(saves['sync_stall_s'])}" if saves["sync_stall_s"] else ""))

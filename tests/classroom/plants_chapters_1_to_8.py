@@ -1,6 +1,6 @@
 """The planted mistakes and correct rewrites of chapters 1 to 8's exercises (1a-1c the model's pieces,
 3a-3e data parallelism and ZeRO, 4a-4c tensor parallelism, 5a-5c the pipeline, 6a-6b the mesh,
-7a stochastic rounding, 8a resharding), which test_classroom_mistakes.py plants (Plant: plants.py)."""
+7a stochastic rounding, 8a resharding, 8b --async-save's order), which test_classroom_mistakes.py plants (Plant: plants.py)."""
 
 from __future__ import annotations
 
@@ -488,4 +488,39 @@ PLANTS = [
                   where = [slice(None)] * len(full_shape)
                   where[tp_dim] = slice(part * size, (part + 1) * size)
                   dst, cov = out[tuple(where)], covered[tuple(where)]""")),
+    # ---- 8b --async-save's order of operations ---------------------------------------------------------
+    wrong("8b", "takes the snapshot in the writer thread: the next step changes what it copies", "end of step 2",
+          body(0, """
+              if self.in_flight() is not None:
+                  self.wait_for_previous(step)
+              begin(out_dir, step, self.mesh, self.device)
+              threading.Thread(target=lambda: self.start_writer(snapshot(out_dir, step, **kwargs))).start()""")),
+    wrong("8b", "waits for its own writer: a synchronous save in a thread", "end of step 2",
+          sub("self.start_writer(snap)                    # a thread writes it; training goes on",
+              "self.start_writer(snap)\n            self.thread.join()")),
+    wrong("8b", "starts the writer before begin made the folder", "end of step 2",
+          body(0, """
+              if self.in_flight() is not None:
+                  self.wait_for_previous(step)
+              snap = snapshot(out_dir, step, **kwargs)
+              if snap is not None:
+                  self.start_writer(snap)
+              begin(out_dir, step, self.mesh, self.device)""")),
+    wrong("8b", "never finishes the save in flight: two at once, begin removing the first one's folder",
+          "while step 2's is still being written",
+          sub("""if self.in_flight() is not None:
+            self.wait_for_previous(step)               # written, gathered, published (every rank together)
+        """, "")),
+    wrong("8b", "finishes the save in flight but does not wait for rank 0 to publish it",
+          "while step 2's is still being written",
+          sub("self.wait_for_previous(step)               # written, gathered, published (every rank together)",
+              "self.finish()")),
+    right("8b", "the snapshot before begin (both on the step's thread, before the writer starts)",
+          body(0, """
+              if self.in_flight() is not None:
+                  self.wait_for_previous(step)
+              snap = snapshot(out_dir, step, **kwargs)
+              begin(out_dir, step, self.mesh, self.device)
+              if snap is not None:
+                  self.start_writer(snap)""")),
 ]

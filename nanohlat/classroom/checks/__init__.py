@@ -53,7 +53,7 @@ from nanohlat.classroom.checks.ch4_tensor_parallel import check_conjugates, chec
 from nanohlat.classroom.checks.ch5_pipeline import check_1f1b, check_exchange_plan, check_interleaved
 from nanohlat.classroom.checks.ch6_mesh import check_coords, check_groups
 from nanohlat.classroom.checks.ch7_precision import check_stochastic_rounding
-from nanohlat.classroom.checks.ch8_checkpoints import check_reshard
+from nanohlat.classroom.checks.ch8_checkpoints import check_background_save, check_reshard
 from nanohlat.classroom.checks.ch10_moe import check_dispatch, check_ep_groups, check_route
 from nanohlat.classroom.checks.ch11_context_parallel import check_merge, check_ring_backward, check_zigzag
 
@@ -93,6 +93,7 @@ CHECKS = {
     "6b": [check_groups],
     "7a": [check_stochastic_rounding],
     "8a": [check_reshard],
+    "8b": [check_background_save],
     "10a": [check_route],
     "10b": [check_dispatch],
     "10c": [check_ep_groups],

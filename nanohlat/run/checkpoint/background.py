@@ -73,28 +73,50 @@ class BackgroundSaver:
         """This rank's writer has a shard still to finish (the vote's number)."""
         return self.pending is not None and self.written is None
 
-    def save(self, out_dir: str, step: int, *args, **kwargs) -> None:
-        """Every rank, at the end of step `step`: wait for the save in flight, if any, then snapshot this
-        rank's shard and hand it to a writer thread. Arguments: saving.snapshot's."""
+    def save(self, out_dir: str, step: int, **kwargs) -> None:
+        """Every rank, at the end of step `step`: the save in flight, if any, finished first (one at a
+        time); then this rank's checkpoint folder and shard snapshot, handed to a writer thread; returns
+        while it writes. Keyword arguments: saving.snapshot's. What must come before what (exercise 8b):
+          * the save before is gathered and published before this one begins: begin removes the
+            `.tmp_` folders it finds, and two saves in flight would hold two snapshots in memory;
+          * the folder exists (begin) before a writer writes into it;
+          * the snapshot is taken here, on the main thread, before returning: the next step changes
+            the tensors it copies, and only the main thread may take part in a collective;
+          * the writer gets the snapshot and runs in its own thread: save returns without waiting."""
         t0 = time.perf_counter()
-        previous = self.pending.step if self.pending is not None else self.publishing_step()
-        if previous is not None:   # the save before is still being written (or published): it goes first
-            if not self.said_wait and self.say:
-                self.said_wait = True
-                self.say(f"note: the checkpoint of step {previous} is still being written at step {step}: "
-                         f"step {step}'s save waits for it (--async-save keeps one save in flight; its saves take "
-                         f"longer than --save-every's steps)", file=sys.stderr)
-            self.finish()
-            self._wait_publishing()
-            self.waited.append(time.perf_counter() - t0)
-        begin(out_dir, step, self.mesh, self.device)
-        snap = snapshot(out_dir, step, *args, **kwargs)
+        # exercise 8b: begin
+        if self.in_flight() is not None:
+            self.wait_for_previous(step)               # written, gathered, published (every rank together)
+        begin(out_dir, step, self.mesh, self.device)   # rank 0's .tmp_step_N, then a barrier
+        snap = snapshot(out_dir, step, **kwargs)       # this rank's shard, copied to host memory
         if snap is not None:
-            self.pending, self.written = snap, None
-            self.thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
-                                           name=f"checkpoint-writer-{step}")
-            self.thread.start()
+            self.start_writer(snap)                    # a thread writes it; training goes on
+        # exercise 8b: end
         self.stalls.append(time.perf_counter() - t0)
+
+    def in_flight(self) -> int | None:
+        """The step of the save before, while it is still being written, gathered or published (else None)."""
+        return self.pending.step if self.pending is not None else self.publishing_step()
+
+    def wait_for_previous(self, step: int) -> None:
+        """Step `step`'s save waits for the one in flight (said once): its shard written, every rank's
+        gathered (a collective), rank 0's publishing done."""
+        t0, previous = time.perf_counter(), self.in_flight()
+        if not self.said_wait and self.say:
+            self.said_wait = True
+            self.say(f"note: the checkpoint of step {previous} is still being written at step {step}: "
+                     f"step {step}'s save waits for it (--async-save keeps one save in flight; its saves take "
+                     f"longer than --save-every's steps)", file=sys.stderr)
+        self.finish()
+        self._wait_publishing()
+        self.waited.append(time.perf_counter() - t0)
+
+    def start_writer(self, snap: Snapshot) -> None:
+        """A thread that writes `snap`'s shard (saving.write_shard); `pending` until every rank's is gathered."""
+        self.pending, self.written = snap, None
+        self.thread = threading.Thread(target=self._write, args=(snap,), daemon=True,
+                                       name=f"checkpoint-writer-{snap.step}")
+        self.thread.start()
 
     def _write(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
