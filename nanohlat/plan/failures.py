@@ -62,8 +62,8 @@ from nanohlat.plan.step_time import estimate_step
 HOST_COPY_GB_S = 10.0
 # --save-every auto on a run: the device of the plan whose step time and node size it uses
 RUN_DEVICE = {"cpu": "cpu", "cuda": "H100", "xla": "NeuronCore-v2"}
-SOURCE = ("Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 2,048 "
-          "nodes of 8 H100s")
+SOURCE = ("Llama 3's: 419 unexpected interruptions in 54 days on 2,048 nodes of 8 H100s, Dubey et al. 2024, "
+          "section 3.3.4")
 
 
 # ---------------------------------------------------------------------------
@@ -200,8 +200,8 @@ def failures_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[st
              f"written once; rank 0 writes {fmt_bytes(rank_bytes(cfg, tcfg, world, 0))} (dp rank 0's ranks write the "
              f"weights; {who})",
              f"  one node fails every {tcfg.mtbf_hours:,.0f} h on average (--mtbf-hours"
-             + (f"; {SOURCE})" if tcfg.mtbf_hours == MTBF_HOURS_PER_NODE else ")")
-             + f"; a node writes at {tcfg.storage_gb_s:g} GB/s (--storage-gb-s)"]
+             + (f"; the default is {SOURCE}" if tcfg.mtbf_hours == MTBF_HOURS_PER_NODE else "")
+             + f"); a node writes at {tcfg.storage_gb_s:g} GB/s (--storage-gb-s)"]
     rows = []
     chosen = "auto" if tcfg.save_every == SAVE_EVERY_AUTO else f"{tcfg.save_every:,}"
     stall = "stall (snapshot)" if tcfg.async_save else "save"
@@ -224,7 +224,8 @@ def failures_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[st
               + "; restarts cost the same at any interval and are not counted"]
     if tcfg.async_save:
         lines.append(f"  --async-save: each rank holds its shard in host memory while it is written, at most "
-                     f"{fmt_bytes(snapshot_bytes(cfg, tcfg, world))} (rank 0's); its snapshot is a copy at "
+                     f"{fmt_bytes(snapshot_bytes(cfg, tcfg, world))} (rank 0's; a node, its ranks' shards: the node "
+                     f"writing most holds the column's bytes); its snapshot is a copy at "
                      f"{HOST_COPY_GB_S:g} GB/s (an ASSUMPTION: PCIe); the interval is at least one save "
                      f"(one save in flight at a time)")
     else:

@@ -25,7 +25,8 @@ PyTorch's agent as SIGTERM: after a SIGINT, a SIGTERM is that second press.
 Agreeing on the step: ranks receive the signal at slightly different times,
 and a rank that stopped one step before the others would leave them waiting
 in a collective. So the flag is summed over the world group once per step
-(the session's vote, run/session.py:Session.vote_to_stop): one 4-byte all-reduce, ~0.1 ms on gloo, negligible next
+(the session's vote, run/session.py:Session.vote): one all-reduce of 2 numbers (the other: whether a
+--async-save writer is still writing), ~0.1 ms on gloo, negligible next
 to a step. On CUDA the loop synchronises every step anyway. On XLA reading a
 device value stalls the host until the device catches up, so there the vote
 is taken every XLA_CHECK_EVERY steps only.

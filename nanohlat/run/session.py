@@ -62,7 +62,6 @@ class Session:
         self.stragglers = stragglers.Stragglers(mesh, tcfg, dev, runner, self.log.print)
         mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
         preempt.training_begins()   # a signal from here: finish the step, save (before it: end at once, startup.py)
-        self.stragglers.start(self.start_step + 1, warmup=True)   # (--straggler-every: not the first step)
 
     def end_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, finite: torch.Tensor, lr: float) -> bool:
         """After the optimizer step of step `step` (counted from 1). True: the run stops here."""

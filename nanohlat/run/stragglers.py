@@ -120,11 +120,11 @@ class Stragglers:
     def _clocks(self):
         return [g.trace for g in self.mesh.groups.values() if isinstance(g.trace, WaitClock)] + [self.clock]
 
-    def start(self, step: int, warmup: bool = False) -> None:
-        """Step `step` begins: the clocks open. Not for a `warmup` step, the first of a run (or a resumed
-        one): it does once what no later step does (the allocator's first blocks, the process groups'
-        first connections), seconds on some ranks and not on others, none of it a rank's pace."""
-        if not self.on or warmup:
+    def start(self, step: int) -> None:
+        """Step `step` begins: the clocks open (Session.end_step calls it for the next step; the first step
+        of a run, or of a resumed one, is never timed: it does once what no later step does, the allocator's
+        first blocks, the process groups' first connections, seconds on some ranks, none of it a rank's pace)."""
+        if not self.on:
             return
         for c in self._clocks():
             c.open, c.blocked = True, 0.0

@@ -103,6 +103,7 @@ MEASURED = [
     re.compile(r"done in (?P<m>[\d.]+s)"),                  # eval.py: time per checkpoint
     re.compile(r" passed in (?P<m>[\d.]+s.*)"),             # pytest: wall time
     re.compile(r"^warning: (?P<m>\d+ process\(es\) x \d+ thread\(s\) share \d+) CPU core"),   # this machine's cores
+    re.compile(r"^checkpoints: \d+ saved in the background \(--async-save\): (?P<m>.*)$"),   # how long each took
 ]
 # The built-in corpus is the running Python's standard library, so losses
 # depend on the Python version. tutorial.md names the version its figures were

@@ -78,7 +78,7 @@ def check_reshard() -> str | None:
 # ---------------------------------------------------------------------------
 
 class _Saves:
-    """Stand-ins for the save protocol's steps (saving.py) that BackgroundSaver calls by name: each
+    """Stand-ins for the save protocol's steps (run/checkpoint/saving.py) that BackgroundSaver calls by name: each
     records (what, step, thread) in `log`; a shard's write waits until the check releases it (at
     most WAIT_S), a publish takes PUBLISH_S, so that what waits for what shows."""
 

@@ -23,7 +23,8 @@ What a checkpoint holds, and why that is enough to resume bit-for-bit:
   * the count of non-finite steps in a row (--max-bad-steps carries over).
 
 One idea a module: history.py (which checkpoints a run has, its head, where
-a run starts from), saving.py (the save protocol), optimizer_state.py (the
+a run starts from), saving.py (the save protocol), background.py (the same
+protocol written by a thread beside the steps: --async-save), optimizer_state.py (the
 optimizer's state out of its flat buffers and back), manifest.py (trusting a
 checkpoint before loading it), reshard.py (loading into any layout),
 io_errors.py (a failed write as one line). The names callers outside use

@@ -51,6 +51,9 @@ import sys
 import threading
 import time
 
+import torch
+
+from nanohlat.config import UserError
 from nanohlat.run.checkpoint.saving import Snapshot, _abandon, begin, gather_shards, publish, snapshot, write_shard
 
 
@@ -65,6 +68,7 @@ class BackgroundSaver:
         self.written: tuple | None = None            # (digest, failure) of the pending snapshot's shard
         self.publishing: threading.Thread | None = None
         self.publishing_of = 0                          # its step
+        self.publish_error: BaseException | None = None  # a bug in it, raised on the main thread
         self.published: tuple[int, str] | None = None   # (step, path) of the newest checkpoint it published
         self.stalls, self.writes, self.waited, self.failed = [], [], [], 0
         self.said_wait = False
@@ -120,7 +124,10 @@ class BackgroundSaver:
 
     def _write(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
-        self.written = write_shard(snap)
+        try:
+            self.written = write_shard(snap)
+        except BaseException as e:   # a bug, not an I/O error (write_shard says those): raised on the main thread
+            self.written = (torch.zeros(4, dtype=torch.int64), e)
         self.writes.append(time.perf_counter() - t0)
 
     def finish(self) -> None:
@@ -138,6 +145,8 @@ class BackgroundSaver:
         if failed:
             self.failed += 1
             _abandon(snap.tmp, self.mesh)
+            if failure is not None and not isinstance(failure, UserError):
+                raise failure   # (the writer's bug, here where a traceback reaches the launcher)
             if snap.rank == failed[0]:
                 self._warn(snap, failure)
             return
@@ -148,7 +157,12 @@ class BackgroundSaver:
             self.publishing.start()
 
     def _publish(self, snap: Snapshot, rows) -> None:
-        failure = publish(snap, rows)
+        try:
+            failure = publish(snap, rows)
+        except BaseException as e:   # a bug, not an I/O error: raised on the main thread (_wait_publishing)
+            self.publish_error, failure = e, None
+            _abandon(snap.tmp, self.mesh)
+            return
         if failure is None:
             self.published = (snap.step, snap.final)
         else:
@@ -170,6 +184,9 @@ class BackgroundSaver:
         if self.publishing is not None:
             self.publishing.join()
             self.publishing = None
+        if self.publish_error is not None:
+            error, self.publish_error = self.publish_error, None
+            raise error
 
     def drain(self) -> tuple[int, str] | None:
         """Every rank together: the save in flight written, gathered and published (the run's end, a
