@@ -1,6 +1,6 @@
 """How long a checkpoint stops training, with and without --async-save (docs/design.md 9).
 
-    python scripts/async_save_bench.py [--preset tiny] [--steps 20] [--rounds 5] [--threads 1]
+    python scripts/async_save_bench.py [--preset tiny] [--steps 20] [--every 2] [--rounds 5] [--threads 1] [train.py flags]
 
 Trains the same run in this process three ways, in interleaved rounds (the
 order turned each round): saving every 2 steps synchronously, the same with
@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,9 +53,9 @@ def main() -> int:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args, extra = p.parse_known_args()   # (the rest: train.py's flags, e.g. a larger --d-model)
     base = ["--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0", "--no-progress",
-            "--threads", str(args.threads), "--keep-last", "2"]
+            "--threads", str(args.threads), "--keep-last", "2", *extra]
     ways = {"sync": ["--save-every", str(args.every)], "async": ["--save-every", str(args.every), "--async-save"],
             "end only": []}
     stalls = {"sync": [], "async": []}
@@ -73,7 +74,7 @@ def main() -> int:
             elif way == "async":
                 stalls["async"] += saves["stall_s"]
     n = (args.steps - 1) // args.every   # periodic saves a run (the last step's is the run's end)
-    print(f"{args.preset}, {args.steps} steps, a save every {args.every} ({n} periodic + the last), "
+    print(f"{' '.join([args.preset, *extra])}, {args.steps} steps, a save every {args.every} ({n} periodic + the last), "
           f"{args.threads} thread(s), {args.rounds} interleaved rounds; ms, median (min-max)")
     print(f"  stall per periodic save: sync {spread(stalls['sync'])}, --async-save {spread(stalls['async'])}; "
           f"ratio sync / async {statistics.median(stalls['sync']) / statistics.median(stalls['async']):.1f}x")
@@ -83,6 +84,7 @@ def main() -> int:
         print(f"  {way}: run {spread(walls[way], 1)} s; wall time a periodic save added to the run "
               f"(its run less the median end-only run, / {n}): {spread(per)} ms")
     print(f"  end-only run {spread(walls['end only'], 1)} s; losses of all {3 * args.rounds} runs: the same, bit for bit")
+    shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

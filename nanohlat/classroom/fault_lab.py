@@ -42,13 +42,13 @@ from nanohlat.config import UserError
 
 
 def kill_plan(kills: int, gap: float, seed: int, world: int) -> list[tuple[int, int]]:
-    """(rank, step) of each kill: steps 1 + the sum of exponential gaps of mean `gap` (at least one step
-    apart, so each restarted attempt gets past the kill before it), ranks drawn from the world."""
-    rng, step, plan = random.Random(seed), 0, []
+    """(rank, step) of each kill: the steps first, sums of exponential gaps of mean `gap` (at least one step
+    apart, so each restarted attempt gets past the kill before it), the same for any world; then the ranks."""
+    rng, step, steps = random.Random(seed), 0, []
     for _ in range(kills):
         step += max(1, math.ceil(rng.expovariate(1 / gap)))
-        plan.append((rng.randrange(world), step))
-    return plan
+        steps.append(step)
+    return [(rng.randrange(world), s) for s in steps]
 
 
 def expected(k: int, kills: int) -> tuple[float, float]:
