@@ -154,6 +154,8 @@ FEATURE_FLAGS = {
     "cp_attention": (lambda m, t: t.cp > 1, "--cp N (N >= 2)", "it chooses how attention crosses the cp ranks"),
     "sp_regather": (lambda m, t: t.sequence_parallel, "--sequence-parallel", "it says what SP keeps for backward"),
     "search": (lambda m, t: t.plan, "--plan", "it ranks the layouts in the plan; without --plan train.py trains"),
+    "straggler_factor": (lambda m, t: t.straggler_every > 0, "--straggler-every N (N >= 1)",
+                         "it is the straggler watch's threshold, and --straggler-every 0 turns the watch off"),
 }
 
 

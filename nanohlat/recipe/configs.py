@@ -56,6 +56,11 @@ HIGHEST = {
     # outweighs any of them (1e39 overflowed fp32 at the first step: every bias NaN, routing collapsed)
     "moe_bias_rate": (1.0, "a bias's move per step beside router probabilities in [0, 1]: 1 already outweighs "
                            "any of them (DeepSeek-V3: 1e-3)"),
+    # failures at scale (plan/failures.py, run/stragglers.py): past these the figures they make mean nothing
+    "mtbf_hours": (1e9, "a node failing once in 100,000 years never fails in a run: the interval outgrows any run"),
+    "storage_gb_s": (1e9, "an exabyte a second, past any storage: a save then takes no time"),
+    "straggler_factor": (1e6, "a rank a million times slower than the others has stopped: --collective-timeout's "
+                              "to end"),
 }
 SAVE_EVERY_AUTO = -1    # --save-every auto, until the pre-flight makes it Young/Daly's interval (plan/failures.py)
 # One node's mean time between failures, from the Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd of
@@ -226,9 +231,9 @@ class TrainConfig(RunConfig):
         _highest(self)   # (each against its largest value, HIGHEST)
         _finite_in("rendezvous_timeout", self.rendezvous_timeout, 0, math.inf, "> 0 seconds", low_open=True)
         _finite_in("collective_timeout", self.collective_timeout, 0, math.inf, "> 0 seconds", low_open=True)
-        _finite_in("mtbf_hours", self.mtbf_hours, 0, 1e9, "> 0 hours (at most 1e9)", low_open=True)
-        _finite_in("storage_gb_s", self.storage_gb_s, 0, 1e9, "> 0 GB/s (at most 1e9)", low_open=True)
-        _finite_in("straggler_factor", self.straggler_factor, 1, 1e9, "> 1 (at most 1e9)", low_open=True)
+        _finite_in("mtbf_hours", self.mtbf_hours, 0, math.inf, "> 0 hours", low_open=True)
+        _finite_in("storage_gb_s", self.storage_gb_s, 0, math.inf, "> 0 GB/s", low_open=True)
+        _finite_in("straggler_factor", self.straggler_factor, 1, math.inf, "> 1", low_open=True)
         if self.virtual_stages < 1:
             raise UserError(f"--virtual-stages must be positive, got {self.virtual_stages}")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
