@@ -16,8 +16,9 @@ blocks round a ring (nothing in the core calls them):
 
 `start_all_reduce` and `start_reduce_scatter` are the first and third, started
 and not waited for: the overlapped gradient reduction (data_parallel.py). A group's
-`trace` (--timeline: tools/comm_trace.py:CommTrace) is told when these two, all_reduce,
-reduce_scatter, all_gather, all_to_all and start_ring_shift are issued and end, with the caller's
+`trace` (--timeline: tools/comm_trace.py:CommTrace; the straggler watch's
+run/stragglers.py:WaitClock) is told when these two, all_reduce, reduce_scatter, all_gather,
+all_to_all, start_ring_shift and exchange are issued and end, with the caller's
 `what` (what the collective is: 'loss', 'grad norm', (flat gradient buffer, k), its bucket k):
 it names and times them and changes nothing.
 
@@ -227,11 +228,14 @@ def exchange(x: torch.Tensor, pair, sends: bool = True, receives: bool = True) -
     _check_device(x, pair)
     x = x.contiguous()
     out = torch.empty((2,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    size = x.numel() * x.element_size()
     if pair.ledger is not None:
-        size = x.numel() * x.element_size()
         pair.ledger.record(f"{pair.name}.exchange", payload=size * (sends + receives), wire=size * sends,
                            padding=size * (not sends))
+    traced = _issued(pair, "exchange", x, size * (sends + receives), None)
     _all_gather_tensor(out, x.unsqueeze(0), group=pair.pg)
+    if traced:
+        traced.ended()
     return out[1 - pair.rank]
 
 

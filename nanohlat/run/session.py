@@ -59,7 +59,7 @@ class Session:
         self.restarts.opened(self.log)
         self.saver = BackgroundSaver(mesh, dev, self.log.print) if tcfg.async_save else None
         self.stalls: list[float] = []   # the seconds each synchronous save stopped the steps
-        self.stragglers = stragglers.Stragglers(mesh, tcfg, dev, runner, self.log.print)
+        self.stragglers = stragglers.Stragglers(mesh, tcfg, dev, self.log.print)
         mesh.ledger.reset()   # from here the comm ledger counts the first step's traffic (end_step reports it)
         preempt.training_begins()   # a signal from here: finish the step, save (before it: end at once, startup.py)
 

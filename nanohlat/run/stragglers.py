@@ -14,8 +14,8 @@ step of a run, which warms up, is not timed), minus the
 seconds its host was blocked in a collective. A `WaitClock` on each of the
 mesh's process groups (comm.py's `trace` seam, which --timeline's CommTrace
 uses too: it is kept, and told everything as before) times every blocking
-collective and every wait() on a started one; the pipeline's exchanges are
-timed around the runner's `_exchange` (a seam method). Every
+collective, the pipeline's exchanges included, and every wait() on a started
+one. Every
 --straggler-every steps one all-gather of one number per rank (its mean own
 time over those steps; through comm.py, in the comm ledger as world.all_gather)
 gives every rank every rank's figure, and rank 0 names each rank whose own
@@ -95,7 +95,7 @@ class Stragglers:
     """One rank's watch (module docstring): `start` and `stop` bracket a step's own work, `check` every
     --straggler-every steps gathers and names. `found`: rank 0's findings, for the summary."""
 
-    def __init__(self, mesh, tcfg, dev, runner, say=print):
+    def __init__(self, mesh, tcfg, dev, say=print):
         self.mesh, self.tcfg, self.say = mesh, tcfg, say
         self.every, self.factor = tcfg.straggler_every, tcfg.straggler_factor
         self.on = self.every > 0 and mesh.world > 1 and dev.kind == "cpu"
@@ -103,22 +103,12 @@ class Stragglers:
         self.own, self.steps, self.first, self.t0 = 0.0, 0, None, None
         if not self.on:
             return
-        self.clock = WaitClock()
         for group in {id(g): g for g in mesh.groups.values()}.values():   # every group this rank is in
             group.trace = WaitClock(group.trace)
-        exchange = runner._exchange
 
-        def timed_exchange(*args, **kwargs):   # the pipeline's exchanges: blocking all-gathers of a pair
-            t0 = time.perf_counter()
-            try:
-                return exchange(*args, **kwargs)
-            finally:
-                if self.t0 is not None:
-                    self.clock.blocked += time.perf_counter() - t0
-        runner._exchange = timed_exchange
-
-    def _clocks(self):
-        return [g.trace for g in self.mesh.groups.values() if isinstance(g.trace, WaitClock)] + [self.clock]
+    def _clocks(self) -> list[WaitClock]:
+        clocks = {id(g.trace): g.trace for g in self.mesh.groups.values() if isinstance(g.trace, WaitClock)}
+        return list(clocks.values())
 
     def start(self, step: int) -> None:
         """Step `step` begins: the clocks open (Session.end_step calls it for the next step; the first step
@@ -136,7 +126,7 @@ class Stragglers:
         if not self.on or self.t0 is None:
             return
         wall = time.perf_counter() - self.t0
-        blocked = sum(c.blocked for c in {id(c): c for c in self._clocks()}.values())
+        blocked = sum(c.blocked for c in self._clocks())
         for c in self._clocks():
             c.open = False
         self.own += max(0.0, wall - blocked)
