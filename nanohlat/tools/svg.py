@@ -219,3 +219,63 @@ def grid(cells: list[list[tuple[str, int | None]]], row_labels: list[str], col_l
             svg.text(left + cell * (j + 0.5), top + cell * (i + 0.5) + 4, text, size=10, anchor="middle",
                      fill="#222" if kind is None else "#fff")
     return str(svg)
+
+
+def grouped_bars(groups: list[tuple[str, list[tuple[str, float]]]], unit: str, width: float = 560,
+                 title: str = "") -> str:
+    """Horizontal bars side by side in groups, one group per (label, [(series, value), ...]): each
+    series a thin bar of its own colour, all measured from 0 on one axis (counts of two kinds
+    beside each other, a plan's figure beside a measured one), each bar's value written after it."""
+    names = list(dict.fromkeys(n for _, bars in groups for n, _ in bars))
+    left, right, top, bar, gap = 150, 50, 24 if title else 8, 12, 8
+    rows = sum(len(bars) for _, bars in groups)
+    base = top + rows * bar + gap * len(groups)
+    height = base + 34 + 14 * ((len(names) + 2) // 3)
+    svg = Svg(width, height, title)
+    if title:
+        svg.text(width / 2, 15, title, size=12, anchor="middle", bold=True)
+    most = max([v for _, bars in groups for _, v in bars] + [1e-30])
+    pw = width - left - right
+    sx = lambda v: v / most * pw                            # noqa: E731
+    y = top
+    for label, bars in groups:
+        svg.text(left - 6, y + bar * len(bars) / 2 + 4, label, size=10, anchor="end")
+        for name, v in bars:
+            svg.rect(left, y + 1, sx(v), bar - 2, colour(names.index(name)), tip=f"{name}: {short(v)} {unit}")
+            svg.text(left + sx(v) + 3, y + bar - 2, short(v), size=9)
+            y += bar
+        y += gap
+    for t in ticks(0, most):
+        svg.line(left + sx(t), base, left + sx(t), base + 4)
+        svg.text(left + sx(t), base + 15, short(t), size=10, anchor="middle")
+    svg.line(left, base, left + pw, base)
+    svg.line(left, top, left, base)
+    svg.text(left + pw / 2, base + 28, unit, size=10, anchor="middle")
+    for i, name in enumerate(names):
+        x, yy = left + (i % 3) * pw / 3, base + 40 + 14 * (i // 3)
+        svg.rect(x, yy - 9, 10, 10, colour(i))
+        svg.text(x + 14, yy, name, size=10)
+    return str(svg)
+
+
+def _size(text: str) -> tuple[float, float]:
+    """(width, height) of an <svg> element made by this module."""
+    head = text[:text.index(">")]
+    return tuple(float(head.split(f' {k}="')[1].split('"')[0]) for k in ("width", "height"))
+
+
+def panels(parts: list[str], columns: int = 1, title: str = "", gap: float = 10) -> str:
+    """Several figures of this module as one: each `<svg>` placed in a grid of `columns`, row by
+    row (a nested <svg> keeps its own coordinates), under an optional title."""
+    sizes = [_size(p) for p in parts]
+    col_w = [max([w for k, (w, _) in enumerate(sizes) if k % columns == c] + [0]) for c in range(columns)]
+    row_h = [max(h for _, h in sizes[r:r + columns]) for r in range(0, len(parts), columns)]
+    top = 22 if title else 0
+    svg = Svg(sum(col_w) + gap * (columns - 1), top + sum(row_h) + gap * max(len(row_h) - 1, 0), title)
+    if title:
+        svg.text(svg.width / 2, 15, title, size=13, anchor="middle", bold=True)
+    for k, part in enumerate(parts):
+        r, c = divmod(k, columns)
+        x, y = sum(col_w[:c]) + gap * c, top + sum(row_h[:r]) + gap * r
+        svg.parts.append(f'<svg x="{_num(x)}" y="{_num(y)}"' + part[len("<svg"):])
+    return str(svg)

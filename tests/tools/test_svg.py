@@ -56,3 +56,24 @@ def test_grid_colours_only_the_cells_with_a_kind():
     root = parse(svg.grid([[("r0", 0), ("", None)]], ["row"], ["a", "b"]))
     fills = [r.get("fill") for r in root.findall(NS + "rect")]
     assert fills == [svg.colour(0), "#fff"]
+
+
+def test_grouped_bars_are_measured_from_zero_on_one_axis():
+    root = parse(svg.grouped_bars([("a", [("plan", 10.0), ("measured", 5.0)]), ("b", [("plan", 20.0)])], "bytes"))
+    rects = [r for r in root.findall(NS + "rect") if r.find(NS + "title") is not None]
+    assert [r.find(NS + "title").text for r in rects] == ["plan: 10 bytes", "measured: 5 bytes", "plan: 20 bytes"]
+    widths = [float(r.get("width")) for r in rects]
+    assert math.isclose(widths[0], 2 * widths[1], rel_tol=1e-3) and math.isclose(widths[2], 2 * widths[0], rel_tol=1e-3)
+    assert len({r.get("x") for r in rects}) == 1                       # every bar starts at the axis
+    assert rects[0].get("fill") == rects[2].get("fill") != rects[1].get("fill")   # a series keeps its colour
+
+
+def test_panels_place_each_figure_in_its_cell():
+    a = svg.grid([[("0", 0)]], ["r"], ["c"])
+    b = svg.grid([[("1", 1), ("2", 2)]], ["r"], ["c", "d"])
+    root = parse(svg.panels([a, b, a], columns=2, title="three"))
+    inner = root.findall(NS + "svg")
+    assert [(float(s.get("x")), float(s.get("y"))) for s in inner] == [
+        (0, 22), (float(parse(a).get("width")) + 10, 22), (0, 22 + float(parse(b).get("height")) + 10)]
+    assert float(root.get("width")) == float(parse(a).get("width")) + 10 + float(parse(b).get("width"))
+    assert [t.text for t in inner[1].iter(NS + "text") if t.text in ("1", "2")] == ["1", "2"]
