@@ -137,7 +137,8 @@ def test_every_command_ends_through_the_one_error_tail():
     from nanohlat.serving import hf, server
     from nanohlat.system import cli
     from nanohlat.classroom import compile_lessons
-    mains = {"run/preflight.py (train.py)": preflight.main, "sample.py": sample.main, "eval.py": eval_py.main,
+    from nanohlat.figures import __main__ as figures
+    mains = {"figures/__main__.py": figures.main, "run/preflight.py (train.py)": preflight.main, "sample.py": sample.main, "eval.py": eval_py.main,
              "bench/bench.py": bench.main, "serving/server.py": server.main, "serving/hf.py": hf.main,
              "classroom/kit.py": kit.main, "classroom/compile_lessons.py": compile_lessons.main}
     try:

@@ -55,7 +55,7 @@ FLOORS = (
     ("run", ("run",)),
     ("serving", ("serving",)),
     ("classroom", ("classroom",)),
-    ("commands", ("bench", "hf", "harness")),
+    ("commands", ("bench", "figures", "hf", "harness")),
 )
 SCRIPTS = ("train.py", "sample.py", "eval.py")   # the commands outside nanohlat/
 
