@@ -28,8 +28,9 @@ class Figure:
     chapter: int
     data: object          # () -> the numbers drawn (a JSON-able dict)
     svg: object           # (numbers) -> the SVG text
-    trained: bool = False  # drawn from a training run: its numbers agree across machines within TOLERANCE
+    trained: bool = False  # drawn from a training run's floats: they agree across machines within TOLERANCE
     caption: str = ""
+    slow: bool = False     # it starts processes that train (the test marks it slow)
 
 
 FIGURES = {
@@ -41,6 +42,8 @@ FIGURES = {
                          caption="what a rank keeps between steps at ZeRO 0 to 3, from the plan"),
     "tp_block": Figure(4, structure.tp_block_data, structure.tp_block_svg,
                        caption="a block's weights at tp 2, the slice each rank holds, and its f and g"),
+    "ledger": Figure(4, runs.ledger_data, runs.ledger_svg, slow=True,
+                     caption="tp 2 with SP: the first step's comm ledger against the plan, per collective"),
     **{f"pipeline_{s.replace('-', '_')}": Figure(5, partial(structure.schedule_data, s, v=2 if s == "interleaved"
                                                            else 1), structure.schedule_svg,
                                                  caption=f"{s}'s timetable as the runner runs it, and ideal")
@@ -53,11 +56,11 @@ FIGURES = {
                       caption="a checkpoint saved at tp 2 x pp 2, loaded at tp 4: who reads what"),
     "serving_slots": Figure(9, runs.serving_slots_data, runs.serving_slots_svg,
                             caption="continuous batching's slots over model passes"),
-    "moe_load": Figure(10, runs.moe_load_data, runs.moe_load_svg, trained=True,
+    "moe_load": Figure(10, runs.moe_load_data, runs.moe_load_svg, trained=True, slow=True,
                        caption="the experts' load over 20 steps: no balancing, the balance loss, the bias"),
     "cp_pairs": Figure(11, structure.cp_pairs_data, structure.cp_pairs_svg,
                        caption="the zigzag chunks and each rank's (query chunk, key chunk) pairs"),
-    "lab_compare": Figure(12, runs.lab_compare_data, runs.lab_compare_svg, trained=True,
+    "lab_compare": Figure(12, runs.lab_compare_data, runs.lab_compare_svg, trained=True, slow=True,
                           caption="compare: one process, dp 2, and dp 2 with bug 0"),
 }
 

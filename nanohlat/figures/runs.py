@@ -9,6 +9,8 @@ their numbers agree across machines only to a tolerance, which the test states (
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanohlat.tools import svg
@@ -108,9 +110,13 @@ def serving_slots_data(n: int = 12, slots: int = 4) -> dict:
     init_weights(model, tcfg.seed)
     model.eval()
     reqs = server.arrival_stream(n, 0.4, cfg.vocab_size, seed=1, prompt_len=(4, 12), new_tokens=(3, 18))
-    clock = Passes()
-    with torch.no_grad():
-        stats = server.serve_continuous(model, reqs, slots, clock)
+    clock, threads = Passes(), torch.get_num_threads()
+    torch.set_num_threads(1)   # matmuls of a few rows: threads only wait for each other (on a busy machine, long)
+    try:
+        with torch.no_grad():
+            stats = server.serve_continuous(model, reqs, slots, clock)
+    finally:
+        torch.set_num_threads(threads)
     by_id = {r.id: r for r in reqs}
     return {"slots": slots, "passes": clock.now, "tokens": stats["tokens"],
             "requests": [{"id": i, "slot": s, "arrival": round(by_id[i].arrival, 6), "admitted": t,
@@ -136,9 +142,10 @@ def serving_slots_svg(data: dict) -> str:
 # Training runs: the lab's workers run them (classroom/lab_workers.py)
 # ---------------------------------------------------------------------------
 
-def _train(jobs: dict) -> dict:
-    """{key: the run's step rows (lab.read_steps)} for {key: (train.py flags, processes, {file: text})},
-    each run by the debugging lab's workers (one-process runs two at a time), in a scratch folder."""
+def _train(jobs: dict, read=None) -> dict:
+    """{key: read(the run's out-dir)} (default: its step rows, lab.read_steps) for {key: (train.py flags,
+    processes, {file: text})}, each run by the debugging lab's workers (one-process runs two at a
+    time) in a scratch folder, which is gone afterwards."""
     from nanohlat.classroom import lab, lab_workers
     from nanohlat.config import UserError
     with lab_workers.Pools() as pools:
@@ -148,8 +155,47 @@ def _train(jobs: dict) -> dict:
         for k, result in done.items():
             if "error" in result:
                 raise UserError(f"the figure's run {k} failed: {result['error']}")
-            out[k] = lab.read_steps(result["out"])
+            out[k] = (read or lab.read_steps)(result["out"])
     return out
+
+
+LEDGER_FLAGS = ["--preset", "tiny", "--steps", "1", "--eval-every", "0", "--no-progress", "--threads", "1",
+                "--nproc", "2", "--tp", "2", "--sequence-parallel"]
+
+
+def ledger_data() -> dict:
+    """Chapter 4's second run (tp 2, sequence parallel), one step: what its comm ledger counted on rank
+    0 in the first step, per collective (summary.json, run/trainlog.py:comm_summary), beside what the
+    plan predicts for that rank (plan/communication.py:comm_per_step)."""
+    import dataclasses
+    import json
+
+    from nanohlat import recipe
+    from nanohlat.mesh import Mesh
+    from nanohlat.plan.communication import comm_per_step
+
+    def read(out):
+        with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+            return json.load(f)
+
+    summary = _train({"tp 2, sp": (LEDGER_FLAGS, 2, {})}, read)["tp 2, sp"]
+    cfg, tcfg = recipe.parse_args(LEDGER_FLAGS)
+    tcfg = dataclasses.replace(tcfg, dp=tcfg.nproc // (tcfg.tp * tcfg.pp), device="cpu")   # as pre-flight settles them
+    plan = comm_per_step(cfg, tcfg, Mesh(tcfg.tp, tcfg.pp, tcfg.dp, 0))
+    keys = sorted(set(plan) | set(summary["comm_bytes"]))
+    return {"flags": " ".join(LEDGER_FLAGS[:2] + LEDGER_FLAGS[-5:]), "collectives": {
+        k: {"ledger": {f: summary[name].get(k, 0) for f, name in (("payload", "comm_bytes"),
+                                                                  ("wire", "comm_wire_bytes"), ("calls", "comm_calls"))},
+            "plan": {f: plan.get(k, {}).get(f, 0) for f in ("payload", "wire", "calls")}} for k in keys}}
+
+
+def ledger_svg(data: dict) -> str:
+    same = sum(c["ledger"] == c["plan"] for c in data["collectives"].values())
+    return svg.grouped_bars([(f"{k} ({c['ledger']['calls']} calls)",
+                              [(f"{who} {f}", c[who][f]) for f in ("payload", "wire") for who in ("ledger", "plan")])
+                             for k, c in data["collectives"].items()], "bytes in the first step, rank 0", width=600,
+                            title=f"{data['flags']}: the ledger against the plan, {same} of "
+                                  f"{len(data['collectives'])} collectives the same")
 
 
 MOE_STEPS = 20
