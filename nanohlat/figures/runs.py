@@ -183,10 +183,10 @@ def ledger_data() -> dict:
     tcfg = dataclasses.replace(tcfg, dp=tcfg.nproc // (tcfg.tp * tcfg.pp), device="cpu")   # as pre-flight settles them
     plan = comm_per_step(cfg, tcfg, Mesh(tcfg.tp, tcfg.pp, tcfg.dp, 0))
     keys = sorted(set(plan) | set(summary["comm_bytes"]))
+    names = {"payload": "comm_bytes", "wire": "comm_wire_bytes", "calls": "comm_calls"}
     return {"flags": " ".join(LEDGER_FLAGS[:2] + LEDGER_FLAGS[-5:]), "collectives": {
-        k: {"ledger": {f: summary[name].get(k, 0) for f, name in (("payload", "comm_bytes"),
-                                                                  ("wire", "comm_wire_bytes"), ("calls", "comm_calls"))},
-            "plan": {f: plan.get(k, {}).get(f, 0) for f in ("payload", "wire", "calls")}} for k in keys}}
+        k: {"ledger": {f: summary[name].get(k, 0) for f, name in names.items()},
+            "plan": {f: plan.get(k, {}).get(f, 0) for f in names}} for k in keys}}
 
 
 def ledger_svg(data: dict) -> str:
@@ -210,8 +210,8 @@ def moe_load_data() -> dict:
     moe_load_cv (the tokens per expert's standard deviation over their mean)."""
     base = ["--preset", "moe", "--steps", str(MOE_STEPS), "--eval-every", "0", "--no-progress", "--threads", "1"]
     rows = _train({k: (base + list(extra), 1, {}) for k, extra in MOE_RUNS.items()})
-    return {"steps": MOE_STEPS, "runs": {k: {f: [round(r[f], 6) for r in rows[k]] for f in ("moe_load_max", "moe_load_cv")}
-                                         for k in MOE_RUNS}}
+    logged = ("moe_load_max", "moe_load_cv")
+    return {"steps": MOE_STEPS, "runs": {k: {f: [round(r[f], 6) for r in rows[k]] for f in logged} for k in MOE_RUNS}}
 
 
 def moe_load_svg(data: dict) -> str:

@@ -149,6 +149,11 @@ def tp_block_svg(data: dict) -> str:
 KINDS = {"F": 0, "B": 1, "W": 2}
 
 
+def _kind(op: str) -> int:
+    """An op's colour: F, B, W; an op on chunk 1 (interleaved: 'F3.1') in its own pair of colours."""
+    return KINDS[op[0]] + (4 if "." in op else 0)
+
+
 def schedule_data(schedule: str, pp: int = 4, m: int = 8, v: int = 1) -> dict:
     """One schedule's ticks (schedules.timetable: what the runner runs, stage by stage, tick by tick)
     and its ideal timeline (tools/timeline.py:ideal_timeline: the same orders with a forward of 1
@@ -167,9 +172,9 @@ def schedule_data(schedule: str, pp: int = 4, m: int = 8, v: int = 1) -> dict:
 
 def schedule_svg(data: dict) -> str:
     name = data["schedule"] + (f", v {data['v']}" if data["v"] > 1 else "")
-    ticks = [(f"stage {s}", [(t, t + 1, op, KINDS[op[0]]) for t, op in enumerate(row) if op])
+    ticks = [(f"stage {s}", [(t, t + 1, op, _kind(op)) for t, op in enumerate(row) if op])
              for s, row in enumerate(data["ticks"])]
-    ideal = [(f"stage {s}", [(a, b, op, KINDS[op[0]]) for op, a, b in row]) for s, row in enumerate(data["ideal"])]
+    ideal = [(f"stage {s}", [(a, b, op, _kind(op)) for op, a, b in row]) for s, row in enumerate(data["ideal"])]
     return svg.panels([
         svg.gantt(ticks, "tick (each stage runs at most one op a tick, then neighbours exchange)", width=720,
                   title=f"{name}: the runner's timetable, lock-step bubble {data['bubble_lockstep']:.2f}"),
@@ -177,7 +182,8 @@ def schedule_svg(data: dict) -> str:
                   else "") + (f", each a chunk's 1/{data['v']}" if data["v"] > 1 else ""), width=720,
                   title=f"{name}: ideal, bubble {data['bubble_ideal']:.2f} (formula {data['bubble_formula']:.2f})")],
         title=f"{name}, pp {data['pp']}, m {data['m']}: F forward, B backward"
-              + (", W weight gradient" if data["schedule"] == "zb-h1" else ""))
+              + (", W weight gradient" if data["schedule"] == "zb-h1" else "")
+              + ("; chunk 1's in sky blue and red" if data["v"] > 1 else ""))
 
 
 # ---------------------------------------------------------------------------
