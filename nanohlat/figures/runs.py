@@ -105,7 +105,6 @@ def serving_slots_data(n: int = 12, slots: int = 4) -> dict:
             return fn(*args)
 
     cfg, tcfg = recipe.parse_args(["--preset", "tiny"])
-    torch.manual_seed(0)
     model = decoder(cfg)
     init_weights(model, tcfg.seed)
     model.eval()
