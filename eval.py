@@ -11,7 +11,8 @@ files: pick the true next line of code among four (chance: 25%).
 
 Prints a table and writes JSON (default <out-dir>/eval.json, written
 atomically); with --all-checkpoints and matplotlib installed, also
-<out-dir>/eval_curves.png. For the lm-evaluation-harness, see nanohlat/serving/harness.py.
+<out-dir>/eval_curves.png. When the JSON is a run's own eval.json, the
+run's <out-dir>/report.html is drawn again with its table (run/report.py). For the lm-evaluation-harness, see nanohlat/serving/harness.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import sys
 import time
 
-from nanohlat.run import checkpoint, data, runconfig
+from nanohlat.run import checkpoint, data, report, runconfig
 from nanohlat import device as devicelib
 from nanohlat.serving import evaluate, generate
 from nanohlat.system import cli, files, flags
@@ -190,6 +191,11 @@ def main(argv=None) -> int:
     check_json_path(out)
     if args.all_checkpoints:
         files.refuse_unless_file(os.path.join(args.out_dir, "eval_curves.png"), "another --out-dir")
+    # the run's report.html shows eval.json's table: drawn again when eval.json is the run's own
+    page = os.path.isfile(os.path.join(args.out_dir, "metrics.jsonl")) and \
+        os.path.abspath(out) == os.path.abspath(os.path.join(args.out_dir, "eval.json"))
+    if page:
+        files.refuse_unless_file(os.path.join(args.out_dir, report.REPORT), "another --out-dir")
     dev = devicelib.get_device(args.device)
     if args.all_checkpoints:   # every path a checkpoint directory, resolved here once
         paths = checkpoint.list_checkpoints(args.out_dir)
@@ -209,6 +215,8 @@ def main(argv=None) -> int:
     settings = {k: getattr(args, k) for k in ("task", "shots", "examples", "batch_size", "max_batches", "seed")}
     write_json(out, {"settings": settings, "results": rows})
     log(f"eval: wrote {out}")
+    if page:
+        log(f"eval: wrote {report.write(args.out_dir)} (its table under 'eval.py')")
     if args.all_checkpoints:
         png = os.path.join(args.out_dir, "eval_curves.png")
         log(f"eval: wrote {png}" if plot_curves(rows, png) else "eval: pip install matplotlib for eval_curves.png")

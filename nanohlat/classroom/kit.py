@@ -7,6 +7,7 @@
     python -m nanohlat.classroom bug N DIR                   # the debugging lab: a copy with bug N (lab.py)
     python -m nanohlat.classroom check bugN                  # (in that copy) does it train like one process?
     python -m nanohlat.classroom compare RUN RUN             # two runs' losses and grad norms, step by step
+    python -m nanohlat.classroom compare A B --html FILE     # ... and their report pages side by side in FILE
     python -m nanohlat.classroom fault OUT --kills N -- FLAGS # the fault lab: kill a run N times (fault_lab.py)
 
 How it works. The reference code carries *exercise regions*, comment-marked:
@@ -473,6 +474,8 @@ def main(argv=None) -> int:
     b.add_argument("dir")
     cmp_ = sub.add_parser("compare", help="two runs' per-step losses and grad norms, and where they first differ")
     cmp_.add_argument("runs", nargs=2)
+    cmp_.add_argument("--html", default="", metavar="FILE",
+                      help="also write the two runs' report pages side by side to FILE (one HTML file, no network)")
     f = sub.add_parser("fault", help="the fault lab: kill a run again and again, lost work against Young/Daly's")
     f.add_argument("out", help="a folder for the lab's two runs (reference/, faulted/)")
     f.add_argument("--kills", type=int, default=20, help="kill -9s of a random rank at random steps (default 20)")
@@ -497,7 +500,7 @@ def main(argv=None) -> int:
         return cmd_bug(args)
     if args.cmd == "compare":
         from nanohlat.classroom import lab
-        return lab.compare(*args.runs)
+        return lab.compare(*args.runs, html=args.html)
     if args.cmd == "fault":
         from nanohlat.classroom import fault_lab
         return fault_lab.run(args.out, args.kills, args.gap, args.seed, args.fault, train, ROOT)

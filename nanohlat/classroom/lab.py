@@ -426,11 +426,14 @@ def hand_off(name: str, copy: str) -> int:
 # compare RUN RUN
 # ---------------------------------------------------------------------------
 
-def compare(a: str, b: str) -> int:
-    """`compare RUN RUN`: two runs' per-step losses and gradient norms side by side (their
+def compare(a: str, b: str, html: str = "") -> int:
+    """`compare RUN RUN [--html FILE]`: two runs' per-step losses and gradient norms side by side (their
     metrics.jsonl), and the first step where they differ by more than REL_TOL (a NaN is a
-    difference). 0: the same steps, agreeing; 1: they differ; 2: they cannot be compared."""
+    difference). 0: the same steps, agreeing; 1: they differ; 2: they cannot be compared.
+    With `html`, also the two runs' report pages side by side in that file (run/report.py:compare_page)."""
     from nanohlat.config import UserError
+    if html:
+        check_page_path(html)
     rows = []
     for run in (a, b):
         path = os.path.join(run, "metrics.jsonl")
@@ -469,9 +472,27 @@ def compare(a: str, b: str) -> int:
               + ("  <- differs" if bad else ""))
     if first:
         print(f"first difference: step {first[0]}, {' and '.join(first[1])} (more than {REL_TOL:g} relative, or NaN)")
-        return 1
-    print(f"the same at every step, to {REL_TOL:g} relative")
-    return 0
+    else:
+        print(f"the same at every step, to {REL_TOL:g} relative")
+    if html:
+        from nanohlat.run import report
+        from nanohlat.system import files
+        files.write_text(html, report.compare_page(a, b))   # atomic, never through a link
+        print(f"wrote {html}: both runs' reports side by side (A left, B right)")
+    return 1 if first else 0
+
+
+def check_page_path(path: str) -> None:
+    """Refuse, before anything is read, a --html path a page cannot be written to: a folder,
+    a FIFO or a device (files.refuse_unless_file), a folder that does not exist."""
+    from nanohlat.config import UserError
+    from nanohlat.system import files
+    if os.path.isdir(path):
+        raise UserError(f"--html {path!r} is a folder; give a file path, e.g. {os.path.join(path, 'compare.html')!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UserError(f"--html {path!r}: its folder {parent!r} does not exist; make it or choose another --html")
+    files.refuse_unless_file(path, "another --html")
 
 
 def _steps(rows: dict) -> str:

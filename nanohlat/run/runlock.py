@@ -45,7 +45,7 @@ _held: list["RunLock"] = []     # this process's locks (release_all: before an a
 _shared: list[int] = []         # a worker's shared locks (hold_shared): held until the process ends
 # Files and folders a nanohlat run (or eval.py, or `nanohlat.serving.hf import`) writes into its out-dir.
 RUN_FILES = {"checkpoints", "metrics.jsonl", "config.json", "summary.json", "timeline.txt", "timeline.png",
-             "eval.json", "eval_curves.png", "tokenizer.model", LOCK_NAME}
+             "timeline.json", "report.html", "eval.json", "eval_curves.png", "tokenizer.model", LOCK_NAME}
 
 
 def foreign_entries(out_dir: str) -> list[str]:
@@ -242,7 +242,7 @@ def _alive(pid: int) -> bool:
 
 def forget_untrained_run(out_dir: str) -> None:
     """A run with no checkpoint and no logged step trained nothing: remove its
-    config.json, summary.json and empty metrics.jsonl (nothing else)."""
+    config.json, summary.json, report.html and empty metrics.jsonl (nothing else)."""
     from nanohlat.run.checkpoint import ckpt_root
     root = ckpt_root(out_dir)
     if os.path.isdir(root) and any(n.startswith("step_") for n in os.listdir(root)):
@@ -252,7 +252,7 @@ def forget_untrained_run(out_dir: str) -> None:
         with open(metrics, "rb") as f:   # (bytes: a damaged, non-UTF-8 file is a record too)
             if any(line.strip() for line in f):
                 return
-    for name in ("metrics.jsonl", "config.json", "summary.json"):
+    for name in ("metrics.jsonl", "config.json", "summary.json", "report.html"):
         path = os.path.join(out_dir, name)
         if os.path.isfile(path) and (name != "config.json" or _is_run_config(path)):
             os.remove(path)

@@ -219,7 +219,8 @@ class Session:
     def write_timeline(self) -> None:
         out_dir = self.tcfg.out_dir
         # the pipeline's timeline (a gather over pp), then the step's collectives seen by the traces (over cp)
-        text = timeline.timeline_report(self.runner, self.mesh, self.tcfg, os.path.join(out_dir, "timeline.png"))
+        text = timeline.timeline_report(self.runner, self.mesh, self.tcfg, os.path.join(out_dir, "timeline.png"),
+                                        os.path.join(out_dir, "timeline.json"))
         text = "\n".join([text] + comm_trace.trace_report(self.runner.clock, self.mesh, self.runner.device))
         if self.mesh.rank == 0 and text:
             files.write_text(os.path.join(out_dir, "timeline.txt"), text + "\n")

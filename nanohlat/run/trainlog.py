@@ -1,5 +1,5 @@
 """The run's record: `TrainLog`, everything train.py reports (prints, the
-progress bar, config.json, metrics.jsonl and summary.json), the
+progress bar, config.json, metrics.jsonl, summary.json and report.html), the
 `MetricsWriter` of metrics.jsonl, and metrics.jsonl cut back to the
 checkpoint's step on resume (`truncate_metrics`). What it reports is measured
 by tools/metrics.py (tokens/s, MFU, bytes).
@@ -19,6 +19,7 @@ from nanohlat import comm, xla
 from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.plan.sheets import layout_table
+from nanohlat.run import report
 from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat.system import files
 from nanohlat.tools.metrics import (Throughput, active_params, describe_peak, device_peak, flops_per_token, mfu,
@@ -113,8 +114,10 @@ class TrainLog:
     Every rank counts non-finite steps (so that all ranks stop together on the
     same step) and keeps a summary; rank 0 also prints, draws the progress bar
     and writes the run's record in out-dir: config.json (at the start),
-    metrics.jsonl (one row per logged step and per evaluation) and
-    summary.json (at the end: what `--plan` predicts, as measured).
+    metrics.jsonl (one row per logged step and per evaluation),
+    summary.json (at the end: what `--plan` predicts, as measured) and
+    report.html (at each evaluation and at the end: the figures of all
+    of them, run/report.py).
 
     The device rules hold here too: nothing reads a device tensor during a
     step. `count` adds to counters on the device, inside the step's graph;
@@ -135,7 +138,8 @@ class TrainLog:
         if self.main:
             os.makedirs(tcfg.out_dir, exist_ok=True)
             run_cfg = recipe.to_dict(model_cfg, tcfg) | {"world": mesh.world, "dp": mesh.dp,
-                                                          "tokenizer_path": tokenizer_path}
+                                                          "tokenizer_path": tokenizer_path,
+                                                          "device_kind": dev.kind, "device_name": dev.name}
             files.write_text(os.path.join(tcfg.out_dir, "config.json"), files.json_text(run_cfg, indent=2))
             truncate_metrics(self.path, start_step)
             self.print(layout_table(mesh.tp, mesh.pp, mesh.dp, model_cfg.n_layers, max_rows=16, cp=tcfg.cp,
@@ -247,6 +251,8 @@ class TrainLog:
     def _log_val(self, step, val_loss):
         self.summary["val_losses"].append(float(val_loss))
         self._write({"step": step, "val_loss": float(val_loss)})
+        if self.writer:   # rank 0, its records written: the page drawn from them (a failure costs no step)
+            report.write_quietly(self.tcfg.out_dir)
 
     def record(self, record: dict) -> None:
         """A row of metrics.jsonl that is no step's figures (run/restarts.py's: a restart, its cost)."""
@@ -278,6 +284,7 @@ class TrainLog:
                     "checkpoints", "stragglers", "failures")   # (session.py: saves, stragglers, restarts)
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
                              files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
+            report.write_quietly(self.tcfg.out_dir)   # report.html, from the run's files (run/report.py)
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)

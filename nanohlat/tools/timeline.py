@@ -270,13 +270,15 @@ def gather_records(runner, mesh) -> tuple[list, list[float], list[float], list[i
     return rows, [float(x) for x in spans[:, 0]], [float(x) for x in spans[:, 1]], [int(x) for x in spans[:, 2]]
 
 
-def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
+def timeline_report(runner, mesh, tcfg, png_path: str = "", json_path: str = "") -> str:
     """The last step's schedule as text: the tick timetable every rank follows,
     the ideal timeline and the measured one drawn to scale, the bubble three
     ways and the activations in flight on each stage (the step's collectives
     follow it in timeline.txt: comm_trace.py:trace_report). Collective over
     the pp group (every stage calls it); the text is for rank 0, which also
-    draws `png_path` when matplotlib is installed."""
+    draws `png_path` when matplotlib is installed and writes the same rows
+    as numbers to `json_path` (timeline.json, which the run's report.html draws:
+    run/report.py)."""
     rows, spans, busy, held = gather_records(runner, mesh)
     pp, m, v, schedule = mesh.pp, runner.m, len(runner.chunks), tcfg.schedule
     ideal, ideal_span = ideal_timeline(schedule, pp, m, v)
@@ -315,6 +317,15 @@ def timeline_report(runner, mesh, tcfg, png_path: str = "") -> str:
         lines.append(warning)
     if runner.device.kind == "xla":
         lines.append("note: on XLA the measured times are the host tracing the graph, not device work")
+    if json_path and mesh.rank == 0:
+        record = {"schedule": schedule, "pp": pp, "m": m, "v": v, "units": units, "ideal": ideal,
+                  "ideal_span": ideal_span, "measured": rows, "measured_span_s": total,
+                  "bubble": {"ideal": ideal_b, "formula": FORMULAS[schedule],
+                             "formula_value": formula_bubble(pp, m, schedule, v),
+                             "lockstep": lockstep_bubble(runner.ticks, m, v), "measured": measured},
+                  "in_flight": {"formula": want, "ideal": ideal_held, "measured": held},
+                  "warning": warning}
+        files.write_text(json_path, files.json_text(record))
     if png_path and mesh.rank == 0:
         draw_png(ideal, ideal_span, rows, total, png_path,
                  f"{schedule}: pp={pp}, m={m}{', v=' + str(v) if v > 1 else ''}; bubble ideal {ideal_b:.2f}, "

@@ -149,7 +149,9 @@ def logged_rows(metrics: str) -> int:
 
 def clear_run(out_dir: str) -> None:
     """--resume never --overwrite: remove the old run's checkpoints and records
-    (only the files a run writes; anything else in out-dir is left alone)."""
+    (only the files a run writes, and eval.py's eval.json and eval_curves.png of
+    those checkpoints, which the new run's report.html would otherwise show as
+    its own; anything else in out-dir is left alone)."""
     root = ckpt_root(out_dir)
     if os.path.isdir(root):
         for name in os.listdir(root):
@@ -158,7 +160,8 @@ def clear_run(out_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             elif name == "latest" or name.endswith(".partial"):
                 os.remove(path)
-    for name in ("metrics.jsonl", "timeline.txt", "timeline.png", "summary.json", "config.json"):
+    for name in ("metrics.jsonl", "timeline.txt", "timeline.png", "timeline.json", "summary.json", "config.json",
+                 "report.html", "eval.json", "eval_curves.png"):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
 
