@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     write_json(out, {"settings": settings, "results": rows})
     log(f"eval: wrote {out}")
     if page:
-        log(f"eval: wrote {report.write(args.out_dir)} (its table under 'eval.py')")
+        log(f"eval: wrote {report.write(args.out_dir)} (the run's page, with this table)")
     if args.all_checkpoints:
         png = os.path.join(args.out_dir, "eval_curves.png")
         log(f"eval: wrote {png}" if plot_curves(rows, png) else "eval: pip install matplotlib for eval_curves.png")

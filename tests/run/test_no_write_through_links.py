@@ -49,7 +49,7 @@ def test_train_never_writes_through_a_link(cache_dir, tmp_path, capsys):
     out.mkdir()
     # every file a run writes into its out-dir, and a checkpoint's names
     before = plant(tmp_path, out, ["config.json", "metrics.jsonl", "summary.json", "timeline.txt",
-                                   "timeline.png", "run.lock", "checkpoints/latest",
+                                   "timeline.png", "timeline.json", "report.html", "run.lock", "checkpoints/latest",
                                    "checkpoints/.tmp_step_00000002/", "checkpoints/.tmp_step_00000004/",
                                    "checkpoints/step_00000004/"])
     # a dangling link at a temporary's name: following it would create its target
@@ -58,7 +58,7 @@ def test_train_never_writes_through_a_link(cache_dir, tmp_path, capsys):
                               "--out-dir", str(out)])
     assert code == 0, capsys.readouterr().err
     assert_untouched(tmp_path, before)
-    for name in ("config.json", "metrics.jsonl", "summary.json", "run.lock", "checkpoints/latest"):
+    for name in ("config.json", "metrics.jsonl", "summary.json", "report.html", "run.lock", "checkpoints/latest"):
         assert not os.path.islink(out / name), name          # replaced by the run's own file
     assert not any(os.path.islink(p) for p in (out / "checkpoints").iterdir())
     assert (out / "config.json").read_text().startswith("{")
@@ -87,7 +87,8 @@ def test_eval_and_export_never_write_through_a_link(cache_dir, tmp_path, capsys)
     from nanohlat.serving import hf
     out = tmp_path / "run"
     assert train.main(TINY + ["--steps", "2", "--save-every", "1", "--cache-dir", cache_dir, "--out-dir", str(out)]) == 0
-    before = plant(tmp_path, out, ["eval.json", "eval_curves.png", "eval.json.partial"])
+    os.remove(out / "report.html")   # (the run's; eval.py draws it again with its table)
+    before = plant(tmp_path, out, ["eval.json", "eval_curves.png", "eval.json.partial", "report.html"])
     before |= plant(tmp_path, tmp_path / "elsewhere", ["results.json"])
     for json_path in (None, tmp_path / "elsewhere" / "results.json"):
         argv = ["--out-dir", str(out), "--all-checkpoints", "--examples", "8", "--max-batches", "2"]
@@ -95,6 +96,7 @@ def test_eval_and_export_never_write_through_a_link(cache_dir, tmp_path, capsys)
         assert code in (0, None), capsys.readouterr().err
     assert_untouched(tmp_path, before)
     assert not os.path.islink(out / "eval.json") and not os.path.islink(tmp_path / "elsewhere" / "results.json")
+    assert not os.path.islink(out / "report.html") and "eval.py (eval.json)" in (out / "report.html").read_text()
 
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -183,9 +185,11 @@ NOT_A_FILE = {
     "eval --json": ("node", ["eval", "--out-dir", "RUN", "--json", "NODE"]),
     "eval's eval.json": ("D/eval.json", ["eval", "--out-dir", "D"]),
     "eval's eval_curves.png": ("D/eval_curves.png", ["eval", "--out-dir", "D", "--all-checkpoints"]),
+    "eval's report.html": ("D/report.html", ["eval", "--out-dir", "D", "--all-checkpoints"]),
     "train --out-dir": ("node", ["train", "--out-dir", "NODE"]),
     "train's metrics.jsonl": ("D/metrics.jsonl", ["train", "--out-dir", "D"]),
     "train's run.lock": ("D/run.lock", ["train", "--out-dir", "D"]),
+    "train's report.html": ("D/report.html", ["train", "--out-dir", "D"]),
     "train's checkpoints/latest": ("D/checkpoints/latest", ["train", "--out-dir", "D"]),
     "hf export HF_DIR": ("node", ["hf", "export", "RUN", "NODE"]),
     "hf export --overwrite's model.safetensors": ("D/model.safetensors", ["hf", "export", "RUN", "D", "--overwrite"]),

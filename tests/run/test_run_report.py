@@ -2,7 +2,8 @@
 self-contained, opened in headless Chromium with no console error, showing the run's own
 numbers as its files hold them (the final loss to four decimals, the step count, a pp 2
 run's timeline, a mixture's experts' load); written like every run file (never through a
-link, never over a FIFO), and a page that cannot be drawn costs no step."""
+link; a FIFO there is refused before any work: tests/run/test_no_write_through_links.py),
+and a page that cannot be drawn costs no step."""
 
 from __future__ import annotations
 
@@ -154,18 +155,6 @@ def test_report_html_at_a_link_is_replaced_and_a_failed_page_costs_no_step(cache
     assert last_loss(again)[0] == 3 and not os.path.exists(again / "report.html")
 
 
-def test_a_fifo_at_report_html_is_refused_before_any_work(cache_dir, tmp_path, capsys):
-    import train
-    out = tmp_path / "run"
-    out.mkdir()
-    os.mkfifo(out / "report.html")
-    assert train.main(TINY + ["--steps", "2", "--cache-dir", cache_dir, "--out-dir", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == (f"error: {str(out / 'report.html')!r} is a FIFO (named pipe), where a run keeps its file of that "
-                   f"name; move it away or choose another --out-dir")
-    assert sorted(os.listdir(out)) == ["report.html"]
-
-
 # ---------------------------------------------------------------------------
 # Drawn from the files alone (no training)
 # ---------------------------------------------------------------------------
@@ -215,3 +204,23 @@ def test_a_long_run_draws_at_most_max_points_and_always_its_last_step():
     thin, k = report._thin(pts)
     assert k == 3 and len(thin) <= report.MAX_POINTS + 1 and thin[-1] == (2501, 2501.0) and thin[0] == (1, 1.0)
     assert report._thin(pts[:1000]) == (pts[:1000], 1)
+
+
+def test_a_section_its_files_cannot_draw_says_so_and_a_stub_is_never_caught(tmp_path, monkeypatch):
+    """A summary.json whose comm figures are no record (hand-edited) costs the comm section only;
+    an exercise stub reached while drawing (a student copy) ends the command with its own line,
+    as every stub does (classroom/needs.py: no wrapper catches one)."""
+    from nanohlat.classroom import kit as classroom
+    from nanohlat.run import report
+    rows = [{"step": 1, "loss": 6.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 256, "tokens_per_s": None, "mfu": None}]
+    out = fake_run(tmp_path / "r", rows, summary='{"comm_bytes": [1, 2], "step": 1}')
+    text = report.run_page(out)
+    comm = text.split('<section id="comm">')[1].split("</section>")[0]
+    assert "<h2>comm (not drawn)</h2>" in comm and "could not be drawn from the run&#x27;s files (AttributeError" in comm
+    assert 'data-report="final-loss">6.0000<' in text and '<section id="loss">' in text
+
+    def stubbed(out_dir):
+        raise NotImplementedError(classroom.BY_ID["5a"].stub_message())
+    monkeypatch.setattr(report, "run_page", stubbed)
+    with pytest.raises(NotImplementedError, match="exercise 5a"):
+        report.write_quietly(out)
