@@ -12,7 +12,8 @@ files: pick the true next line of code among four (chance: 25%).
 Prints a table and writes JSON (default <out-dir>/eval.json, written
 atomically); with --all-checkpoints and matplotlib installed, also
 <out-dir>/eval_curves.png. When the JSON is a run's own eval.json, the
-run's <out-dir>/report.html is drawn again with its table (run/report.py). For the lm-evaluation-harness, see nanohlat/serving/harness.py.
+run's <out-dir>/report.html is drawn again with its table (run/report.py).
+For the lm-evaluation-harness, see nanohlat/serving/harness.py.
 """
 
 from __future__ import annotations

@@ -127,10 +127,10 @@ def configs(run: dict):
 
 def _table(header: list[str], rows: list[list], data: list[str] | None = None) -> str:
     """An HTML table; `data`: a data-report name per column for its cells (tests read them)."""
+    names = data or [None] * len(header)
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(
-        f"<td{f' data-report={chr(34)}{data[j]}{chr(34)}' if data and data[j] else ''}>{escape(str(c))}</td>"
-        for j, c in enumerate(r)) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join((f'<td data-report="{n}">' if n else "<td>") + f"{escape(str(c))}</td>"
+                                    for n, c in zip(names, r)) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 

@@ -9,7 +9,8 @@ happens here, in this order:
     open the run's record (trainlog.TrainLog: prints, progress bar, files);
   * after each step (`end_step`): what the end of a step takes, in order, a
     commented line each in its body;
-  * at the end (`close`): the pipeline timeline (--timeline) and summary.json.
+  * at the end (`close`): the pipeline timeline (--timeline), summary.json
+    and the run's report.html (trainlog.TrainLog.close, run/report.py).
 
 Three watches of failures at scale live beside the step too: checkpoints
 written in the background (--async-save: run/checkpoint/background.py), the
@@ -53,7 +54,7 @@ class Session:
         faults.planted()   # NANOHLAT_FAULTS, the fault lab's (run/faults.py): a malformed one stops here
         # after a launcher's restart: what the failure cost, read before TrainLog cuts metrics.jsonl back
         self.restarts = restarts.Restarts(tcfg.out_dir, self.start_step, mesh.rank == 0)
-        # prints (rank 0), the progress bar, config.json, metrics.jsonl, summary.json, non-finite steps
+        # prints (rank 0), the progress bar, config.json, metrics.jsonl, summary.json, report.html, non-finite steps
         self.log = trainlog.TrainLog(model_cfg, tcfg, mesh, dev, model, opt, ds.tokenizer.path, self.start_step,
                                      bad_steps, resumed_from=resume_from)
         self.restarts.opened(self.log)
@@ -177,7 +178,8 @@ class Session:
         return figures.metrics(self.mesh, self.dev.torch_device) if figures is not None else {}
 
     def close(self) -> dict:
-        """The end of the run: the timeline (--timeline), summary.json. Returns the summary (rank 0's view)."""
+        """The end of the run: the timeline (--timeline), summary.json, report.html. Returns the summary
+        (rank 0's view)."""
         if self.tcfg.timeline:
             self.write_timeline()
         self.failures_summary()

@@ -136,7 +136,8 @@ def test_report_html_at_a_link_is_replaced_and_a_failed_page_costs_no_step(cache
     victim.write_text("mine")
     os.symlink(victim, out / "report.html")
     os.symlink(tmp_path / "created", out / "report.html.partial")
-    assert train.main(TINY + ["--steps", "2", "--eval-every", "1", "--cache-dir", cache_dir, "--out-dir", str(out)]) == 0
+    assert train.main(TINY + ["--steps", "2", "--eval-every", "1", "--cache-dir", cache_dir,
+                              "--out-dir", str(out)]) == 0
     assert victim.read_text() == "mine" and not os.path.lexists(tmp_path / "created")
     assert not os.path.islink(out / "report.html") and "nanohlat run report" in (out / "report.html").read_text()
     assert not os.path.lexists(out / "report.html.partial")
@@ -216,7 +217,8 @@ def test_a_section_its_files_cannot_draw_says_so_and_a_stub_is_never_caught(tmp_
     out = fake_run(tmp_path / "r", rows, summary='{"comm_bytes": [1, 2], "step": 1}')
     text = report.run_page(out)
     comm = text.split('<section id="comm">')[1].split("</section>")[0]
-    assert "<h2>comm (not drawn)</h2>" in comm and "could not be drawn from the run&#x27;s files (AttributeError" in comm
+    assert "<h2>comm (not drawn)</h2>" in comm
+    assert "could not be drawn from the run&#x27;s files (AttributeError" in comm
     assert 'data-report="final-loss">6.0000<' in text and '<section id="loss">' in text
 
     def stubbed(out_dir):
