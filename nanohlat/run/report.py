@@ -261,7 +261,9 @@ def memory_section(run: dict) -> tuple[str, str, str]:
         for (name, m), (_, p) in zip(measured, planned):
             rows.append([name, f"{p:,}", "n/a" if m is None else f"{m:,}", "same" if m == p else "differs"])
         rows.append(["peak (plan: the above + fixed + max(forward/backward, optimizer step))", f"{mem['peak']:,}",
-                     "n/a" if peak is None else f"{peak:,}", "see below"])
+                     "n/a" if peak is None else f"{peak:,}",
+                     f"measured / plan {peak / mem['peak']:.2f}" if kind == "cuda" and peak and mem["peak"]
+                     else "not the same quantity (below)"])
         bars.append(("plan", planned + [("fixed buffers", mem["fixed"]),
                                         ("activations / step temporaries",
                                          max(mem["forward_backward"], mem["optimizer_step"]))]))

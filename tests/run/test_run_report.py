@@ -160,14 +160,14 @@ def test_report_html_at_a_link_is_replaced_and_a_failed_page_costs_no_step(cache
 # Drawn from the files alone (no training)
 # ---------------------------------------------------------------------------
 
-def fake_run(folder, rows, vals=(), summary=None, extra_lines=()):
-    """A run folder: tiny's config.json, `rows` as metrics.jsonl (and `vals`), maybe a summary.json."""
+def fake_run(folder, rows, vals=(), summary=None, extra_lines=(), kind="cpu"):
+    """A run folder: tiny's config.json (run on `kind`), `rows` as metrics.jsonl (and `vals`), maybe a summary.json."""
     from nanohlat import recipe
     from nanohlat.system import files
     os.makedirs(folder)
     model, train = recipe.parse_args(TINY)
     files.write_text(os.path.join(folder, "config.json"),
-                     files.json_text(recipe.to_dict(model, train) | {"world": 1, "dp": 1, "device_kind": "cpu"}))
+                     files.json_text(recipe.to_dict(model, train) | {"world": 1, "dp": 1, "device_kind": kind}))
     lines = [files.json_text(r) for r in rows] + [files.json_text(v) for v in vals] + list(extra_lines)
     files.write_text(os.path.join(folder, "metrics.jsonl"), "\n".join(lines) + "\n")
     if summary is not None:
@@ -226,3 +226,24 @@ def test_a_section_its_files_cannot_draw_says_so_and_a_stub_is_never_caught(tmp_
     monkeypatch.setattr(report, "run_page", stubbed)
     with pytest.raises(NotImplementedError, match="exercise 5a"):
         report.write_quietly(out)
+
+
+def test_the_peak_is_set_against_the_plan_only_where_it_is_the_allocators(tmp_path):
+    """On CUDA summary.json's peak_memory is the allocator's peak: drawn as the line the bars are
+    measured against, and its ratio to the plan's peak given; on the CPU it is the process's
+    resident set, a different quantity: said so, no ratio, no line."""
+    from nanohlat import plan, recipe
+    from nanohlat.run import report
+    model, train = recipe.parse_args(TINY)
+    mem = plan.memory_per_rank(model, train, 1, 1, 1, 0, fused=True, eager=True)
+    rows = [{"step": 1, "loss": 6.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 256, "tokens_per_s": None, "mfu": None}]
+    summary = json.dumps({"comm_bytes": {}, "param_bytes": mem["weights"], "grad_bytes": mem["flat_grads"],
+                          "optimizer_bytes": mem["optimizer"], "peak_memory": mem["peak"] // 2, "step": 1})
+    pages = {kind: report.run_page(fake_run(tmp_path / kind, rows, summary=summary, kind=kind))
+             for kind in ("cuda", "cpu")}
+    cuda, cpu = (p.split('<section id="memory">')[1].split("</section>")[0] for p in (pages["cuda"], pages["cpu"]))
+    assert "measured / plan 0.50" in cuda and "measured peak" in cuda and 'stroke-dasharray="5 3"' in cuda
+    assert "torch.cuda.max_memory_allocated" in cuda
+    assert "not the same quantity (below)" in cpu and "measured / plan" not in cpu and "stroke-dasharray" not in cpu
+    assert "ru_maxrss" in cpu
+    assert cuda.count("<td>same</td>") == cpu.count("<td>same</td>") == 3
