@@ -95,6 +95,8 @@ def read_run(out_dir: str) -> dict:
                         run["steps"].append(row)
                     elif "val_loss" in row:
                         run["vals"].append(row)
+                    elif "restart" in row:   # a launcher's restart after a failure (run/restarts.py)
+                        run.setdefault("restarts", []).append(row)
     if damaged:
         notes.append(f"metrics.jsonl has {damaged} damaged line(s), left out")
     from nanohlat.run.checkpoint import list_checkpoints, step_of
@@ -382,10 +384,18 @@ def health_section(run: dict) -> tuple[str, str, str]:
                      "good step."
                      + (f" With --log-every {every}, a skipped step between two logged ones is not listed here "
                         f"(the run's warning on stderr counts it)." if every != 1 else ""))
+    restarts = [[r.get("restart"), r.get("failed_after_step"), r["step"], r.get("steps_recomputed")]
+                for r in run.get("restarts", [])]
+    if restarts:
+        body += "<h3>restarts</h3>" + _table(["restart", "failed after step", "resumed from step",
+                                              "steps computed again"], restarts)
+        body += _caption("Each time --max-restarts started the job again after a failure (metrics.jsonl's "
+                         "restart rows, run/restarts.py): the steps after the checkpoint it resumed from were "
+                         "trained again.")
     rows = [[s, "?" if tok is None else f"{tok:,}", name] for s, tok, name in run.get("checkpoints", [])]
     body += "<h3>checkpoints</h3>" + (_table(["step", "tokens seen", "folder (checkpoints/)"], rows) if rows
                                       else "<p>none saved yet</p>")
-    return "health", "Skipped steps and checkpoints", body
+    return "health", "Skipped steps, restarts and checkpoints", body
 
 
 def eval_section(run: dict) -> tuple[str, str, str] | None:

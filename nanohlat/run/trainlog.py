@@ -19,7 +19,7 @@ from nanohlat import comm, xla
 from nanohlat import recipe
 from nanohlat.config import UserError
 from nanohlat.plan.sheets import layout_table
-from nanohlat.run import report
+from nanohlat.run.report import write_quietly as write_report
 from nanohlat.run.checkpoint.history import set_aside_newer
 from nanohlat.system import files
 from nanohlat.tools.metrics import (Throughput, active_params, describe_peak, device_peak, flops_per_token, mfu,
@@ -252,7 +252,7 @@ class TrainLog:
         self.summary["val_losses"].append(float(val_loss))
         self._write({"step": step, "val_loss": float(val_loss)})
         if self.writer:   # rank 0, its records written: the page drawn from them (a failure costs no step)
-            report.write_quietly(self.tcfg.out_dir)
+            write_report(self.tcfg.out_dir)
 
     def record(self, record: dict) -> None:
         """A row of metrics.jsonl that is no step's figures (run/restarts.py's: a restart, its cost)."""
@@ -284,7 +284,7 @@ class TrainLog:
                     "checkpoints", "stragglers", "failures")   # (session.py: saves, stragglers, restarts)
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
                              files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
-            report.write_quietly(self.tcfg.out_dir)   # report.html, from the run's files (run/report.py)
+            write_report(self.tcfg.out_dir)   # report.html, from the run's files (run/report.py)
         if self.writer:
             self.writer.close()
             if self.tcfg.compile:   # what torch.compile made of the step (tutorial chapter 2)

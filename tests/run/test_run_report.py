@@ -37,15 +37,15 @@ def tiny_run(cache_dir, tmp_path_factory):
     """`train.py --preset tiny --steps 20` (evaluating at steps 10 and 20), with every report
     write it made recorded: (out-dir, the steps metrics.jsonl held at each write)."""
     import train
-    from nanohlat.run import report
+    from nanohlat.run import trainlog
     out = str(tmp_path_factory.mktemp("report") / "tiny")
-    writes, real = [], report.write_quietly
+    writes, real = [], trainlog.write_report
 
     def recorded(out_dir):
         writes.append(len(open(os.path.join(out_dir, "metrics.jsonl")).read().splitlines()))
         return real(out_dir)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "write_quietly", recorded)
+        mp.setattr(trainlog, "write_report", recorded)
         assert train.main(TINY + ["--steps", "20", "--cache-dir", cache_dir, "--out-dir", out]) == 0
     return out, writes
 
@@ -176,20 +176,23 @@ def fake_run(folder, rows, vals=(), summary=None, extra_lines=(), kind="cpu"):
 
 
 def test_the_page_lists_non_finite_steps_and_reads_around_damage(tmp_path):
-    """A logged NaN step is listed (and leaves a gap in the curve); a damaged metrics line and an
-    unreadable summary.json are named in a note, and the rest is drawn; eval.json adds its table."""
+    """A logged NaN step is listed (and leaves a gap in the curve), a restart too; a damaged metrics
+    line and an unreadable summary.json are named in a note, and the rest is drawn; eval.json adds
+    its table."""
     from nanohlat.run import report
     rows = [{"step": s, "loss": 6.0 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens": 256 * s,
              "tokens_per_s": None, "mfu": None} for s in range(1, 6)]
     rows[2] |= {"loss": math.nan, "grad_norm": math.inf}
     out = fake_run(tmp_path / "r", rows, vals=[{"step": 5, "val_loss": 5.55555}], summary="{not json",
-                   extra_lines=['{"step": 6, "loss": 1.0'])
+                   extra_lines=['{"step": 6, "loss": 1.0', '{"step": 2, "restart": 1, "failed_after_step": 4, '
+                                '"steps_recomputed": 2}'])
     from nanohlat.system import files
     files.write_text(os.path.join(out, "eval.json"), files.json_text({"results": [
         {"step": 5, "tokens": 1280, "val_loss": 5.25, "perplexity": 190.6, "bits_per_byte": 3.9,
          "tasks": {"builtin": {"acc": 0.375}}}]}))
     text = report.run_page(out)
     assert "<tr><td>3</td><td>NaN</td><td>Infinity</td></tr>" in text
+    assert "<tr><td>1</td><td>4</td><td>2</td><td>2</td></tr>" in text   # the restart: after step 4, from 2
     assert "metrics.jsonl has 1 damaged line(s), left out" in text
     assert "summary.json is unreadable" in text and "No summary.json yet" in text
     assert 'data-report="final-loss">5.5000<' in text and 'data-report="final-val-loss">5.5556 (step 5)<' in text
