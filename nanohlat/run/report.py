@@ -309,13 +309,11 @@ def comm_section(run: dict) -> tuple[str, str, str]:
     bars, rows = [], []
     for k in keys:
         m, p = measured.get(k, zero), (predicted or {}).get(k)
-        bars.append((k + " ledger", [("ledger payload", m["payload"])]))
-        if p is not None:
-            bars.append((k + " plan", [("plan payload", p["payload"])]))
+        bars.append((k, [("ledger", m["payload"])] + ([("plan", p["payload"])] if p is not None else [])))
         rows.append([k, m["calls"], f"{m['payload']:,}", f"{m['wire']:,}", f"{m['padding']:,}",
                      "n/a" if p is None else f"{p['payload']:,}",
                      "" if p is None else "same" if p == m else "differs"])
-    body = svg.stacked_bars(bars, "payload bytes per step on rank 0", title="comm ledger against the plan")
+    body = svg.grouped_bars(bars, "payload bytes per step on rank 0", title="comm ledger against the plan")
     body += _table(["collective", "calls", "payload", "wire", "padding", "plan payload", "plan (all four)"], rows)
     body += _caption(f"The first step's collectives on rank 0 as the comm ledger counted them (summary.json of "
                      f"the session that reached step {s.get('step')}), "
