@@ -120,8 +120,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanohlat import comm, shard_spec
+from nanohlat.comm import Group
 from nanohlat.mesh import rank_of
 from nanohlat.beyond.moe_figures import Figures, step_metrics, tally, update_bias  # noqa: F401 (moe.X, as before)
+
+
+ONE = Group("ep", [0], 0)   # expert parallelism of one rank: every expert here, no collective
 
 
 class Weight(nn.Module):
@@ -273,11 +277,13 @@ def grouped(x, *stacks, rows: float = 0.0) -> bool:
                     and t.shape[-2] % 4 == 0 for t in stacks))
 
 
-def swiglu_slices(xs, counts: list, gate, up, down):
+def swiglu_slices(xs, counts: list, gate, up, down, parts=None):
     """Expert e's SwiGLU on its slice of xs (N*k, C), the slices in expert order, counts[e] rows
     each. One grouped matmul per projection where `grouped`; else one SwiGLU per slice, on unbind's
     views (above). Every expert runs, on no tokens too: its gradient is then zeros, not missing (the
-    overlapped gradient reduction waits for every parameter's, data_parallel.py)."""
+    overlapped gradient reduction waits for every parameter's, data_parallel.py). `parts` (--ep):
+    each slice's rows by the rank they came from, parts[e][r] (what an FP8 expert scales apart:
+    beyond/fp8_experts.py; each row's SwiGLU here is its own)."""
     if not grouped(xs, gate, up, down, rows=xs.shape[0] / len(counts)):
         gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
         return torch.cat([swiglu(c, gates[e], ups[e], downs[e]) for e, c in enumerate(xs.split(counts))])
@@ -301,7 +307,7 @@ class _AllToAll(torch.autograd.Function):
         return comm.all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
+def dispatch_expert_parallel(x, experts, weights, gate, up, down, group, slices=None):
     """Dropless with the E experts spread over the ep ranks of `group`, E/ep each
     (rank r holds experts r*E/ep ... (r+1)*E/ep - 1: gate, up, down are its slice).
     Each rank routes its own tokens; then, as `dispatch_sorted` but across ranks:
@@ -317,7 +323,8 @@ def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
     The same result as dispatch_sorted on the whole group's tokens with all E
     experts, and (through _AllToAll's backward) the same gradients; each expert's
     gradient, on the one rank of the group that holds it, sums over every token
-    of the group routed to it."""
+    of the group routed to it. `slices`: the experts' SwiGLU on their slices (swiglu_slices, or
+    MoE.slices), told each slice's rows by source rank. A group of one rank is dispatch_sorted."""
     N, k = experts.shape
     ep, local = group.size, gate.shape[0]
     flat = experts.reshape(-1)
@@ -330,7 +337,8 @@ def dispatch_expert_parallel(x, experts, weights, gate, up, down, group):
     expert_of = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(got_counts.reshape(-1))
     by_expert = expert_of.argsort(stable=True)                     # 4. group by local expert
     sizes = torch.bincount(expert_of, minlength=local).tolist()
-    out = swiglu_slices(received[by_expert], sizes, gate, up, down)[by_expert.argsort()]   # back in received order
+    parts = got_counts.t().tolist()                                 # [expert][source]: each slice's rows by source
+    out = (slices or swiglu_slices)(received[by_expert], sizes, gate, up, down, parts)[by_expert.argsort()]
     back = _AllToAll.apply(out, recv, send, group)                 # 5. to the tokens' ranks, in sorted order
     return torch.zeros_like(x).index_add(0, token, back * weights.reshape(-1)[order].unsqueeze(-1))
 
@@ -480,6 +488,9 @@ class MoE(nn.Module):
             self.shared_up = W(n_shared * ffn_dim, d_model)
             self.shared_down = W(d_model, n_shared * ffn_dim)
         self.losses = self.load = None
+        # the dropless experts' SwiGLU on their slices: None, swiglu_slices; or any function of its
+        # arguments (a seam: docs/design.md 1), dispatched by dispatch_expert_parallel (fp8_experts.py)
+        self.slices = None
         # balancing without a loss: state, not a parameter (no gradient, no optimizer; moved in the optimizer's
         # step hook, Figures.move_biases); None without --moe-bias-rate
         self.register_buffer("expert_bias", torch.zeros(n_experts) if bias_rate else None)
@@ -500,13 +511,16 @@ class MoE(nn.Module):
         params = (self.gate.weight, self.up.weight, self.down.weight)
         if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
             y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor, self.ep_group)
-        elif self.ep_group is not None and self.ep_group.size > 1:   # --ep: to the experts' ranks and back
-            y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group)
+        elif self.ep_group is not None and self.ep_group.size > 1 or self.slices is not None:
+            # --ep: to the experts' ranks and back (a group of one: this rank's experts, as dispatch_sorted)
+            y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group or ONE, self.slices)
             dropped = flat.new_zeros((), dtype=torch.float32)
         else:
             y, dropped = dispatch_sorted(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
-        if self.n_shared:
-            y = y + swiglu(flat, self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
+        if self.n_shared:   # (one slice of every row: through `slices` where it is set)
+            shared = (self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
+            y = y + (swiglu(flat, *shared) if self.slices is None else
+                     self.slices(flat, [flat.shape[0]], *(w.unsqueeze(0) for w in shared), shared=True))
         self.losses = (balance, z)
         self.load = (torch.bincount(experts.reshape(-1), minlength=self.n_experts).float(),
                      dropped.detach().float())

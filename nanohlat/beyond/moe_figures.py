@@ -59,11 +59,15 @@ class Figures:
         for row, block in self.blocks.items():
             update_bias(block.expert_bias, self.reduced[row, :self.cfg.moe_experts], self.cfg.moe_bias_rate, finite)
 
-    def metrics(self, mesh, device) -> dict:
-        """What a run logs of the step (step_metrics), summed over every rank; every rank takes part.
+    def metrics(self, mesh, device, step: int = 0) -> dict:
+        """What a run logs of step `step` (step_metrics), summed over every rank; every rank takes part.
         After the step hook, its sum (the same figures, already summed)."""
         total, self.reduced = (self.reduced if self.reduced is not None else self.summed(mesh, device)), None
         return step_metrics(total.cpu(), self.cfg.moe_aux_coef, self.cfg.moe_z_coef)
+
+    def closing(self) -> tuple[dict, str]:
+        """What the run's end adds to summary.json and prints of these figures: nothing (the log has them)."""
+        return {}, ""
 
 
 @torch.no_grad()

@@ -9,8 +9,8 @@ from dataclasses import fields
 
 from nanohlat.config import UserError
 from nanohlat.recipe.configs import PRESETS, SAVE_EVERY_AUTO, ModelConfig, TrainConfig, _flag
-from nanohlat.recipe.configs import CP_ATTENTIONS, SCHEDULES
-from nanohlat.recipe.layouts import check_cp_layout, check_moe_layout
+from nanohlat.recipe.configs import CP_ATTENTIONS, FP8_RECIPES, SCHEDULES
+from nanohlat.recipe.layouts import check_cp_layout, check_fp8_recipe, check_moe_layout
 
 # ---------------------------------------------------------------------------
 # Flags: one per dataclass field, generated so that the two never drift.
@@ -90,6 +90,15 @@ HELP = {
                     "online-softmax merge; Ulysses' all-to-all to a head split, needing heads and kv heads "
                     "divisible by --cp)",
     "timeline": "write the last step's pipeline timeline (timeline.txt, and timeline.png with matplotlib)",
+    "fp8": "none, or train the decoder's linears and experts with each matmul in FP8, scaled by " + ", ".join(FP8_RECIPES)
+           + " (per tensor now, per tensor from past steps' amax, per row with power-of-two scales, DeepSeek-V3's "
+             "1x128 tiles and 128x128 blocks, OCP MX's 32-element blocks; emulated exactly: nanohlat/beyond/fp8.py); "
+             "with --sequence-parallel it implies --no-sp-regather",
+    "fp8_grad_format": "with --fp8: the gradients' format, e5m2 (more range) or e4m3 (more precision, as DeepSeek-V3)",
+    "fp8_history": "with --fp8 delayed: steps of amax history each scale is taken from (the max over them)",
+    "fp8_margin": "with --fp8 delayed: divide each scale by 2^margin (headroom for a growing amax)",
+    "fp8_stats": "with --fp8: every N steps log each linear's amax, scale and saturated / flushed-to-zero fractions "
+                 "per operand (metrics.jsonl); the run's end names the worst linears (0 = never)",
 }
 
 
@@ -131,9 +140,17 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
     tcfg = dataclasses.replace(TrainConfig(), **base_train)
     tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
+    if tcfg.fp8 != "none" and tcfg.sequence_parallel:
+        # an FP8 linear casts its whole input itself: SP's gather comes first, and the linear keeps what it casts
+        if flags.get("sp_regather"):
+            raise UserError("--fp8 with --sp-regather: an FP8 linear casts its gathered input itself and keeps it "
+                            "for its backward (--no-sp-regather's way); drop --sp-regather")
+        tcfg = dataclasses.replace(tcfg, sp_regather=False)
     model_cfg.validate()
     tcfg.validate()
     check_features(model_cfg, tcfg)
+    if tcfg.fp8 != "none":
+        check_fp8_recipe(model_cfg, tcfg)
     if model_cfg.moe_experts or tcfg.ep > 1:
         check_moe_layout(model_cfg, tcfg)
     if tcfg.cp > 1:
@@ -156,6 +173,10 @@ FEATURE_FLAGS = {
     "search": (lambda m, t: t.plan, "--plan", "it ranks the layouts in the plan; without --plan train.py trains"),
     "straggler_factor": (lambda m, t: t.straggler_every > 0, "--straggler-every N (N >= 1)",
                          "it is the straggler watch's threshold, and --straggler-every 0 turns the watch off"),
+    **{name: (lambda m, t: t.fp8 != "none", "--fp8", "it says how FP8 casts and logs") for name in
+       ("fp8_grad_format", "fp8_stats")},
+    **{name: (lambda m, t: t.fp8 == "delayed", "--fp8 delayed", "only delayed scaling keeps an amax history")
+       for name in ("fp8_history", "fp8_margin")},
 }
 
 

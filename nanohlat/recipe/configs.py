@@ -24,6 +24,11 @@ from nanohlat.precision import PRECISIONS
 # holds both tuples to those modules.
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 CP_ATTENTIONS = ("allgather", "ring", "ulysses")
+# --fp8's recipes (beyond/fp8_scaling.py: RECIPES, held to this by tests/beyond/test_fp8_refusals.py) and the
+# gradients' formats; "none" trains without FP8
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mx")
+FP8_GRAD_FORMATS = ("e5m2", "e4m3")
+FP8_MARGIN_MOST = 64   # --fp8-margin: scale / 2^margin; past 64 every scale of a finite amax is below 2^-48
 
 SEED_LIMIT = 2**63      # --seed: torch's generators take a signed 64-bit seed
 MAX_SIZE = 2**24        # any size: a dimension, a batch, a degree, a world of ranks (16,777,216: far past any
@@ -195,6 +200,11 @@ class TrainConfig(RunConfig):
     ep: int = 1                  # expert parallelism: dp ranks sharing a mixture's experts (moe.py)
     cp: int = 1                  # context parallelism: ranks sharing each sequence (context_parallel.py)
     cp_attention: str = "allgather"   # allgather | ring | ulysses: attention across the cp ranks
+    fp8: str = "none"            # none | tensorwise | delayed | rowwise | blockwise | mx (beyond/fp8.py)
+    fp8_grad_format: str = "e5m2"   # --fp8: the gradients' format (e5m2 | e4m3; weights, activations: e4m3)
+    fp8_history: int = 16        # --fp8 delayed: steps of amax history a scale is taken from
+    fp8_margin: int = 0          # --fp8 delayed: each scale divided by 2^margin (headroom)
+    fp8_stats: int = 0           # --fp8: every N steps log each linear's FP8 figures (0 = never)
 
     def validate(self) -> None:
         check_counts(self)
@@ -214,6 +224,8 @@ class TrainConfig(RunConfig):
             "moments": ("fp32", "bf16"),
             "activation_checkpointing": ("none", "selective", "full"),
             "cp_attention": CP_ATTENTIONS,
+            "fp8": ("none",) + FP8_RECIPES,
+            "fp8_grad_format": FP8_GRAD_FORMATS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -261,6 +273,9 @@ class TrainConfig(RunConfig):
                             "inputs, in Python, to a later W op, which torch.compile's backward cannot; use 1f1b")
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.fp8_history < 1 or self.fp8_stats < 0 or not 0 <= self.fp8_margin <= FP8_MARGIN_MOST:
+            raise UserError(f"--fp8-history must be >= 1, --fp8-stats >= 0 and --fp8-margin in [0, {FP8_MARGIN_MOST}] "
+                            f"(scale / 2^margin), got {self.fp8_history}, {self.fp8_stats} and {self.fp8_margin}")
         if self.eval_every and not self.eval_batches:
             raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
                             "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")

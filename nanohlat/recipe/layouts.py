@@ -9,6 +9,10 @@ import math
 from nanohlat.config import UserError
 from nanohlat.recipe.configs import MAX_SIZE, ModelConfig, TrainConfig
 
+# --fp8: the length of a block along each matmul's reduction (beyond/fp8_scaling.py: block_sizes, TILE,
+# MX_BLOCK; tests/beyond/test_fp8_refusals.py holds them equal); the others' scales run the whole reduction
+FP8_REDUCTION_BLOCK = {"blockwise": 128, "mx": 32}
+
 def divisors(n: int) -> list[int]:
     """The divisors of 1 <= n <= MAX_SIZE, ascending: each d up to the square root of n that divides it,
     and n / d (at most 4,096 tries: every size is checked to be at most MAX_SIZE first)."""
@@ -73,6 +77,9 @@ def check_layout(model: ModelConfig, tcfg: TrainConfig, world: int) -> int:
                         f"{tcfg.microbatches} equal micro-batches; use a multiple of {dp * tcfg.microbatches}")
     if tcfg.sequence_parallel and tcfg.seq_len % tp:
         raise UserError(f"--sequence-parallel needs --seq-len {tcfg.seq_len} divisible by --tp {tp}")
+    if tcfg.fp8 in FP8_REDUCTION_BLOCK:   # the weight gradient reduces over a micro-batch's tokens (with --cp: all of them)
+        check_fp8_reduction(tcfg, "tokens of a micro-batch (--batch-size / dp / --microbatches x --seq-len, each "
+                            "weight gradient's reduction)", per_rank // tcfg.microbatches * tcfg.seq_len, "--batch-size")
     if tcfg.ep > 1 and ((dp * cp) % tcfg.ep or model.moe_experts % tcfg.ep):   # (each ep rank holds E / ep experts)
         where = f"dp x cp {dp * cp}" if cp > 1 else f"dp {dp}"   # (--cp: ep's ranks come out of dp x cp, moe.py)
         raise UserError(f"--ep {tcfg.ep} must divide {where} and --moe-experts {model.moe_experts} (each of the ep "
@@ -103,3 +110,38 @@ def check_cp_layout(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
                         f"{heads} heads and {kv_heads} kv heads (n_heads {model_cfg.n_heads}, n_kv_heads "
                         f"{model_cfg.n_kv_heads}, over --tp {tcfg.tp}) must both be divisible by --cp {cp}; "
                         f"use --cp-attention allgather or ring, or another --cp")
+
+
+def check_fp8_reduction(tcfg: TrainConfig, what: str, size: int, flag: str) -> None:
+    """--fp8 blockwise or mx cut each matmul's reduction into blocks: a reduction longer than one block
+    must be a whole number of them (one shorter than a block is that block, as if zero-padded: every amax
+    and every sum unchanged; the published recipes tile K exactly, and so does a kernel)."""
+    block = FP8_REDUCTION_BLOCK[tcfg.fp8]
+    if size > block and size % block:
+        raise UserError(f"--fp8 {tcfg.fp8} cuts each matmul's reduction into blocks of {block}: the {what} is "
+                        f"{size}, longer than one block and not a multiple of {block}; change {flag} to make it "
+                        f"one (or at most {block}: one block)")
+
+
+def check_fp8_recipe(model: ModelConfig, tcfg: TrainConfig) -> None:
+    """--fp8 RECIPE (beyond/fp8.py): what it runs with, and the model's reductions under blockwise and mx."""
+    refused = {"--compile": tcfg.compile, "--schedule zb-h1": tcfg.schedule == "zb-h1",
+               "--moe-capacity-factor": model.moe_experts and model.moe_capacity_factor > 0}
+    for flag, given in refused.items():
+        if given:
+            raise UserError(f"--fp8 with {flag} is not built (its FP8 linears are tested eagerly, with the other "
+                            f"schedules, with dropless experts); drop one of the two")
+    if tcfg.fp8 not in FP8_REDUCTION_BLOCK:
+        return
+    split = [f for f, on in (("--sequence-parallel", tcfg.sequence_parallel and tcfg.tp > 1),
+                             (f"--cp {tcfg.cp}", tcfg.cp > 1)) if on]
+    if model.moe_experts and split:
+        raise UserError(f"--fp8 {tcfg.fp8} with a mixture of experts and {' and '.join(split)}: an expert's rows of "
+                        f"a micro-batch are then spread over ranks in an order no rank knows, and its tiles along "
+                        f"the tokens would straddle them; use --fp8 tensorwise or rowwise, or drop {split[0]}")
+    for what, size, flag in (("model width (d_model: the q, k, v, gate and up projections' reduction)",
+                              model.d_model, "--d-model"),
+                             ("ffn width (the down projection's)", model.ffn_dim, "--ffn-dim"),
+                             ("key/value width (n_kv_heads x head dim: wk's and wv's input gradient's)",
+                              model.n_kv_heads * model.head_dim, "--n-kv-heads")):
+        check_fp8_reduction(tcfg, what, size, flag)

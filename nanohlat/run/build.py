@@ -5,7 +5,7 @@ step that training runs (same placement, dtype, checkpointing and schedule).
 This is also the one place where the layouts beyond HLAT's recipe are switched
 on, each by one call, in the order a rank is put together: the mesh's extra
 dimensions (`mesh`), then the model's parts (`build`: experts, attention across
-the cp ranks, split linears), then the schedule's runner and the optimizer's
+the cp ranks, FP8 linears, split linears), then the schedule's runner and the optimizer's
 strategy. Each extension is imported where its flag is handled, so a run of
 HLAT's recipe (tp, sp, pp with AFAB or 1F1B, dp with ZeRO 0 or 1) builds from
 the core alone and never loads nanohlat/beyond/ (tests/run/test_core_runs_alone.py).
@@ -78,6 +78,15 @@ def build(model_cfg, tcfg, mesh, dev):
         from nanohlat.beyond import moe
         # (routing, the dispatch whose shapes are the step's tokens per expert, --ep's all-to-alls)
         eager.append((moe.MoE, "forward"))
+    fp8_run = None
+    if tcfg.fp8 != "none":   # --fp8: the blocks' linears and experts with each matmul in FP8, around the same weights
+        from nanohlat.beyond import fp8
+        cp_group = mesh.group("cp") if tcfg.cp > 1 else None
+        fp8_run = fp8.apply(model, fp8.Fp8Run(tcfg.fp8, tcfg.fp8_grad_format, cp_group, model.token_positions,
+                                              tcfg.fp8_history, tcfg.fp8_margin))
+        if model_cfg.moe_experts:
+            from nanohlat.beyond import fp8_experts
+            fp8_experts.apply(model, fp8_run)
     if tcfg.schedule == "zb-h1":   # ZB-H1: linears whose weight gradients can wait for the W ops
         from nanohlat.beyond import split_backward
         split_backward.apply(model)
@@ -96,6 +105,11 @@ def build(model_cfg, tcfg, mesh, dev):
     if model_cfg.moe_experts and model_cfg.moe_bias_rate:
         # --moe-bias-rate: the experts' biases move in the optimizer step, by the global batch's load
         opt.step_hooks.append(functools.partial(model.step_figures.move_biases, mesh, dev.torch_device))
+    if tcfg.fp8 == "delayed":   # each operand's amax of the step into its history, the next step's scales from it
+        opt.step_hooks.append(functools.partial(fp8.end_step, fp8_run, (mesh.tp_group, mesh.grad_group)))
+    if tcfg.fp8_stats:   # --fp8-stats: the FP8 figures logged beside the step's (a mixture's too)
+        from nanohlat.beyond import fp8_stats
+        model.step_figures = fp8_stats.Figures(fp8_run, model_cfg, tcfg.fp8_stats, model.step_figures)
     if clock and opt.dp.group.size > 1:
         # --timeline: the dp group (the DP strategy's, the loss's: mesh.grad_group, dp x cp with --cp) tells a
         # CommTrace when each of its collectives in a step is issued and ends, and what it is

@@ -74,6 +74,9 @@ def main(train, argv: list[str]) -> int:
         if tcfg.cp > 1 and devicelib.resolve_kind(tcfg.device) == "xla":
             raise UserError(f"--cp {tcfg.cp} is not supported on xla yet (--cp-attention {tcfg.cp_attention} is "
                             f"tested on cpu and cuda only); train with --cp 1 there")
+        if tcfg.fp8 != "none" and devicelib.resolve_kind(tcfg.device) == "xla":
+            raise UserError(f"--fp8 {tcfg.fp8} is not supported on xla yet (its FP8 linears are tested on cpu and "
+                            f"cuda only); train without --fp8 there")
         devicelib.check_available(tcfg.device, tcfg.nproc if not env else 1)   # and a missing device
         check_memory(model_cfg, tcfg, world, launch.local_world_size() if env else tcfg.nproc, spawns=not env)
         runlock.check_out_dir(tcfg.out_dir)   # a FIFO or a device where a run writes: refused before any work

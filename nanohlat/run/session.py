@@ -85,7 +85,7 @@ class Session:
         last = last or stop
         if self.saver is not None and not writing:
             self.saver.finish()   # every rank's shard written: gather their checksums; rank 0 publishes
-        figures = self.step_figures()   # (a MoE model's router losses and expert load in the step)
+        figures = self.step_figures(step)   # (a MoE model's router losses and expert load; --fp8-stats)
         self.log.step(step, loss, norm, lr, self.tokens_seen, last, figures)   # the host reads them in a closure
         faults.at_step_end(step, mesh.rank)   # the fault lab's kill -9 or hang of this rank (unset: nothing)
         if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.steps):
@@ -170,12 +170,12 @@ class Session:
                         f"the last good one: saved in {saved}. Lower --lr or check the data; --resume auto "
                         f"continues from there")
 
-    def step_figures(self) -> dict:
-        """Figures of the step that the model's parts keep besides the loss, to log beside it: the
-        model's `step_figures` (run/build.py:decoder gives a mixture of experts one), {} if none.
-        Every rank takes part (they add up over the ranks). Reading them changes nothing."""
+    def step_figures(self, step: int) -> dict:
+        """Figures of step `step` that the model's parts keep besides the loss, to log beside it: the
+        model's `step_figures` (run/build.py gives a mixture of experts one, --fp8-stats another), {} if
+        none. Every rank takes part (they add up over the ranks). Reading them changes nothing."""
         figures = self.model.step_figures
-        return figures.metrics(self.mesh, self.dev.torch_device) if figures is not None else {}
+        return figures.metrics(self.mesh, self.dev.torch_device, step) if figures is not None else {}
 
     def close(self) -> dict:
         """The end of the run: the timeline (--timeline), summary.json, report.html. Returns the summary
@@ -183,8 +183,12 @@ class Session:
         if self.tcfg.timeline:
             self.write_timeline()
         self.failures_summary()
+        # what the model's parts say of the whole run (--fp8-stats: its worst linears), for summary.json and a line
+        said, line = self.model.step_figures.closing() if self.model.step_figures is not None else ({}, "")
+        if line:
+            self.log.print(line)
         return self.log.close(peak_in_flight=self.runner.peak_in_flight, **metrics.resident_bytes(self.opt),
-                              peak_memory=metrics.peak_memory(self.dev))
+                              peak_memory=metrics.peak_memory(self.dev), **said)
 
     def failures_summary(self) -> None:
         """summary.json's "checkpoints" (each save's stall: the seconds it stopped the steps), "stragglers"

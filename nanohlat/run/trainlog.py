@@ -282,6 +282,7 @@ class TrainLog:
             keys = ("comm_bytes", "comm_wire_bytes", "comm_padding_bytes", "comm_calls", "param_bytes",
                     "grad_bytes", "optimizer_bytes", "peak_in_flight", "peak_memory", "step",
                     "checkpoints", "stragglers", "failures")   # (session.py: saves, stragglers, restarts)
+            keys += tuple(k for k in ("fp8_worst",) if k in self.summary)   # (--fp8-stats: the worst linears)
             files.write_text(os.path.join(self.tcfg.out_dir, "summary.json"),
                              files.json_text({k: self.summary.get(k) for k in keys}, indent=2))
             write_report(self.tcfg.out_dir)   # report.html, from the run's files (run/report.py)
