@@ -12,7 +12,7 @@ one rank. Only where each rank routes a share of a micro-batch's tokens (sequenc
 --cp) is an expert's rows of one micro-batch cut over ranks: a tensor-wise scale (tensorwise, and
 rowwise along the tokens) then takes its amax over them (the router's sums do the same,
 moe.route's seq_group); blockwise and mx, whose tiles run along the tokens in an order no rank can
-know, refuse that layout (recipe/layouts.py:check_fp8_layout). The shared experts are one slice of
+know, refuse that layout (recipe/layouts.py:check_fp8_recipe). The shared experts are one slice of
 every row. The router stays in fp32 (moe.route), the dispatch in the step's dtype.
 """
 

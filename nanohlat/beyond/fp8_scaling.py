@@ -208,7 +208,8 @@ def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int],
         table = a.amax().view(1, 1) if a.numel() else a.new_zeros(1, 1)
     else:
         table = _amax_along(_amax_along(a, 0, r_ids, r_n), 1, c_ids, c_n)
-    for group in dict.fromkeys(r_groups + c_groups):   # (each group once)
+    groups = r_groups + tuple(g for g in c_groups if not any(g is h for h in r_groups))   # (each group once)
+    for group in groups:
         table = comm.all_gather(table.unsqueeze(0), group, what=what).amax(dim=0)
     return table, r_ids, c_ids
 
