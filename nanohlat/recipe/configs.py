@@ -276,6 +276,9 @@ class TrainConfig(RunConfig):
         if self.fp8_history < 1 or self.fp8_stats < 0 or not 0 <= self.fp8_margin <= FP8_MARGIN_MOST:
             raise UserError(f"--fp8-history must be >= 1, --fp8-stats >= 0 and --fp8-margin in [0, {FP8_MARGIN_MOST}] "
                             f"(scale / 2^margin), got {self.fp8_history}, {self.fp8_stats} and {self.fp8_margin}")
+        if self.fp8_stats % self.log_every:
+            raise UserError(f"--fp8-stats {self.fp8_stats} must be a multiple of --log-every {self.log_every} (its "
+                            f"figures go into the logged steps' rows); give a multiple of {self.log_every}")
         if self.eval_every and not self.eval_batches:
             raise UserError("--eval-batches 0 with evaluation on would average no batches (val_loss NaN); "
                             "give --eval-batches >= 1, or --eval-every 0 to turn evaluation off")
