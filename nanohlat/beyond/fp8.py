@@ -40,12 +40,11 @@ import torch
 import torch.nn as nn
 
 from nanohlat import comm, tensor_parallel as tpl
-from nanohlat.beyond.fp8_scaling import (E4M3, FORMATS, LARGEST, RECIPES, Axis, block_sizes, cast, delayed_scale, fractions,
-                                         mm)
+from nanohlat.beyond.fp8_scaling import E4M3, FORMATS, LARGEST, RECIPES, Axis, block_sizes, cast, delayed_scale, mm
 
 ROLES = ("x", "w", "dy")
 RULES = {"rowwise": "pow2", "mx": "mx"}   # how a block's amax becomes its scale (else largest / amax)
-STAT_FIELDS = 5   # per operand in a step: amax, -(smallest scale), elements, saturated, flushed
+STAT_FIELDS = 5   # per operand in a step: amax, 1 / (smallest scale), elements, saturated, flushed
 
 
 class Fp8Run:
@@ -117,15 +116,14 @@ class Operands:
             return memo[key]
         k, fmt = ROLES.index(role), run.format(role)
         scale = self.owner.fp8_scale[self.slot + (k,)] if run.recipe == "delayed" else None
-        c = cast(t, rows, cols, blocks, RULES.get(run.recipe, "amax"), fmt, scale)
+        c = cast(t, rows, cols, blocks, RULES.get(run.recipe, "amax"), fmt, scale, count=record and run.collecting)
         if record:
             amax = c.amax.max() if c.amax.numel() else c.amax.new_zeros(())
             if run.recipe == "delayed":   # the step's amax of this operand, for the history (`end_step`)
                 self.owner.step_amax[self.slot + (k,)] = torch.maximum(self.owner.step_amax[self.slot + (k,)], amax)
             if run.collecting:
-                saturated, flushed = fractions(t, c)
-                row = torch.stack([amax, -c.scale.min(), torch.tensor(float(t.numel()), device=amax.device),
-                                   saturated.float(), flushed.float()]).to(self.owner.stats.device)
+                row = torch.stack([amax, c.scale.min().reciprocal(), torch.tensor(float(t.numel()), device=amax.device),
+                                   c.saturated.float(), c.flushed.float()]).to(self.owner.stats.device)
                 old = self.owner.stats[self.slot + (k,)]
                 self.owner.stats[self.slot + (k,)] = torch.cat([torch.maximum(old[:2], row[:2]), old[2:] + row[2:]])
         memo[key] = c

@@ -46,6 +46,9 @@ LARGEST = {E4M3: 448.0, E5M2: 57344.0}
 # the OCP MX specification's emax_elem
 EMAX = {E4M3: 8, E5M2: 15}
 SMALLEST = {E4M3: 2.0 ** -9, E5M2: 2.0 ** -16}   # the smallest subnormal: half of it and below flush to zero
+# where the clamp starts to change a value: the largest value's rounding interval ends half a step above it
+# (448 + 32 / 2 in E4M3, 57344 + 8192 / 2 in E5M2); below, the cast would round to the largest value anyway
+SATURATES = {E4M3: 464.0, E5M2: 61440.0}
 EPS = 1e-12   # an all-zero tensor's amax is taken as this: a finite scale (torchao's floor)
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mx")
 TILE, MX_BLOCK = 128, 32   # DeepSeek-V3's tiles and blocks; the OCP MX block
@@ -149,6 +152,18 @@ class Axis:
             torch.arange(self.start, self.start + self.n, device=device)
 
 
+def block_count(axis: Axis, block: int) -> tuple[int, tuple]:
+    """(count, groups): how many blocks of `block` positions (0: the whole axis, or each segment) the amax
+    table has along the axis, and the groups it is reduced over (those of a straddling block): `block_ids`'
+    rule, which the plan counts with (plan/fp8.py). Segments' tiles depend on their lengths (the data's)."""
+    if axis.segments is not None:
+        count = len(axis.segments) if block == 0 else sum(-(-n // block) for n in axis.segments)
+        return count, (axis.groups if block != 1 else ())
+    if not axis.straddles(block):
+        return -(-axis.n // (block or axis.n or 1)), ()
+    return (1 if block == 0 else -(-axis.size // block)), axis.groups
+
+
 def block_ids(axis: Axis, block: int, device) -> tuple[torch.Tensor | int, int, tuple]:
     """(ids, count, groups): each of the axis's positions here mapped to its block, the blocks' count
     and the groups to take their amax over. ids is an int b where the blocks are runs of b positions
@@ -160,11 +175,12 @@ def block_ids(axis: Axis, block: int, device) -> tuple[torch.Tensor | int, int, 
         first = torch.cumsum(per, 0) - per
         local = torch.arange(axis.n) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
         ids = torch.repeat_interleave(first, sizes) + (0 if block == 0 else local // block)
-        return ids.to(device), int(per.sum()), axis.groups if block != 1 else ()
-    if not axis.straddles(block):
-        return (block or axis.n or 1), -(-axis.n // (block or axis.n or 1)), ()
+        return (ids.to(device), *block_count(axis, block))
+    count, groups = block_count(axis, block)
+    if not groups:
+        return (block or axis.n or 1), count, ()
     ids = torch.zeros(axis.n, dtype=torch.long, device=device) if block == 0 else axis.positions(device) // block
-    return ids, (1 if block == 0 else -(-axis.size // block)), axis.groups
+    return ids, count, groups
 
 
 def _amax_along(a: torch.Tensor, dim: int, ids, count: int) -> torch.Tensor:
@@ -190,12 +206,15 @@ def _spread(t: torch.Tensor, dim: int, ids, n: int) -> torch.Tensor:
 @dataclass
 class Cast:
     """One operand in FP8: `q` (its shape, an FP8 dtype) and, per element, `inverse`, 1/scale (fp32),
-    so that q * inverse is its value; `amax` and `scale`, one per block (for the log)."""
+    so that q * inverse is its value; `amax` and `scale`, one per block (for the log); with `count`,
+    how many elements saturated (the clamp changed them: |x s| >= SATURATES) and flushed to zero."""
 
     q: torch.Tensor
     inverse: torch.Tensor
     amax: torch.Tensor
     scale: torch.Tensor
+    saturated: torch.Tensor | None = None
+    flushed: torch.Tensor | None = None
 
 
 def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int], what: str = "fp8 amax"):
@@ -215,10 +234,11 @@ def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int],
 
 
 def cast(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int], rule: str, fmt: torch.dtype,
-         scale: torch.Tensor | None = None) -> Cast:
+         scale: torch.Tensor | None = None, count: bool = False) -> Cast:
     """x (2-D) in FP8 with one scale per block (`blocks`: rows x cols of a block, 0 the whole extent), each
     from the whole block's amax by `rule` ('amax', 'pow2', 'mx'), or given (`scale`, delayed: one for the
-    tensor, then no amax is reduced here: the step's end does it for the history)."""
+    tensor, then no amax is reduced here: the step's end does it for the history). `count`: the
+    saturated and flushed elements too (--fp8-stats)."""
     if scale is not None:   # delayed: the scale is known before the tensor is seen
         table = x.detach().abs().float().amax().view(1, 1) if x.numel() else x.new_zeros(1, 1, dtype=torch.float32)
         r_ids, c_ids, s = x.shape[0] or 1, x.shape[1] or 1, scale.view(1, 1)
@@ -231,7 +251,11 @@ def cast(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int], rule:
             s = mx_scale(table, fmt)
     each = _spread(_spread(s, 0, r_ids, x.shape[0]), 1, c_ids, x.shape[1])
     q = saturating_cast(x, each, fmt)
-    return Cast(q, each.reciprocal(), table, s)
+    c = Cast(q, each.reciprocal(), table, s)
+    if count:
+        c.saturated = ((x.detach().float() * each).abs() >= SATURATES[fmt]).sum()
+        c.flushed = ((q.float() == 0) & (x.detach() != 0)).sum()
+    return c
 
 
 def mm(a: Cast, b: Cast, transpose_a: bool = False, transpose_b: bool = False) -> torch.Tensor:
@@ -241,14 +265,6 @@ def mm(a: Cast, b: Cast, transpose_a: bool = False, transpose_b: bool = False) -
     x = a.q.float() * a.inverse
     y = b.q.float() * b.inverse
     return (x.t() if transpose_a else x) @ (y.t() if transpose_b else y)
-
-
-def fractions(x: torch.Tensor, c: Cast) -> tuple[torch.Tensor, torch.Tensor]:
-    """(saturated, flushed) element counts of a cast: |x s| beyond the format's largest (clamped), and
-    nonzero elements that became zero."""
-    fmt = c.q.dtype
-    scaled = x.detach().float().abs() * c.inverse.reciprocal()
-    return (scaled > LARGEST[fmt]).sum(), ((c.q.float() == 0) & (x.detach() != 0)).sum()
 
 
 def reduction_is_tiled(size: int, block: int) -> bool:

@@ -2,7 +2,8 @@
 
 For each FP8 linear and operand (x, W, dY) of the steps since the last report: the amax (the largest
 |element| any of its casts saw), the scale its largest element was cast with (the smallest of its
-blocks'), the fraction of its elements that saturated (|x s| above the format's largest: clamped)
+blocks'), the fraction of its elements that saturated (|x s| beyond the largest value's rounding
+interval: the clamp changed them)
 and the fraction flushed to zero (nonzero, but below half the format's smallest subnormal once
 scaled). Counted by every cast in the forward and backward of every micro-batch (fp8.Operands.cast),
 summed over the ranks that saw other tokens or pieces (tp, dp x cp, pp), written into metrics.jsonl
@@ -36,7 +37,7 @@ def names(model_cfg) -> list[str]:
 
 def _combine(table: torch.Tensor) -> torch.Tensor:
     """Several ranks' tables (ranks, rows, roles, fields) as one: the largest amax and smallest scale
-    (stored negated: a max too), the counts added."""
+    (stored as its inverse: a max too), the counts added."""
     return torch.cat([table[..., :2].amax(0), table[..., 2:].sum(0)], dim=-1)
 
 
@@ -84,10 +85,10 @@ class Figures:
         rows = {}
         for name, per in zip(self.names, t.cpu().tolist()):
             rows[name] = {}
-            for role, (amax, neg_scale, n, saturated, flushed) in zip(ROLES, per):
+            for role, (amax, inverse, n, saturated, flushed) in zip(ROLES, per):
                 if n == 0:
                     continue
-                figure = {"amax": amax, "scale": -neg_scale, "saturated": saturated / n, "flushed": flushed / n}
+                figure = {"amax": amax, "scale": 1 / inverse, "saturated": saturated / n, "flushed": flushed / n}
                 rows[name][role] = figure
                 old = self.worst.get((name, role), (0.0, 0.0))
                 self.worst[(name, role)] = (max(old[0], figure["flushed"]), max(old[1], figure["saturated"]))

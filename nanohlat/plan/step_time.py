@@ -40,6 +40,11 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     model_flops = flops_per_token(cfg, tcfg.seq_len) * tokens
     hardware_flops = model_flops + recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) * tokens
     compute = hardware_flops / world / (peak * utilisation)
+    fp8_ratio = None
+    if tcfg.fp8 != "none":   # --fp8: the linears at the device's FP8 rate, where it has one (plan/fp8.py)
+        from nanohlat.plan import fp8 as fp8_plan
+        fp8_ratio = fp8_plan.time_ratio(cfg, tcfg, device.split(" ")[0], threads)
+        compute *= fp8_ratio or 1.0
     # rank 0's groups; with --cp the gradients' group is dp x cp, ranks tp apart like a cp-1 mesh's dp group
     # of dp x cp ranks (context_parallel.ContextMesh), and the cp group's ranks are tp apart
     groups = {"tp": [rank_of(0, 0, r, tp, dp) for r in range(tp)],
@@ -98,4 +103,4 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
             "model_flops": model_flops, "hardware_flops": hardware_flops, "compute": compute,
             "comm": comm_s, "inside": inside, "bubble": bubble, "pipeline": pipeline, "step": step,
             "step_overlapped": min(overlapped, step), "hidden": hidden, "tokens_per_s": tokens / step,
-            "mfu": model_flops / (step * world * peak)}
+            "mfu": model_flops / (step * world * peak), "fp8_ratio": fp8_ratio}

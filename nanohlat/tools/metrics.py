@@ -51,6 +51,13 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "cpu": {"bf16": 95e9, "fp32": 95e9},  # per core, see above
 }
 
+# FP8 matmul peaks of one process where a device has them (--fp8's linears: plan/fp8.py): the H100 and
+# H200 SXM, 1,979 dense TFLOP/s (NVIDIA datasheets: 3,958 with sparsity); trn1 computes cFP8 at its BF16
+# rate (AWS Neuron docs, "Trainium Architecture": 190 FP16/BF16/cFP8/TF32 TFLOPS a chip, two cores), so FP8
+# buys it no arithmetic (Trainium2: 1,299 FP8 against 667 BF16 a chip, "Trainium2 Architecture"). The A100
+# has no FP8 tensor cores; the CPU only emulates it (beyond/fp8.py).
+FP8_FLOPS: dict[str, float] = {"NeuronCore-v2": 190e12 / 2, "H100": 1979e12, "H200": 1979e12}
+
 # --precision -> which datasheet column the matmuls run at. In bf16-mixed the
 # forward/backward matmuls are bf16 (only the master weights and optimizer are
 # fp32), so its peak is the bf16 one.

@@ -23,6 +23,8 @@ loss within 4x the floor's difference at that step plus LOSS_TOL, and each param
 (read from the step-1 checkpoint: Adam's first moment is (1 - beta1) g with --grad-clip 0) within 4x the
 floor's difference for that parameter, or 1e-5 of its norm (round-off) where the floor is below it.
 (pp, dp, ZeRO and ep split no reduction of a cast tensor: they came out bitwise equal, and cp to 3e-7.)
+Each dense run's first-step comm ledger equals the plan's prediction to the byte (plan/fp8.py: the amax
+gathers), and so does delayed scaling's at tp 2 (its history's gather a step).
 
 The negative control: tp 2 with each shard's own amax (the reduction over tp switched off,
 `_shard_amax`): its step-1 loss moves by 2e-4 (10x LOSS_TOL), its gradients by 7-12% in every layer,
@@ -36,6 +38,7 @@ import torch
 
 from conftest import read_metrics
 from dist_utils import run_layouts
+from plan_utils import assert_run_matches_plan
 
 LOSS_TOL = 2e-5   # the step-1 loss (module docstring)
 FLOOR_FACTOR = 4  # later losses, step-1 gradients: within this many times the noise floor
@@ -136,12 +139,17 @@ def one_process(cache_dir, tmp_path_factory):
 def test_every_layout_trains_like_one_process_under_fp8_and_the_shard_only_amax_does_not(
         one_process, cache_dir, tmp_path):
     runs = {(recipe, name): tmp_path / f"{recipe}_{name}" for recipe in RECIPES for name in LAYOUTS}
-    run_layouts(2, [_argv(LAYOUTS[name][0], recipe, out, cache_dir, LAYOUTS[name][1])
-                    for (recipe, name), out in runs.items()], str(tmp_path / "err"))
+    delayed = tmp_path / "delayed_tp2_sp"   # (for the plan: delayed scaling's history gathers over tp and dp)
+    argvs = {out: _argv(LAYOUTS[name][0], recipe, out, cache_dir, LAYOUTS[name][1]) for (recipe, name), out in runs.items()}
+    argvs[delayed] = _argv("dense", "delayed", delayed, cache_dir, LAYOUTS["tp2_sp"][1])
+    run_layouts(2, list(argvs.values()), str(tmp_path / "err"))
     for (recipe, name), out in runs.items():
         model = LAYOUTS[name][0]
         found = differences(_result(out), one_process[recipe, model, "ref"], one_process[recipe, model, "floor"])
         assert not found, f"{recipe} {name}: " + "; ".join(found)
+        if model == "dense":   # and the plan counted every amax gather to the byte (plan/fp8.py; ep2's all-to-alls
+            assert_run_matches_plan(out, argvs[out], 2)   # follow its routing, which the plan takes as balanced)
+    assert_run_matches_plan(delayed, argvs[delayed], 2)
     # the negative control: tp 2, each shard's own amax
     control = tmp_path / "control"
     run_layouts(2, [_argv("dense", "tensorwise", control, cache_dir, ["--tp", "2", "--microbatches", "2"])],
