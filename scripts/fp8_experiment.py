@@ -1,6 +1,7 @@
 """The FP8 experiments of docs/precision.md: training in each recipe against bf16, one large activation,
 and what the emulation costs on the CPU. Nothing here is a test: it measures and prints.
 
+    python scripts/fp8_experiment.py cast 0.3 500 1e6 1e-3      # values in E4M3 and E5M2, unscaled and scaled
     python scripts/fp8_experiment.py outlier                    # one large activation, every recipe (seconds)
     python scripts/fp8_experiment.py speed                      # an FP8 linear's step against fp32 (a minute)
     python scripts/fp8_experiment.py train --steps 30           # the issue's shape, bf16-mixed and each recipe
@@ -11,8 +12,10 @@ and what the emulation costs on the CPU. Nothing here is a test: it measures and
     python train.py --preset tiny --d-model 128 --ffn-dim 384 --steps S --precision bf16-mixed --fp8 R \\
         --out-dir ROOT/R --no-progress --resume never --overwrite [anything after --]
 
-and tabulates the held-out loss (the run's last evaluation: its own forward, in FP8 where it trained in
-FP8), its difference from the run without --fp8, and the run's mean step time after the first.
+and tabulates the first and last loss, the held-out loss (the run's last evaluation: its own forward,
+in FP8 where it trained in FP8), its difference from the run without --fp8, whether every step was
+finite and whether the loss fell. (Its tokens/s are left out: on a shared machine they measure the
+neighbours; `speed` times the linear in interleaved rounds instead.)
 
 `outlier`: x (256 x 512, N(0, 1)) with one element 10^3, 10^4 or 10^5 (a "massive activation", Sun et
 al. 2024), cast as each recipe casts a linear's input for the forward (fp8_scaling.cast); the share of
@@ -45,6 +48,19 @@ from nanohlat.comm import Group  # noqa: E402
 
 RECIPES = fp8_scaling.RECIPES
 SHAPE = ["--preset", "tiny", "--d-model", "128", "--ffn-dim", "384", "--precision", "bf16-mixed"]
+
+
+def show_casts(values: list[float]) -> None:
+    """Each value cast to E4M3 and E5M2 with scale 1, and scaled so that the largest |value| lands on the
+    format's largest (what it then stands for: q / s)."""
+    x = torch.tensor(values)
+    print(f"{'value':>10s} | {'E4M3':>10s} {'E4M3 scaled':>12s} | {'E5M2':>10s} {'E5M2 scaled':>12s}")
+    cols = []
+    for fmt in (fp8_scaling.E4M3, fp8_scaling.E5M2):
+        s = fp8_scaling.amax_scale(x.abs().max(), fmt)
+        cols += [fp8_scaling.saturating_cast(x, 1.0, fmt).float(), fp8_scaling.saturating_cast(x, s, fmt).float() / s]
+    for i, v in enumerate(values):
+        print(f"{v:10.4g} | {cols[0][i]:10.4g} {cols[1][i]:12.4g} | {cols[2][i]:10.4g} {cols[3][i]:12.4g}")
 
 
 def outlier() -> None:
@@ -115,26 +131,29 @@ def train(steps: int, out_root: str, extra: list[str], report_only: bool) -> Non
             records = [json.loads(line) for line in f]
         losses = [r for r in records if "loss" in r]
         val = [r["val_loss"] for r in records if "val_loss" in r]
-        tps = [r["tokens_per_s"] for r in losses[1:] if r.get("tokens_per_s")]
         finite = all(r["loss"] == r["loss"] and abs(r["loss"]) != float("inf") for r in losses)
-        rows.append((recipe, losses[0]["loss"], losses[-1]["loss"], val[-1], finite, statistics.median(tps)))
+        falling = losses[-1]["loss"] < losses[0]["loss"]
+        rows.append((recipe, losses[0]["loss"], losses[-1]["loss"], val[-1], finite, falling))
     base = rows[0][3]
-    print(f"{'--fp8':11s} {'loss 1':>7s} {'loss ' + str(steps):>8s} {'held-out':>9s} {'vs none':>8s} "
-          f"{'finite':>7s} {'tokens/s':>9s}")
-    for recipe, first, last, val, finite, tps in rows:
-        print(f"{recipe:11s} {first:7.4f} {last:8.4f} {val:9.4f} {(val - base) / base:+8.2%} {str(finite):>7s} "
-              f"{tps:9,.0f}")
+    print(f"{'--fp8':11s} {'loss 1':>7s} {'loss ' + str(len(losses)):>8s} {'held-out':>9s} {'vs none':>8s} "
+          f"{'all finite':>10s} {'falling':>8s}")
+    for recipe, first, last, val, finite, falling in rows:
+        print(f"{recipe:11s} {first:7.4f} {last:8.4f} {val:9.4f} {(val - base) / base:+8.2%} {str(finite):>10s} "
+              f"{str(falling):>8s}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("outlier", "speed", "train"))
+    p.add_argument("what", choices=("cast", "outlier", "speed", "train"))
+    p.add_argument("values", nargs="*", type=float, help="cast: the values to cast")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--out-root", default="runs/fp8")
     p.add_argument("--report-only", action="store_true")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    if args.what == "outlier":
+    if args.what == "cast":
+        show_casts(args.values or [0.3, 500.0, 1e6, 1e-3])
+    elif args.what == "outlier":
         outlier()
     elif args.what == "speed":
         speed()

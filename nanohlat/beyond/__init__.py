@@ -10,4 +10,6 @@ schedules.py, split_backward.py: the interleaved and ZB-H1 pipeline schedules,
 runners of their own, and ZB-H1's split linears (chapter 5).
 moe.py: a mixture of experts in place of some MLPs, and expert parallelism (chapter 10).
 context_parallel.py: one sequence over several ranks, attention across them (chapter 11).
+fp8_scaling.py, fp8.py, fp8_experts.py, fp8_stats.py: each linear's matmuls in eight bits, five
+scaling recipes, in every layout as in one process (chapter 7).
 """

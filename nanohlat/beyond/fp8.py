@@ -40,7 +40,8 @@ import torch
 import torch.nn as nn
 
 from nanohlat import comm, tensor_parallel as tpl
-from nanohlat.beyond.fp8_scaling import E4M3, FORMATS, LARGEST, RECIPES, Axis, block_sizes, cast, delayed_scale, mm
+from nanohlat.beyond.fp8_scaling import (FORMATS, LARGEST, RECIPES, Axis, block_sizes, cast, delayed_scale, mm,
+                                         operand_format)
 
 ROLES = ("x", "w", "dy")
 RULES = {"rowwise": "pow2", "mx": "mx"}   # how a block's amax becomes its scale (else largest / amax)
@@ -62,7 +63,7 @@ class Fp8Run:
         self.layers: list = []    # every FP8 module of this rank (apply), in the model's order
 
     def format(self, role: str) -> torch.dtype:
-        return self.grad_format if role == "dy" else E4M3
+        return operand_format(role, self.grad_format)
 
     def tokens(self, batch_shape) -> Axis:
         """The token axis of a (B, T) micro-batch flattened, as one process has it: with --cp this rank's

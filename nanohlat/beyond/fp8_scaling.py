@@ -66,7 +66,18 @@ def saturating_cast(x: torch.Tensor, scale, fmt: torch.dtype) -> torch.Tensor:
 def amax_scale(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     """tensorwise, blockwise: the scale that puts `amax` on the format's largest value, largest / amax,
     divided in fp64 and rounded once to fp32 (torchao's amax_to_scale); an amax of 0 counts as EPS."""
+    # exercise 7b: begin
     return (LARGEST[fmt] / amax.double().clamp(min=EPS)).float()
+    # exercise 7b: end
+
+
+def operand_format(role: str, grad_format: torch.dtype) -> torch.dtype:
+    """The format an operand is cast to: E4M3 for the weights and the activations ('w', 'x'), the
+    gradients' format (E5M2 unless --fp8-grad-format e4m3) for the output's gradient ('dy'): a gradient
+    spans more binades, and (with a delayed scale) may grow past the amax its scale was made for."""
+    # exercise 7b: begin
+    return grad_format if role == "dy" else E4M3
+    # exercise 7b: end
 
 
 def power_of_two_below(scale: torch.Tensor) -> torch.Tensor:
@@ -228,8 +239,10 @@ def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int],
     else:
         table = _amax_along(_amax_along(a, 0, r_ids, r_n), 1, c_ids, c_n)
     groups = r_groups + tuple(g for g in c_groups if not any(g is h for h in r_groups))   # (each group once)
-    for group in groups:
+    # exercise 7c: begin
+    for group in groups:   # every rank's part of each block: the max of their amaxes is the block's
         table = comm.all_gather(table.unsqueeze(0), group, what=what).amax(dim=0)
+    # exercise 7c: end
     return table, r_ids, c_ids
 
 

@@ -111,6 +111,10 @@ EXERCISES = [
     Exercise("6a", "rank <-> (dp, pp, tp) coordinates, tensor-parallel ranks neighbours", "6"),
     Exercise("6b", "the process groups: every tp, dp and pp group of the mesh", "6"),
     Exercise("7a", "stochastic rounding of fp32 to bf16 with 16 given random bits per element: unbiased, NaN stays NaN", "7"),
+    Exercise("7b", "FP8: the saturating scaled cast, the scale that puts a tensor's amax on the format's largest "
+                   "value, and each operand's format (E4M3; gradients E5M2)", "7"),
+    Exercise("7c", "FP8's block scales: OCP MX's power-of-two (E8M0) scale from a block's amax, and a block's amax "
+                   "over the ranks that hold its pieces", "7"),
     Exercise("8a", "resharding: the view of the full tensor that one saved tp part fills (dst, cov)", "8"),
     Exercise("8b", "--async-save at a step's end: finish the save in flight, begin, snapshot, then hand the snapshot "
                    "to a writer thread", "8"),
@@ -134,7 +138,8 @@ FILES = {"nanohlat/model.py": "1a 1b", "nanohlat/serving/generate.py": "1c", "na
          "nanohlat/zero1.py": "3b 3c", "nanohlat/beyond/zero2.py": "3d", "nanohlat/beyond/zero3.py": "3e",
          "nanohlat/tensor_parallel.py": "4a 4b 4c", "nanohlat/pipeline.py": "5a 5b",
          "nanohlat/beyond/schedules.py": "5c", "nanohlat/mesh.py": "6a 6b", "nanohlat/precision.py": "7a",
-         "nanohlat/run/checkpoint/reshard.py": "8a", "nanohlat/run/checkpoint/background.py": "8b", "nanohlat/beyond/moe.py": "10a 10b 10c",
+         "nanohlat/beyond/fp8_scaling.py": "7b 7c", "nanohlat/run/checkpoint/reshard.py": "8a",
+         "nanohlat/run/checkpoint/background.py": "8b", "nanohlat/beyond/moe.py": "10a 10b 10c",
          "nanohlat/beyond/context_parallel.py": "11a 11b 11c"}
 
 

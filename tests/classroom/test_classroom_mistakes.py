@@ -14,8 +14,8 @@ it writes the planted file, imports nanohlat afresh (no bytecode cache), runs
 that exercise's checks (`checks.run`, what `python -m nanohlat.classroom
 check ID` runs, distributed checks with their gloo workers) and puts the file
 back. One process for all of them keeps torch's import and the workers' fork
-server to one start each. The plants themselves stand in plants_chapters_1_to_8.py and
-plants_chapters_10_and_11.py (what a plant is, and the helpers that write one: plants.py).
+server to one start each. The plants themselves stand in plants_chapters_1_to_8.py,
+plants_chapter_7_fp8.py and plants_chapters_10_and_11.py (what a plant is, and the helpers that write one: plants.py).
 
 All of them take minutes. To plant one chapter's (or some exercises') only, name
 them in NANOHLAT_PLANTS: `NANOHLAT_PLANTS=10 python -m pytest
@@ -34,6 +34,7 @@ import time
 
 import pytest
 
+import plants_chapter_7_fp8
 import plants_chapters_1_to_8
 import plants_chapters_10_and_11
 from plants import ROOT, WRONG_COMM, Plant
@@ -44,7 +45,7 @@ END = re.compile(r"^\s*# exercise (\d+[a-z]): end\s*$")
 
 
 # every plant, chapter by chapter
-PLANTS = plants_chapters_1_to_8.PLANTS + plants_chapters_10_and_11.PLANTS
+PLANTS = plants_chapters_1_to_8.PLANTS + plants_chapter_7_fp8.PLANTS + plants_chapters_10_and_11.PLANTS
 
 
 # ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ called on some ranks only.
 Where things are: grading.py (verdicts, the gloo workers), wire.py (what a
 rank moves), then one file of oracles per chapter of tutorial.md, in its
 order: ch1_transformer.py, ch3_data_parallel.py, ch4_tensor_parallel.py,
-ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch8_checkpoints.py,
+ch5_pipeline.py, ch6_mesh.py, ch7_precision.py, ch7_fp8.py, ch8_checkpoints.py,
 ch10_moe.py, ch11_context_parallel.py. This
 file runs an exercise's checks (`run`) and lists them (`CHECKS`).
 """
@@ -53,6 +53,7 @@ from nanohlat.classroom.checks.ch4_tensor_parallel import check_conjugates, chec
 from nanohlat.classroom.checks.ch5_pipeline import check_1f1b, check_exchange_plan, check_interleaved
 from nanohlat.classroom.checks.ch6_mesh import check_coords, check_groups
 from nanohlat.classroom.checks.ch7_precision import check_stochastic_rounding
+from nanohlat.classroom.checks.ch7_fp8 import check_block_amax_over_ranks, check_fp8_cast, check_mx_scale
 from nanohlat.classroom.checks.ch8_checkpoints import check_background_save, check_reshard
 from nanohlat.classroom.checks.ch10_moe import check_dispatch, check_ep_groups, check_route
 from nanohlat.classroom.checks.ch11_context_parallel import check_merge, check_ring_backward, check_zigzag
@@ -92,6 +93,8 @@ CHECKS = {
     "6a": [check_coords],
     "6b": [check_groups],
     "7a": [check_stochastic_rounding],
+    "7b": [check_fp8_cast],
+    "7c": [check_mx_scale, check_block_amax_over_ranks],
     "8a": [check_reshard],
     "8b": [check_background_save],
     "10a": [check_route],
