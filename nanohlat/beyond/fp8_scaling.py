@@ -166,7 +166,7 @@ class Axis:
 def block_count(axis: Axis, block: int) -> tuple[int, tuple]:
     """(count, groups): how many blocks of `block` positions (0: the whole axis, or each segment) the amax
     table has along the axis, and the groups it is reduced over (those of a straddling block): `block_ids`'
-    rule, which the plan counts with (plan/fp8.py). Segments' tiles depend on their lengths (the data's)."""
+    rule, which the plan counts with (plan/fp8_costs.py). Segments' tiles depend on their lengths (the data's)."""
     if axis.segments is not None:
         count = len(axis.segments) if block == 0 else sum(-(-n // block) for n in axis.segments)
         return count, (axis.groups if block != 1 else ())

@@ -15,7 +15,7 @@ One idea a file, in the order they build on each other:
     communication.py  every collective per step, counted like the comm ledger
     hardware.py       device memory, the interconnects, the dp ring hop by hop
     step_time.py      compute + communication + bubble: an estimated step
-    fp8.py            --fp8: its amax gathers, what it keeps, the linears at the device's FP8 rate
+    fp8_costs.py      --fp8: its amax gathers, what it keeps, the linears at the device's FP8 rate
     failures.py       a checkpoint's bytes and save time, the cluster's MTBF, the interval that loses least
     kv_cache.py       the KV cache when serving
     fmt.py            human units and aligned tables

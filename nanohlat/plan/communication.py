@@ -181,8 +181,8 @@ def comm_per_step(cfg: ModelConfig, tcfg: TrainConfig, mesh, whole_block_replay:
                 _add_buckets(out, f"{g}.all_reduce", n, bucket, 1, 4, dp)
         if tcfg.zero:
             _add(out, f"{g}.all_reduce", 4, 1, dp)                  # grad-norm square
-    if tcfg.fp8 != "none":   # --fp8: the amax tables of cut tensors, delayed scaling's history (plan/fp8.py)
-        from nanohlat.plan import fp8 as fp8_plan
+    if tcfg.fp8 != "none":   # --fp8: the amax tables of cut tensors, delayed scaling's history (plan/fp8_costs.py)
+        from nanohlat.plan import fp8_costs as fp8_plan
         fp8_plan.add_collectives(out, _add, cfg, tcfg, mesh, stage)
     return dict(sorted(out.items()))
 

@@ -386,8 +386,8 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
           "(ZeRO-2: of each), hiding up to 2/3 of that backward's compute ('step' counts it), on XLA nanohlat "
           "overlaps none of it; 'dp overlapped' hides all the dp reduction behind the whole backward (2/3 of the "
           "compute), as Megatron-LM does (an XLA compiler may schedule it so inside one step graph)"]
-    if tcfg.fp8 != "none":   # what FP8's rate makes of the arithmetic on each device (plan/fp8.py)
-        from nanohlat.plan import fp8 as fp8_plan
+    if tcfg.fp8 != "none":   # what FP8's rate makes of the arithmetic on each device (plan/fp8_costs.py)
+        from nanohlat.plan import fp8_costs as fp8_plan
         lines += fp8_plan.plan_lines(cfg, tcfg, devices)
     return lines + _dp_ring_section(cfg, tcfg, world, devices)
 

@@ -41,8 +41,8 @@ def estimate_step(cfg: ModelConfig, tcfg: TrainConfig, world: int, device: str, 
     hardware_flops = model_flops + recompute_flops_per_token(cfg, tcfg.seq_len, tcfg.activation_checkpointing) * tokens
     compute = hardware_flops / world / (peak * utilisation)
     fp8_ratio = None
-    if tcfg.fp8 != "none":   # --fp8: the linears at the device's FP8 rate, where it has one (plan/fp8.py)
-        from nanohlat.plan import fp8 as fp8_plan
+    if tcfg.fp8 != "none":   # --fp8: the linears at the device's FP8 rate, where it has one (plan/fp8_costs.py)
+        from nanohlat.plan import fp8_costs as fp8_plan
         fp8_ratio = fp8_plan.time_ratio(cfg, tcfg, device.split(" ")[0], threads)
         compute *= fp8_ratio or 1.0
     # rank 0's groups; with --cp the gradients' group is dp x cp, ranks tp apart like a cp-1 mesh's dp group

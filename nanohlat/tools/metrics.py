@@ -51,7 +51,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "cpu": {"bf16": 95e9, "fp32": 95e9},  # per core, see above
 }
 
-# FP8 matmul peaks of one process where a device has them (--fp8's linears: plan/fp8.py): the H100 and
+# FP8 matmul peaks of one process where a device has them (--fp8's linears: plan/fp8_costs.py): the H100 and
 # H200 SXM, 1,979 dense TFLOP/s (NVIDIA datasheets: 3,958 with sparsity); trn1 computes cFP8 at its BF16
 # rate (AWS Neuron docs, "Trainium Architecture": 190 FP16/BF16/cFP8/TF32 TFLOPS a chip, two cores), so FP8
 # buys it no arithmetic (Trainium2: 1,299 FP8 against 667 BF16 a chip, "Trainium2 Architecture"). The A100

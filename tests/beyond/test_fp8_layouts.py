@@ -23,7 +23,7 @@ loss within 4x the floor's difference at that step plus LOSS_TOL, and each param
 (read from the step-1 checkpoint: Adam's first moment is (1 - beta1) g with --grad-clip 0) within 4x the
 floor's difference for that parameter, or 1e-5 of its norm (round-off) where the floor is below it.
 (pp, dp, ZeRO and ep split no reduction of a cast tensor: they came out bitwise equal, and cp to 3e-7.)
-Each dense run's first-step comm ledger equals the plan's prediction to the byte (plan/fp8.py: the amax
+Each dense run's first-step comm ledger equals the plan's prediction to the byte (plan/fp8_costs.py: the amax
 gathers), and so does delayed scaling's at tp 2 (its history's gather a step).
 
 The negative control: tp 2 with each shard's own amax (the reduction over tp switched off,
@@ -147,7 +147,7 @@ def test_every_layout_trains_like_one_process_under_fp8_and_the_shard_only_amax_
         model = LAYOUTS[name][0]
         found = differences(_result(out), one_process[recipe, model, "ref"], one_process[recipe, model, "floor"])
         assert not found, f"{recipe} {name}: " + "; ".join(found)
-        if model == "dense":   # and the plan counted every amax gather to the byte (plan/fp8.py; ep2's all-to-alls
+        if model == "dense":   # and the plan counted every amax gather to the byte (plan/fp8_costs.py; ep2's all-to-alls
             assert_run_matches_plan(out, argvs[out], 2)   # follow its routing, which the plan takes as balanced)
     assert_run_matches_plan(delayed, argvs[delayed], 2)
     # the negative control: tp 2, each shard's own amax
