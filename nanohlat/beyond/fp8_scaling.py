@@ -55,18 +55,22 @@ TILE, MX_BLOCK = 128, 32   # DeepSeek-V3's tiles and blocks; the OCP MX block
 
 
 def saturating_cast(x: torch.Tensor, scale, fmt: torch.dtype) -> torch.Tensor:
-    """x * scale in the FP8 format `fmt`, every value beyond the format's largest clamped to it
-    (a NaN stays NaN). The product is formed in fp32 whatever x's dtype (as torchao does)."""
+    """x * scale in the FP8 format `fmt` (a tensor of that dtype): each value the nearest the format
+    holds, and a value beyond the format's largest becomes that largest value, of its sign (a NaN
+    stays NaN). The product x * scale is formed in fp32 whatever x's dtype (as torchao does)."""
     # exercise 7b: begin
+    # torch's cast rounds to nearest but does not saturate everywhere (inf in E5M2; NaN in E4M3FN on
+    # torch 2.9): clamp first, then cast
     big = LARGEST[fmt]
     return (x.float() * scale).clamp(-big, big).to(fmt)
     # exercise 7b: end
 
 
 def amax_scale(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """tensorwise, blockwise: the scale that puts `amax` on the format's largest value, largest / amax,
-    divided in fp64 and rounded once to fp32 (torchao's amax_to_scale); an amax of 0 counts as EPS."""
+    """tensorwise, blockwise: the scale that puts `amax` on the format's largest value (fp32, rounded
+    once from the exact quotient, as torchao's amax_to_scale); an amax of 0 counts as EPS."""
     # exercise 7b: begin
+    # largest / amax in fp64, then to fp32: one rounding
     return (LARGEST[fmt] / amax.double().clamp(min=EPS)).float()
     # exercise 7b: end
 
@@ -87,12 +91,13 @@ def power_of_two_below(scale: torch.Tensor) -> torch.Tensor:
 
 
 def mx_scale(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
-    """mx: the OCP MX v1.0 shared scale X = 2^(floor(log2 amax) - emax_elem), an E8M0 number (a power of
-    two from 2^-127 to 2^127); the cast multiplies by 1/X. The block's amax then lands in [2^emax,
-    2^(emax+1)): an E4M3 block whose amax is above 448 x 2^(e-8) saturates there (the specification
-    allows it; it keeps the elements below the amax one binade further from the flush to zero). A block of
-    zeros gets X = 1. floor(log2 amax) is read off the exponent, exactly (frexp: amax = m 2^e, m in [0.5, 1))."""
+    """mx: the scale 1/X of the OCP MX v1.0 shared scale X = 2^(floor(log2 amax) - emax_elem), an E8M0
+    number (a power of two from 2^-127 to 2^127; EMAX holds each format's emax_elem). The block's amax
+    then lands in [2^emax, 2^(emax+1)): an E4M3 block whose amax is above 448 x 2^(e-8) saturates there
+    (the specification allows it; it keeps the elements below the amax one binade further from the
+    flush to zero). A block of zeros gets scale 1."""
     # exercise 7c: begin
+    # floor(log2 amax), exactly, from the exponent: frexp gives amax = m 2^e with m in [0.5, 1)
     _, e = torch.frexp(amax.float())
     shared = (e - 1 - EMAX[fmt]).clamp(-127, 127)
     shared = torch.where(amax > 0, shared, torch.zeros_like(shared))
@@ -230,7 +235,8 @@ class Cast:
 
 def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int], what: str = "fp8 amax"):
     """The amax of every block of x (rows x cols) as one process has it: (table, row ids, col ids), the
-    table reduced (all-gather, max) over the groups holding other parts of a straddling block."""
+    same table on every rank of the groups that hold other parts of a straddling block (`groups`,
+    through comm.py: `what` names the collective)."""
     r_ids, r_n, r_groups = block_ids(rows, blocks[0], x.device)
     c_ids, c_n, c_groups = block_ids(cols, blocks[1], x.device)
     a = x.detach().abs().float()
@@ -240,7 +246,9 @@ def block_amax(x: torch.Tensor, rows: Axis, cols: Axis, blocks: tuple[int, int],
         table = _amax_along(_amax_along(a, 0, r_ids, r_n), 1, c_ids, c_n)
     groups = r_groups + tuple(g for g in c_groups if not any(g is h for h in r_groups))   # (each group once)
     # exercise 7c: begin
-    for group in groups:   # every rank's part of each block: the max of their amaxes is the block's
+    # every rank holds the amaxes of its parts of the blocks: the block's is the max of them, and
+    # comm.py has no max-reduce, so gather the tables and take the max (as the vocab-parallel loss does)
+    for group in groups:
         table = comm.all_gather(table.unsqueeze(0), group, what=what).amax(dim=0)
     # exercise 7c: end
     return table, r_ids, c_ids
