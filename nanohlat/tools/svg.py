@@ -91,6 +91,19 @@ def short(v: float) -> str:
     return f"{v:.3g}"
 
 
+def tick_labels(ts: list[float]) -> list[str]:
+    """Labels for ticks(): short() for a lone tick, else as many decimals as the ticks' step
+    needs, so that neighbouring ticks never read the same (6.240, 6.245, 6.250; 500k, 1.0M)."""
+    if len(ts) < 2:
+        return [short(t) for t in ts]
+    step, out = ts[1] - ts[0], []
+    for t in ts:
+        scale, suffix = next(((sc, sf) for sc, sf in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if abs(t) >= sc), (1, ""))
+        decimals = max(0, -math.floor(math.log10(step / scale) + 1e-9))
+        out.append("0" if t == 0 else f"{t / scale:.{decimals}f}{suffix}")
+    return out
+
+
 def line_chart(series: dict[str, list[tuple[float, float]]], x_label: str, y_label: str,
                width: float = 560, height: float = 260, title: str = "") -> str:
     """One curve per series (name -> [(x, y), ...]) on shared axes, with a legend.
@@ -109,12 +122,14 @@ def line_chart(series: dict[str, list[tuple[float, float]]], x_label: str, y_lab
     sy = lambda y: top + ph - (y - y0) / (y1 - y0) * ph      # noqa: E731
     if title:
         svg.text(width / 2, 15, title, size=12, anchor="middle", bold=True)
-    for t in ticks(y0, y1):
+    ts = ticks(y0, y1)
+    for t, label in zip(ts, tick_labels(ts)):
         svg.line(left, sy(t), left + pw, sy(t), stroke="#ddd")
-        svg.text(left - 4, sy(t) + 4, short(t), size=10, anchor="end")
-    for t in ticks(x0, x1):
+        svg.text(left - 4, sy(t) + 4, label, size=10, anchor="end")
+    ts = ticks(x0, x1)
+    for t, label in zip(ts, tick_labels(ts)):
         svg.line(sx(t), top + ph, sx(t), top + ph + 4)
-        svg.text(sx(t), top + ph + 15, short(t), size=10, anchor="middle")
+        svg.text(sx(t), top + ph + 15, label, size=10, anchor="middle")
     svg.line(left, top + ph, left + pw, top + ph)
     svg.line(left, top, left, top + ph)
     svg.text(left + pw / 2, height - 6, x_label, anchor="middle")
@@ -154,9 +169,10 @@ def stacked_bars(bars: list[tuple[str, list[tuple[str, float]]]], unit: str, lim
             svg.rect(x, y + 3, sx(v), row - 6, colour(names.index(name)), tip=f"{name}: {short(v)} {unit}")
             x += sx(v)
     base = top + row * len(bars)
-    for t in ticks(0, most):
+    ts = ticks(0, most)
+    for t, label in zip(ts, tick_labels(ts)):
         svg.line(left + sx(t), base, left + sx(t), base + 4)
-        svg.text(left + sx(t), base + 15, short(t), size=10, anchor="middle")
+        svg.text(left + sx(t), base + 15, label, size=10, anchor="middle")
     svg.line(left, base, left + pw, base)
     if limit is not None:
         svg.line(left + sx(limit), top, left + sx(limit), base, stroke="#c00", width=1.5, dash="5 3")
@@ -191,9 +207,10 @@ def gantt(rows: list[tuple[str, list[tuple[float, float, str, int]]]], x_label: 
                 svg.text((sx(s) + sx(e)) / 2, y + 15, text, size=10, anchor="middle", fill="#fff")
     base = top + row * len(rows)
     svg.line(left, base, left + pw, base)
-    for t in ticks(0, end):
+    ts = ticks(0, end)
+    for t, label in zip(ts, tick_labels(ts)):
         svg.line(sx(t), base, sx(t), base + 4)
-        svg.text(sx(t), base + 15, short(t), size=10, anchor="middle")
+        svg.text(sx(t), base + 15, label, size=10, anchor="middle")
     svg.text(left + pw / 2, base + 30, x_label, size=10, anchor="middle")
     return str(svg)
 
@@ -245,9 +262,10 @@ def grouped_bars(groups: list[tuple[str, list[tuple[str, float]]]], unit: str, w
             svg.text(left + sx(v) + 3, y + bar - 2, short(v), size=9)
             y += bar
         y += gap
-    for t in ticks(0, most):
+    ts = ticks(0, most)
+    for t, label in zip(ts, tick_labels(ts)):
         svg.line(left + sx(t), base, left + sx(t), base + 4)
-        svg.text(left + sx(t), base + 15, short(t), size=10, anchor="middle")
+        svg.text(left + sx(t), base + 15, label, size=10, anchor="middle")
     svg.line(left, base, left + pw, base)
     svg.line(left, top, left, base)
     svg.text(left + pw / 2, base + 28, unit, size=10, anchor="middle")

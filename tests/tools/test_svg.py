@@ -77,3 +77,11 @@ def test_panels_place_each_figure_in_its_cell():
         (0, 22), (float(parse(a).get("width")) + 10, 22), (0, 22 + float(parse(b).get("height")) + 10)]
     assert float(root.get("width")) == float(parse(a).get("width")) + 10 + float(parse(b).get("width"))
     assert [t.text for t in inner[1].iter(NS + "text") if t.text in ("1", "2")] == ["1", "2"]
+
+
+def test_tick_labels_never_repeat_where_the_ticks_differ():
+    for lo, hi in ((6.24, 6.25), (0, 1.6e6), (0.13, 0.91), (1e-4, 3e-4), (0, 10)):
+        ts = svg.ticks(lo, hi)
+        labels = svg.tick_labels(ts)
+        assert len(set(labels)) == len(ts) > 1, (lo, hi, labels)
+    assert svg.tick_labels(svg.ticks(0, 1.6e6)) == ["0", "500k", "1.0M", "1.5M"]
