@@ -216,7 +216,10 @@ def test_overlapped_reduction_is_bitwise_the_same_and_moves_the_same_bytes(stage
     on, off = stage_runs[f"{zero}_overlap"][1], stage_runs[f"{zero}_no-overlap"][1]
     assert _metrics(on) == _metrics(off)
     a, b = _summary(on), _summary(off)
-    assert {k: v for k, v in a.items() if k != "peak_memory"} == {k: v for k, v in b.items() if k != "peak_memory"}
+    # (not the process's peak memory, nor "checkpoints": the overlapped run also saved every 2 steps, and
+    # what it records is each save's stall in seconds)
+    timed = ("peak_memory", "checkpoints")
+    assert {k: v for k, v in a.items() if k not in timed} == {k: v for k, v in b.items() if k not in timed}
     for rank in range(2):   # the weights and the optimizer state (ZeRO: each rank's shard of it)
         a = torch.load(f"{_ckpt(on, 5)}/shard_{rank:05d}.pt", weights_only=True)
         b = torch.load(f"{_ckpt(off, 5)}/shard_{rank:05d}.pt", weights_only=True)
