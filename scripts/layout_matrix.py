@@ -218,7 +218,25 @@ def train(name: str, nproc: int, flags: str, tmp: str, cache: list[str]) -> dict
     if done.returncode or [r["step"] for r in rows] != list(range(1, STEPS + 1)):
         tail = "\n".join(done.stdout.strip().splitlines()[-5:])
         return result | {"error": f"exit {done.returncode}, {len(rows)} steps logged:\n{tail}"}
-    return result | {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]}
+    return result | {"loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows]} | record(out)
+
+
+# a run's config.json, less what names this machine's folders, and its summary.json (rank 0's measured bytes)
+PATHS = ("out_dir", "data", "tokenizer", "cache_dir", "tokenizer_path")
+
+
+def record(out: str) -> dict:
+    """{"config": ..., "summary": ...} of the run in `out` (for --plan-vs-measured), whichever it wrote."""
+    kept = {}
+    for name in ("config", "summary"):
+        path = os.path.join(out, name + ".json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                kept[name] = json.load(f)
+    if "config" in kept:
+        kept["config"] = {k: v for k, v in kept["config"].items() if k not in PATHS}
+        kept["config"]["train"] = {k: v for k, v in kept["config"]["train"].items() if k not in PATHS}
+    return kept
 
 
 def max_rel_diff(got: list[float], ref: list[float]) -> float:
@@ -274,6 +292,23 @@ def machine() -> dict:
 
 
 DEFAULT_OUT = os.path.join(ROOT, "runs", "layout_matrix.json")
+# the layouts whose measured bytes the repository ships (nanohlat/plan/layout_matrix_measured.json): one of each
+# strategy and ZeRO stage, every schedule but afab, cp and a mixture's ep (and their references, one process)
+PLAN_VS_MEASURED = ["tp2_sp", "dp2", "dp2_z1", "dp2_z2", "dp2_z3", "pp2_1f1b_m4", "pp2_zbh1_m4",
+                    "tp2_pp2_interleaved_sp", "cp2_ring", "cp2_dp2_z1_ring_m2", "moe_ep2", "moe_pp2_interleaved_m2"]
+
+
+def write_plan_vs_measured(path: str, results: dict, where: dict, argv: list[str]) -> None:
+    """Each run that wrote its config.json and summary.json, with the plan's figures for that config
+    (nanohlat/plan/measured.py; a test recomputes them, so the file cannot go stale unnoticed)."""
+    from nanohlat.plan import measured
+    from nanohlat.system import files
+    runs = {name: {"nproc": r["nproc"], "flags": r["flags"], "config": r["config"], "summary": r["summary"],
+                   "planned": measured.planned(r["config"])}
+            for name, r in sorted(results.items()) if "config" in r and "summary" in r}
+    command = " ".join(["python", "scripts/layout_matrix.py"] + [a for a in argv])
+    files.write_text(path, json.dumps({"command": command, "machine": where, "steps": STEPS, "runs": runs},
+                                      indent=1) + "\n")
 
 
 class Refused(Exception):
@@ -352,6 +387,11 @@ def _main(argv=None) -> int:
                                                    "folder")
     p.add_argument("--compare", default="", help="an earlier JSON, never written: list the runs whose numbers "
                                                  "differ, exit 1 if any")
+    p.add_argument("--plan-vs-measured", default="", metavar="FILE",
+                   help="also write each run's measured bytes (rank 0's summary.json) beside the plan's for its "
+                        "config.json: the data `train.py --plan --html` shows (the repository ships "
+                        "nanohlat/plan/layout_matrix_measured.json, made with --only "
+                        f"{','.join(PLAN_VS_MEASURED)})")
     args = p.parse_args(argv)
     names = SAMPLE if args.sample else [n for n in args.only.split(",") if n] or None
     runs, refs = plan(names)
@@ -359,6 +399,7 @@ def _main(argv=None) -> int:
     # (the runs start in the repository's root: a relative one meant a folder there, not here)
     baseline = read_baseline(args.compare) if args.compare else None
     out = out_path(args.out, args.compare)
+    versus = out_path(args.plan_vs_measured, "") if args.plan_vs_measured else ""
     cache = os.path.abspath(args.cache_dir) if args.cache_dir else ""
     if cache and os.path.exists(cache) and not os.path.isdir(cache):
         raise Refused(f"--cache-dir {args.cache_dir!r} is not a folder; give a folder (it is made if missing)")
@@ -385,6 +426,9 @@ def _main(argv=None) -> int:
                                       "tolerance": TOLERANCE, "seconds": round(seconds), "references": refs,
                                       "runs": results}, indent=1))
     print(f"wrote {out}" + (f" (the baseline {args.compare} is left as it was)" if args.compare else ""))
+    if versus:
+        write_plan_vs_measured(versus, results, where, argv if argv is not None else sys.argv[1:])
+        print(f"wrote {versus}: the plan beside what each run measured")
     changed = compare(results, baseline["runs"]) if args.compare else []
     if args.compare:
         print(f"against {args.compare}: " + (f"{len(changed)} run(s) differ: {', '.join(changed)}" if changed

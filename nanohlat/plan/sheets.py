@@ -120,22 +120,19 @@ def _moe_lines(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
             "dropless, a router favouring some experts moves more rows to their ranks at --ep)"]
 
 
-def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
-    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+def memory_table(cfg: ModelConfig, tcfg: TrainConfig, dp: int, largest_only: bool = False
+                 ) -> tuple[list[str], list[list], dict, int]:
+    """The memory table of --plan: (header, a row of cells per stage shown (largest_only: the largest stage's
+    alone), every stage's memory_per_rank, and the largest stage. The planner page (plan/page_data.py) shows
+    the same cells."""
+    pp = tcfg.pp
     eager = tcfg.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
-    mems = {s: memory_per_rank(cfg, tcfg, tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
+    mems = {s: memory_per_rank(cfg, tcfg, tcfg.tp, pp, dp, s, fused=eager, eager=eager) for s in range(pp)}
     largest = max(range(pp), key=lambda s: mems[s]["peak"])
-    lines = ["", "parameters and memory per rank (every rank of a stage holds the same), assuming "
-             + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
-                "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
-                "--device cpu or cuda for eager")]
     rows, staging = [], any(mems[s]["grad_staging"] for s in range(pp))   # (ZeRO-2's column)
-    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
-              eager and "the grad norm's fp64 chunk or the in-place AdamW's temporaries, the larger")
-    step_parts = " + ".join(x for x in during if x) or "nothing more"
     gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
     transient = any(mems[s]["backward_transients"] for s in range(pp))    # (eager backends')
-    for s in shown_stages(pp):
+    for s in [largest] if largest_only else shown_stages(pp):
         r = mems[s]
         step = fmt_bytes(r["step_temporaries"])
         rows.append([s, stage_layer_text(cfg.n_layers, pp, s, tcfg.virtual_stages), fmt_count(r["params"]), fmt_bytes(r["weights"]),
@@ -147,10 +144,35 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                     + ([fmt_bytes(r["backward_transients"])] if transient else [])
                     + ([fmt_bytes(r["grad_staging"])] if staging else [])
                     + ([fmt_bytes(r["gathered"])] if gathered else []) + [step, fmt_bytes(r["peak"])])
-    lines += table(["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
-                 "fp32 grads", "loss bwd"] + (["transients"] if transient else [])
-                + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
-                + ["optimizer step", "peak"], rows)
+    header = (["stage", "layers", "params", "weights", "grads", "Adam", "Adam ZeRO-1", "activations",
+               "fp32 grads", "loss bwd"] + (["transients"] if transient else [])
+              + (["grad staging"] if staging else []) + (["gathered"] if gathered else [])
+              + ["optimizer step", "peak"])
+    return header, rows, mems, largest
+
+
+def fits_lines(tcfg: TrainConfig, biggest: int, largest: int) -> dict[str, str]:
+    """--plan's "does it fit" line for each device of --device whose memory is known, by device."""
+    return {dev: f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(DEVICE_MEMORY[dev])} on one {dev}: "
+                 + ("fits" if biggest <= DEVICE_MEMORY[dev] else f"does NOT fit ({biggest / DEVICE_MEMORY[dev]:.1f}x)")
+            for dev in PLAN_DEVICES[tcfg.device] if dev in DEVICE_MEMORY}
+
+
+def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
+    tp, pp, m = tcfg.tp, tcfg.pp, tcfg.microbatches
+    eager = tcfg.device in ("cpu", "cuda")    # else plan for xla (trn1), also for --device auto
+    header, rows, mems, largest = memory_table(cfg, tcfg, dp)
+    lines = ["", "parameters and memory per rank (every rank of a stage holds the same), assuming "
+             + ("an eager backend (cpu/cuda): fused attention kernel, unfused AdamW" if eager else
+                "xla (trn1): T*T attention scores kept, AdamW fused into one kernel; "
+                "--device cpu or cuda for eager")]
+    staging = any(mems[s]["grad_staging"] for s in range(pp))
+    during = ({1: "ZeRO-1 shards and gathers", 2: "ZeRO-2 gathers"}.get(tcfg.zero),
+              eager and "the grad norm's fp64 chunk or the in-place AdamW's temporaries, the larger")
+    step_parts = " + ".join(x for x in during if x) or "nothing more"
+    gathered = any(mems[s]["gathered"] for s in range(pp))                # (ZeRO-3's)
+    transient = any(mems[s]["backward_transients"] for s in range(pp))    # (eager backends')
+    lines += table(header, rows)
     lines.append(f"  peak = weights + grads + Adam ({f'ZeRO-{tcfg.zero}' if tcfg.zero else 'no ZeRO'}, as configured) + "
              f"fp32 gradient buffers + rotary tables, token ids" + (", the last exchange" if pp > 1 and eager else "")
              + (", the last step's gradient shards" if tcfg.zero == 1 and dp > 1 else "")
@@ -167,12 +189,7 @@ def _memory_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
                  "(measured on the cpu for small layouts of every strategy, tests/plan/test_plan_peak_memory.py)"
                  if eager else "  peak: what the plan counts; on xla the compiler assigns the step's buffers, which the plan "
                  "does not model (the bound is measured on eager backends: --device cpu)")
-    biggest = mems[largest]["peak"]
-    for dev in PLAN_DEVICES[tcfg.device]:
-        if dev in DEVICE_MEMORY:
-            cap = DEVICE_MEMORY[dev]
-            lines.append(f"  largest stage {largest}: {fmt_bytes(biggest)} of {fmt_bytes(cap)} on one {dev}: "
-                     + ("fits" if biggest <= cap else f"does NOT fit ({biggest / cap:.1f}x)"))
+    lines += fits_lines(tcfg, mems[largest]["peak"], largest).values()
 
     flight = mems[largest]["in_flight"]
     held = (f"{flight} chunk activations of {m} micro-batch(es), each 1/{tcfg.virtual_stages} of the stage,"
@@ -338,6 +355,29 @@ def _comm_section(cfg: ModelConfig, tcfg: TrainConfig, dp: int) -> list[str]:
         lines.append("  full checkpointing replays 3 of a block's 4 forward tp collectives with torch's checkpoint, "
                  "all 4 with torch_xla's (--device xla)")
     return lines
+def time_devices(tcfg: TrainConfig) -> list[str]:
+    """The devices of --plan's time table: --device's, and on xla (or auto) trn1n's too."""
+    return list(PLAN_DEVICES[tcfg.device]) + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
+
+
+def time_header(tcfg: TrainConfig) -> list[str]:
+    return (["device", "peak", "compute", "tp comm", "pp exchange", "dp comm"]
+            + (["ep all-to-all"] if tcfg.ep > 1 else []) + (["cp attention"] if tcfg.cp > 1 else [])
+            + ["bubble", "step", "tokens/s", "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"])
+
+
+def time_row(cfg: ModelConfig, tcfg: TrainConfig, world: int, dev: str) -> list[str]:
+    """One device's row of --plan's time table (time_header's cells); the planner page shows the same."""
+    est = estimate_step(cfg, tcfg, world, dev)
+    sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep, "cp": tcfg.cp}
+    comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
+                  for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ()) + (("cp",) if tcfg.cp > 1 else ())]
+    return ([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
+            + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
+               f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
+               fmt_seconds(est["step"] * tcfg.steps)])
+
+
 def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
     tokens = tcfg.batch_size * tcfg.seq_len
     f_tok = flops_per_token(cfg, tcfg.seq_len)
@@ -346,21 +386,8 @@ def _time_section(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> list[str]:
              f"metrics.flops_per_token) x {tokens:,} tokens = {fmt_flop(f_tok * tokens)} per step, "
              f"{fmt_flop(f_tok * tokens / world)} per rank",
          "", "estimated time per step (rank 0's groups; the slower of the first and last stage)"]
-    rows = []
-    devices = [d for d in PLAN_DEVICES[tcfg.device]] + (["NeuronCore-v2 (trn1n)"] if tcfg.device in ("xla", "auto") else [])
-    for dev in devices:
-        est = estimate_step(cfg, tcfg, world, dev)
-        sizes = {"tp": tcfg.tp, "pp": tcfg.pp, "dp": world // (tcfg.tp * tcfg.pp), "ep": tcfg.ep, "cp": tcfg.cp}
-        comm_cells = [f"{fmt_seconds(est['comm'][g])} ({_where(est, g)})" if sizes[g] > 1 else "-"
-                      for g in ("tp", "pp", "dp") + (("ep",) if tcfg.ep > 1 else ()) + (("cp",) if tcfg.cp > 1 else ())]
-        rows.append([dev, fmt_flop(est["peak"], "FLOP/s"), fmt_seconds(est["compute"])] + comm_cells
-                    + [fmt_seconds(est["bubble"]) if tcfg.pp > 1 else "-", fmt_seconds(est["step"]),
-                       f"{est['tokens_per_s']:,.0f}", f"{est['mfu']:.0%}", fmt_seconds(est["step_overlapped"]),
-                       fmt_seconds(est["step"] * tcfg.steps)])
-    lines += table(["device", "peak", "compute", "tp comm", "pp exchange", "dp comm"]
-                   + (["ep all-to-all"] if tcfg.ep > 1 else []) + (["cp attention"] if tcfg.cp > 1 else [])
-                   + ["bubble", "step", "tokens/s",
-                 "MFU", "step, dp overlapped", f"{tcfg.steps:,} steps"], rows)
+    devices = time_devices(tcfg)
+    lines += table(time_header(tcfg), [time_row(cfg, tcfg, world, dev) for dev in devices])
     net_notes = list(dict.fromkeys(NETWORKS[d].note for d in devices))
     lines += ["  assumptions:",
           f"  - the matmuls run at {DEFAULT_MFU:.0%} of the device's peak, recomputation included (activation "

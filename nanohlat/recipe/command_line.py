@@ -29,6 +29,10 @@ HELP = {
     "plan": "print the layout, memory, FLOPs, communication and time plan (--cp: its attention too), then exit",
     "search": "with --plan: rank every layout (tp, pp, cp from --seq-len 8192, dp, micro-batches, ZeRO stage, SP, checkpointing; on cpu and "
               "cuda overlapped gradient reduction; a MoE model's --ep) that fits",
+    "html": "with --plan: also write FILE, one self-contained page: a control per layout flag, and for the layout "
+            "chosen the bytes per rank term by term, each collective's bytes, the bubble, the step time, whether it "
+            "fits; the --search ranking; the plan against the layout matrix's measured runs (plan/page.py)",
+    "measured": "with --html: run folders (a train.py --out-dir) whose measured bytes the page sets beside the plan",
     "threads": "CPU threads per worker (0 = cores / local workers)",
     "save_every": "save a checkpoint every N steps (0 = only at the end; auto = Young/Daly's interval for "
                   "--mtbf-hours and --storage-gb-s, which --plan shows)",
@@ -112,6 +116,8 @@ def build_parser(description: str = "Pre-train a HLAT-style LLaMA model.", cls=a
                 g.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=HELP.get(f.name))
             elif f.name == "save_every":
                 g.add_argument(_flag(f.name), type=save_every_value, metavar="N|auto", help=HELP[f.name])
+            elif kind is tuple:   # (--measured DIR...: one or more)
+                g.add_argument(_flag(f.name), nargs="+", metavar="DIR", help=HELP.get(f.name))
             else:
                 g.add_argument(_flag(f.name), type=kind, metavar=f.name.upper(), help=HELP.get(f.name, f"(default {f.default!r})"))
     return p
@@ -139,7 +145,8 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
                         f"give only --zero {flags['zero']}")
     model_cfg = dataclasses.replace(base_model, **{k: v for k, v in flags.items() if k in model_names})
     tcfg = dataclasses.replace(TrainConfig(), **base_train)
-    tcfg = dataclasses.replace(tcfg, **{k: v for k, v in flags.items() if k not in model_names})
+    tcfg = dataclasses.replace(tcfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in flags.items()
+                                        if k not in model_names})
     if tcfg.fp8 != "none" and tcfg.sequence_parallel:
         # an FP8 linear casts its whole input itself: SP's gather comes first, and the linear keeps what it casts
         if flags.get("sp_regather"):
@@ -177,6 +184,8 @@ FEATURE_FLAGS = {
        ("fp8_grad_format", "fp8_stats")},
     **{name: (lambda m, t: t.fp8 == "delayed", "--fp8 delayed", "only delayed scaling keeps an amax history")
        for name in ("fp8_history", "fp8_margin")},
+    "html": (lambda m, t: t.plan, "--plan", "it writes the plan as a page; without --plan train.py trains"),
+    "measured": (lambda m, t: bool(t.html), "--html FILE", "it sets runs beside the plan on the page"),
 }
 
 
@@ -187,7 +196,7 @@ def check_features(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
         cfg = model_cfg if hasattr(model_cfg, name) else tcfg
         value, default = getattr(cfg, name), next(f.default for f in fields(cfg) if f.name == name)
         if value != default and not on(model_cfg, tcfg):
-            given = _flag(name) if value is True else "--no-" + _flag(name)[2:] if value is False \
+            given = f"{_flag(name)} {' '.join(value)}" if isinstance(value, tuple) else _flag(name) if value is True else "--no-" + _flag(name)[2:] if value is False \
                 else f"{_flag(name)} {value:g}" if isinstance(value, float) else f"{_flag(name)} {value}"
             raise UserError(f"{given} needs {needs} ({why}); give {needs} too, or drop {given.split()[0]}")
 

@@ -184,6 +184,8 @@ class RunConfig(config.TrainConfig):
     timeline: bool = False
     plan: bool = False
     search: bool = False         # with --plan: rank every layout that fits by estimated step time
+    html: str = ""               # with --plan: write the planner as a page here (plan/page.py)
+    measured: tuple = ()         # with --html: run folders whose measured bytes the page sets beside the plan
     progress: bool = True
 
     def __post_init__(self) -> None:
