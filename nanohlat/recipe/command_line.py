@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import fields
 
 from nanohlat.config import UserError
+from nanohlat.system import files
 from nanohlat.recipe.configs import PRESETS, SAVE_EVERY_AUTO, ModelConfig, TrainConfig, _flag
 from nanohlat.recipe.configs import CP_ATTENTIONS, FP8_RECIPES, SCHEDULES
 from nanohlat.recipe.layouts import check_cp_layout, check_fp8_recipe, check_moe_layout
@@ -158,6 +160,7 @@ def resolve(flags: dict) -> tuple[ModelConfig, TrainConfig]:
     check_features(model_cfg, tcfg)
     if tcfg.fp8 != "none":
         check_fp8_recipe(model_cfg, tcfg)
+    check_page_paths(tcfg)
     if model_cfg.moe_experts or tcfg.ep > 1:
         check_moe_layout(model_cfg, tcfg)
     if tcfg.cp > 1:
@@ -187,6 +190,29 @@ FEATURE_FLAGS = {
     "html": (lambda m, t: t.plan, "--plan", "it writes the plan as a page; without --plan train.py trains"),
     "measured": (lambda m, t: bool(t.html), "--html FILE", "it sets runs beside the plan on the page"),
 }
+
+
+def check_page_paths(tcfg: TrainConfig) -> None:
+    """--html FILE and --measured DIR...: refused in one line before any work, nothing written. FILE must be
+    a new or regular file in an existing folder: never a symbolic link (the page is not written through one,
+    nor does it silently replace it), a FIFO, a device or a folder (files.refuse_unless_file); each DIR a
+    train.py run's folder (its config.json and summary.json: plan/measured.py reads them)."""
+    if not tcfg.html:
+        return
+    path = tcfg.html
+    if os.path.islink(path):
+        raise UserError(f"--html {path!r} is a symbolic link: the planner page is written as a regular file, never "
+                        f"through a link nor over one; remove the link or choose another path")
+    files.refuse_unless_file(path, "another --html")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"--html {path!r}: {folder!r} is {'not a writable folder' if os.path.isdir(folder) else 'not a folder'}; "
+                        f"choose a path in a folder that exists and that you can write")
+    for run in tcfg.measured:
+        missing = [n for n in ("config.json", "summary.json") if not os.path.isfile(os.path.join(run, n))]
+        if missing:
+            raise UserError(f"--measured {run!r} has no {' or '.join(missing)}: give the --out-dir of a finished "
+                            f"train.py run")
 
 
 def check_features(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:

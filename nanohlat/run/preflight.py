@@ -58,6 +58,10 @@ def main(train, argv: list[str]) -> int:
         if tcfg.plan:
             from nanohlat import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
+            if tcfg.html:   # the planner as a page (plan/page.py)
+                from nanohlat.plan import page
+                page.write(model_cfg, tcfg, world, argv)
+                print(f"wrote {tcfg.html}: the planner as a page")
             return 0
         recipe.check_layout(model_cfg, tcfg, world)   # a bad layout fails before any tokenizer work
         check_values(model_cfg, tcfg)
