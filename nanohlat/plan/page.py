@@ -83,7 +83,7 @@ def build(cfg: ModelConfig, tcfg: TrainConfig, world: int, argv: list[str], runs
     matrix = {name: (r["config"], r["summary"]) for name, r in shipped["runs"].items()}
     own = dict(zip(CONTROLS, data["own"].split("|")))   # (the command's values, dp resolved)
     options = "".join(control_html(name, data["options"][name], own[name]) for name in CONTROLS)
-    hardware = "".join(f"<option>{html.escape(d)}</option>" for d in data["devices"])
+    hardware = "".join(f"<option value=\"{html.escape(d)}\">{html.escape(d)}</option>" for d in data["devices"])
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     title = (f"plan for preset {tcfg.preset}: {fmt_count(cfg.num_params())} parameters, {world} ranks")
     held = (f"{len(data['layouts']):,} layouts: every tp, pp (and cp, ep) the world and the model allow, dp = the "
@@ -102,7 +102,8 @@ def build(cfg: ModelConfig, tcfg: TrainConfig, world: int, argv: list[str], runs
 
 def control_html(name: str, values: list[str], own: str) -> str:
     values = values if own in values else values + [own]
-    opts = "".join(f"<option{' selected' if v == own else ''}>{html.escape(v)}</option>" for v in values)
+    opts = "".join(f"<option value=\"{html.escape(v)}\"{' selected' if v == own else ''}>{html.escape(v)}</option>"
+                   for v in values)
     return f"<label>{flag_of(name)} <select name=\"{name}\">{opts}</select></label>"
 
 

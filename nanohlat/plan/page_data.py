@@ -28,7 +28,9 @@ import math
 
 from nanohlat.config import UserError
 from nanohlat.recipe import ModelConfig, TrainConfig, divisors
-from nanohlat.recipe.configs import SCHEDULES
+from nanohlat.config import DEVICES
+from nanohlat.precision import PRECISIONS
+from nanohlat.recipe.configs import CP_ATTENTIONS, SCHEDULES
 from nanohlat.plan.communication import comm_per_step
 from nanohlat.plan.fmt import fmt_bytes
 from nanohlat.plan.hardware import DEVICE_MEMORY
@@ -44,6 +46,13 @@ CONTROLS = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "zero": 
             "seqlen": "seq_len", "precision": "precision", "moments": "moments",
             "activationcheckpointing": "activation_checkpointing", "sequenceparallel": "sequence_parallel",
             "cpattention": "cp_attention", "overlapgradreduce": "overlap_grad_reduce", "device": "device"}
+
+
+# the values each choice's flag takes (a control offers them all; the page holds the command's, or those varied)
+CHOICES = {"zero": ["0", "1", "2", "3"], "schedule": list(SCHEDULES), "precision": list(PRECISIONS),
+           "moments": ["fp32", "bf16"], "activationcheckpointing": ["none", "selective", "full"],
+           "sequenceparallel": ["on", "off"], "cpattention": list(CP_ATTENTIONS), "overlapgradreduce": ["on", "off"],
+           "device": list(DEVICES)}
 
 
 def control_value(value) -> str:
@@ -159,7 +168,8 @@ def page_data(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> dict:
         for name, field in CONTROLS.items():
             options[name].add(control_value(getattr(c, field)))
     return {"world": world, "strings": s.table, "layouts": layouts, "own": key_of(own), "notes": notes,
-            "controls": list(CONTROLS), "options": {k: sorted(v, key=_order) for k, v in options.items()},
+            "controls": list(CONTROLS),
+            "options": {k: CHOICES.get(k) or sorted(v, key=_order) for k, v in options.items()},
             "devices": {dev: DEVICE_MEMORY.get(dev) for dev in time_devices(tcfg)},
             "search": search_rows(cfg, tcfg, world, s)}
 
