@@ -21,6 +21,9 @@ One idea a file, in the order they build on each other:
     fmt.py            human units and aligned tables
     sheets.py         the printed plan (`--plan`), and the comm table a run prints
     layout_search.py  `--plan --search`: every layout that fits, fastest first
+    measured.py       the plan beside what a run measured (its summary.json), term by term
+    page_data.py      every figure of the planner page, computed by the functions above
+    page.py           `--plan --html FILE`: the planner as one self-contained page
 
 It stands on the step's tools (tools/metrics.py's FLOPs and peaks, the
 optimizer's chunk, the pipeline's timetable) and below run/, whose pre-flight
