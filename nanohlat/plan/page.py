@@ -142,7 +142,7 @@ Any other combination says so below: run the command it gives to see it.</p>
 <div id="missing" data-plan="missing" hidden></div>
 <section id="layout">
 <h2>memory per rank: the largest stage (<span data-plan="largest-stage"></span>)</h2>
-<svg id="bar" width="900" height="90" role="img" aria-label="bytes per rank, stacked, against the device's memory"></svg>
+<svg id="bar" width="900" height="100" role="img" aria-label="bytes per rank, stacked, against the device's memory"></svg>
 <p>peak <b data-plan="peak-bytes"></b> per rank:
 <span data-plan="fits"></span> (<span data-plan="fits-detail"></span>)</p>
 <table id="memory"></table>
@@ -237,21 +237,21 @@ function render() {
     });
     $("#comm").appendChild(t);
   });
-  drawBar(r, D.devices[hw]);
+  drawBar(r, ...D.devices[hw]);
 }
 const COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#9c755f", "#e15759", "#edc948", "#b07aa1"];
-function drawBar(r, cap) {
+function drawBar(r, cap, capText) {
   const svg = $("#bar"), ns = "http://www.w3.org/2000/svg", width = 880;
   const total = r.bar.reduce((a, b) => a + b[1], 0), scale = width / Math.max(total, cap || 0, 1);
   let x = 10;
   r.bar.forEach(([name, bytes, text], i) => {
     const rect = document.createElementNS(ns, "rect");
-    Object.entries({x: x, y: 10, width: Math.max(bytes * scale, 0), height: 30, fill: COLOURS[i % COLOURS.length]})
+    Object.entries({x: x, y: 12, width: Math.max(bytes * scale, 0), height: 30, fill: COLOURS[i % COLOURS.length]})
       .forEach(([k, v]) => rect.setAttribute(k, v));
     const title = document.createElementNS(ns, "title"); title.textContent = S[name] + ": " + S[text];
     rect.appendChild(title); svg.appendChild(rect);
     const label = document.createElementNS(ns, "text");
-    label.setAttribute("x", 10 + (i % 4) * 220); label.setAttribute("y", 60 + 14 * Math.floor(i / 4));
+    label.setAttribute("x", 10 + (i % 3) * 290); label.setAttribute("y", 62 + 14 * Math.floor(i / 3));
     label.setAttribute("font-size", "11"); label.setAttribute("fill", COLOURS[i % COLOURS.length]);
     label.textContent = "\u25a0 " + S[name] + " " + S[text]; label.dataset.plan = "bar-" + slug(S[name]);
     svg.appendChild(label);
@@ -259,10 +259,14 @@ function drawBar(r, cap) {
   });
   if (cap) {
     const line = document.createElementNS(ns, "line");
-    Object.entries({x1: 10 + cap * scale, x2: 10 + cap * scale, y1: 4, y2: 46, stroke: "#000", "stroke-width": 2})
+    Object.entries({x1: 10 + cap * scale, x2: 10 + cap * scale, y1: 10, y2: 46, stroke: "#000", "stroke-width": 2})
       .forEach(([k, v]) => line.setAttribute(k, v));
     const t = document.createElementNS(ns, "title"); t.textContent = "the device's memory"; line.appendChild(t);
     svg.appendChild(line);
+    const label = document.createElementNS(ns, "text");
+    label.setAttribute("x", Math.min(14 + cap * scale, width - 150)); label.setAttribute("y", 8);
+    label.setAttribute("font-size", "10"); label.textContent = "one device: " + capText;
+    svg.appendChild(label);
   }
 }
 function choose(key) {

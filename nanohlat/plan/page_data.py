@@ -111,7 +111,8 @@ def layout_record(cfg: ModelConfig, tcfg: TrainConfig, world: int, s: Strings) -
     r = mems[largest]
     fb, step = r["forward_backward"], r["optimizer_step"]
     # the stacked bar: the peak's parts (memory_per_rank's sum), the larger of the two moments last
-    bar = [["weights", r["weights"]], ["Adam", r["optimizer"]], ["fp32 grads", r["flat_grads"]],
+    adam = f"Adam (ZeRO-{tcfg.zero})" if tcfg.zero else "Adam (no ZeRO)"
+    bar = [["weights", r["weights"]], [adam, r["optimizer"]], ["fp32 grads", r["flat_grads"]],
            ["rotary tables, token ids, buffers", r["fixed"]]]
     bar += ([["activations", r["activations"]], ["the backward's largest moment beyond them", fb - r["activations"]]]
             if fb >= step else [["optimizer step", step]])
@@ -170,7 +171,8 @@ def page_data(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> dict:
     return {"world": world, "strings": s.table, "layouts": layouts, "own": key_of(own), "notes": notes,
             "controls": list(CONTROLS),
             "options": {k: CHOICES.get(k) or sorted(v, key=_order) for k, v in options.items()},
-            "devices": {dev: DEVICE_MEMORY.get(dev) for dev in time_devices(tcfg)},
+            "devices": {dev: [DEVICE_MEMORY.get(dev), fmt_bytes(DEVICE_MEMORY[dev]) if dev in DEVICE_MEMORY else ""]
+                        for dev in time_devices(tcfg)},
             "search": search_rows(cfg, tcfg, world, s)}
 
 
