@@ -90,7 +90,7 @@ def build(cfg: ModelConfig, tcfg: TrainConfig, world: int, argv: list[str], runs
             f"rest, ZeRO 0-3, every schedule, every number of micro-batches; the other flags as given "
             f"(precision {tcfg.precision}, moments {tcfg.moments}, checkpointing {tcfg.activation_checkpointing}, "
             f"sequence parallel {control_value(tcfg.sequence_parallel)}, --device {tcfg.device}, "
-            f"--seq-len {tcfg.seq_len}, schedule given {schedule_text(tcfg)})")
+            f"--seq-len {tcfg.seq_len}); it opens on the command's own layout (schedule {schedule_text(tcfg)})")
     return PAGE.format(
         title=html.escape(title), command=html.escape(" ".join(["python train.py"] + argv)),
         held=html.escape(held), controls=options, hardware=hardware, data=blob,
