@@ -170,3 +170,17 @@ def test_a_page_whose_write_fails_leaves_the_old_one(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         page.write(cfg, tcfg, 1, [])
     assert out.read_text() == "the old page" and sorted(os.listdir(tmp_path)) == ["plan.html"]
+
+
+def test_the_peak_is_compared_where_it_is_the_allocators():
+    """A cuda run's summary.json peak is torch.cuda.max_memory_allocated: set beside the plan's peak for that
+    config (eager, fused attention), the error is plan / measured - 1; a cpu run's (the resident set) never."""
+    run = measured.shipped()["runs"]["dp2"]
+    config = dict(run["config"], train=dict(run["config"]["train"], device="cuda"))
+    cfg, tcfg, world = measured.configs_of(config)
+    peak = plan.memory_per_rank(cfg, tcfg, tcfg.tp, tcfg.pp, world // tcfg.tp, 0, fused=True, eager=True)["peak"]
+    rows = {r["term"]: r for r in measured.compare(config, dict(run["summary"], peak_memory=peak * 2))}
+    assert rows["peak"]["planned"] == peak and rows["peak"]["error"] == -0.5
+    assert page.error_text(rows["peak"]["error"]) == "-50.0%"
+    rows = {r["term"]: r for r in measured.compare(run["config"], dict(run["summary"], peak_memory=peak * 2))}
+    assert rows["peak"]["measured"] is None
