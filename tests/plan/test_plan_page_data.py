@@ -184,3 +184,21 @@ def test_the_peak_is_compared_where_it_is_the_allocators():
     assert page.error_text(rows["peak"]["error"]) == "-50.0%"
     rows = {r["term"]: r for r in measured.compare(run["config"], dict(run["summary"], peak_memory=peak * 2))}
     assert rows["peak"]["measured"] is None
+
+
+def test_the_script_writes_the_shipped_data_again(tmp_path):
+    """scripts/layout_matrix.py --plan-vs-measured's writer, given the shipped runs' files as its runs, writes
+    what the repository ships (the runs themselves: `python scripts/layout_matrix.py --only ...`, its
+    command in the file; tests/repo/test_layout_matrix.py trains the matrix's sample)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "layout_matrix", os.path.join(os.path.dirname(train.__file__), "scripts", "layout_matrix.py"))
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    shipped = measured.shipped()
+    results = {name: {"nproc": r["nproc"], "flags": r["flags"], "config": r["config"], "summary": r["summary"]}
+               for name, r in shipped["runs"].items()}
+    argv = shipped["command"].split()[2:]
+    matrix.write_plan_vs_measured(str(tmp_path / "again.json"), results, shipped["machine"], argv)
+    assert json.loads((tmp_path / "again.json").read_text()) == shipped
+    assert sorted(shipped["runs"]) == sorted(matrix.PLAN_VS_MEASURED + ["one", "one:moe"])
