@@ -6,6 +6,9 @@ that a refactor can be checked bit for bit after every step.
     python scripts/layout_matrix.py --out table.json --only tp2_sp,moe_ep2
     python scripts/layout_matrix.py --compare runs/layout_matrix.json   # after a change: which rows moved?
                                                         # (the new table: runs/layout_matrix.new.json)
+    python scripts/layout_matrix.py --only ... --plan-vs-measured nanohlat/plan/layout_matrix_measured.json
+                                                        # each run's measured bytes beside the plan's: the
+                                                        # data the planner page shows (PLAN_VS_MEASURED)
 
 Each layout (LAYOUTS below: name, processes, flags) is one run of exactly
 
