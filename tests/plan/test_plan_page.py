@@ -146,3 +146,11 @@ def test_plan_against_measurement_is_shown(driver, pages, tmp_path):
     assert p.find('[data-plan="matrix-error-weights"]').is_displayed()
     p.screenshot(str(tmp_path / "plan-tiny.png"))
     assert p.errors() == []
+
+
+def test_the_page_is_self_contained(pages):
+    """No network: nothing the page would load (no src, href, @import or url()), its script and data inline."""
+    for name in ("tiny.html", "hlat.html"):
+        text = (pages / name).read_text()
+        assert not any(s in text for s in (" src=", " href=", "@import", "url(")), name
+        assert text.count("<script") == 2 and 'id="plan-data"' in text
