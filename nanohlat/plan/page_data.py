@@ -130,8 +130,9 @@ def layout_record(cfg: ModelConfig, tcfg: TrainConfig, world: int, s: Strings) -
     return {"memory": [[s.add(h), s.add(c)] for h, c in zip(header, row)], "largest": largest,
             "peak": s.add(fmt_bytes(r["peak"])), "peak_bytes": r["peak"],
             "bar": [[s.add(name), b, s.add(fmt_bytes(b))] for name, b in bar],
-            "fits": {dev: [s.add("fits" if r["peak"] <= DEVICE_MEMORY[dev] else "does not fit"),
-                           s.add(line.strip())] for dev, line in fits.items()},
+            # (trn1n: the same NeuronCore-v2 as trn1, its --plan line; cpu: no memory figure, no line)
+            "fits": {dev: [s.add("fits" if r["peak"] <= DEVICE_MEMORY[base(dev)] else "does not fit"),
+                           s.add(fits[base(dev)].strip())] for dev in times if base(dev) in fits},
             "time": {dev: [s.add(c) for c in cells] for dev, cells in times.items()},
             "time_header": [s.add(h) for h in time_header(tcfg)], "comm": comm}
 
@@ -171,9 +172,15 @@ def page_data(cfg: ModelConfig, tcfg: TrainConfig, world: int) -> dict:
     return {"world": world, "strings": s.table, "layouts": layouts, "own": key_of(own), "notes": notes,
             "controls": list(CONTROLS),
             "options": {k: CHOICES.get(k) or sorted(v, key=_order) for k, v in options.items()},
-            "devices": {dev: [DEVICE_MEMORY.get(dev), fmt_bytes(DEVICE_MEMORY[dev]) if dev in DEVICE_MEMORY else ""]
+            "devices": {dev: [DEVICE_MEMORY.get(base(dev)),
+                              fmt_bytes(DEVICE_MEMORY[base(dev)]) if base(dev) in DEVICE_MEMORY else ""]
                         for dev in time_devices(tcfg)},
             "search": search_rows(cfg, tcfg, world, s)}
+
+
+def base(device: str) -> str:
+    """The device of a time-table row: 'NeuronCore-v2 (trn1n)' is a NeuronCore-v2 (as step_time.estimate_step)."""
+    return device.split(" ")[0]
 
 
 def _order(value: str):

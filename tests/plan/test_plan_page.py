@@ -53,6 +53,17 @@ def choose(p, **values):
     return {name: p.find(f'[data-plan="{name}"]').text for name in FIGURES}
 
 
+def planned_row(argv: list[str], device: str) -> str:
+    """The step time --plan prints for `device`, a row of its time table (one with no fits line: trn1n)."""
+    import re
+    cfg, tcfg = recipe.parse_args(argv)
+    lines = plan.report(cfg, tcfg, tcfg.nproc).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("  device ") and " step " in line)
+    header = re.split(r"\s{2,}", lines[head].strip())
+    row = next(line for line in lines[head + 1:] if line.startswith(f"  {device}  "))
+    return dict(zip(header, re.split(r"\s{2,}", row.strip())))["step"]
+
+
 def plan_texts(p) -> dict:
     """Every element's data-plan name -> its text, read in one call."""
     return p.driver.execute_script('const out = {}; document.querySelectorAll("[data-plan]").forEach('
@@ -89,6 +100,11 @@ def test_hlat_7b_own_layout_and_one_that_does_not_fit(driver, pages, tmp_path):
     alone = choose(p, batchsize=2048, microbatches=1)
     assert alone == planned(HLAT + ["--tp", "1", "--batch-size", "2048", "--microbatches", "1"], "NeuronCore-v2")
     assert alone["fits"] == "does not fit"
+    trn1n = choose(p, hardware="NeuronCore-v2 (trn1n)")   # (the same NeuronCore, faster EFA: its own step time)
+    assert trn1n["fits"] == "does not fit" and trn1n["peak-bytes"] == alone["peak-bytes"]
+    assert trn1n["step-time-s"] == planned_row(HLAT + ["--tp", "1", "--batch-size", "2048", "--microbatches", "1"],
+                                               "NeuronCore-v2 (trn1n)")
+    choose(p, hardware="NeuronCore-v2")
     # another that does not fit (6.74B parameters over tp 2: 33 GiB a rank), and with ZeRO-1 and pp 2 still not
     for layout, flags in ((dict(tp=2, pp=1, dp=1024, zero=0, batchsize=1024), ["--tp", "2", "--microbatches", "1"]),
                           (dict(tp=2, pp=2, dp=512, zero=1, schedule="afab"),
