@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 import json
 import re
+import shlex
 
 from nanohlat.recipe import ModelConfig, TrainConfig
 from nanohlat.plan import measured as measuredlib
@@ -78,7 +79,7 @@ def build(cfg: ModelConfig, tcfg: TrainConfig, world: int, argv: list[str], runs
     """The page's HTML for this command line (`argv`) and the run folders read from --measured."""
     data = page_data(cfg, tcfg, world)
     data["flags"] = {name: flag_of(name) for name in CONTROLS}
-    data["base"] = base_command(tcfg, world)
+    data["base"] = base_command(argv)
     shipped = measuredlib.shipped()
     matrix = {name: (r["config"], r["summary"]) for name, r in shipped["runs"].items()}
     own = dict(zip(CONTROLS, data["own"].split("|")))   # (the command's values, dp resolved)
@@ -107,8 +108,31 @@ def control_html(name: str, values: list[str], own: str) -> str:
     return f"<label>{flag_of(name)} <select name=\"{name}\">{opts}</select></label>"
 
 
-def base_command(tcfg: TrainConfig, world: int) -> str:
-    return f"python train.py --preset {tcfg.preset} --nproc {world}"
+def base_command(argv: list[str]) -> str:
+    """The command line less the controls' flags and the page's own (--plan, --search, --html, --measured):
+    the page appends the controls' values and --plan to it for a combination it does not hold."""
+    switches = {"--plan", "--search", "--zero1", "--no-zero1"} | {
+        f for name, field in CONTROLS.items() if isinstance(getattr(TrainConfig, field), bool)
+        for f in (flag_of(name), "--no-" + flag_of(name)[2:])}
+    valued = {flag_of(name) for name, field in CONTROLS.items()
+              if not isinstance(getattr(TrainConfig, field), bool)} | {"--html"}
+    kept, skip, many = [], 0, False
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if many and not arg.startswith("--"):
+            continue
+        many = False
+        if skip:
+            skip -= 1
+        elif name in switches:
+            pass
+        elif name in valued:
+            skip = 0 if "=" in arg else 1
+        elif name == "--measured":
+            many = "=" not in arg
+        else:
+            kept.append(arg)
+    return shlex.join(["python", "train.py"] + kept)
 
 
 def write(cfg: ModelConfig, tcfg: TrainConfig, world: int, argv: list[str]) -> None:

@@ -202,3 +202,11 @@ def test_the_script_writes_the_shipped_data_again(tmp_path):
     matrix.write_plan_vs_measured(str(tmp_path / "again.json"), results, shipped["machine"], argv)
     assert json.loads((tmp_path / "again.json").read_text()) == shipped
     assert sorted(shipped["runs"]) == sorted(matrix.PLAN_VS_MEASURED + ["one", "one:moe"])
+
+
+def test_the_command_a_missing_combination_names_keeps_the_model_flags():
+    """For a combination it does not hold, the page names the command that prints it: the command line given
+    (the model's flags too), less the controls' flags, whose values it appends, and the page's own."""
+    argv = ["--preset", "tiny", "--nproc", "8", "--tp", "2", "--n-layers", "8", "--sequence-parallel", "--plan",
+            "--html", "a b.html", "--measured", "run1", "run2", "--zero=1", "--search", "--lr", "1e-3"]
+    assert page.base_command(argv) == "python train.py --preset tiny --nproc 8 --n-layers 8 --lr 1e-3"
