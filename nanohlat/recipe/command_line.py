@@ -206,8 +206,9 @@ def check_page_paths(tcfg: TrainConfig) -> None:
     files.refuse_unless_file(path, "another --html")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        raise UserError(f"--html {path!r}: {folder!r} is {'not a writable folder' if os.path.isdir(folder) else 'not a folder'}; "
-                        f"choose a path in a folder that exists and that you can write")
+        what = "not a writable folder" if os.path.isdir(folder) else "not a folder"
+        raise UserError(f"--html {path!r}: {folder!r} is {what}; choose a path in a folder that exists and that "
+                        f"you can write")
     for run in tcfg.measured:
         missing = [n for n in ("config.json", "summary.json") if not os.path.isfile(os.path.join(run, n))]
         if missing:
@@ -222,8 +223,9 @@ def check_features(model_cfg: ModelConfig, tcfg: TrainConfig) -> None:
         cfg = model_cfg if hasattr(model_cfg, name) else tcfg
         value, default = getattr(cfg, name), next(f.default for f in fields(cfg) if f.name == name)
         if value != default and not on(model_cfg, tcfg):
-            given = f"{_flag(name)} {' '.join(value)}" if isinstance(value, tuple) else _flag(name) if value is True else "--no-" + _flag(name)[2:] if value is False \
-                else f"{_flag(name)} {value:g}" if isinstance(value, float) else f"{_flag(name)} {value}"
+            given = _flag(name) if value is True else "--no-" + _flag(name)[2:] if value is False \
+                else f"{_flag(name)} {value:g}" if isinstance(value, float) \
+                else f"{_flag(name)} {' '.join(value)}" if isinstance(value, tuple) else f"{_flag(name)} {value}"
             raise UserError(f"{given} needs {needs} ({why}); give {needs} too, or drop {given.split()[0]}")
 
 

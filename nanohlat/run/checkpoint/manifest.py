@@ -195,9 +195,9 @@ class FieldError(ValueError):
 def typed_fields(record: dict, cls, where: str) -> dict:
     """The fields of dataclass `cls` (recipe.ModelConfig, recipe.TrainConfig) in `record`,
     each checked to be of its default's kind: an int a whole number, a float a finite
-    number (no strings, no bools, no NaN), a bool a bool, a str a str, a tuple a list of strings (as a
-    tuple). A name `cls` does
-    not have (another nanohlat version's) is left out. Their ranges are cls.validate's.
+    number (no strings, no bools, no NaN), a bool a bool, a str a str, a tuple a list of strings
+    (read as a tuple). A name `cls` does not have (another nanohlat version's) is left out. Their
+    ranges are cls.validate's.
     One checker for the `model` section (read_manifest) and the `train` one (runconfig.py).
     FieldError naming `where`.name otherwise."""
     kinds = {f.name: type(f.default) for f in dataclasses.fields(cls)}
@@ -210,9 +210,10 @@ def typed_fields(record: dict, cls, where: str) -> dict:
         if kind is tuple:   # (a list of strings in JSON: --measured's folders)
             ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
             value = tuple(value) if ok else value
-        ok = (ok if kind is tuple else isinstance(value, bool) if kind is bool else
-              number and isinstance(value, int) if kind is int else
-              number and math.isfinite(value) if kind is float else isinstance(value, kind))
+        else:
+            ok = (isinstance(value, bool) if kind is bool else
+                  number and isinstance(value, int) if kind is int else
+                  number and math.isfinite(value) if kind is float else isinstance(value, kind))
         if not ok:
             raise FieldError(f"{where}.{name} is {value!r}")
         known[name] = value
