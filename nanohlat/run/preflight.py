@@ -58,7 +58,7 @@ def main(train, argv: list[str]) -> int:
         if tcfg.plan:
             from nanohlat import plan
             print(plan.search_report(model_cfg, tcfg, world) if tcfg.search else plan.report(model_cfg, tcfg, world))
-            if tcfg.html:   # the planner as a page (plan/page.py)
+            if tcfg.html and (not env or env[0] == 0):   # the planner as a page (plan/page.py); torchrun: rank 0's
                 from nanohlat.plan import page
                 page.write(model_cfg, tcfg, world, argv)
                 print(f"wrote {tcfg.html}: the planner as a page")
