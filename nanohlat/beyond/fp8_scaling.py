@@ -7,10 +7,10 @@ floating point specification; Micikevicius et al. 2022, "FP8 formats for deep le
     E4M3FN   4 bits    3 bits      448     2^-6             2^-9                 float8_e4m3fn
     E5M2     5 bits    2 bits    57344     2^-14            2^-16                float8_e5m2
 
-E4M3 has one more mantissa bit (relative step 2^-3 against 2^-2), E5M2 eight more binades of
-range. Weights and activations go in E4M3; gradients, whose magnitudes spread over more binades,
-in E5M2 (torchao's and Transformer Engine's default; DeepSeek-V3 used E4M3 everywhere with finer
-scales: --fp8-grad-format e4m3). "FN" says the format has no infinities, and one NaN pattern only.
+E4M3 has one more mantissa bit (relative step 2^-3 against 2^-2), E5M2 seven more binades
+at each end of its range. Weights and activations go in E4M3; gradients, whose magnitudes spread
+over more binades, in E5M2 (torchao's and Transformer Engine's default; DeepSeek-V3 used E4M3
+everywhere with finer scales: --fp8-grad-format e4m3). "FN" says the format has no infinities, and one NaN pattern only.
 
 Neither format has the range of a tensor's values, so every cast is scaled: q = cast(x * s), and the
 product of two casts is divided by both scales afterwards (the matmul accumulates in fp32). A scale

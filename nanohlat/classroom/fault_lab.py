@@ -5,7 +5,7 @@
 It trains twice from scratch into OUT: `OUT/reference` without a fault, and
 `OUT/faulted` with N kills planted (run/faults.py: NANOHLAT_FAULTS), each a
 kill -9 of a rank drawn at random at a step drawn at random: the gaps between
-kills are drawn from an exponential distribution of mean G steps (failures
+kills are drawn from an exponential distribution of mean G steps, rounded up to whole steps (failures
 that come at random, as Young's model has them), with the seed S, so that a
 lab repeats exactly. The faulted run has --max-restarts enough for all of
 them: the launcher restarts the job after each kill from the newest complete
@@ -94,7 +94,8 @@ def run(out: str, kills: int, gap: float, seed: int, extra: list[str], argv: lis
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     env.pop(faults.ENV, None)
     print(f"fault lab: {kills} kill(s) of a random rank at random steps (gaps from an exponential of mean {gap:g} "
-          f"steps, seed {seed}), --save-every {k}, {world} process(es), {steps} steps; runs in {out}", flush=True)
+          f"steps rounded up to whole steps, seed {seed}), --save-every {k}, {world} process(es), {steps} steps; "
+          f"runs in {out}", flush=True)
     out = os.path.abspath(out)   # (train.py runs in the repository's root)
     ref_dir, bad_dir = os.path.join(out, "reference"), os.path.join(out, "faulted")
     _train(root, argv, ref_dir, env)

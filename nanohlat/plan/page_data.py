@@ -16,8 +16,8 @@ Varied, every value --plan accepts (validate, check_layout) of:
                     dp splits (lcm(batch, dp)) in its place, and the page says so
 
 and every other flag as the command gave it (precision, moments, checkpointing, sequence parallelism,
---device, --seq-len, --cp-attention, --overlap-grad-reduce, the model). For hlat-7b on 2048 ranks that is a
-few thousand layouts (docs/design.md says how large the page is and how long it takes). Their strings
+--device, --seq-len, --cp-attention, --overlap-grad-reduce, the model). For hlat-7b on 2048 ranks that is
+about 1,400 layouts (docs/design.md says how large the page is and how long it takes). Their strings
 are kept once, in one table (`strings`), and every record names them by number.
 """
 

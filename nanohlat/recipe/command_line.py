@@ -46,7 +46,7 @@ HELP = {
                     "(default: Llama 3's storage, 2 TB/s sustained shared by 2,048 nodes)",
     "straggler_every": "every N steps gather each rank's own time in the step and name a rank slower than the "
                        "median by --straggler-factor (cpu; 0 = never; nanohlat/run/stragglers.py)",
-    "straggler_factor": "a rank whose own time in a step is above the median rank's times this is named a straggler",
+    "straggler_factor": "a rank whose own time in a step is above this many times the median of the other ranks' is named a straggler",
     "keep_last": "checkpoints to keep (0 = keep all)",
     "max_bad_steps": "stop after this many non-finite steps in a row (0 = never stop)",
     "check_replicas": "every N steps check that all copies of every parameter are bitwise identical, "

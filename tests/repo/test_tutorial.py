@@ -137,6 +137,9 @@ TRAINED = [
     re.compile(r"^tokens per target pass: measured (?P<m>[\d.]+, formula \(1 - a\^\(k\+1\)\) / \(1 - a\) = [\d.]+) "),
     re.compile(r"min\(k \+ 1, 1 / \(1 - a\)\) = (?P<m>[\d.]+) "),
     re.compile(r"^speculative decoding pays here when c < (?P<m>[\d.]+ = \(\d+ - \d+\) / \d+),"),
+    # --fp8-stats: which linears flush most, fractions of a few hundredths of a percent: one element
+    # more or less under a scale (round-off in the gradients) reorders them
+    re.compile(r"^fp8: the worst linears, flushed: (?P<m>.*); saturated: none$"),
 ]
 # A line continued with a backslash, in a block or in its transcript.
 CONTINUED = re.compile(r"\\\n\s*")
