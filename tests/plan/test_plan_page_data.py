@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import train
 from nanohlat import plan, recipe
@@ -89,6 +90,24 @@ def test_a_batch_dp_cannot_split_is_held_at_the_smallest_that_it_can():
     assert {c.batch_size for c in layouts if c.tp == 8 and c.pp == 1} == {1024}
 
 
+def same_experts_kernel(data: dict) -> bool:
+    """Whether this torch takes the experts' path the shipped data's torch took. A mixture's experts take
+    F.grouped_mm's path where torch has it (>= 2.10: moe.grouped_by_shape), and the plan counts what that
+    path keeps: under a torch on the other side of 2.10 (the torch 2.9 lane) a mixture's peak is planned
+    for another kernel than the shipped plan's, so the tests below leave that one figure out there."""
+    made_with = tuple(int(n) for n in data["machine"]["torch"].split("+")[0].split(".")[:2])
+    return hasattr(torch.nn.functional, "grouped_mm") == (made_with >= (2, 10))
+
+
+def without_mixture_peaks(data: dict) -> dict:
+    """The data with each mixture's planned peak left out (see same_experts_kernel)."""
+    data = json.loads(json.dumps(data))
+    for run in data["runs"].values():
+        if run["config"]["model"].get("moe_experts"):
+            run["planned"].pop("peak")
+    return data
+
+
 def test_shipped_plan_is_what_the_planner_says_now():
     """nanohlat/plan/layout_matrix_measured.json (scripts/layout_matrix.py --plan-vs-measured): its planned side
     recomputed from each run's config.json equals what was shipped, so a planner change that moves any of
@@ -96,7 +115,10 @@ def test_shipped_plan_is_what_the_planner_says_now():
     data = measured.shipped()
     assert "--plan-vs-measured" in data["command"] and len(data["runs"]) >= 12
     for name, run in data["runs"].items():
-        assert measured.planned(run["config"]) == run["planned"], name
+        now, shipped = measured.planned(run["config"]), dict(run["planned"])
+        if run["config"]["model"].get("moe_experts") and not same_experts_kernel(data):
+            del now["peak"], shipped["peak"]
+        assert now == shipped, name
 
 
 def test_shipped_measurements_against_the_plan():
@@ -200,7 +222,10 @@ def test_the_script_writes_the_shipped_data_again(tmp_path):
                for name, r in shipped["runs"].items()}
     argv = shipped["command"].split()[2:]
     matrix.write_plan_vs_measured(str(tmp_path / "again.json"), results, shipped["machine"], argv)
-    assert json.loads((tmp_path / "again.json").read_text()) == shipped
+    again = json.loads((tmp_path / "again.json").read_text())
+    if not same_experts_kernel(shipped):
+        again, shipped = without_mixture_peaks(again), without_mixture_peaks(shipped)
+    assert again == shipped
     assert sorted(shipped["runs"]) == sorted(matrix.PLAN_VS_MEASURED + ["one", "one:moe"])
 
 
