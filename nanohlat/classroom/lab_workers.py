@@ -127,7 +127,10 @@ def open_call(e: BaseException) -> str:
     """'pp.exchange, issued at nanohlat/pipeline.py:253 (_exchange)': the collective a rank waited in
     and the line of the loaded code that issued it (as the copy's train.py says it, run/launch.py:
     open_collective): the innermost frame of comm.py in e's traceback, or for a started collective
-    waited on elsewhere the comm ledger's open call, the last one issued (comm.CommLedger.open)."""
+    waited on elsewhere the comm ledger's open call, the last one issued (comm.CommLedger.open). The
+    twin of launch.py's open_collective (and _code_path of its code_path), written again on purpose: a
+    worker imports no module of the grader's nanohlat, and importing the copy's would let it word its
+    own verdict."""
     frames = [f for f, _ in traceback.walk_tb(e.__traceback__)]
     inside = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(f"{os.sep}nanohlat{os.sep}comm.py")]
     if inside and inside[0] > 0:

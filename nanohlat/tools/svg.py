@@ -169,20 +169,30 @@ def stacked_bars(bars: list[tuple[str, list[tuple[str, float]]]], unit: str, lim
             svg.rect(x, y + 3, sx(v), row - 6, colour(names.index(name)), tip=f"{name}: {short(v)} {unit}")
             x += sx(v)
     base = top + row * len(bars)
-    ts = ticks(0, most)
-    for t, label in zip(ts, tick_labels(ts)):
-        svg.line(left + sx(t), base, left + sx(t), base + 4)
-        svg.text(left + sx(t), base + 15, label, size=10, anchor="middle")
-    svg.line(left, base, left + pw, base)
+    _value_axis(svg, left, pw, base, most)
     if limit is not None:
         svg.line(left + sx(limit), top, left + sx(limit), base, stroke="#c00", width=1.5, dash="5 3")
         svg.text(left + sx(limit) - 3, top + 10, limit_label, size=10, anchor="end", fill="#c00")
+    _unit_and_legend(svg, left, pw, base, unit, names)
+    return str(svg)
+
+
+def _value_axis(svg: Svg, left: float, pw: float, base: float, most: float) -> None:
+    """The horizontal axis of a bar chart, 0 to `most` over `pw` pixels from `left`, at y `base`."""
+    ts = ticks(0, most)
+    for t, label in zip(ts, tick_labels(ts)):
+        svg.line(left + t / most * pw, base, left + t / most * pw, base + 4)
+        svg.text(left + t / most * pw, base + 15, label, size=10, anchor="middle")
+    svg.line(left, base, left + pw, base)
+
+
+def _unit_and_legend(svg: Svg, left: float, pw: float, base: float, unit: str, names: list[str]) -> None:
+    """Under a bar chart's axis: its unit, then a swatch per series name in three columns."""
     svg.text(left + pw / 2, base + 28, unit, size=10, anchor="middle")
     for i, name in enumerate(names):
         x, y = left + (i % 3) * pw / 3, base + 40 + 14 * (i // 3)
         svg.rect(x, y - 9, 10, 10, colour(i))
         svg.text(x + 14, y, name, size=10)
-    return str(svg)
 
 
 def gantt(rows: list[tuple[str, list[tuple[float, float, str, int]]]], x_label: str,
@@ -262,17 +272,9 @@ def grouped_bars(groups: list[tuple[str, list[tuple[str, float]]]], unit: str, w
             svg.text(left + sx(v) + 3, y + bar - 2, short(v), size=9)
             y += bar
         y += gap
-    ts = ticks(0, most)
-    for t, label in zip(ts, tick_labels(ts)):
-        svg.line(left + sx(t), base, left + sx(t), base + 4)
-        svg.text(left + sx(t), base + 15, label, size=10, anchor="middle")
-    svg.line(left, base, left + pw, base)
+    _value_axis(svg, left, pw, base, most)
     svg.line(left, top, left, base)
-    svg.text(left + pw / 2, base + 28, unit, size=10, anchor="middle")
-    for i, name in enumerate(names):
-        x, yy = left + (i % 3) * pw / 3, base + 40 + 14 * (i // 3)
-        svg.rect(x, yy - 9, 10, 10, colour(i))
-        svg.text(x + 14, yy, name, size=10)
+    _unit_and_legend(svg, left, pw, base, unit, names)
     return str(svg)
 
 
