@@ -221,7 +221,10 @@ def test_saturating_cast_clamps_where_torchs_cast_does_not():
 def test_the_grid_reference_agrees_with_torchs_cast_inside_the_range():
     """The oracle's rounding and torch's cast agree on every value they both define (inside the range):
     so a difference in the tests above is the scaling's, not the rounding's."""
-    v = torch.cat([torch.randn(20000) * s for s in (1e-3, 1, 100)] + [torch.linspace(-448, 448, 5001)])
-    assert torch.equal(to_grid(v.double(), torch.float8_e4m3fn).float(), v.to(torch.float8_e4m3fn).float())
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-3, 1, 100)] + [torch.linspace(-448, 448, 5001)])
+    # Inside the range only: past 448 torch 2.9's cast gives nan (from 464 up) and torch 2.13's saturates.
+    e4 = v.clamp(-448, 448)
+    assert torch.equal(to_grid(e4.double(), torch.float8_e4m3fn).float(), e4.to(torch.float8_e4m3fn).float())
     v = v.clamp(-57344, 57344)
     assert torch.equal(to_grid(v.double(), torch.float8_e5m2).float(), v.to(torch.float8_e5m2).float())
