@@ -180,7 +180,7 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
     the k only, so it moves tokens between experts without entering the weights or the gradient."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
     groups = seq_group if isinstance(seq_group, tuple) else (() if seq_group is None else (seq_group,))
-    T = x.shape[1] * math.prod(g.size for g in groups)             # the whole sequence's tokens
+    T = x.shape[1] * math.prod([g.size for g in groups])             # the whole sequence's tokens
 
     def over_sequence(t):   # (B, T or a share of it, ...) -> (B, ...): the sum over the sequence's tokens
         t = t.sum(dim=1)
@@ -213,6 +213,12 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
 # of the whole stack with its slice filled, E of them added up: O(E^2 F C), what dominates the
 # backward once E is in the tens.
 
+def per_expert(flat, n_experts: int):
+    """How many of the choices `flat` (int64) went to each of n_experts: bincount's numbers, in a tensor of a
+    shape known before the step runs (bincount's size follows the largest id: a shape --compile cannot trace)."""
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def dispatch_loop(x, experts, weights, gate, up, down):
     """The plain reference: for each expert, find its tokens, compute them, add them back.
     x (N, C); experts, weights (N, k); gate, up (E, F, C); down (E, C, F) -> y (N, C)."""
@@ -239,7 +245,7 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     order = flat.argsort(stable=True)                              # choices grouped by expert, token order inside
     token = order // k
     xs = x[token]                                                  # (N*k, C): the permuted tokens
-    counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()   # tokens per expert (the host needs them)
+    counts = per_expert(flat, gate.shape[0])                       # (E,) tokens per expert
     out = swiglu_slices(xs, counts, gate, up, down)                # (N*k, C): expert e's SwiGLU on slice e
     out = out * weights.reshape(-1)[order].unsqueeze(-1)           # each scaled by its weight
     return torch.zeros_like(x).index_add(0, token, out)            # the inverse permutation: sum back per token
@@ -270,27 +276,57 @@ def grouped_by_shape(device: str, fp32: bool, rows: float, Fd: int, C: int) -> b
 
 def grouped(x, *stacks, rows: float = 0.0) -> bool:
     """Whether to use F.grouped_mm for x (N, C) and the stacked (E, F, C) weights, `rows` per expert
-    on average: grouped_by_shape, and every row and matrix 16-byte aligned (what its kernel asks)."""
+    on average: grouped_by_shape, and every row and matrix 16-byte aligned (what its kernel asks).
+    While torch.compile traces, tensors have no address: the shapes alone decide (the CPU's kernel
+    computes unaligned operands alike: tests/beyond/test_moe_router_and_dispatch.py)."""
     E, Fd, C = stacks[0].shape
     return (grouped_by_shape(x.device.type, x.dtype == torch.float32, rows, Fd, C)
-            and all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 and t.shape[-1] % 4 == 0
-                    and t.shape[-2] % 4 == 0 for t in stacks))
+            and all(t.dtype == torch.float32 and t.shape[-1] % 4 == 0 and t.shape[-2] % 4 == 0 for t in stacks)
+            and (torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in stacks)))
 
 
-def swiglu_slices(xs, counts: list, gate, up, down, parts=None):
+def swiglu_slices(xs, counts, gate, up, down, parts=None):
     """Expert e's SwiGLU on its slice of xs (N*k, C), the slices in expert order, counts[e] rows
-    each. One grouped matmul per projection where `grouped`; else one SwiGLU per slice, on unbind's
-    views (above). Every expert runs, on no tokens too: its gradient is then zeros, not missing (the
-    overlapped gradient reduction waits for every parameter's, data_parallel.py). `parts` (--ep):
-    each slice's rows by the rank they came from, parts[e][r] (what an FP8 expert scales apart:
-    beyond/fp8_experts.py; each row's SwiGLU here is its own)."""
+    each (a list, or an (E,) tensor: then the grouped matmul needs no host read and --compile
+    captures it). One grouped matmul per projection where `grouped`; else one SwiGLU per slice, on
+    unbind's views (above). Every expert runs, on no tokens too: its gradient is then zeros, not
+    missing (the overlapped gradient reduction waits for every parameter's, data_parallel.py).
+    `parts` (--ep): each slice's rows by the rank they came from, parts[e][r] (what an FP8 expert
+    scales apart: beyond/fp8_experts.py; each row's SwiGLU here is its own)."""
     if not grouped(xs, gate, up, down, rows=xs.shape[0] / len(counts)):
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts   # (the host reads them)
         gates, ups, downs = gate.unbind(0), up.unbind(0), down.unbind(0)
         return torch.cat([swiglu(c, gates[e], ups[e], downs[e]) for e, c in enumerate(xs.split(counts))])
-    ends = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)   # slice e ends at row ends[e]
+    ends = torch.as_tensor(counts, device=xs.device).cumsum(0).to(torch.int32)   # slice e ends at row ends[e]
     gate_up = torch.cat([gate, up], dim=1)                         # (E, 2F, C): both in one grouped matmul
-    g, u = F.grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    return F.grouped_mm(F.silu(g) * u, down.transpose(1, 2), offs=ends)
+    mm = torch.ops.nanohlat.grouped_mm if torch.compiler.is_compiling() else grouped_mm
+    g, u = mm(xs, gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+    return mm(F.silu(g) * u, down.transpose(1, 2), ends)
+
+
+def grouped_mm(a, b, ends):
+    """Rows [ends[e-1], ends[e]) of a (N, K) times b[e] (K, M): (N, M), in one call (F.grouped_mm)."""
+    return F.grouped_mm(a, b, offs=ends)
+
+
+# --compile: Dynamo cannot trace F.grouped_mm in fp32 on the CPU (torch 2.13's shape function asks for
+# bf16), so under torch.compile the grouped matmul is an op of nanohlat's own that the graph holds whole,
+# shapes declared (`_shape`), its backward the two grouped matmuls of the gradients: the router, the sort
+# and the combine around it compile with the rest of the stage (Hugging Face's Mixtral does the same).
+if hasattr(F, "grouped_mm") and not hasattr(torch.ops.nanohlat, "grouped_mm"):   # (once per process)
+    _ARGS = "(Tensor a, Tensor b, Tensor ends) -> Tensor"
+    _op = torch.library.custom_op("nanohlat::grouped_mm", grouped_mm, mutates_args=(), schema=_ARGS)
+    _op.register_fake(lambda a, b, ends: a.new_empty(a.shape[0], b.shape[-1]))
+    # its gradient for b: (E, K, M), expert e's a_e^T grad_e (F.grouped_mm splitting the N rows)
+    _weight_grad = torch.library.custom_op("nanohlat::grouped_mm_weight_grad", mutates_args=(), schema=_ARGS)(
+        lambda a, grad, ends: F.grouped_mm(a.t(), grad, offs=ends))
+    _weight_grad.register_fake(lambda a, grad, ends: a.new_empty(ends.shape[0], a.shape[1], grad.shape[1]))
+
+    def _keep(ctx, inputs, output):
+        ctx.a, ctx.b, ctx.ends = inputs
+
+    _op.register_autograd(lambda ctx, grad: (_op(grad, ctx.b.transpose(-2, -1), ctx.ends),
+                                             _weight_grad(ctx.a, grad, ctx.ends), None), setup_context=_keep)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -509,24 +545,33 @@ class MoE(nn.Module):
                                              self.expert_bias)
         flat, experts, weights = x.reshape(B * T, C), experts.reshape(B * T, -1), weights.reshape(B * T, -1)
         params = (self.gate.weight, self.up.weight, self.down.weight)
-        if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
-            y, dropped = dispatch_capacity(flat, experts, weights, *params, self.capacity_factor, self.ep_group)
-        elif self.ep_group is not None and self.ep_group.size > 1 or self.slices is not None:
-            # --ep: to the experts' ranks and back (a group of one: this rank's experts, as dispatch_sorted)
-            y = dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group or ONE, self.slices)
-            dropped = flat.new_zeros((), dtype=torch.float32)
-        else:
+        if (self.capacity_factor == 0 and (self.ep_group is None or self.ep_group.size == 1) and self.slices is None
+                and grouped(flat, *params, rows=experts.numel() / self.n_experts)):
+            # dropless, each projection one grouped matmul: no host read, so --compile captures it with the stage
             y, dropped = dispatch_sorted(flat, experts, weights, *params), flat.new_zeros((), dtype=torch.float32)
+        else:
+            y, dropped = self.dispatch_on_host(flat, experts, weights, params)
         if self.n_shared:   # (one slice of every row: through `slices` where it is set)
             shared = (self.shared_gate.weight, self.shared_up.weight, self.shared_down.weight)
             y = y + (swiglu(flat, *shared) if self.slices is None else
                      self.slices(flat, [flat.shape[0]], *(w.unsqueeze(0) for w in shared), shared=True))
         self.losses = (balance, z)
-        self.load = (torch.bincount(experts.reshape(-1), minlength=self.n_experts).float(),
+        self.load = (per_expert(experts.reshape(-1), self.n_experts).float(),
                      dropped.detach().float())
         if self.loss_scale and torch.is_grad_enabled():   # training: the router losses join the backward here
             y = RouterLoss.apply(y, balance, z, (self.aux_coef * self.loss_scale, self.z_coef * self.loss_scale))
         return y.view(B, T, C)
+
+    def dispatch_on_host(self, flat, experts, weights, params):
+        """The dispatches whose shapes the host reads from the routing (tokens per expert, --ep's all-to-all
+        splits) or fixes by capacity: (y, dropped). --compile runs this eagerly (run/build.py)."""
+        if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
+            return dispatch_capacity(flat, experts, weights, *params, self.capacity_factor, self.ep_group)
+        dropped = flat.new_zeros((), dtype=torch.float32)
+        if self.ep_group is not None and self.ep_group.size > 1 or self.slices is not None:
+            # --ep: to the experts' ranks and back (a group of one: this rank's experts, as dispatch_sorted)
+            return dispatch_expert_parallel(flat, experts, weights, *params, self.ep_group or ONE, self.slices), dropped
+        return dispatch_sorted(flat, experts, weights, *params), dropped   # (one SwiGLU a slice)
 
 
 def apply(model, cfg, ep_group=None, loss_scale: float = 0.0, cp_group=None) -> Figures:

@@ -76,8 +76,8 @@ def build(model_cfg, tcfg, mesh, dev):
         eager.append((context_parallel.Context, "attention"))
     if model_cfg.moe_experts:
         from nanohlat.beyond import moe
-        # (routing, the dispatch whose shapes are the step's tokens per expert, --ep's all-to-alls)
-        eager.append((moe.MoE, "forward"))
+        # (the dispatches whose shapes are the step's tokens per expert, --ep's all-to-alls, capacity's queues)
+        eager.append((moe.MoE, "dispatch_on_host"))
     fp8_run = None
     if tcfg.fp8 != "none":   # --fp8: the blocks' linears and experts with each matmul in FP8, around the same weights
         from nanohlat.beyond import fp8

@@ -222,6 +222,28 @@ def test_dropless_moe_on_xla_is_refused_in_one_line(capsys):
     assert "--ep 2 is not supported on xla" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="F.grouped_mm is torch >= 2.10's")
+def test_the_compiled_grouped_matmul_is_torchs_bit_for_bit_aligned_or_not():
+    """--compile's grouped matmul (torch.ops.nanohlat.grouped_mm, an op Dynamo holds whole) gives
+    F.grouped_mm's output and gradients bit for bit, an empty slice included, and so does the CPU's
+    kernel on operands 4 bytes off a 16-byte boundary (where Dynamo cannot look: moe.grouped)."""
+    g = torch.Generator().manual_seed(7)
+    E, C, Fd = 4, 64, 32
+    ends = torch.tensor([100, 100, 400, 512], dtype=torch.int32)   # expert 1: no row
+    a = torch.randn(512, C, generator=g).requires_grad_()
+    w = torch.randn(E, Fd, C, generator=g).requires_grad_()
+    upstream = torch.randn(512, Fd, generator=g)
+    outs = []
+    for mm in (moe.grouped_mm, torch.ops.nanohlat.grouped_mm):
+        y = mm(a, w.transpose(1, 2), ends)
+        outs.append((y, *torch.autograd.grad((y * upstream).sum(), (a, w))))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    assert outs[0][2][1].abs().sum() == 0 and outs[0][2][0].abs().sum() > 0   # the empty slice's gradient: zeros
+    off = torch.cat([torch.zeros(1), a.detach().reshape(-1)])[1:].view(512, C)  # 4 bytes past its storage's start
+    assert off.data_ptr() % 16 == 4 and torch.equal(moe.grouped_mm(off, w.detach().transpose(1, 2), ends), outs[0][0])
+
+
 def test_grouped_dispatch_equals_the_loop_in_fp32_with_an_empty_expert():
     """dispatch_sorted where its slices are small and fp32 (moe.swiglu_slices: one F.grouped_mm per
     projection) against the plain loop: output and every gradient to fp32 round-off, an expert with
