@@ -77,10 +77,8 @@ def attention_core(q, k, v, causal: bool, mask=None):
     """softmax(q k^T / sqrt(D) + causal mask) v. The part selective activation
     checkpointing recomputes: its (B, H, T, T) intermediates are the largest
     activations of the block, yet cheap to recompute (Korthikanti et al.)."""
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    gqa = k.shape[1] != q.shape[1]   # grouped-query attention: each kv head serves H/K query heads, not copied
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 def causal_attention(q, k, v):

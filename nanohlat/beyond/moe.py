@@ -180,7 +180,7 @@ def route(x, w_router, k: int, seq_group=None, bias=None):
     the k only, so it moves tokens between experts without entering the weights or the gradient."""
     E, dtype = w_router.shape[0], torch.promote_types(x.dtype, torch.float32)
     groups = seq_group if isinstance(seq_group, tuple) else (() if seq_group is None else (seq_group,))
-    T = x.shape[1] * math.prod([g.size for g in groups])             # the whole sequence's tokens
+    T = x.shape[1] * math.prod([g.size for g in groups])           # the whole sequence's tokens
 
     def over_sequence(t):   # (B, T or a share of it, ...) -> (B, ...): the sum over the sequence's tokens
         t = t.sum(dim=1)
@@ -235,8 +235,8 @@ def dispatch_loop(x, experts, weights, gate, up, down):
 def dispatch_sorted(x, experts, weights, gate, up, down):
     """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
     tokens are one contiguous slice; each expert's SwiGLU on its slice (`swiglu_slices(xs,
-    counts, gate, up, down)`, below: xs the N*k rows in that order, counts a list of the E
-    slices' sizes, zeros included; returns (N*k, C), row i its expert's SwiGLU of xs[i]);
+    counts, gate, up, down)`, below: xs the N*k rows in that order, counts the E slices'
+    sizes, zeros included, a list or an (E,) tensor; returns (N*k, C), row i its expert's SwiGLU of xs[i]);
     combine. Same arguments and result as `dispatch_loop`. The model's dropless dispatch
     (without --ep)."""
     # exercise 10b: begin
@@ -311,7 +311,7 @@ def grouped_mm(a, b, ends):
 
 # --compile: Dynamo cannot trace F.grouped_mm in fp32 on the CPU (torch 2.13's shape function asks for
 # bf16), so under torch.compile the grouped matmul is an op of nanohlat's own that the graph holds whole,
-# shapes declared (`_shape`), its backward the two grouped matmuls of the gradients: the router, the sort
+# its output's shape declared (register_fake), its backward the two grouped matmuls of the gradients: the router, the sort
 # and the combine around it compile with the rest of the stage (Hugging Face's Mixtral does the same).
 if hasattr(F, "grouped_mm") and not hasattr(torch.ops.nanohlat, "grouped_mm"):   # (once per process)
     _ARGS = "(Tensor a, Tensor b, Tensor ends) -> Tensor"

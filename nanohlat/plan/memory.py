@@ -63,11 +63,12 @@ with N = mb*T*C, n = N/tp with sequence parallel else N:
                        that is the T/tp shard too, all-gathered again in backward
                        (--sp-regather, Megatron's way); with --no-sp-regather the
                        all-gathered full sequence instead (SP_SAVED_GATHERS e*N).
-    attention          q after rotary, k and v after repeating kv heads, the kernel's
-                       output: 4 * e*N/tp, plus
-                         fused kernel (SDPA flash/efficient on cpu/cuda): fp32 log-sum-exp
-                         T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax):
-                         the softmax probabilities e*mb*(heads/tp)*T*T
+    attention          fused kernel (SDPA flash/efficient on cpu/cuda): q after rotary, k
+                         and v (kv heads not repeated: the kernel shares them), the output,
+                         e*(2 N/tp + 2 kv), and the fp32 log-sum-exp
+                       T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax,
+                         which repeats the kv heads): q, k, v repeated, output, 4 * e*N/tp,
+                         and the softmax probabilities e*mb*(heads/tp)*T*T
     SwiGLU             gate, silu(gate), up, their product: 4 * e*mb*T*ffn/tp
     selective          the attention core is recomputed: keep its inputs q, k, v (kv
                        heads not repeated) and output, and no T*T term at all
@@ -156,8 +157,8 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
         core = itemsize * (q + 2 * kv) + itemsize * q
     elif cp > 1:
         core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm)
-    elif fused:
-        core = 4 * itemsize * q + 4 * mb * heads * T
+    elif fused:   # (grouped-query: the kernel reads each kv head for its H/K query heads, no copy)
+        core = itemsize * (2 * q + 2 * kv) + 4 * mb * heads * T
     else:
         core = 4 * itemsize * q + itemsize * mb * heads * T * T
     mlp = 4 * itemsize * mb * T * cfg.ffn_dim // tp
