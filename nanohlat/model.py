@@ -77,7 +77,7 @@ def attention_core(q, k, v, causal: bool, mask=None):
     """softmax(q k^T / sqrt(D) + causal mask) v. The part selective activation
     checkpointing recomputes: its (B, H, T, T) intermediates are the largest
     activations of the block, yet cheap to recompute (Korthikanti et al.)."""
-    gqa = k.shape[1] != q.shape[1]   # grouped-query attention: each kv head serves H/K query heads, not copied
+    gqa = k.shape[1] != q.shape[1]   # grouped-query attention: a kv head serves H/K query heads, uncopied
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
