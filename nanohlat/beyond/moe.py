@@ -236,7 +236,8 @@ def dispatch_sorted(x, experts, weights, gate, up, down):
     """Dropless: sort the N*k (token, expert) choices by expert, so each expert's
     tokens are one contiguous slice; each expert's SwiGLU on its slice (`swiglu_slices(xs,
     counts, gate, up, down)`, below: xs the N*k rows in that order, counts the E slices'
-    sizes, zeros included, a list or an (E,) tensor; returns (N*k, C), row i its expert's SwiGLU of xs[i]);
+    sizes, zeros included, a list or an (E,) tensor: `per_expert`'s tensor keeps --compile's graph
+    whole, where a list is a host read, a graph break; returns (N*k, C), row i its expert's SwiGLU of xs[i]);
     combine. Same arguments and result as `dispatch_loop`. The model's dropless dispatch
     (without --ep)."""
     # exercise 10b: begin
@@ -311,8 +312,9 @@ def grouped_mm(a, b, ends):
 
 # --compile: Dynamo cannot trace F.grouped_mm in fp32 on the CPU (torch 2.13's shape function asks for
 # bf16), so under torch.compile the grouped matmul is an op of nanohlat's own that the graph holds whole,
-# its output's shape declared (register_fake), its backward the two grouped matmuls of the gradients: the router, the sort
-# and the combine around it compile with the rest of the stage (Hugging Face's Mixtral does the same).
+# its output's shape declared (register_fake), its backward the two grouped matmuls of the gradients: the
+# router, the sort and the combine around it compile with the rest of the stage (transformers' Mixtral wraps
+# its grouped matmul the same way).
 if hasattr(F, "grouped_mm") and not hasattr(torch.ops.nanohlat, "grouped_mm"):   # (once per process)
     _ARGS = "(Tensor a, Tensor b, Tensor ends) -> Tensor"
     _op = torch.library.custom_op("nanohlat::grouped_mm", grouped_mm, mutates_args=(), schema=_ARGS)
@@ -564,7 +566,8 @@ class MoE(nn.Module):
 
     def dispatch_on_host(self, flat, experts, weights, params):
         """The dispatches whose shapes the host reads from the routing (tokens per expert, --ep's all-to-all
-        splits) or fixes by capacity: (y, dropped). --compile runs this eagerly (run/build.py)."""
+        splits), and capacity mode's (static, not yet tried compiled): (y, dropped). --compile runs this
+        eagerly (run/build.py)."""
         if self.capacity_factor > 0:   # (with --ep: the queues to the experts' ranks and back)
             return dispatch_capacity(flat, experts, weights, *params, self.capacity_factor, self.ep_group)
         dropped = flat.new_zeros((), dtype=torch.float32)

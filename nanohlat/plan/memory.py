@@ -64,8 +64,8 @@ with N = mb*T*C, n = N/tp with sequence parallel else N:
                        (--sp-regather, Megatron's way); with --no-sp-regather the
                        all-gathered full sequence instead (SP_SAVED_GATHERS e*N).
     attention          fused kernel (SDPA flash/efficient on cpu/cuda): q after rotary, k
-                         and v (kv heads not repeated: the kernel shares them), the output,
-                         e*(2 N/tp + 2 kv), and the fp32 log-sum-exp
+                         and v (on the CPU kv heads not repeated: the kernel shares them;
+                         on CUDA one copy per query head), the output, and the fp32 log-sum-exp
                        T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax,
                          which repeats the kv heads): q, k, v repeated, output, 4 * e*N/tp,
                          and the softmax probabilities e*mb*(heads/tp)*T*T
@@ -136,9 +136,10 @@ SP_SAVED_GATHERS = 2
 
 
 def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize: int, mode: str, sp: bool,
-                           fused: bool, regather: bool = True, cp: int = 1, algorithm: str = "allgather") -> int:
-    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring); T: the
-    tokens of a sequence on the rank (with --cp, T/cp: the attention core is context.py's)."""
+                           fused: bool, regather: bool = True, cp: int = 1, algorithm: str = "allgather",
+                           cuda: bool = False) -> int:
+    """Bytes one block keeps for backward, one micro-batch, one rank (module docstring); T: a sequence's
+    tokens on the rank (--cp: T/cp, its attention core context.py's); cuda: kv heads copied per query head."""
     C, D = cfg.d_model, cfg.head_dim
     sp = sp and tp > 1
     N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
@@ -157,8 +158,8 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
         core = itemsize * (q + 2 * kv) + itemsize * q
     elif cp > 1:
         core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm)
-    elif fused:   # (grouped-query: the kernel reads each kv head for its H/K query heads, no copy)
-        core = itemsize * (2 * q + 2 * kv) + 4 * mb * heads * T
+    elif fused:   # (grouped-query: the CPU's kernel reads each kv head for its H/K query heads, no copy)
+        core = itemsize * (2 * q + 2 * (q if cuda else kv)) + 4 * mb * heads * T
     else:
         core = 4 * itemsize * q + itemsize * mb * heads * T * T
     mlp = 4 * itemsize * mb * T * cfg.ffn_dim // tp
@@ -225,7 +226,7 @@ def activation_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: 
     regather = tcfg.sp_regather
     v = tcfg.virtual_stages
     total = cfg.n_layers // (pp * v) * layer_activation_bytes(cfg, mb, T, tp, itemsize, mode, sp, fused, regather,
-                                                              tcfg.cp, tcfg.cp_attention)
+                                                              tcfg.cp, tcfg.cp_attention, tcfg.device == "cuda")
     if tcfg.cp > 1:   # the rotary angles at this rank's places (and ring's positions tables): context.py
         total += context.fixed_activation_bytes(cfg, T, tcfg.cp, tcfg.cp_attention, cfg.n_layers // (pp * v))
     sparse = sparse_in(cfg, chunk_layers(cfg.n_layers, pp, stage, chunk, v))   # (this chunk's)
@@ -385,7 +386,8 @@ def backward_moments_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int
     L = cfg.n_layers // (pp * v)
     mb, zdp = micro_batch_size(tcfg, dp), dp * tcfg.cp   # (ZeRO's ranks: dp x cp)
     layer_act = layer_activation_bytes(cfg, mb, local_tokens(tcfg), tp, itemsize, tcfg.activation_checkpointing,
-                                       tcfg.sequence_parallel and tp > 1, True, tcfg.sp_regather)
+                                       tcfg.sequence_parallel and tp > 1, True, tcfg.sp_regather,
+                                       cuda=tcfg.device == "cuda")
     moments = L + 2                       # 0: head and final norm; 1 + i: layer L-1-i; L+1: embedding
     head, emb = stage == pp - 1, stage == 0
     vocab = cfg.padded_vocab * cfg.d_model // tp

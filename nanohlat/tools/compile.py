@@ -20,9 +20,10 @@ process runs the whole step's forward as one graph; with --tp > 1 each
 collective of comm.py is a graph break (compile_stage), with --cp > 1 each layer's
 attention across the cp ranks (its q, k and v projections and rotary compiled,
 the exchange of keys and values and the attention core eager), with a mixture of
-experts each block's dispatch eager where the host reads its shapes (--ep, capacity
-mode, one matmul a slice: moe.MoE.dispatch_on_host; a grouped dispatch compiles
-with the stage), and with --pp > 1 every
+experts each block's dispatch eager where the host reads its shapes (--ep, one
+matmul a slice) and in capacity mode (static, not yet tried compiled), all in
+moe.MoE.dispatch_on_host (a grouped dispatch compiles with the stage), and with
+--pp > 1 every
 stage compiles its own graphs and the pipeline schedule (pipeline.py) stays
 Python, calling the compiled stage once per micro-batch.
 

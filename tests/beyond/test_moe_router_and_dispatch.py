@@ -240,8 +240,11 @@ def test_the_compiled_grouped_matmul_is_torchs_bit_for_bit_aligned_or_not():
     for got, want in zip(*outs):
         assert torch.equal(got, want)
     assert outs[0][2][1].abs().sum() == 0 and outs[0][2][0].abs().sum() > 0   # the empty slice's gradient: zeros
-    off = torch.cat([torch.zeros(1), a.detach().reshape(-1)])[1:].view(512, C)  # 4 bytes past its storage's start
-    assert off.data_ptr() % 16 == 4 and torch.equal(moe.grouped_mm(off, w.detach().transpose(1, 2), ends), outs[0][0])
+    def shifted(t):   # the same values 4 bytes past a 16-byte boundary
+        return torch.cat([torch.zeros(1), t.detach().reshape(-1)])[1:].view(t.shape)
+    a4, w4 = shifted(a), shifted(w)
+    assert a4.data_ptr() % 16 == 4 and w4.data_ptr() % 16 == 4
+    assert torch.equal(moe.grouped_mm(a4, w4.transpose(1, 2), ends), outs[0][0])
 
 
 def test_grouped_dispatch_equals_the_loop_in_fp32_with_an_empty_expert():

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from dist_utils import spawn_workers
-from nanohlat import recipe
+from nanohlat import plan, recipe
 from nanohlat.run import preflight
 from nanohlat.mesh import Mesh
 from plan_utils import BASE, TINY, assert_run_matches_plan, close, forward_bytes
@@ -30,6 +30,17 @@ def test_activation_bytes_match_autograd(precision, mode, pp, stage):
     measured, planned = forward_bytes(TINY + ["--precision", precision, "--activation-checkpointing", mode],
                                       pp=pp, stage=stage)
     assert close(measured, planned), (measured, planned)
+
+
+def test_the_plan_counts_the_kv_copies_on_cuda_only():
+    """model.attention_core copies grouped-query kv heads out to one per query head on CUDA only (its
+    fp32 fused kernel takes no grouped heads): the plan adds those copies there, k and v at H heads
+    instead of K, 2 x 4 bytes x mb T (H - K) D a layer, and not on the CPU, whose bytes the test above
+    holds to autograd's."""
+    (cfg, cpu), (_, cuda) = (recipe.parse_args(TINY + ["--device", d]) for d in ("cpu", "cuda"))
+    assert cfg.n_kv_heads < cfg.n_heads
+    copies = cfg.n_layers * 2 * 4 * cpu.batch_size * cpu.seq_len * (cfg.n_heads - cfg.n_kv_heads) * cfg.head_dim
+    assert plan.activation_bytes(cfg, cuda, 1, 1, 1, 0) - plan.activation_bytes(cfg, cpu, 1, 1, 1, 0) == copies
 
 
 # ---------------------------------------------------------------------------
