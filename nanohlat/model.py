@@ -77,10 +77,10 @@ def attention_core(q, k, v, causal: bool, mask=None):
     """softmax(q k^T / sqrt(D) + causal mask) v. The part selective activation
     checkpointing recomputes: its (B, H, T, T) intermediates are the largest
     activations of the block, yet cheap to recompute (Korthikanti et al.)."""
-    if k.shape[1] != q.shape[1] and q.is_cuda:   # grouped-query attention on CUDA: a kv copy per query head
-        rep = q.shape[1] // k.shape[1]             # (its fp32 fused kernel takes no grouped heads)
+    if k.shape[1] != q.shape[1] and (q.is_cuda or q.dtype != torch.float32):   # grouped-query attention:
+        rep = q.shape[1] // k.shape[1]   # a kv copy per query head (tutorial chapter 1: where and why)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    # elsewhere the kernel reads each kv head for its H/K query heads, no copy (XLA's decomposition copies)
+    # in fp32 on the CPU the kernel reads each kv head for its H/K query heads (XLA's decomposition copies)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

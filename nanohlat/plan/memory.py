@@ -64,8 +64,8 @@ with N = mb*T*C, n = N/tp with sequence parallel else N:
                        (--sp-regather, Megatron's way); with --no-sp-regather the
                        all-gathered full sequence instead (SP_SAVED_GATHERS e*N).
     attention          fused kernel (SDPA flash/efficient on cpu/cuda): q after rotary, k
-                         and v (on the CPU kv heads not repeated: the kernel shares them;
-                         on CUDA one copy per query head), the output, and the fp32 log-sum-exp
+                         and v (in fp32 on the CPU kv heads not repeated: the kernel shares them;
+                         on CUDA, or in bf16, one copy per query head), the output, the fp32 log-sum-exp
                        T*T scores kept (Korthikanti; torch_xla's plain matmul+softmax,
                          which repeats the kv heads): q, k, v repeated, output, 4 * e*N/tp,
                          and the softmax probabilities e*mb*(heads/tp)*T*T
@@ -139,7 +139,7 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
                            fused: bool, regather: bool = True, cp: int = 1, algorithm: str = "allgather",
                            cuda: bool = False) -> int:
     """Bytes one block keeps for backward, one micro-batch, one rank (module docstring); T: a sequence's
-    tokens on the rank (--cp: T/cp, its attention core context.py's); cuda: kv heads copied per query head."""
+    tokens on the rank (--cp: T/cp, its attention core context.py's); cuda: kv heads copied (so in bf16)."""
     C, D = cfg.d_model, cfg.head_dim
     sp = sp and tp > 1
     N = mb * T * C                           # a full-sequence residual-stream tensor, in elements
@@ -158,8 +158,8 @@ def layer_activation_bytes(cfg: ModelConfig, mb: int, T: int, tp: int, itemsize:
         core = itemsize * (q + 2 * kv) + itemsize * q
     elif cp > 1:
         core = context.attention_core_bytes(cfg, mb, T, tp, cp, itemsize, algorithm)
-    elif fused:   # (grouped-query: the CPU's kernel reads each kv head for its H/K query heads, no copy)
-        core = itemsize * (2 * q + 2 * (q if cuda else kv)) + 4 * mb * heads * T
+    elif fused:   # (grouped-query: the CPU's kernel reads each kv head for its H/K query heads in fp32, no copy)
+        core = itemsize * (2 * q + 2 * (q if cuda or itemsize != 4 else kv)) + 4 * mb * heads * T
     else:
         core = 4 * itemsize * q + itemsize * mb * heads * T * T
     mlp = 4 * itemsize * mb * T * cfg.ffn_dim // tp
