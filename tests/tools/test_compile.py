@@ -121,7 +121,12 @@ def test_compile_moe_matches_eager(cache_dir, tmp_path):
     """A mixture of experts compiled: where its dispatch is one grouped matmul a projection (the moe
     preset, torch >= 2.10) the router and the dispatch compile with the stage, no graph break; else
     the dispatch (its shapes each step's tokens per expert, --ep's all-to-alls) runs eagerly between
-    the compiled graphs (tools/compile.py). The losses and router losses (balance, z) equal eager's."""
+    the compiled graphs (tools/compile.py). The losses and router losses (balance, z) equal eager's to
+    round-off for as long as the routing is eager's: compiled kernels add the router's logits in another
+    order, and a token whose two likeliest experts are that close goes to the other one (the step's
+    expert loads then differ, and from there the two runs train on other routings: not compared). Measured:
+    torch 2.13 routes as eager through all 5 steps; torch 2.9, whose router compiles apart from an eager
+    dispatch, flipped one choice at step 2 (balance 1.01193 against 1.01106)."""
     from nanohlat.tools import compile as compilelib
 
     def flags(out, extra):
@@ -133,6 +138,13 @@ def test_compile_moe_matches_eager(cache_dir, tmp_path):
         assert compilelib.stats()["graph_breaks"] == 0, compilelib.stats()["break_reasons"]
     ref, got = read_metrics(str(tmp_path / "eager")), read_metrics(str(tmp_path / "compiled"))
     assert [m["step"] for m in got] == [m["step"] for m in ref] == list(range(1, 6))
+    same_routing = [a for a, b in zip(got, ref) if a["moe_load_max"] == b["moe_load_max"]
+                    and a["moe_load_cv"] == b["moe_load_cv"]]
+    assert got[0] in same_routing, "the first step, from the same weights, routed otherwise"
     for a, b in zip(got, ref):
+        if a not in same_routing:   # (a flip: every later step trains on another routing)
+            break
         for key in ("loss", "moe_balance", "moe_z"):   # (continuous: not the load, a count)
             assert abs(a[key] - b[key]) <= LOSS_TOL * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    if hasattr(torch.nn.functional, "grouped_mm"):   # (measured: no flip in these 5 steps)
+        assert len(same_routing) == 5
