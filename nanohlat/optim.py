@@ -137,7 +137,6 @@ class FlatGroup:
         for p, off in zip(params, self.offsets):
             if self.aliased:
                 p.data = self.flat[off:off + p.numel()].view_as(p)
-            p.register_post_accumulate_grad_hook(dp.grad_hook(self.dp_state, off, p.numel()))
         self.store()                                     # (xla: no flat buffer kept between steps)
 
     def gathered(self) -> torch.Tensor:
@@ -196,11 +195,18 @@ class FlatAdamW:
         self.groups = [FlatGroup(names, params, decay, repl, strategies[split], master_dtype(tcfg.precision),
                                  moment_dtype(tcfg.moments), device.torch_device, mesh.tp_rank, mesh.tp)
                        for (_, decay, repl, _, split), (names, params) in kinds]
+        for g in self.groups:   # how each parameter's gradient reaches g.grad (a seam: docs/design.md 1)
+            self.attach(g)
         # steps taken (for the bias corrections; a skipped step does not count), on the device
         self.step_count = torch.zeros((), dtype=torch.int64, device=device.torch_device)
         # what else a step updates that is not a parameter: each hook(finite) runs after the update, on
         # every rank (a seam: docs/design.md 1)
         self.step_hooks = []
+
+    def attach(self, g: FlatGroup) -> None:
+        """Each parameter's hook (the DP strategy's `grad_hook`) adds its gradient into g.grad, frees it."""
+        for p, off in zip(g.params, g.offsets):
+            p.register_post_accumulate_grad_hook(g.dp.grad_hook(g.dp_state, off, p.numel()))
 
     def zero_grad(self) -> None:
         """Start a step's gradient accumulation: clear the fp32 buffers."""
