@@ -10,10 +10,10 @@ unless bf16-mixed's fp32 copy (precision.py). Read `reference_adamw_step` first:
 AdamW per parameter, textbook, what FlatAdamW computes (tests/core/test_optim.py
 checks the two against each other).
 
-The gradients never stay in `p.grad`: a hook on every parameter
-(data_parallel.accumulate_hook: the DP strategy's `grad_hook`)
-adds each micro-batch's gradient into the flat fp32 buffer as autograd
-produces it, and sets `p.grad` to None. A step is four phases, each a public
+The gradients never stay in `p.grad`: a hook on every parameter (`attach`: the DP
+strategy's `grad_hook`, data_parallel.accumulate_hook) adds each micro-batch's gradient
+into the flat fp32 buffer as autograd produces it, and sets `p.grad` to None (or p.grad
+is its view of that buffer: tools/fast_adamw.py). A step is four phases, each a public
 method (train.py calls them by name):
 
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter;
