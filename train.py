@@ -64,7 +64,7 @@ def train(model_cfg, tcfg, ds, resume_from: str | None, dev, rank: int = 0, worl
         # so gradients summed over micro-batches and dp ranks are the gradient of the batch's mean loss
         loss = global_mean(runner.run(tokens, targets, 1.0 / tokens_per_step), mesh)   # (all-reduces: pp, dp)
         # the optimizer step (optim.py), phase by phase. The gradients are already in its flat fp32
-        # buffers: its hooks moved each p.grad there as autograd made it (data_parallel.py:accumulate_hook)
+        # buffers: each p.grad went there as autograd made it (optim.py:FlatAdamW.attach: a hook, or a view)
         grads = opt.reduce_gradients()          # DP: all-reduce; ZeRO-1: reduce-scatter (overlapped: waits)
         norm = opt.global_grad_norm(grads)      # one number: all-reduces of 4 bytes over tp, pp (ZeRO: dp)
         finite = torch.isfinite(norm) & torch.isfinite(loss)   # a non-finite step updates nothing

@@ -112,7 +112,6 @@ class Attention(nn.Module):
         self.wo = tpl.RowParallelLinear(cfg.n_heads * cfg.head_dim, cfg.d_model, group, sequence_parallel)
         # (q, k, v) -> y in training: any function computing the same (a seam: docs/design.md 1)
         self.core = causal_attention
-        self.rotate = apply_rotary    # (x, cos, sin) -> x rotated, for q and k: a seam: docs/design.md 1
         self.checkpoint_core = None   # set to a checkpoint function for selective recompute
 
     def forward(self, x, cos, sin, cache=None):
@@ -129,7 +128,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, K, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (B, K, T, D)
-        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v, mask = cache(k, v)                        # (B, K, S, D) each, mask (B, 1, T, S)
             y = attention_core(q, k, v, False, mask)

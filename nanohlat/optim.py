@@ -10,10 +10,10 @@ unless bf16-mixed's fp32 copy (precision.py). Read `reference_adamw_step` first:
 AdamW per parameter, textbook, what FlatAdamW computes (tests/core/test_optim.py
 checks the two against each other).
 
-The gradients never stay in `p.grad`: a hook on every parameter (`attach`: the DP
+The gradients go into flat fp32 buffers: a hook on every parameter (`attach`: the DP
 strategy's `grad_hook`, data_parallel.accumulate_hook) adds each micro-batch's gradient
-into the flat fp32 buffer as autograd produces it, and sets `p.grad` to None (or p.grad
-is its view of that buffer: tools/fast_adamw.py). A step is four phases, each a public
+into its buffer as autograd produces it and sets `p.grad` to None (tools/fast_adamw.py's
+subclass: p.grad is the view of the buffer autograd adds into). A step is four phases, each a public
 method (train.py calls them by name):
 
     1. reduce_gradients   flat fp32 grads -> dp all-reduce (or ZeRO-1 reduce-scatter;
@@ -123,8 +123,8 @@ class FlatGroup:
         # XLA keeps no view aliased across graphs (each one a new buffer, every graph new): see load, store
         self.aliased = torch.device(device).type != "xla"
         self.flat = self.flatten([p.detach() for p in params], params[0].dtype)
-        # fp32 gradients (dp.grad_length: all of them, or a strategy's shard), added in by the hooks
-        # (dp.grad_hook); later AdamW's scratch
+        # fp32 gradients (dp.grad_length: all of them, or a strategy's shard), added in as autograd
+        # makes them (FlatAdamW.attach); later AdamW's scratch
         self.grad = torch.zeros(dp.grad_length(self.padded), dtype=torch.float32, device=device)
         self.dp_state = dp.track(self)                   # the DP strategy's own object for this group
         # this rank's (shard of the) parameters: a view of the flat buffer, or a copy the strategy keeps

@@ -26,8 +26,8 @@ largest moment of the backward (backward_moments_bytes): the activations are
 largest at its start, the staged buckets and gathered units later.
 
     weights       parameters x 2 B (bf16) or 4 B (fp32); ZeRO-3: 1/dp of them
-    gradients     none kept: FlatAdamW's hooks add each parameter's gradient into
-                  the fp32 buffer (below) as autograd makes it, and free it
+    gradients     none kept: each parameter's gradient is added into the fp32
+                  buffer (below) as autograd makes it (a hook or a view), and freed
     optimizer     Adam moments (2 x 4 B, or 2 x 2 B with --moments bf16) + master
                   weights only where they are a separate copy: bf16-mixed's fp32 (4 B);
                   in fp32, bf16-sr and bf16 they are the parameters (0 B);
@@ -290,7 +290,7 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     gradients inside a layer's backward: the residual stream's, incoming and summed (2n), and
     SwiGLU's, of its product and of gate or up (2 mb*T*ffn/tp). zb-h1's W makes every dW its B
     deferred at once before handing them to autograd (split_backward.weight_grads): all the
-    stage's linears, the head included, not the embedding, and AccumulateGrad's copy of one."""
+    stage's linears, the head included, not the embedding, and AccumulateGrad's copy of one (a view: none)."""
     itemsize, C = dtype_bytes(tcfg.precision), cfg.d_model
     sp = tcfg.sequence_parallel and tp > 1
     mb, T = micro_batch_size(tcfg, dp), local_tokens(tcfg)

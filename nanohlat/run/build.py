@@ -19,7 +19,7 @@ import contextlib
 import functools
 
 from nanohlat import comm, mesh as meshlib, optim, pipeline
-from nanohlat.tools import comm_trace, fused, timeline
+from nanohlat.tools import comm_trace, timeline
 from nanohlat.tools.compile import compile_stage
 from nanohlat.tools.fast_adamw import FastFlatAdamW
 from nanohlat.model import Transformer, init_weights
@@ -90,8 +90,6 @@ def build(model_cfg, tcfg, mesh, dev):
     if tcfg.schedule == "zb-h1":   # ZB-H1: linears whose weight gradients can wait for the W ops
         from nanohlat.beyond import split_backward
         split_backward.apply(model)
-    if not tcfg.compile and dev.kind != "xla":   # run eagerly: q and k rotated by a hand-written backward,
-        fused.apply(model)                      # the same bits in fewer passes (tools/fused.py)
     init_weights(model, tcfg.seed)
     dtype = param_dtype(tcfg.precision)
     dev.place(model, dtype)   # = model.to(device, dtype), keeping each parameter's `shard` (its ShardSpec)

@@ -1,8 +1,8 @@
 """FlatAdamW made faster on the CPU and under --compile: the same numbers, sooner.
 
 optim.py:FlatAdamW is the algorithm. This subclass changes only how its
-arithmetic walks the flat buffers, never what it computes; build.py picks it
-on the CPU and with --compile.
+arithmetic walks the flat buffers and how the gradients reach them, never what
+it computes; build.py picks it on the CPU and with --compile.
 
 Cache blocking (CPU). The optimizer's passes over its big flat buffers are
 memory-bound: one pass over a 13.8M-element buffer streams 55 MB from RAM,
@@ -44,7 +44,9 @@ into it in place (what it does to any `p.grad` already there): the same sum, bit
 for bit, without a Python call per parameter: with the hooks the moe preset's
 step took 1.8% longer (one process, one and two threads, medians of 300 paired
 steps, each middle half about +-3%). zero_grad clears the buffer and points
-every `p.grad` at it again.
+every `p.grad` at it again; between a step's update and the next zero_grad
+`p.grad` shows whatever the update left in the buffer (AdamW's scratch), not
+a gradient.
 
 --compile (`FastFlatAdamW.compile`): torch.compile the step's arithmetic, not
 its collectives: the grad norm's fp64 sum of squares, fused by Inductor into
