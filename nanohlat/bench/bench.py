@@ -10,8 +10,9 @@
 
 What is timed is the whole single-process training step of train.py, built by
 the same `build.build` (model, runner, optimizer): forward, loss, backward
-(through `pipeline.PipelineRunner`, as train.py runs it; FlatAdamW's hooks add
-the gradients into flat fp32 buffers) and the optimizer step (global grad
+(through `pipeline.PipelineRunner`, as train.py runs it; the gradients go into
+FlatAdamW's flat fp32 buffers: in fp32 on the CPU autograd adds them into views
+of the buffers, tools/fast_adamw.py) and the optimizer step (global grad
 norm, clip, AdamW, copy back: tools/fast_adamw.py's FastFlatAdamW on the CPU).
 Beside it, when `transformers` is installed, the same step of Hugging Face's
 `LlamaForCausalLM` of identical shape (same parameter count, checked) with

@@ -66,7 +66,7 @@ def weight_grads(stash: list) -> None:
         for ws, x, gather, grads in stash:     # _GatherLinears kept the T/tp shard: `gather` gathers it
             weights += ws
             dws += tpl.weight_grads_of(x if gather is None else gather(x), grads)
-    torch.autograd.backward(weights, dws)      # AccumulateGrad and its hooks, once per parameter
+    torch.autograd.backward(weights, dws)      # AccumulateGrad, into a hook or a view, once per parameter
 
 
 class SplitColumnParallelLinear(tpl.ColumnParallelLinear):

@@ -48,7 +48,7 @@ largest at its start, the staged buckets and gathered units later.
     fixed         the rotary tables, the step's token ids and targets, and (eager, pp > 1)
                   the last exchange's output, which gloo may still hold (fixed_bytes)
     transients    eager backends only: what a backward makes beside what its micro-batch
-                  holds, a parameter's gradient before its hook frees it and the activations'
+                  holds, a parameter's gradient until it is in the fp32 buffer, and the activations'
                   gradients inside a layer (zb-h1's W: every deferred dW at once), and with
                   pp > 1 what a tick's exchanges hold (backward_transient_bytes)
 
@@ -283,14 +283,15 @@ def weight_grad_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp:
 def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
                              stage: int) -> tuple[int, int]:
     """(in a B, in a W): what a backward op makes besides what its micro-batch held, in the
-    parameter dtype. The parameter gradients autograd makes before their hooks add them into
-    the flat fp32 buffers and free them (data_parallel.accumulate_hook): a backward makes them one
+    parameter dtype. The parameter gradients autograd makes before they are added into the flat
+    fp32 buffers and freed (a hook or a view: optim.FlatAdamW.attach): a backward makes them one
     at a time, at most the stage's largest parameter, the embedding's or the head's (V/tp x C) on
     the first and last stage, else one of gate, up, down (C x ffn/tp). And the activations'
     gradients inside a layer's backward: the residual stream's, incoming and summed (2n), and
     SwiGLU's, of its product and of gate or up (2 mb*T*ffn/tp). zb-h1's W makes every dW its B
-    deferred at once before handing them to autograd (split_backward.weight_grads): all the
-    stage's linears, the head included, not the embedding, and AccumulateGrad's copy of one (a view: none)."""
+    deferred at once before handing them to autograd (split_backward.weight_grads): all the stage's
+    linears, the head included, not the embedding, and AccumulateGrad's copy of one (counted where it
+    adds into a view too, which copies none: an upper bound there)."""
     itemsize, C = dtype_bytes(tcfg.precision), cfg.d_model
     sp = tcfg.sequence_parallel and tp > 1
     mb, T = micro_batch_size(tcfg, dp), local_tokens(tcfg)
@@ -513,9 +514,8 @@ def weight_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: int, dp: int,
 # update into one kernel and needs none of them.
 EAGER_STEP_COPIES = {"fp32": 0.0, "bf16-mixed": 0.5, "bf16": 1.5, "bf16-sr": 4.5}
 EAGER_STEP_COPIES_BF16_MOMENTS = 2.0
-# Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most
-# 2^20 elements of a buffer at a time (optim.NORM_CHUNK; 2^16 on the CPU: tools/fast_adamw.py's
-# norm_chunk): 8 B each.
+# Eager backends sum the gradients' squares in fp64 (optim.sum_of_squares), a chunk of at most 2^20
+# elements of a buffer at a time (optim.NORM_CHUNK; 2^16 on the CPU: fast_adamw.norm_chunk): 8 B each.
 # Beside the chunk, the norm's scalars: its running sums (fp64), each group's, the loss and its finiteness:
 # at most 8 of 8 bytes (measured: 53 bytes, a mixture's 3 groups, where the norm sets the peak).
 NORM_SCALARS = 64

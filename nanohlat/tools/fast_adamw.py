@@ -37,8 +37,9 @@ Gradients as views of the buffer (`FastFlatAdamW.attach`). FlatAdamW adds each
 parameter's gradient into its group's fp32 buffer by a Python hook per parameter
 per micro-batch, which then frees it. Where that hook would only add (fp32
 parameters, so the gradient has the buffer's dtype; a whole buffer on the rank,
-no ZeRO-2/3 shard; no bucket to start in the backward: one dp rank, or
---no-overlap-grad-reduce; not XLA, where no view outlives a graph), `p.grad` is
+no ZeRO-2/3 shard; no bucket to start in the backward: one dp rank,
+--no-overlap-grad-reduce, or a group first summed over tp (data_parallel.py's
+`track`); not XLA, where no view outlives a graph), `p.grad` is
 instead the parameter's own view of the buffer, and autograd adds each gradient
 into it in place (what it does to any `p.grad` already there): the same sum, bit
 for bit, without a Python call per parameter: with the hooks the moe preset's
