@@ -110,7 +110,7 @@ from nanohlat.plan import context
 from nanohlat.plan.context import local_tokens
 from nanohlat.plan.params import (dtype_bytes, group_kinds, sparse_in, stage_param_counts,
                                         stage_sparse_layers, zero3_gathered, zero_groups)
-from nanohlat.tools.fast_adamw import norm_chunk
+from nanohlat.tools.fast_adamw import grad_views, norm_chunk
 from nanohlat.tools.timeline import in_flight
 from nanohlat.zero1 import padded_size
 
@@ -290,8 +290,7 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     gradients inside a layer's backward: the residual stream's, incoming and summed (2n), and
     SwiGLU's, of its product and of gate or up (2 mb*T*ffn/tp). zb-h1's W makes every dW its B
     deferred at once before handing them to autograd (split_backward.weight_grads): all the stage's
-    linears, the head included, not the embedding, and AccumulateGrad's copy of one (counted where it
-    adds into a view too, which copies none: an upper bound there)."""
+    linears, the head included, not the embedding, and AccumulateGrad's copy of one (none into a view)."""
     itemsize, C = dtype_bytes(tcfg.precision), cfg.d_model
     sp = tcfg.sequence_parallel and tp > 1
     mb, T = micro_batch_size(tcfg, dp), local_tokens(tcfg)
@@ -304,8 +303,9 @@ def backward_transient_bytes(cfg: ModelConfig, tcfg: TrainConfig, tp: int, pp: i
     if tcfg.schedule != "zb-h1":
         return itemsize * (one + flowing) + recompute, 0
     deferred = cfg.n_layers // pp * cfg.layer_matrix_params(tp) + (cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
-    # W: AccumulateGrad copies each dW it cannot take over (the list still holds it), one at a time
-    largest_linear = max(C * cfg.ffn_dim // tp, C * C // tp, cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
+    # W: AccumulateGrad copies each dW it cannot take over (the list still holds it), one at a time; into
+    # a view of the flat buffer (fast_adamw.grad_views) it adds in place, copying none
+    largest_linear = 0 if grad_views(tcfg, dp * tcfg.cp) else max(C * cfg.ffn_dim // tp, C * C // tp, cfg.padded_vocab * C // tp if stage == pp - 1 else 0)
     return itemsize * ((cfg.padded_vocab * C // tp if stage == 0 else C) + flowing) + recompute, \
         itemsize * (deferred + largest_linear)   # B: the embedding's or a norm's gradient
 

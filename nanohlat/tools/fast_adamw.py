@@ -64,6 +64,7 @@ from __future__ import annotations
 import torch
 
 from nanohlat.data_parallel import ReplicatedDP
+from nanohlat.device import resolve_kind
 from nanohlat.optim import NORM_CHUNK, FlatAdamW, sum_of_squares
 
 CPU_BLOCK = 1 << 19
@@ -91,6 +92,15 @@ def fused_adamw(device_kind: str) -> bool:
 def norm_chunk(device_kind: str) -> int:
     """Elements of a buffer the grad norm copies to fp64 at a time on this device (the plan counts them)."""
     return CPU_NORM_CHUNK if device_kind == "cpu" else NORM_CHUNK
+
+
+def grad_views(tcfg, grad_ranks: int) -> bool:
+    """Whether FastFlatAdamW.attach gives the tp-sharded weights' gradients views of their buffer, from the
+    recipe alone (what --plan knows): built (the CPU, or --compile off XLA), fp32, ZeRO 0 or 1, and no
+    bucket started in the backward (one rank summing the gradients, or --no-overlap-grad-reduce)."""
+    kind = resolve_kind(tcfg.device)
+    return ((kind == "cpu" or tcfg.compile and kind != "xla") and tcfg.precision == "fp32" and tcfg.zero < 2
+            and (grad_ranks == 1 or not tcfg.overlap_grad_reduce))
 
 
 def block_size(device_kind: str) -> int | None:

@@ -66,5 +66,17 @@ def test_views_sum_the_same_bits_as_the_hooks(argv, monkeypatch):
 @pytest.mark.parametrize("argv", [["--precision", "bf16-sr"], ["--zero", "2"]])
 def test_the_hooks_stay_where_they_do_more_than_add(argv):
     """bf16 parameters (the gradient is bf16, the buffer fp32); ZeRO-2 (each rank keeps a shard)."""
-    model, _, opt, *_ = built(argv)
+    model, _, opt, tcfg, *_ = built(argv)
     assert opt.views == [] and hooks_on(model) == sum(1 for _ in model.parameters())
+    assert not fast_adamw.grad_views(tcfg, 1)
+
+
+def test_the_plans_rule_says_where_views_go():
+    """fast_adamw.grad_views, the plan's rule from the recipe alone, agrees with what attach did above, and
+    keeps the hooks for a bucket started in the backward (dp 2 with overlap) and on XLA."""
+    _, _, opt, tcfg, *_ = built([])
+    assert opt.views and fast_adamw.grad_views(tcfg, 1)
+    assert not fast_adamw.grad_views(tcfg, 2) and tcfg.overlap_grad_reduce
+    _, xla = recipe.parse_args(["--preset", "tiny", "--device", "xla", "--compile"])
+    _, no_overlap = recipe.parse_args(["--preset", "tiny", "--no-overlap-grad-reduce"])
+    assert not fast_adamw.grad_views(xla, 1) and fast_adamw.grad_views(no_overlap, 2)
