@@ -143,8 +143,9 @@ class FastFlatAdamW(FlatAdamW):
             super().attach(g)
             return
         for p, off in zip(g.params, g.offsets):
-            self.views.append((p, g.grad[off:off + p.numel()].view_as(p)))
-            p.grad = self.views[-1][1]
+            view = g.grad[off:off + p.numel()].view_as(p)
+            self.views.append((p, view))
+            p.grad = view
 
     def zero_grad(self) -> None:
         super().zero_grad()               # (the buffers cleared, every p.grad set to None)

@@ -16,7 +16,7 @@ from nanohlat.tools import fast_adamw
 
 
 def built(argv, hooks: bool = False, monkeypatch=None):
-    """(model, runner, opt, tokens, targets) of one process; hooks: FlatAdamW's hooks even where views could go."""
+    """(model, runner, opt, tcfg, tokens, targets) of one process; hooks: FlatAdamW's hooks even where views could go."""
     cfg, tcfg = recipe.parse_args(["--preset", "tiny", "--n-layers", "2", "--batch-size", "4"] + argv)
     if hooks:
         monkeypatch.setattr(fast_adamw.FastFlatAdamW, "attach", FlatAdamW.attach)
