@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from nanohlat import comm, xla
 from nanohlat import recipe
 from nanohlat.tools import metrics
-from nanohlat.run import preflight, runconfig
+from nanohlat.run import cpu_memory, preflight, runconfig
 from nanohlat.system.flags import Parser
 from nanohlat.tools import compile as compilelib
 from nanohlat import device as devicelib
@@ -322,6 +322,8 @@ def main(argv=None) -> int:
         preflight.check_memory(model_cfg, tcfg, 1, 1, spawns=False)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or os.cpu_count() or 1)
+    # as train.py's: what a step frees stays in the process (run/cpu_memory.py), for every model timed here
+    kept = dev.kind == "cpu" and cpu_memory.keep_freed_memory()
     threads = torch.get_num_threads() if dev.kind == "cpu" else None
     if args.generate:
         return generate_bench(model_cfg, tcfg, dev)
@@ -374,6 +376,10 @@ def main(argv=None) -> int:
           f"{model_cfg.num_params() / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOP/token")
     print(f"step: batch {tcfg.batch_size} x seq {tcfg.seq_len} = {tok_per_step:,} tokens, {tcfg.precision}, "
           f"on {where}")
+    if dev.kind == "cpu":
+        print("memory: " + ("what a step frees stays for the next step, for every model here (glibc's malloc, "
+                            "as train.py sets it: run/cpu_memory.py)" if kept else
+                            "the C library's malloc as it is (not glibc: run/cpu_memory.py does nothing here)"))
     print(f"timing {tcfg.steps} steps per model after {max(args.warmup, 1)} warm-up, interleaved ...", flush=True)
 
     load_before = os.getloadavg()[0]

@@ -40,7 +40,7 @@ import torch.distributed
 from nanohlat import recipe
 from nanohlat import device as devicelib
 from nanohlat.config import UserError
-from nanohlat.run import checkpoint, data, launch, preempt, runlock
+from nanohlat.run import checkpoint, cpu_memory, data, launch, preempt, runlock
 from nanohlat.system import cli, flags
 from nanohlat.system.files import os_error_message
 
@@ -274,12 +274,13 @@ def worker(train, model_cfg, tcfg, ds, resume_from: str | None, restarts_seen: i
 
 def join(tcfg, rank: int = 0, world: int = 1, local_rank: int = 0, local_world: int = 1) -> devicelib.Device:
     """This process's place in the job, before train() runs on it: its device (cpu, cuda or xla:
-    device.py; with trn1's rounding mode for --precision), its seeds and CPU threads, and with
+    device.py; with trn1's rounding mode for --precision), its seeds, CPU threads and CPU memory, and with
     world > 1 the process group, joined within --rendezvous-timeout. Returns the device."""
     dev = devicelib.get_device(tcfg.device, local_rank, tcfg.precision)   # precision: trn1's rounding mode
     dev.manual_seed(tcfg.seed)   # torch's generators and, on xla, the device's own (a resume restores them)
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+        cpu_memory.keep_freed_memory()   # what a step frees stays for the next (cpu_memory.py)
     if world > 1 and not torch.distributed.is_initialized():
         with launch.rendezvous_deadline(tcfg.rendezvous_timeout, rank, world, on_timeout=runlock.release_all):
             dev.init_process_group(rank, world, tcfg.collective_timeout)
