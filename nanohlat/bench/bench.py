@@ -23,6 +23,10 @@ the baseline a user would pick instead of nanohlat; torch's default on the
 CPU, a Python loop over the tensors, would flatter nanohlat's optimizer.
 With --compile the reference runs a second time with its model through
 torch.compile (`hf-llama-compile`), the baseline of nanohlat-compile.
+On the CPU every model here runs with the allocator train.py sets
+(run/cpu_memory.py: what a step frees stays for the next step, not faulted in
+again page by page); the header says so, or that this C library's malloc runs
+as it is.
 
 The steps alternate step by step (and who goes first every round), each
 engine next to its reference, so that load from anything else on the machine
