@@ -25,7 +25,7 @@ With --compile the reference runs a second time with its model through
 torch.compile (`hf-llama-compile`), the baseline of nanohlat-compile.
 On the CPU every model here runs with the allocator train.py sets
 (run/cpu_memory.py: what a step frees stays for the next step, not faulted in
-again page by page); the header says so, or that this C library's malloc runs
+again page by page); the header says so, or that the C library's malloc runs
 as it is.
 
 The steps alternate step by step (and who goes first every round), each
@@ -381,9 +381,9 @@ def main(argv=None) -> int:
     print(f"step: batch {tcfg.batch_size} x seq {tcfg.seq_len} = {tok_per_step:,} tokens, {tcfg.precision}, "
           f"on {where}")
     if dev.kind == "cpu":
-        print("memory: " + ("what a step frees stays for the next step, for every model here (glibc's malloc, "
-                            "as train.py sets it: run/cpu_memory.py)" if kept else
-                            "the C library's malloc as it is (not glibc: run/cpu_memory.py does nothing here)"))
+        print("memory: " + ("what a step frees stays for the next step, for every model here (glibc's malloc "
+                            "with the two settings train.py makes: run/cpu_memory.py)" if kept else
+                            "the C library's malloc as it is (not glibc, or its mallopt refused: run/cpu_memory.py)"))
     print(f"timing {tcfg.steps} steps per model after {max(args.warmup, 1)} warm-up, interleaved ...", flush=True)
 
     load_before = os.getloadavg()[0]

@@ -4,15 +4,16 @@ A training step frees and allocates the same tensors every step: the activations
 logits, each gradient before it is added into its buffer. On the CPU those come from the
 C library's malloc, and glibc's gives memory back to the operating system in two ways:
 
-- a block above its mmap threshold (128 KB at first, rising to the largest block freed, at
-  most 32 MB) gets pages of its own (mmap), returned when it is freed;
-- when more than the trim threshold (twice the mmap threshold) lies free at the top of its
-  heap, it shrinks the heap.
+- a block above its mmap threshold (128 KB at first; freeing such a block raises the
+  threshold to that block's size, up to 32 MB) gets pages of its own (mmap), returned
+  when it is freed;
+- when more than the trim threshold (128 KB at first; twice the mmap threshold once that
+  has risen) lies free at the top of its heap, it shrinks the heap.
 
 Memory given back is handed out again by the kernel one 4 KB page at a time, each page
 zeroed on its first touch (a page fault). At the default preset, one process, one thread:
 `python train.py` took 2,400 and 8,400 more faults a step without this than with it (two
-runs of 30 steps); in the bench, nanohlat's step about 8,000 (12-36 ms of system time in
+runs of 30 steps: how much is trimmed depends on where the freed blocks lie); in the bench, nanohlat's step about 8,000 (12-36 ms of system time in
 a 750 ms step) and Hugging Face's Llama about half as many (its gradients live from one
 backward to the next step's zero_grad, so its heap stays large; nanohlat adds each
 gradient into its flat buffer and frees it at once).
@@ -35,7 +36,7 @@ import ctypes
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # mallopt's parameters (glibc's malloc.h)
-MMAP_ABOVE = 32 << 20   # the largest mmap threshold glibc accepts on 64-bit (half its heap size)
+MMAP_ABOVE = 32 << 20   # the largest mmap threshold glibc takes on 64-bit (half HEAP_MAX_SIZE, 64 MB)
 NEVER_TRIM = -1         # mallopt(M_TRIM_THRESHOLD, -1): never shrink the heap (mallopt(3))
 
 
