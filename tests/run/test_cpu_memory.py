@@ -50,10 +50,10 @@ def test_a_step_after_the_first_faults_no_page():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["kept"] is True
-    # glibc as it comes gives the memory back every round: the kernel hands each page out again
+    # glibc as it comes gives the memory back, and the kernel hands the pages out again (in some rounds:
+    # under torch 2.9 the fourth round took none, glibc's thresholds having risen by then)
     if max(got["first"][1:]) < PAGES // 2:
         pytest.skip(f"this C library keeps the memory already ({got['first']} faults a round): nothing to show")
-    assert min(got["first"][1:]) > PAGES // 2, got
     # kept: once the heap has settled, every round reuses the same pages
     assert max(got["then"][4:]) < PAGES // 100, got
 
