@@ -324,10 +324,10 @@ def main(argv=None) -> int:
         runconfig.check_fits(model_cfg, dev.kind, "the flags (--d-model, --n-layers, --max-seq-len, ...)")
     else:
         preflight.check_memory(model_cfg, tcfg, 1, 1, spawns=False)
+    kept = False   # as train.py's CPU processes: what a step frees stays in the process, for every model here
     if dev.kind == "cpu":
         devicelib.set_cpu_threads(tcfg.threads or os.cpu_count() or 1)
-    # as train.py's: what a step frees stays in the process (run/cpu_memory.py), for every model timed here
-    kept = dev.kind == "cpu" and cpu_memory.keep_freed_memory()
+        kept = cpu_memory.keep_freed_memory()   # (run/cpu_memory.py)
     threads = torch.get_num_threads() if dev.kind == "cpu" else None
     if args.generate:
         return generate_bench(model_cfg, tcfg, dev)

@@ -13,15 +13,17 @@ C library's malloc, and glibc's gives memory back to the operating system in two
 Memory given back is handed out again by the kernel one 4 KB page at a time, each page
 zeroed on its first touch (a page fault). At the default preset, one process, one thread:
 `python train.py` took 2,400 and 8,400 more faults a step without this than with it (two
-runs of 30 steps: how much is trimmed depends on where the freed blocks lie); in the bench, nanohlat's step about 8,000 (12-36 ms of system time in
-a 750 ms step) and Hugging Face's Llama about half as many (its gradients live from one
-backward to the next step's zero_grad, so its heap stays large; nanohlat adds each
-gradient into its flat buffer and frees it at once).
+runs of 30 steps: how much is trimmed depends on where the freed blocks lie); in the
+bench, nanohlat's step about 8,000 (12-36 ms of system time in a 750 ms step) and Hugging
+Face's Llama about half as many (its gradients live from one backward to the next step's
+zero_grad, so its heap stays large; nanohlat adds each gradient into its flat buffer and
+frees it at once).
 
 `keep_freed_memory` asks glibc to keep what it has: blocks up to 32 MB (the largest
 threshold it takes) come from its heap, and the heap never shrinks. After the first few
-steps a step faults almost no page (tests/run/test_cpu_memory.py counts them). The cost: the process
-keeps its peak heap until it exits, which a training process reaches every step anyway.
+steps a step faults almost no page (tests/run/test_cpu_memory.py counts them). The cost:
+the process keeps its peak heap until it exits, which a training process reaches every
+step anyway.
 
 preflight.join calls it for a CPU run; the bench calls it once for the process, so
 nanohlat and Hugging Face's models are timed with the same allocator. Elsewhere (macOS,
